@@ -1,0 +1,50 @@
+"""aiokv: asyncio-first KV-cache allocation, copy, swap and transfer.
+
+The API follows Huawei Ascend's ``llm_datadist`` name for name; every operation is
+awaitable. Everything public is importable from here; all other modules are private.
+"""
+
+from ._cache import Cache, KvCache
+from ._datadist import LLMDataDist
+from ._enums import DataType, LLMRole, LLMStatusCode, Placement
+from ._errors import LLMException, NoneArgumentError
+from ._manager import CacheManager, KvCacheManager
+from ._models import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    LLMClusterInfo,
+    LLMConfig,
+    MemPoolConfig,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+from ._pool import PoolStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlocksCacheKey",
+    "Cache",
+    "CacheDesc",
+    "CacheKey",
+    "CacheKeyByIdAndIndex",
+    "CacheManager",
+    "DataType",
+    "KvCache",
+    "KvCacheManager",
+    "LLMClusterInfo",
+    "LLMConfig",
+    "LLMDataDist",
+    "LLMException",
+    "LLMRole",
+    "LLMStatusCode",
+    "MemPoolConfig",
+    "NoneArgumentError",
+    "Placement",
+    "PoolStats",
+    "TransferConfig",
+    "TransferWithCacheKeyConfig",
+    "__version__",
+]

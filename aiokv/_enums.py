@@ -1,0 +1,117 @@
+"""Enumerations of the llm_datadist API: data types, placements, roles, status codes."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["DataType", "LLMRole", "LLMStatusCode", "Placement"]
+
+
+class DataType(enum.IntEnum):
+    """Element types, with llm_datadist's numeric values.
+
+    ``DataType.from_torch(dtype)`` and ``dt.torch_dtype`` map to and from torch;
+    ``dt.item_size`` is the size of one element in bytes.
+    """
+
+    DT_FLOAT = 0
+    DT_FLOAT16 = 1
+    DT_INT8 = 2
+    DT_INT32 = 3
+    DT_UINT8 = 4
+    DT_INT16 = 6
+    DT_UINT16 = 7
+    DT_UINT32 = 8
+    DT_INT64 = 9
+    DT_UINT64 = 10
+    DT_DOUBLE = 11
+    DT_BOOL = 12
+    DT_BF16 = 27
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The matching ``torch.dtype``."""
+        return _TO_TORCH[self]
+
+    @property
+    def item_size(self) -> int:
+        """Bytes per element."""
+        return _TO_TORCH[self].itemsize
+
+    @classmethod
+    def from_torch(cls, dtype: torch.dtype) -> DataType:
+        """The ``DataType`` of a ``torch.dtype``.
+
+        Raises:
+            TypeError: ``dtype`` is not a ``torch.dtype``.
+            ValueError: torch type with no llm_datadist counterpart.
+        """
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(
+                f"DataType.from_torch: expected torch.dtype, got {type(dtype).__name__}"
+            )
+        try:
+            return _FROM_TORCH[dtype]
+        except KeyError:
+            raise ValueError(f"DataType.from_torch: {dtype} has no llm_datadist DataType") from None
+
+
+_TO_TORCH: dict[DataType, torch.dtype] = {
+    DataType.DT_FLOAT: torch.float32,
+    DataType.DT_FLOAT16: torch.float16,
+    DataType.DT_INT8: torch.int8,
+    DataType.DT_INT32: torch.int32,
+    DataType.DT_UINT8: torch.uint8,
+    DataType.DT_INT16: torch.int16,
+    DataType.DT_UINT16: torch.uint16,
+    DataType.DT_UINT32: torch.uint32,
+    DataType.DT_INT64: torch.int64,
+    DataType.DT_UINT64: torch.uint64,
+    DataType.DT_DOUBLE: torch.float64,
+    DataType.DT_BOOL: torch.bool,
+    DataType.DT_BF16: torch.bfloat16,
+}
+_FROM_TORCH: dict[torch.dtype, DataType] = {v: k for k, v in _TO_TORCH.items()}
+
+
+class Placement(enum.IntEnum):
+    """Where a cache lives: host memory or the device."""
+
+    HOST = 0
+    DEVICE = 1
+
+
+class LLMRole(enum.IntEnum):
+    """Role of an ``LLMDataDist`` instance."""
+
+    PROMPT = 1
+    DECODER = 2
+    MIX = 3
+
+
+_BASE = 0x5010B000
+
+
+class LLMStatusCode(enum.IntEnum):
+    """Status codes, with llm_datadist's native values."""
+
+    LLM_SUCCESS = 0
+    LLM_FAILED = 0xFFFFFFFF
+    LLM_WAIT_PROCESS_TIMEOUT = _BASE + 1
+    LLM_KV_CACHE_NOT_EXIST = _BASE + 2
+    LLM_REPEAT_REQUEST = _BASE + 3
+    LLM_PARAM_INVALID = _BASE + 5
+    LLM_NOT_YET_LINK = _BASE + 7
+    LLM_ALREADY_LINK = _BASE + 8
+    LLM_LINK_FAILED = _BASE + 9
+    LLM_UNLINK_FAILED = _BASE + 10
+    LLM_CLUSTER_NUM_EXCEED_LIMIT = _BASE + 12
+    LLM_PROCESSING_LINK = _BASE + 13
+    LLM_DEVICE_OUT_OF_MEMORY = _BASE + 14
+    LLM_EXIST_LINK = _BASE + 24
+    LLM_FEATURE_NOT_ENABLED = _BASE + 25
+    LLM_TIMEOUT = _BASE + 26
+    LLM_LINK_BUSY = _BASE + 27
+    LLM_OUT_OF_MEMORY = _BASE + 28

@@ -1,0 +1,545 @@
+"""Typed values of the API (pydantic v2): descriptors, keys, pool and link configuration.
+
+Every model accepts llm_datadist's positional form and keyword form. Validation
+failures follow SPEC §1.2: a wrong type raises ``TypeError`` (``NoneArgumentError`` for
+``None``), a bad value raises ``ValueError``; pydantic's ``ValidationError`` never
+escapes bare.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from ._enums import DataType, Placement
+from ._errors import NoneArgumentError
+
+__all__ = [
+    "BlocksCacheKey",
+    "CacheDesc",
+    "CacheKey",
+    "CacheKeyByIdAndIndex",
+    "LLMClusterInfo",
+    "LLMConfig",
+    "MemPoolConfig",
+    "TransferConfig",
+    "TransferWithCacheKeyConfig",
+]
+
+UINT64_MAX = 2**64 - 1
+HOST_POOL_LIMIT = 20 << 30
+
+_TYPE_ERRORS = ("type", "parsing", "is_instance_of", "missing", "extra_forbidden", "arguments")
+
+
+def _translate(model: str, exc: ValidationError) -> Exception:
+    """Map a pydantic ``ValidationError`` onto the SPEC's TypeError / ValueError split."""
+    err = exc.errors(include_url=False)[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "value"
+    msg = f"{model}: {loc}: {err['msg'].removeprefix('Value error, ')}"
+    kind = err["type"]
+    if kind == "no_such_attribute":
+        return AttributeError(msg)
+    if err.get("input", ...) is None and kind != "missing":
+        return NoneArgumentError(f"{model}: {loc} must not be None")
+    if any(t in kind for t in _TYPE_ERRORS) or kind == "bool_type":
+        return TypeError(msg)
+    return ValueError(msg)
+
+
+class _Model(BaseModel):
+    """Base: strict types, positional construction, SPEC error translation."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    _positional: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        name = type(self).__name__
+        if len(args) > len(self._positional):
+            raise TypeError(f"{name}: takes at most {len(self._positional)} positional arguments")
+        for field, value in zip(self._positional, args, strict=False):
+            if field in kwargs:
+                raise TypeError(f"{name}: got multiple values for {field!r}")
+            kwargs[field] = value
+        try:
+            super().__init__(**kwargs)
+        except ValidationError as exc:
+            raise _translate(name, exc) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise _translate(type(self).__name__, exc) from None
+
+
+def _u64(v: int) -> int:
+    if v < 0 or v > UINT64_MAX:
+        raise ValueError(f"{v} is out of the uint64 range")
+    return v
+
+
+class CacheDesc(_Model):
+    """Describes a cache: ``num_tensors`` tensors, each of ``shape`` and ``data_type``.
+
+    ``size`` is the byte size of ONE tensor. For a blocks (paged) cache ``shape[0]`` is the
+    number of blocks and one block is ``size // shape[0]`` bytes of each tensor.
+    """
+
+    _positional = (
+        "num_tensors",
+        "shape",
+        "data_type",
+        "placement",
+        "batch_dim_index",
+        "seq_len_dim_index",
+        "kv_tensor_format",
+    )
+    num_tensors: int = Field(ge=1, le=1 << 20)
+    shape: tuple[int, ...]
+    data_type: DataType
+    placement: Placement = Placement.DEVICE
+    batch_dim_index: int = 0
+    seq_len_dim_index: int = -1
+    kv_tensor_format: str | None = None
+
+    @field_validator("shape", mode="before")
+    @classmethod
+    def _shape(cls, v: Any) -> Any:
+        if isinstance(v, list | torch.Size):
+            v = tuple(v)
+        if isinstance(v, tuple):
+            for d in v:
+                if isinstance(d, bool) or not isinstance(d, int):
+                    raise TypeError(f"CacheDesc: shape entries must be int, got {d!r}")
+                if d < 1 or d > 1 << 40:
+                    raise ValueError(f"CacheDesc: shape entry {d} must be in [1, 2**40]")
+        return v
+
+    @field_validator("data_type", mode="before")
+    @classmethod
+    def _dtype(cls, v: Any) -> Any:
+        return DataType.from_torch(v) if isinstance(v, torch.dtype) else v
+
+    @model_validator(mode="after")
+    def _dims(self) -> CacheDesc:
+        n = len(self.shape)
+        if n and not -n <= self.batch_dim_index < n:
+            raise ValueError(f"batch_dim_index {self.batch_dim_index} out of range for {n} dims")
+        if n and not -n <= self.seq_len_dim_index < n:
+            raise ValueError(f"seq_len_dim_index {self.seq_len_dim_index} out of range")
+        if math.prod(self.shape) * self.data_type.item_size > 1 << 44:
+            raise ValueError("tensor size exceeds 16 TiB")
+        return self
+
+    @property
+    def size(self) -> int:
+        """Bytes of one tensor."""
+        return math.prod(self.shape) * self.data_type.item_size
+
+    @property
+    def batch_size(self) -> int:
+        """Extent of the batch dimension (1 for a 0-d shape)."""
+        return self.shape[self.batch_dim_index] if self.shape else 1
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The element type as a ``torch.dtype``."""
+        return self.data_type.torch_dtype
+
+
+class CacheKey(_Model):
+    """Names one batch slot of a cache on the prompt side (``req_id=2**64-1`` is a placeholder).
+
+    Accepts ``prompt_cluster_id`` or its alias ``cluster_id``.
+    """
+
+    _positional = ("prompt_cluster_id", "req_id", "model_id", "prefix_id")
+    prompt_cluster_id: int
+    req_id: int
+    model_id: int = 0
+    prefix_id: int = UINT64_MAX
+
+    @model_validator(mode="before")
+    @classmethod
+    def _alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "cluster_id" in data:
+            if "prompt_cluster_id" in data:
+                raise TypeError("CacheKey: give prompt_cluster_id or cluster_id, not both")
+            data = dict(data)
+            data["prompt_cluster_id"] = data.pop("cluster_id")
+        return data
+
+    _ranges = field_validator("prompt_cluster_id", "req_id", "model_id", "prefix_id")(
+        classmethod(lambda cls, v: _u64(v))
+    )
+
+    @property
+    def cluster_id(self) -> int:
+        """Alias of ``prompt_cluster_id``."""
+        return self.prompt_cluster_id
+
+
+class BlocksCacheKey(_Model):
+    """Names a blocks (paged) cache: ``(cluster_id, model_id)``.
+
+    Accepts ``cluster_id`` or its alias ``prompt_cluster_id``.
+    """
+
+    _positional = ("cluster_id", "model_id")
+    cluster_id: int
+    model_id: int = 0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "prompt_cluster_id" in data:
+            if "cluster_id" in data:
+                raise TypeError("BlocksCacheKey: give cluster_id or prompt_cluster_id, not both")
+            data = dict(data)
+            data["cluster_id"] = data.pop("prompt_cluster_id")
+        return data
+
+    _ranges = field_validator("cluster_id", "model_id")(classmethod(lambda cls, v: _u64(v)))
+
+    @property
+    def prompt_cluster_id(self) -> int:
+        """Alias of ``cluster_id``."""
+        return self.cluster_id
+
+
+class CacheKeyByIdAndIndex(_Model):
+    """Names one batch slot of a cache by the owner's ``cache_id``."""
+
+    _positional = ("cluster_id", "cache_id", "batch_index")
+    cluster_id: int
+    cache_id: int
+    batch_index: int = 0
+
+    _ranges = field_validator("cluster_id", "cache_id", "batch_index")(
+        classmethod(lambda cls, v: _u64(v))
+    )
+
+
+class MemPoolConfig(_Model):
+    """A memory pool: ``memory_size`` bytes served in pages of ``1 << page_shift`` bytes.
+
+    ``MemPoolConfig.parse('{"memory_size": 1073741824, "page_shift": 16}')`` accepts
+    llm_datadist's JSON string form.
+    """
+
+    _positional = ("memory_size", "page_shift")
+    memory_size: int = Field(gt=0, le=1 << 48)
+    page_shift: int = Field(default=16, ge=10, lt=31)
+
+    @model_validator(mode="after")
+    def _fits(self) -> MemPoolConfig:
+        if self.memory_size < self.page_size:
+            raise ValueError(
+                f"memory_size {self.memory_size} is smaller than one page ({self.page_size})"
+            )
+        return self
+
+    @property
+    def page_size(self) -> int:
+        """Bytes per page."""
+        return 1 << self.page_shift
+
+    @classmethod
+    def parse(cls, value: Any) -> MemPoolConfig:
+        """Build from a ``MemPoolConfig``, a dict, or llm_datadist's JSON string.
+
+        Raises:
+            TypeError: wrong type (of the value or of a field).
+            ValueError: bad JSON, unknown keys, or values out of range.
+        """
+        if isinstance(value, MemPoolConfig):
+            return value
+        if value is None:
+            raise NoneArgumentError("MemPoolConfig: value must not be None")
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"MemPoolConfig: invalid JSON: {exc}") from None
+            if not isinstance(value, dict):
+                raise ValueError("MemPoolConfig: JSON must be an object")
+        if not isinstance(value, dict):
+            raise TypeError(f"MemPoolConfig: expected str, dict or MemPoolConfig, got {value!r}")
+        unknown = set(value) - {"memory_size", "page_shift"}
+        if unknown:
+            raise ValueError(f"MemPoolConfig: unknown keys {sorted(unknown)}")
+        return cls(**value)
+
+    def to_json(self) -> str:
+        """llm_datadist's JSON string form."""
+        return json.dumps({"memory_size": self.memory_size, "page_shift": self.page_shift})
+
+
+def _ip_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected 'ip:port', got {value!r}")
+    ipaddress.ip_address(host.strip("[]"))
+    p = int(port)
+    if p > 65535:
+        raise ValueError(f"port {p} out of range [0, 65535]")
+    return host.strip("[]"), p
+
+
+_OPTION_KEYS: dict[str, str] = {
+    "device_id": "ge.exec.deviceId",
+    "device_type": "aiokv.deviceType",
+    "sync_kv_timeout": "llm.SyncKvCacheWaitTime",
+    "mem_pool_cfg": "llm.MemPoolConfig",
+    "host_mem_pool_cfg": "llm.HostMemPoolConfig",
+    "listen_ip_info": "llm.listenIpInfo",
+    "enable_cache_manager": "llm.EnableCacheManager",
+    "enable_remote_cache_accessible": "llm.EnableRemoteCacheAccessible",
+    "link_total_time": "llm.LinkTotalTime",
+    "link_retry_count": "llm.LinkRetryCount",
+    "transfer_backend": "aiokv.transferBackend",
+    "link_secret": "aiokv.linkSecret",
+    "swap_out_threads": "aiokv.swapOutThreads",
+    "swap_in_buffers": "aiokv.swapInBuffers",
+}
+
+
+class LLMConfig(_Model):
+    """Configuration of an ``LLMDataDist``, assignable attribute by attribute like llm_datadist.
+
+    Every assignment validates at once (``cfg.sync_kv_timeout = "x"`` raises ``TypeError``).
+    ``mem_pool_cfg`` / ``host_mem_pool_cfg`` accept the JSON string form.
+    ``generate_options()`` gives the ``dict[str, str]`` form; ``LLMConfig.from_options``
+    reads it back.
+
+    Attributes:
+        device_id: device ordinal.
+        device_type: ``"auto"`` (npu, then cuda, then cpu), ``"cpu"``, ``"cuda"`` or ``"npu"``.
+        sync_kv_timeout: per-transfer timeout in milliseconds.
+        mem_pool_cfg: device memory pool; ``None`` disables device allocation.
+        host_mem_pool_cfg: host memory pool (≤ 20 GiB); ``None`` disables host allocation.
+        listen_ip_info: ``"ip:port"`` to accept links on (port 0 picks a free port).
+        enable_cache_manager: ``True`` → ``LLMDataDist.cache_manager``; ``False`` (legacy,
+            llm_datadist's default) → ``LLMDataDist.kv_cache_manager`` with role gates.
+        enable_remote_cache_accessible: allow peers to push into and read by id from us.
+        link_total_time: seconds a link attempt may take in total (0: the call's timeout).
+        link_retry_count: connection attempts per link, 1..100.
+        transfer_backend: ``"tcp"`` (built in) or ``"nixl"``.
+        link_secret: shared secret; when set, links need mutual challenge-response auth.
+        swap_out_threads: worker threads for device→host swaps.
+        swap_in_buffers: block-sized staging buffers for host→device swaps.
+    """
+
+    model_config = ConfigDict(
+        strict=True, extra="forbid", frozen=False, validate_assignment=True
+    )
+    device_id: int = Field(default=0, ge=0, le=1 << 16)
+    device_type: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    sync_kv_timeout: int = Field(default=1000, gt=0, le=1 << 31)
+    mem_pool_cfg: MemPoolConfig | None = None
+    host_mem_pool_cfg: MemPoolConfig | None = None
+    listen_ip_info: str | None = None
+    enable_cache_manager: bool = False
+    enable_remote_cache_accessible: bool = False
+    link_total_time: int = Field(default=0, ge=0, le=3600)
+    link_retry_count: int = Field(default=1, ge=1, le=100)
+    transfer_backend: Literal["tcp", "nixl"] = "tcp"
+    link_secret: str | None = Field(default=None, min_length=1, max_length=4096)
+    swap_out_threads: int = Field(default=4, ge=1, le=64)
+    swap_in_buffers: int = Field(default=4, ge=1, le=64)
+
+    @field_validator("mem_pool_cfg", "host_mem_pool_cfg", mode="before")
+    @classmethod
+    def _pool(cls, v: Any) -> Any:
+        return None if v is None else MemPoolConfig.parse(v)
+
+    @field_validator("host_mem_pool_cfg")
+    @classmethod
+    def _host_limit(cls, v: MemPoolConfig | None) -> MemPoolConfig | None:
+        if v is not None and v.memory_size > HOST_POOL_LIMIT:
+            raise ValueError(f"host pool of {v.memory_size} bytes exceeds the 20 GiB limit")
+        return v
+
+    @field_validator("listen_ip_info")
+    @classmethod
+    def _listen(cls, v: str | None) -> str | None:
+        if v is not None:
+            _ip_port(v)
+        return v
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """``listen_ip_info`` as ``(host, port)``."""
+        return None if self.listen_ip_info is None else _ip_port(self.listen_ip_info)
+
+    def generate_options(self) -> dict[str, str]:
+        """The ``dict[str, str]`` form accepted by ``LLMDataDist.init`` (unset fields left out)."""
+        out: dict[str, str] = {}
+        for field, key in _OPTION_KEYS.items():
+            value = getattr(self, field)
+            if value is None:
+                continue
+            if isinstance(value, MemPoolConfig):
+                out[key] = value.to_json()
+            elif isinstance(value, bool):
+                out[key] = "1" if value else "0"
+            else:
+                out[key] = str(value)
+        return out
+
+    @classmethod
+    def from_options(cls, options: dict[str, str]) -> LLMConfig:
+        """Parse the ``dict[str, str]`` form.
+
+        Raises:
+            TypeError: not a ``dict[str, str]``.
+            ValueError: unknown key or bad value.
+        """
+        if options is None:
+            raise NoneArgumentError("LLMConfig.from_options: options must not be None")
+        if not isinstance(options, dict):
+            raise TypeError(f"LLMConfig.from_options: expected dict, got {type(options).__name__}")
+        by_key = {v: k for k, v in _OPTION_KEYS.items()}
+        kwargs: dict[str, Any] = {}
+        for key, raw in options.items():
+            if not isinstance(key, str) or not isinstance(raw, str):
+                raise TypeError("LLMConfig.from_options: keys and values must be str")
+            field = by_key.get(key)
+            if field is None:
+                raise ValueError(f"LLMConfig.from_options: unknown option {key!r}")
+            annotation = cls.model_fields[field].annotation
+            if annotation is bool:
+                if raw.lower() not in ("0", "1", "true", "false"):
+                    raise ValueError(f"LLMConfig.from_options: {key}={raw!r} is not a bool")
+                kwargs[field] = raw.lower() in ("1", "true")
+            elif annotation is int:
+                try:
+                    kwargs[field] = int(raw)
+                except ValueError:
+                    raise ValueError(f"LLMConfig.from_options: {key}={raw!r} is not an int") from None
+            else:
+                kwargs[field] = raw
+        return cls(**kwargs)
+
+
+class LLMClusterInfo(_Model):
+    """A peer to link with: its cluster id and its ``(ip, port)`` addresses.
+
+    Used like llm_datadist (``info.remote_cluster_id = 1;
+    info.append_remote_ip_info("127.0.0.1", 26000)``) or by keyword.
+    """
+
+    model_config = ConfigDict(
+        strict=True, extra="forbid", frozen=False, validate_assignment=True
+    )
+    _positional = ("remote_cluster_id",)
+    remote_cluster_id: int = 0
+    local_ip_info: list[tuple[str, int]] = Field(default_factory=list)
+    remote_ip_info: list[tuple[str, int]] = Field(default_factory=list)
+
+    _ranges = field_validator("remote_cluster_id")(classmethod(lambda cls, v: _u64(v)))
+
+    @field_validator("local_ip_info", "remote_ip_info", mode="before")
+    @classmethod
+    def _addrs(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple):
+            return [cls._addr(*a) if isinstance(a, list | tuple) else a for a in v]
+        return v
+
+    @staticmethod
+    def _addr(ip: Any, port: Any) -> tuple[str, int]:
+        if isinstance(ip, int) and not isinstance(ip, bool):
+            ip = str(ipaddress.IPv4Address(ip))
+        if not isinstance(ip, str):
+            raise TypeError(f"LLMClusterInfo: ip must be str or int, got {type(ip).__name__}")
+        if isinstance(port, bool) or not isinstance(port, int):
+            raise TypeError(f"LLMClusterInfo: port must be int, got {type(port).__name__}")
+        try:
+            ipaddress.ip_address(ip)
+        except ValueError:
+            raise ValueError(f"LLMClusterInfo: {ip!r} is not an IP address") from None
+        if not 0 <= port <= 65535:
+            raise ValueError(f"LLMClusterInfo: port {port} out of range [0, 65535]")
+        return (ip, port)
+
+    def append_local_ip_info(self, ip: str | int, port: int) -> None:
+        """Add a local address (kept for llm_datadist compatibility; TCP picks its own)."""
+        self.local_ip_info = [*self.local_ip_info, self._addr(ip, port)]
+
+    def append_remote_ip_info(self, ip: str | int, port: int) -> None:
+        """Add an address the peer listens on."""
+        self.remote_ip_info = [*self.remote_ip_info, self._addr(ip, port)]
+
+
+def _check_range(v: Any) -> Any:
+    if v is not None:
+        if not isinstance(v, range):
+            raise TypeError(f"layer range must be range or None, got {type(v).__name__}")
+        if v.step != 1 or v.start < 0 or len(v) == 0:
+            raise ValueError(f"layer range {v} must be non-empty, non-negative, step 1")
+    return v
+
+
+class TransferConfig(_Model):
+    """One destination of ``transfer_cache_async``: raw addresses registered on the peer.
+
+    ``dst_addrs[i]`` is the address of the peer's tensor i (validated by the receiver
+    against the memory it registered).
+    """
+
+    model_config = ConfigDict(
+        strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True
+    )
+    _positional = ("dst_cluster_id", "dst_addrs", "src_layer_range", "src_batch_index")
+    dst_cluster_id: int
+    dst_addrs: tuple[int, ...]
+    src_layer_range: range | None = None
+    src_batch_index: int = Field(default=0, ge=0)
+
+    _ranges = field_validator("dst_cluster_id")(classmethod(lambda cls, v: _u64(v)))
+
+    @field_validator("dst_addrs", mode="before")
+    @classmethod
+    def _addrs(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            v = tuple(v)
+        if isinstance(v, tuple):
+            for a in v:
+                if isinstance(a, bool) or not isinstance(a, int):
+                    raise TypeError(f"TransferConfig: dst_addrs entries must be int, got {a!r}")
+                _u64(a)
+        return v
+
+    _layers = field_validator("src_layer_range", mode="before")(
+        classmethod(lambda cls, v: _check_range(v))
+    )
+
+
+class TransferWithCacheKeyConfig(_Model):
+    """One destination of ``transfer_cache_async`` named by a key on the peer."""
+
+    model_config = ConfigDict(
+        strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True
+    )
+    _positional = ("cache_key", "src_layer_range", "dst_layer_range", "src_batch_index")
+    cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey
+    src_layer_range: range | None = None
+    dst_layer_range: range | None = None
+    src_batch_index: int = Field(default=0, ge=0)
+
+    _layers = field_validator("src_layer_range", "dst_layer_range", mode="before")(
+        classmethod(lambda cls, v: _check_range(v))
+    )

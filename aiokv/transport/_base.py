@@ -1,0 +1,216 @@
+"""The transport interface: links that move raw bytes on request, knowing nothing of caches.
+
+A :class:`Transport` listens and connects; every connection is a symmetric
+:class:`Link` on which either side may :meth:`~Link.read` (pull) or
+:meth:`~Link.write` (push). The side asked to serve a request consults its
+:class:`RequestHandler` — the cache layer — which answers with a :class:`Grant`: the
+flat byte buffers to send from or receive into. Requests are untrusted: the handler
+checks ``meta`` against what it registered; the transport guarantees it never touches
+memory outside the granted buffers.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Protocol, Self
+
+from .._enums import LLMStatusCode
+
+__all__ = [
+    "Grant",
+    "Link",
+    "LinkCallback",
+    "PeerInfo",
+    "RequestHandler",
+    "Transport",
+]
+
+_log = logging.getLogger("aiokv.transport")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """Who is on the other end of a link.
+
+    Attributes:
+        cluster_id: the remote side's cluster id, as it announced in the handshake.
+        address: the remote socket address ``(host, port)``.
+    """
+
+    cluster_id: int
+    address: tuple[str, int]
+
+
+@dataclass(slots=True)
+class Grant:
+    """The local side's answer to a peer's request.
+
+    Attributes:
+        status: ``LLM_SUCCESS`` to serve the request; any other code refuses it and is
+            raised on the requesting side.
+        buffers: flat byte buffers (format ``'B'``), in wire order; empty unless
+            ``status`` is ``LLM_SUCCESS``. For a write grant they must be writable.
+        done: called exactly once when the I/O on ``buffers`` is over, on the event
+            loop, with ``True`` only when the whole payload moved: for a read grant, when
+            the reader confirmed receipt of every byte; for a write grant, when every
+            byte landed in ``buffers``. Called with ``False`` when the request is
+            refused by the transport (e.g. size mismatch), cancelled by the peer, or the
+            link breaks. After it is called the transport no longer touches ``buffers``.
+            It must not raise or block.
+    """
+
+    status: LLMStatusCode
+    buffers: list[memoryview] = field(default_factory=list)
+    done: Callable[[bool], None] | None = None
+
+
+class RequestHandler(Protocol):
+    """Serves a peer's requests; implemented by the cache layer, runs on the event loop."""
+
+    async def grant_read(self, peer: PeerInfo, meta: dict[str, Any]) -> Grant:
+        """The peer wants to READ (pull) from us: return the buffers to send."""
+        ...
+
+    async def grant_write(self, peer: PeerInfo, meta: dict[str, Any], nbytes: int) -> Grant:
+        """The peer wants to WRITE (push) ``nbytes`` into us: return buffers totalling it.
+
+        A grant whose buffers do not total ``nbytes`` is answered ``LLM_PARAM_INVALID``.
+        """
+        ...
+
+
+#: ``on_link`` / ``on_link_lost`` callback: called on the event loop with the link.
+LinkCallback = Callable[["Link"], None]
+
+
+class Link(abc.ABC):
+    """One connection between two transports; symmetric: either side may read or write.
+
+    Several operations may be in flight on a link at once; their bytes never mix.
+    Every operation raises ``LLMException``: the peer's code when it refuses,
+    ``LLM_PARAM_INVALID`` for a size mismatch or bad ``meta``, ``LLM_TIMEOUT`` past its
+    ``timeout`` (seconds), ``LLM_LINK_FAILED`` when the link is or becomes broken.
+    Cancelling an operation fails only that operation; the link stays usable.
+    """
+
+    local_cluster_id: int
+    peer: PeerInfo
+
+    @property
+    @abc.abstractmethod
+    def broken(self) -> bool:
+        """True once the link can no longer carry requests (closed, reset, protocol error)."""
+
+    @abc.abstractmethod
+    async def read(self, meta: dict[str, Any], into: Sequence[memoryview], *, timeout: float) -> None:
+        """Pull the payload described by ``meta`` from the peer straight into ``into``.
+
+        The total length of ``into`` must equal what the peer grants, otherwise
+        ``LLM_PARAM_INVALID`` and the peer reports nothing done. Once this returns or
+        raises, no more bytes are written into ``into``; on failure its content is
+        unspecified.
+        """
+
+    @abc.abstractmethod
+    async def write(self, meta: dict[str, Any], src: Sequence[memoryview], *, timeout: float) -> None:
+        """Push ``src`` to the peer into the buffers it grants for ``meta``.
+
+        Two-phase: no payload is sent before the peer grants the request. Returns once
+        the peer confirms that every byte landed. Once this returns or raises, ``src`` is
+        no longer read.
+        """
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close the link; pending operations on both sides fail with ``LLM_LINK_FAILED``."""
+
+
+class Transport(abc.ABC):
+    """Listens, connects and owns every link and background task it creates.
+
+    Also an async context manager: leaving it calls :meth:`aclose`.
+
+    Args:
+        local_cluster_id: this side's cluster id, announced in the handshake.
+        handler: serves the peers' requests.
+        secret: if set, both sides must hold the same secret (mutual
+            challenge-response; the secret never travels).
+        max_meta_bytes: cap on the encoded ``meta`` of one request, both ways.
+        on_link: called with every link established, incoming or outgoing.
+        on_link_lost: called once with every link that broke or was closed.
+    """
+
+    def __init__(
+        self,
+        local_cluster_id: int,
+        handler: RequestHandler,
+        *,
+        secret: bytes | None = None,
+        max_meta_bytes: int = 1 << 20,
+        on_link: LinkCallback | None = None,
+        on_link_lost: LinkCallback | None = None,
+    ) -> None:
+        if isinstance(local_cluster_id, bool) or not isinstance(local_cluster_id, int):
+            raise TypeError("local_cluster_id must be int")
+        if not 0 <= local_cluster_id < 2**64:
+            raise ValueError(f"local_cluster_id={local_cluster_id} is out of range [0, 2**64)")
+        if secret is not None and not isinstance(secret, bytes | bytearray):
+            raise TypeError("secret must be bytes or None")
+        if isinstance(max_meta_bytes, bool) or not isinstance(max_meta_bytes, int):
+            raise TypeError("max_meta_bytes must be int")
+        if not 2 <= max_meta_bytes < 2**32:
+            raise ValueError(f"max_meta_bytes={max_meta_bytes} is out of range [2, 2**32)")
+        self.local_cluster_id = local_cluster_id
+        self.handler = handler
+        self.secret = bytes(secret) if secret is not None else None
+        self.max_meta_bytes = max_meta_bytes
+        self.on_link = on_link
+        self.on_link_lost = on_link_lost
+
+    @abc.abstractmethod
+    async def listen(self, host: str, port: int) -> tuple[str, int]:
+        """Accept links on ``host:port`` (port 0 picks a free one); returns the bound address."""
+
+    @abc.abstractmethod
+    async def connect(self, host: str, port: int, *, timeout: float) -> Link:
+        """Open a link to a listening transport, handshake included, within ``timeout`` s.
+
+        Raises:
+            LLMException: ``LLM_LINK_FAILED`` when refused, reset or authentication
+                fails; ``LLM_TIMEOUT`` past ``timeout``.
+        """
+
+    @abc.abstractmethod
+    def links(self) -> list[Link]:
+        """The live links, incoming and outgoing."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close the listener and every link; pending operations fail with ``LLM_LINK_FAILED``.
+
+        Returns once every background task of the transport has finished.
+        """
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _notify(self, callback: LinkCallback | None, link: Link) -> None:
+        """Run a user callback; its failure is logged, never propagated into the transport."""
+        if callback is None:
+            return
+        try:
+            callback(link)
+        except Exception:
+            _log.exception("link callback %r failed", callback)

@@ -1,0 +1,211 @@
+"""Wire format of the TCP transport: a fixed binary header, optional JSON meta, raw payload.
+
+Every frame starts with one 32-byte little-endian header::
+
+    offset  size  field
+    0       4     magic      b"AIKV"
+    4       1     version    1
+    5       1     type       FrameType
+    6       2     flags      reserved, must be 0
+    8       4     status     LLMStatusCode of a reply (0 elsewhere)
+    12      4     meta_len   bytes of UTF-8 JSON meta that follow the header
+    16      8     req_id     request id (0 for link-level frames)
+    24      8     size       see below
+
+followed by ``meta_len`` bytes of JSON and, for ``DATA`` frames only, ``size`` bytes of
+payload. ``size`` is the payload length of a ``DATA`` frame, the total number of bytes
+of a transfer in ``READ_REQ`` (bytes the reader expects), ``READ_RESP`` (bytes granted)
+and ``WRITE_REQ`` (bytes to push), and 0 elsewhere.
+
+Request ids name the side that started the request: the connecting side numbers its
+requests 0, 2, 4, ..., the accepting side 1, 3, 5, ...; ids are never reused on a link,
+so late frames of a finished request can always be told apart and dropped.
+
+Violations come in two kinds. A header that cannot be trusted to find the next frame
+(bad magic, version, type or flags, a ``DATA`` chunk over :data:`MAX_CHUNK`, meta on a
+frame type that carries none) raises :class:`WireError`: the connection must be closed.
+A well-framed request with a bad meta (too long, not JSON, not an object) raises
+:class:`MetaError`: that request alone is answered with ``LLM_PARAM_INVALID``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "HANDSHAKE_META_CAP",
+    "HEADER",
+    "HEADER_SIZE",
+    "MAGIC",
+    "MAX_CHUNK",
+    "VERSION",
+    "FrameType",
+    "Header",
+    "MetaError",
+    "WireError",
+    "decode_header",
+    "decode_meta",
+    "encode_frame",
+    "encode_header",
+    "encode_meta",
+]
+
+MAGIC = b"AIKV"
+VERSION = 1
+HEADER = struct.Struct("<4sBBHIIQQ")
+HEADER_SIZE = HEADER.size
+#: Protocol cap on one DATA frame's payload. Big transfers are cut into chunks no larger,
+#: so one huge transfer cannot hold a connection for long and the reader never has to
+#: trust a length beyond it.
+MAX_CHUNK = 4 << 20
+#: Meta cap for the handshake, before the peer is authenticated.
+HANDSHAKE_META_CAP = 4096
+
+_U64_MAX = 2**64 - 1
+_U32_MAX = 2**32 - 1
+
+
+class FrameType(enum.IntEnum):
+    """Frame types; the direction is from the side that sends the frame."""
+
+    HELLO = 1  # handshake: cluster id and nonce (both ways), server MAC (accept side)
+    AUTH = 2  # handshake: client MAC (connect side), verdict (accept side)
+    READ_REQ = 3  # "send me `size` bytes described by meta"
+    READ_RESP = 4  # status; on success `size` granted bytes follow as DATA frames
+    WRITE_REQ = 5  # "accept `size` bytes described by meta"
+    WRITE_GRANT = 6  # status; on success the requester sends DATA frames
+    DATA = 7  # `size` payload bytes of request `req_id`
+    WRITE_DONE = 8  # status: the pushed bytes landed (or why not)
+    READ_DONE = 9  # the reader received the whole payload; the granter may release it
+    CANCEL = 10  # the requester gave up on `req_id`; the granter drops it
+    ERROR = 11  # link-level failure, reason in meta {"reason": str}; the link closes
+    CLOSE = 12  # orderly close of the link
+
+
+# Frame types allowed to carry meta, with the cap that applies (None: the owner's cap).
+_META_TYPES = {
+    FrameType.HELLO: HANDSHAKE_META_CAP,
+    FrameType.AUTH: HANDSHAKE_META_CAP,
+    FrameType.ERROR: HANDSHAKE_META_CAP,
+    FrameType.READ_REQ: None,
+    FrameType.WRITE_REQ: None,
+}
+
+
+class WireError(Exception):
+    """A framing-level violation: the byte stream can no longer be trusted."""
+
+
+class MetaError(Exception):
+    """A well-framed request whose meta is unacceptable."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """A decoded, framing-valid header."""
+
+    type: FrameType
+    status: int
+    meta_len: int
+    req_id: int
+    size: int
+
+
+def encode_header(
+    type: FrameType,
+    req_id: int = 0,
+    *,
+    status: int = 0,
+    meta_len: int = 0,
+    size: int = 0,
+) -> bytes:
+    """Pack one header.
+
+    Raises:
+        struct.error: a field does not fit its width (a bug on the sending side).
+    """
+    return HEADER.pack(MAGIC, VERSION, type, 0, status, meta_len, req_id, size)
+
+
+def decode_header(buf: bytes | bytearray | memoryview) -> Header:
+    """Unpack and check one header of exactly :data:`HEADER_SIZE` bytes.
+
+    Only framing is checked here; meta length caps of requests are the reader's business
+    (an oversized request meta is skipped and answered, not fatal).
+
+    Raises:
+        WireError: the header is malformed; close the connection.
+    """
+    if len(buf) != HEADER_SIZE:
+        raise WireError(f"header of {len(buf)} bytes, expected {HEADER_SIZE}")
+    magic, version, ftype, flags, status, meta_len, req_id, size = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic!r}")
+    if version != VERSION:
+        raise WireError(f"unsupported protocol version {version}")
+    try:
+        kind = FrameType(ftype)
+    except ValueError:
+        raise WireError(f"unknown frame type {ftype}") from None
+    if flags:
+        raise WireError(f"reserved flags set: {flags:#x}")
+    if kind not in _META_TYPES and meta_len:
+        raise WireError(f"{kind.name} frame with {meta_len} bytes of meta")
+    cap = _META_TYPES.get(kind)
+    if cap is not None and meta_len > cap:
+        raise WireError(f"{kind.name} meta of {meta_len} bytes exceeds {cap}")
+    if kind is FrameType.DATA and size > MAX_CHUNK:
+        raise WireError(f"DATA chunk of {size} bytes exceeds {MAX_CHUNK}")
+    return Header(kind, status, meta_len, req_id, size)
+
+
+def encode_meta(meta: dict[str, Any], cap: int) -> bytes:
+    """Serialise ``meta`` as compact UTF-8 JSON of at most ``cap`` bytes.
+
+    Raises:
+        MetaError: not a dict, not JSON-serialisable, or longer than ``cap``.
+    """
+    if not isinstance(meta, dict):
+        raise MetaError(f"meta must be a dict, got {type(meta).__name__}")
+    try:
+        raw = json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise MetaError(f"meta is not JSON-serialisable: {exc}") from exc
+    if len(raw) > cap:
+        raise MetaError(f"meta of {len(raw)} bytes exceeds the cap of {cap}")
+    return raw
+
+
+def decode_meta(raw: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Parse meta received from a peer; it must be a JSON object.
+
+    Raises:
+        MetaError: not UTF-8, not JSON, too deeply nested, or not an object.
+    """
+    if not raw:
+        return {}
+    try:
+        value = json.loads(bytes(raw))
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise MetaError(f"meta is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise MetaError(f"meta must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def encode_frame(
+    type: FrameType,
+    req_id: int = 0,
+    *,
+    status: int = 0,
+    meta: bytes = b"",
+    size: int = 0,
+) -> bytes:
+    """Header plus already-encoded meta: a complete frame, or the head of a DATA frame."""
+    if not 0 <= req_id <= _U64_MAX or not 0 <= size <= _U64_MAX or len(meta) > _U32_MAX:
+        raise ValueError("frame field out of range")
+    return encode_header(type, req_id, status=status, meta_len=len(meta), size=size) + meta

@@ -1,0 +1,16 @@
+# Sourced by scripts/demo.sh and scripts/test.sh: create .venv (once) and install aiokv.
+# torch==2.13.0 goes in FIRST: any other torch spec pulls a multi-GB CUDA build here.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+stamp=.venv/.aiokv-installed-$1
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  python -m pip install -q --disable-pip-version-check --upgrade pip
+  python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  python -m pip install -q --disable-pip-version-check -e ".[$1]"
+  touch "$stamp"
+fi

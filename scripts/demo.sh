@@ -1,0 +1,4 @@
+#!/usr/bin/env bash
+# The demo: sets up .venv, then runs `aiokv demo`.
+source "$(dirname "$0")/_setup.sh" uvloop
+exec aiokv demo "$@"

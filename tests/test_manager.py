@@ -1,0 +1,449 @@
+"""CacheManager local operations: allocation, refcounts, copies, swaps, and the error contract."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import torch
+
+from aiokv import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheManager,
+    DataType,
+    KvCache,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    NoneArgumentError,
+    Placement,
+)
+
+POOL = 64 << 20
+CODE = LLMStatusCode
+
+
+def config(**kw: Any) -> LLMConfig:
+    base: dict[str, Any] = {
+        "device_type": "cpu",
+        "enable_cache_manager": True,
+        "mem_pool_cfg": f'{{"memory_size": {POOL}, "page_shift": 12}}',
+        "host_mem_pool_cfg": f'{{"memory_size": {POOL}, "page_shift": 12}}',
+    }
+    base.update(kw)
+    return LLMConfig(**base)
+
+
+@pytest.fixture
+async def dd() -> AsyncIterator[LLMDataDist]:
+    async with LLMDataDist(LLMRole.MIX, 1, config()) as d:
+        yield d
+
+
+@pytest.fixture
+def cm(dd: LLMDataDist) -> CacheManager:
+    return dd.cache_manager
+
+
+def blocks_desc(placement: Placement, nblocks: int = 16, ntensors: int = 4) -> CacheDesc:
+    return CacheDesc(ntensors, [nblocks, 8, 2, 16], DataType.DT_BF16, placement)
+
+
+def fill(cache: Cache, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in cache.tensors:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def snapshot(*caches: Cache) -> list[torch.Tensor]:
+    return [t.clone() for c in caches for t in c.tensors]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True))
+
+
+def used(cm: CacheManager) -> tuple[int, int]:
+    d, h = cm.get_pool_stats(Placement.DEVICE), cm.get_pool_stats(Placement.HOST)
+    assert d is not None and h is not None
+    return d.used, h.used
+
+
+# ---- lifecycle -----------------------------------------------------------------------------
+async def test_lifecycle_and_modes() -> None:
+    d = LLMDataDist(LLMRole.PROMPT, 7)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        _ = d.cache_manager
+    await d.init(config().generate_options())  # the dict form works too
+    assert d.initialized and d.cache_manager.device.type == "cpu"
+    with pytest.raises(LLMException) as ei:
+        _ = d.kv_cache_manager
+    assert ei.value.status_code == CODE.LLM_FEATURE_NOT_ENABLED
+    with pytest.raises(RuntimeError):
+        await d.init(config())
+    await d.finalize()
+    await d.finalize()  # idempotent
+    with pytest.raises(RuntimeError):
+        _ = d.cache_manager
+    with pytest.raises(TypeError):
+        LLMDataDist(1, 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        LLMDataDist(LLMRole.MIX, -1)
+
+
+async def test_legacy_mode_role_gates() -> None:
+    async with LLMDataDist(LLMRole.DECODER, 2, config(enable_cache_manager=False)) as d:
+        kv = d.kv_cache_manager
+        with pytest.raises(LLMException) as ei:
+            await kv.remove_cache_key(CacheKey(2, 1))
+        assert ei.value.status_code == CODE.LLM_FEATURE_NOT_ENABLED
+        with pytest.raises(LLMException):
+            _ = d.cache_manager
+        cache = await kv.allocate_cache(CacheDesc(1, [2, 64], DataType.DT_FLOAT16))
+        await kv.deallocate_cache(cache)
+    async with LLMDataDist(LLMRole.PROMPT, 3, config(enable_cache_manager=False)) as p:
+        await p.kv_cache_manager.remove_cache_key(CacheKey(3, 1))  # allowed for PROMPT
+
+
+async def test_several_instances_in_one_process() -> None:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config()) as a,
+        LLMDataDist(LLMRole.DECODER, 2, config()) as b,
+    ):
+        ca = await a.cache_manager.allocate_cache(CacheDesc(1, [1, 1024], DataType.DT_UINT8))
+        assert used(a.cache_manager)[0] > 0 and used(b.cache_manager) == (0, 0)
+        with pytest.raises(LLMException) as ei:
+            await b.cache_manager.deallocate_cache(ca)  # not b's cache
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+
+
+async def test_threads_joined_after_finalize() -> None:
+    import threading
+
+    before = set(threading.enumerate())
+    async with LLMDataDist(LLMRole.MIX, 9, config()) as d:
+        src = await d.cache_manager.allocate_blocks_cache(blocks_desc(Placement.DEVICE))
+        dst = await d.cache_manager.allocate_blocks_cache(blocks_desc(Placement.HOST))
+        await d.cache_manager.swap_blocks(src, dst, {0: 1, 1: 2})
+    assert set(threading.enumerate()) <= before
+
+
+# ---- allocation and refcounts ---------------------------------------------------------------
+async def test_allocate_cache_shapes_and_addresses(cm: CacheManager) -> None:
+    desc = CacheDesc(3, [2, 100], DataType.DT_FLOAT16)
+    cache = await cm.allocate_cache(desc)
+    assert isinstance(cache, KvCache) and not cache.is_blocks_cache
+    assert cache.placement == Placement.DEVICE and len(cache.tensors) == 3
+    assert all(t.shape == (2, 100) and t.dtype == torch.float16 for t in cache.tensors)
+    assert cache.tensor_addrs == [t.data_ptr() for t in cache.tensors]
+    assert len(set(cache.tensor_addrs)) == 3
+    assert used(cm)[0] == 3 * 4096  # 400 bytes rounded up to a 4 KiB page each
+    await cm.deallocate_cache(cache)
+    assert used(cm) == (0, 0)
+    await cm.deallocate_cache(cache)  # already released: no-op
+
+
+async def test_memory_returns_when_last_reference_goes(cm: CacheManager) -> None:
+    k1, k2 = CacheKey(1, req_id=1), CacheKey(1, req_id=2)
+    cache = await cm.allocate_cache(CacheDesc(1, [2, 4096], DataType.DT_UINT8), [k1, k2])
+    await cm.deallocate_cache(cache)
+    assert used(cm)[0] == 8192  # both keys still reference it
+    await cm.remove_cache_key(k1)
+    assert used(cm)[0] == 8192
+    await cm.remove_cache_key(k1)  # already removed: no-op
+    await cm.remove_cache_key(k2)
+    assert used(cm) == (0, 0)
+    # keys first, then the id
+    c2 = await cm.allocate_cache(CacheDesc(1, [1, 4096], DataType.DT_UINT8), [k1])
+    await cm.remove_cache_key(k1)
+    assert used(cm)[0] == 4096
+    await cm.deallocate_cache(c2)
+    assert used(cm) == (0, 0)
+
+
+async def test_placeholder_and_duplicate_keys(cm: CacheManager) -> None:
+    hold = CacheKey(1, req_id=2**64 - 1)
+    k = CacheKey(1, req_id=5)
+    cache = await cm.allocate_cache(CacheDesc(1, [3, 4096], DataType.DT_UINT8), [hold, k, k])
+    reg = cm._registry
+    assert reg.keys[k] == (cache.cache_id, 2)  # the last duplicate wins
+    assert hold not in reg.keys
+    await cm.deallocate_cache(cache)
+    await cm.remove_cache_key(k)
+    assert used(cm) == (0, 0)
+
+
+async def test_allocation_failures_change_nothing(cm: CacheManager) -> None:
+    big = await cm.allocate_cache(CacheDesc(1, [POOL - 8192], DataType.DT_UINT8))
+    before = used(cm)
+    with pytest.raises(LLMException) as ei:
+        await cm.allocate_cache(CacheDesc(3, [4096], DataType.DT_UINT8))  # 2 fit, the 3rd not
+    assert ei.value.status_code == CODE.LLM_OUT_OF_MEMORY
+    assert used(cm) == before
+    with pytest.raises(LLMException) as ei:
+        await cm.allocate_cache(CacheDesc(1, [2, 8], DataType.DT_UINT8), [CacheKey(1, i) for i in range(3)])
+    assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+    assert used(cm) == before
+    await cm.deallocate_cache(big)
+    async with LLMDataDist(LLMRole.MIX, 5, config(mem_pool_cfg=None)) as d:
+        with pytest.raises(LLMException) as ei:
+            await d.cache_manager.allocate_blocks_cache(blocks_desc(Placement.DEVICE))
+        assert ei.value.status_code == CODE.LLM_FEATURE_NOT_ENABLED
+        assert d.cache_manager.get_pool_stats(Placement.DEVICE) is None
+
+
+async def test_deallocate_defers_while_pinned(cm: CacheManager) -> None:
+    c = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE))
+    entry = cm._registry.by_id(c.cache_id)
+    assert entry is not None
+    cm._registry.pin(entry)
+    await cm.deallocate_blocks_cache(c)
+    assert used(cm)[0] > 0  # an in-flight operation still uses it
+    cm._registry.unpin(entry)
+    assert used(cm) == (0, 0)
+
+
+# ---- user memory ------------------------------------------------------------------------------
+async def test_create_cpu_cache_wraps_without_copy() -> None:
+    desc = blocks_desc(Placement.HOST, 4, 2)
+    ts = [torch.zeros(desc.shape, dtype=torch.bfloat16) for _ in range(2)]
+    c1 = Cache.create_cpu_cache(desc, ts)
+    c2 = Cache.create_cpu_cache(desc, [t.data_ptr() for t in ts])
+    ts[1][2].fill_(3.0)
+    assert bool((c1.tensors[1][2] == 3.0).all()) and bool((c2.tensors[1][2] == 3.0).all())
+    assert c2.tensor_addrs == [t.data_ptr() for t in ts]
+    with pytest.raises(LLMException):
+        Cache.create_cpu_cache(blocks_desc(Placement.DEVICE, 4, 2), ts)
+    with pytest.raises(LLMException):
+        Cache.create_cpu_cache(desc, ts[:1])
+    with pytest.raises(LLMException):
+        Cache.create_cpu_cache(desc, [t.float() for t in ts])
+    with pytest.raises(NoneArgumentError):
+        Cache.create_cpu_cache(desc, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        Cache.create_cpu_cache(desc, ["a", "b"])  # type: ignore[list-item]
+
+
+async def test_register_and_unregister(cm: CacheManager, caplog: pytest.LogCaptureFixture) -> None:
+    desc = blocks_desc(Placement.DEVICE, 4, 2)
+    ts = [torch.zeros(desc.shape, dtype=torch.bfloat16) for _ in range(2)]
+    key = BlocksCacheKey(1, 0)
+    a = await cm.register_blocks_cache(desc, ts, key)
+    assert a.tensor_addrs == [t.data_ptr() for t in ts] and used(cm) == (0, 0)
+    ts2 = [torch.zeros(desc.shape, dtype=torch.bfloat16) for _ in range(2)]
+    with caplog.at_level(logging.WARNING, logger="aiokv"):
+        b = await cm.register_blocks_cache(desc, ts2, key)
+    assert "now cache" in caplog.text
+    reg = cm._registry
+    assert reg.by_blocks_key(key) is reg.by_id(b.cache_id)  # the later wins
+    await cm.unregister_cache(b.cache_id)
+    assert reg.by_blocks_key(key) is None
+    await cm.unregister_cache(b.cache_id)  # no-op
+    c = await cm.register_cache(CacheDesc(1, [2, 8], DataType.DT_FLOAT), [torch.ones(2, 8)], [CacheKey(1, 9)])
+    assert CacheKey(1, 9) in reg.keys
+    await cm.unregister_cache(c.cache_id)
+    assert CacheKey(1, 9) not in reg.keys
+    pool_cache = await cm.allocate_cache(CacheDesc(1, [8], DataType.DT_UINT8))
+    with pytest.raises(LLMException):
+        await cm.unregister_cache(pool_cache.cache_id)
+    with pytest.raises(LLMException):
+        await cm.deallocate_cache(a)  # registered memory is unregistered, not deallocated
+
+
+# ---- copies ------------------------------------------------------------------------------------
+async def test_copy_blocks_one_to_many(cm: CacheManager) -> None:
+    c = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 32))
+    fill(c)
+    before = snapshot(c)
+    await cm.copy_blocks(c, {1: [2, 3], 5: [20, 21, 22], 6: [23]})
+    for i, t in enumerate(c.tensors):
+        ref = before[i].clone()
+        for s, ds in {1: [2, 3], 5: [20, 21, 22], 6: [23]}.items():
+            for d in ds:
+                ref[d] = before[i][s]
+        assert torch.equal(t, ref)
+
+
+async def test_copy_kv_blocks_all_directions(cm: CacheManager) -> None:
+    dev = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 32))
+    dev2 = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 32))
+    host = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 32))
+    for i, c in enumerate((dev, dev2, host)):
+        fill(c, i)
+    for src, dst in [(dev, dev2), (dev, host), (host, dev2)]:
+        before_src, before_dst = snapshot(src), snapshot(dst)
+        srcs, lists = [1, 2, 3, 9], [[4, 5, 6, 7], [30, 12, 11, 0]]
+        await cm.copy_kv_blocks(src, dst, srcs, lists)
+        for i, t in enumerate(dst.tensors):
+            ref = before_dst[i].clone()
+            for lst in lists:
+                for s, d in zip(srcs, lst, strict=True):
+                    ref[d] = before_src[i][s]
+            assert torch.equal(t, ref)
+    with pytest.raises(LLMException) as ei:
+        await cm.copy_kv_blocks(host, host, [1], [[2]])
+    assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+
+
+async def test_swap_in_and_out_coalesced_and_random(cm: CacheManager) -> None:
+    dev = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 64))
+    host = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 64))
+    fill(dev, 1)
+    fill(host, 2)
+    g = torch.Generator().manual_seed(3)
+    perm = torch.randperm(64, generator=g).tolist()
+    mapping = {i: 10 + i for i in range(20)}  # one contiguous run
+    mapping.update({20 + i: perm[i] for i in range(10) if perm[i] < 10})  # plus random pairs
+    for src, dst in [(dev, host), (host, dev)]:
+        bs, bd = snapshot(src), snapshot(dst)
+        await cm.swap_blocks(src, dst, mapping)
+        for i, t in enumerate(dst.tensors):
+            ref = bd[i].clone()
+            for s, d in mapping.items():
+                ref[d] = bs[i][s]
+            assert torch.equal(t, ref)
+        assert same(snapshot(src), bs)
+
+
+async def test_swap_with_user_cpu_cache(cm: CacheManager) -> None:
+    dev = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 8, 2))
+    fill(dev, 4)
+    ts = [torch.zeros((8, 8, 2, 16), dtype=torch.bfloat16) for _ in range(2)]
+    cpu = Cache.create_cpu_cache(blocks_desc(Placement.HOST, 8, 2), [t.data_ptr() for t in ts])
+    await cm.swap_blocks(dev, cpu, {1: 2, 3: 4})
+    assert torch.equal(ts[0][2], dev.tensors[0][1]) and torch.equal(ts[1][4], dev.tensors[1][3])
+    assert not bool(ts[0][0].any())
+
+
+async def test_copy_cache_slots_offset_size(cm: CacheManager) -> None:
+    desc = CacheDesc(2, [4, 256], DataType.DT_FLOAT16)
+    src = await cm.allocate_cache(desc)
+    dst = await cm.allocate_cache(desc)
+    fill(src, 5)
+    fill(dst, 6)
+    bd = snapshot(dst)
+    await cm.copy_cache(dst, src, 0, 1)
+    await cm.copy_cache(dst, src, 2, 3, offset=128, size=64)
+    for i in range(2):
+        assert torch.equal(dst.tensors[i][0], src.tensors[i][1])
+        assert torch.equal(dst.tensors[i][1], bd[i][1])
+        row = dst.tensors[i][2].view(torch.uint8)
+        assert torch.equal(row[128:192], src.tensors[i][3].view(torch.uint8)[128:192])
+        assert torch.equal(row[:128], bd[i][2].view(torch.uint8)[:128])
+        assert torch.equal(row[192:], bd[i][2].view(torch.uint8)[192:])
+
+
+# ---- the error contract -----------------------------------------------------------------------
+async def test_error_contract_changes_nothing(cm: CacheManager) -> None:
+    dev = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 16))
+    host = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 16))
+    other = await cm.allocate_blocks_cache(CacheDesc(4, [16, 4, 2, 16], DataType.DT_BF16, Placement.HOST))
+    three = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 16, 3))
+    contig = await cm.allocate_cache(CacheDesc(4, [2, 1024], DataType.DT_BF16))
+    contig2 = await cm.allocate_cache(CacheDesc(4, [2, 512], DataType.DT_BF16))
+    for c in (dev, host, other, three, contig, contig2):
+        fill(c, c.cache_id)
+    bytes_before = snapshot(dev, host, other, three, contig, contig2)
+    pools_before = used(cm)
+    P = LLMException
+    cases: list[tuple[Callable[[], Any], type[BaseException], LLMStatusCode | None]] = [
+        (lambda: cm.swap_blocks(None, host, {0: 1}), NoneArgumentError, None),  # type: ignore[arg-type]
+        (lambda: cm.swap_blocks(dev, None, {0: 1}), AttributeError, None),  # type: ignore[arg-type]
+        (lambda: cm.swap_blocks(dev, host, None), TypeError, None),  # type: ignore[arg-type]
+        (lambda: cm.swap_blocks(dev, host, [(0, 1)]), TypeError, None),  # type: ignore[arg-type]
+        (lambda: cm.swap_blocks(dev, host, {"0": 1}), TypeError, None),  # type: ignore[dict-item]
+        (lambda: cm.swap_blocks(dev, host, {-1: 1}), ValueError, None),
+        (lambda: cm.swap_blocks(dev, host, {0: 16}), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.swap_blocks(dev, host, {0: 1, 2: 1}), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.swap_blocks(host, other, {0: 1}), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.swap_blocks(dev, other, {0: 1}), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.swap_blocks(dev, three, {0: 1}), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.swap_blocks(dev, contig, {0: 1}), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_blocks(dev, {0: [16]}), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_blocks(dev, {0: [1], 1: [2]}), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_blocks(dev, {0: [1, 1]}), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_blocks(dev, {0: 1}), TypeError, None),  # type: ignore[dict-item]
+        (lambda: cm.copy_blocks(dev, {True: [1]}), TypeError, None),
+        (lambda: cm.copy_kv_blocks(dev, host, [0, 1], [[2]]), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_kv_blocks(dev, host, [0], [[2], [2]]), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_kv_blocks(dev, dev, [0], [[0]]), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_kv_blocks(dev, host, [0], [[99]]), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_kv_blocks(dev, host, [0], None), NoneArgumentError, None),  # type: ignore[arg-type]
+        (lambda: cm.copy_kv_blocks(dev, host, (0.5,), [[1]]), TypeError, None),  # type: ignore[arg-type]
+        (lambda: cm.copy_cache(contig, contig2), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_cache(contig, contig, 2, 0), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_cache(contig, contig, 0, 1, offset=2048), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_cache(contig, contig, 0, 1, offset=1024, size=1025), P, CODE.LLM_PARAM_INVALID),
+        (lambda: cm.copy_cache(contig, contig, 0, 1, size=-2), ValueError, None),
+        (lambda: cm.copy_cache(contig, contig, "0", 1), TypeError, None),  # type: ignore[arg-type]
+        (lambda: cm.copy_cache(contig, None), NoneArgumentError, None),  # type: ignore[arg-type]
+        (lambda: cm.allocate_cache(None), NoneArgumentError, None),  # type: ignore[arg-type]
+        (lambda: cm.allocate_cache("desc"), TypeError, None),  # type: ignore[arg-type]
+        (lambda: cm.allocate_cache(blocks_desc(Placement.DEVICE), [1]), TypeError, None),  # type: ignore[list-item]
+        (lambda: cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE), CacheKey(1, 1)), TypeError, None),  # type: ignore[arg-type]
+        (lambda: cm.remove_cache_key(None), NoneArgumentError, None),  # type: ignore[arg-type]
+        (lambda: cm.remove_cache_key(BlocksCacheKey(1)), TypeError, None),  # type: ignore[arg-type]
+        (lambda: cm.deallocate_cache(None), NoneArgumentError, None),  # type: ignore[arg-type]
+        (lambda: cm.deallocate_cache(dev), P, CODE.LLM_PARAM_INVALID),  # a blocks cache
+        (lambda: cm.unregister_cache(-1), ValueError, None),
+        (lambda: cm.unregister_cache("1"), TypeError, None),  # type: ignore[arg-type]
+    ]
+    for i, (call, exc, code) in enumerate(cases):
+        with pytest.raises(exc) as ei:
+            await call()
+        if code is not None:
+            assert isinstance(ei.value, LLMException) and ei.value.status_code == code, i
+        assert used(cm) == pools_before, f"case {i} changed pool usage"
+    assert same(snapshot(dev, host, other, three, contig, contig2), bytes_before)
+
+
+async def test_released_cache_is_rejected(cm: CacheManager) -> None:
+    dev = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 4))
+    host = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 4))
+    await cm.deallocate_blocks_cache(dev)
+    with pytest.raises(LLMException) as ei:
+        await cm.swap_blocks(dev, host, {0: 1})
+    assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+
+
+# ---- cancellation -----------------------------------------------------------------------------
+async def test_cancel_large_swap_in_flight_keeps_everything_consistent() -> None:
+    cfg = config(
+        mem_pool_cfg=f'{{"memory_size": {512 << 20}, "page_shift": 16}}',
+        host_mem_pool_cfg=f'{{"memory_size": {512 << 20}, "page_shift": 16}}',
+    )
+    async with LLMDataDist(LLMRole.MIX, 1, cfg) as d:
+        cm = d.cache_manager
+        desc_d = CacheDesc(4, [1024, 64 << 10], DataType.DT_UINT8, Placement.DEVICE)
+        desc_h = CacheDesc(4, [1024, 64 << 10], DataType.DT_UINT8, Placement.HOST)
+        dev = await cm.allocate_blocks_cache(desc_d)
+        host = await cm.allocate_blocks_cache(desc_h)
+        for t in dev.tensors:
+            t.fill_(7)
+        mapping = {i: 1023 - i for i in range(1024)}
+        task = asyncio.create_task(cm.swap_blocks(dev, host, mapping))
+        await asyncio.sleep(0)  # let it start
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the copy either never ran or ran to the end: never half-written after return
+        sums = {int(t.sum()) for t in host.tensors}
+        assert sums <= {0, 7 * (64 << 20)} and len(sums) == 1
+        assert all(e.pins == 0 for e in cm._registry.live_entries())
+        await cm.deallocate_blocks_cache(host)
+        await cm.deallocate_blocks_cache(dev)
+        assert used(cm) == (0, 0)
+        # and the manager keeps working
+        a = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 8))
+        b = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 8))
+        fill(a, 8)
+        await cm.swap_blocks(a, b, {0: 0})
+        assert torch.equal(a.tensors[0][0], b.tensors[0][0])
