@@ -8,6 +8,7 @@ from ._cache import Cache, KvCache
 from ._datadist import LLMDataDist
 from ._enums import DataType, LLMRole, LLMStatusCode, Placement
 from ._errors import LLMException, NoneArgumentError
+from ._layerwise import CacheTask, LayerSynchronizer
 from ._manager import CacheManager, KvCacheManager
 from ._models import (
     BlocksCacheKey,
@@ -31,6 +32,7 @@ __all__ = [
     "CacheKey",
     "CacheKeyByIdAndIndex",
     "CacheManager",
+    "CacheTask",
     "DataType",
     "KvCache",
     "KvCacheManager",
@@ -40,6 +42,7 @@ __all__ = [
     "LLMException",
     "LLMRole",
     "LLMStatusCode",
+    "LayerSynchronizer",
     "MemPoolConfig",
     "NoneArgumentError",
     "Placement",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -10,9 +13,10 @@ from ._device import device_empty, host_empty, pre_touch, resolve_device, suppor
 from ._enums import LLMRole, LLMStatusCode
 from ._errors import LLMException, check_instance, check_int, map_errors
 from ._manager import CacheManager, KvCacheManager
-from ._models import LLMConfig, MemPoolConfig
+from ._models import LLMClusterInfo, LLMConfig, MemPoolConfig
 from ._pool import MemPool
 from ._scheduler import CopyScheduler, SchedulerConfig
+from .transport import Link, Transport, get_transport
 
 __all__ = ["LLMDataDist"]
 
@@ -44,6 +48,9 @@ class LLMDataDist:
         self._config: LLMConfig | None = None
         self._manager: CacheManager | None = None
         self._scheduler: CopyScheduler | None = None
+        self._transport: Transport | None = None
+        self._listen: tuple[str, int] | None = None
+        self._linking: set[int] = set()
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -65,6 +72,11 @@ class LLMDataDist:
         if self._manager is None:
             raise RuntimeError(f"{op}: LLMDataDist is not initialized; await init() first")
         return self._manager
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """The bound ``(host, port)`` after ``init`` when ``listen_ip_info`` was set, else None."""
+        return self._listen
 
     @property
     def config(self) -> LLMConfig:
@@ -143,7 +155,7 @@ class LLMDataDist:
             await scheduler.aclose()
             raise
         cls = CacheManager if config.enable_cache_manager else KvCacheManager
-        self._manager = cls(
+        mgr = cls(
             cluster_id=self._cluster_id,
             role=self._role,
             config=config,
@@ -152,8 +164,36 @@ class LLMDataDist:
             device_pool=device_pool,
             host_pool=host_pool,
         )
+        links = mgr._links
+
+        def on_link(link: Link) -> None:
+            links.setdefault(link.peer.cluster_id, link)
+
+        def on_link_lost(link: Link) -> None:
+            if links.get(link.peer.cluster_id) is link:
+                del links[link.peer.cluster_id]
+                log.warning("link to cluster %d lost", link.peer.cluster_id)
+
+        secret = None if config.link_secret is None else config.link_secret.encode()
+        transport = get_transport(config.transfer_backend)(
+            self._cluster_id,
+            mgr.peer_service,
+            secret=secret,
+            on_link=on_link,
+            on_link_lost=on_link_lost,
+        )
+        try:
+            if config.listen_address is not None:
+                with map_errors(f"{op} (listen on {config.listen_ip_info})"):
+                    self._listen = await transport.listen(*config.listen_address)
+        except BaseException:
+            await transport.aclose()
+            await scheduler.aclose()
+            raise
+        self._manager = mgr
         self._config = config
         self._scheduler = scheduler
+        self._transport = transport
         log.info("LLMDataDist %d (%s) initialized on %s", self._cluster_id, self._role.name,
                  device)
 
@@ -182,14 +222,124 @@ class LLMDataDist:
 
         Idempotent. Caches handed out before become unusable.
         """
-        mgr, sched = self._manager, self._scheduler
-        if mgr is None or sched is None:
+        mgr, sched, transport = self._manager, self._scheduler, self._transport
+        if mgr is None or sched is None or transport is None:
             return
         self._manager = None
         self._scheduler = None
-        mgr._close()
+        self._transport = None
+        self._listen = None
+        await mgr._close()
+        await transport.aclose()  # fails in-flight transfers, closes links and listener
         await sched.aclose()
         log.info("LLMDataDist %d finalized", self._cluster_id)
+
+    # ---- links --------------------------------------------------------------------------
+    @staticmethod
+    def _check_clusters(op: str, clusters: Any, timeout: Any) -> list[LLMClusterInfo]:
+        check_instance(op, "clusters", clusters, (list, tuple))
+        for i, c in enumerate(clusters):
+            check_instance(op, f"clusters[{i}]", c, LLMClusterInfo)
+        check_int(op, "timeout", timeout, 1, 3_600_000)
+        return list(clusters)
+
+    async def link_clusters(
+        self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Link to each cluster, concurrently, within ``timeout`` milliseconds.
+
+        Returns ``(overall, per_cluster)``: ``LLM_SUCCESS`` per linked cluster,
+        ``LLM_ALREADY_LINK`` if already linked, ``LLM_PROCESSING_LINK`` while another call
+        links it, ``LLM_LINK_FAILED`` when the peer is unreachable, refuses, fails
+        authentication or is not the cluster named; ``overall`` is ``LLM_SUCCESS`` only if
+        every cluster is. More than 16 clusters: ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for all.
+        A failed peer never raises.
+
+        Raises:
+            TypeError / ValueError: bad arguments.
+            RuntimeError: not initialized.
+        """
+        op = "link_clusters"
+        mgr = self._require(op)
+        infos = self._check_clusters(op, clusters, timeout)
+        if len(infos) > 16:
+            code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
+            return code, [code] * len(infos)
+        codes = list(await asyncio.gather(*(self._link_one(mgr, c, timeout) for c in infos)))
+        ok = all(c == LLMStatusCode.LLM_SUCCESS for c in codes)
+        return (LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED), codes
+
+    async def _link_one(
+        self, mgr: CacheManager, info: LLMClusterInfo, timeout_ms: int
+    ) -> LLMStatusCode:
+        cid = info.remote_cluster_id
+        existing = mgr._links.get(cid)
+        if existing is not None and not existing.broken:
+            return LLMStatusCode.LLM_ALREADY_LINK
+        if cid in self._linking:
+            return LLMStatusCode.LLM_PROCESSING_LINK
+        if not info.remote_ip_info:
+            log.warning("link_clusters: cluster %d has no remote_ip_info", cid)
+            return LLMStatusCode.LLM_LINK_FAILED
+        assert self._config is not None and self._transport is not None
+        total = self._config.link_total_time or timeout_ms / 1000
+        deadline = time.monotonic() + total
+        self._linking.add(cid)
+        try:
+            for attempt in range(self._config.link_retry_count):
+                for host, port in info.remote_ip_info:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return LLMStatusCode.LLM_LINK_FAILED
+                    try:
+                        link = await self._transport.connect(host, port, timeout=left)
+                    except LLMException as exc:
+                        log.info("link to %d at %s:%d, try %d: %s", cid, host, port,
+                                 attempt + 1, exc)
+                        continue
+                    if link.peer.cluster_id != cid:
+                        log.warning("%s:%d is cluster %d, not %d", host, port,
+                                    link.peer.cluster_id, cid)
+                        await link.aclose()
+                        return LLMStatusCode.LLM_LINK_FAILED
+                    mgr._links[cid] = link
+                    return LLMStatusCode.LLM_SUCCESS
+            return LLMStatusCode.LLM_LINK_FAILED
+        finally:
+            self._linking.discard(cid)
+
+    async def unlink_clusters(
+        self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Close the links to each cluster; in-flight transfers on them fail.
+
+        Returns ``(overall, per_cluster)`` with ``LLM_SUCCESS`` per closed link and
+        ``LLM_NOT_YET_LINK`` for a cluster that was not linked. ``force`` is accepted for
+        llm_datadist compatibility (closing never waits for the peer).
+        """
+        op = "unlink_clusters"
+        mgr = self._require(op)
+        infos = self._check_clusters(op, clusters, timeout)
+        check_instance(op, "force", force, bool)
+        codes: list[LLMStatusCode] = []
+        for info in infos:
+            link = mgr._links.pop(info.remote_cluster_id, None)
+            if link is None:
+                codes.append(LLMStatusCode.LLM_NOT_YET_LINK)
+                continue
+            try:
+                async with asyncio.timeout(timeout / 1000):
+                    await link.aclose()
+                codes.append(LLMStatusCode.LLM_SUCCESS)
+            except TimeoutError:
+                codes.append(LLMStatusCode.LLM_UNLINK_FAILED)
+        ok = all(c == LLMStatusCode.LLM_SUCCESS for c in codes)
+        return (LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED), codes
+
+    def linked_clusters(self) -> list[int]:
+        """Cluster ids with a live link (either direction)."""
+        mgr = self._require("linked_clusters")
+        return sorted(cid for cid, link in mgr._links.items() if not link.broken)
 
     async def __aenter__(self) -> LLMDataDist:
         if self._manager is None and self._pending_config is not None:

@@ -8,6 +8,7 @@ instead of handing the bytes to someone else mid-copy.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -24,9 +25,29 @@ from ._errors import (
     map_errors,
     param_invalid,
 )
-from ._models import BlocksCacheKey, CacheDesc, CacheKey, LLMConfig
+from ._layerwise import CacheTask, LayerJob, LayerSynchronizer, run_layers
+from ._models import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    LLMConfig,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
 from ._pool import MemPool, PoolStats, Span
+from ._remote import (
+    PROTOCOL,
+    Layout,
+    PeerService,
+    key_meta,
+    memview,
+    require_host,
+    slot_bytes,
+    tensor_range,
+)
 from ._scheduler import CopyScheduler
+from .transport import Link
 
 __all__ = ["CacheManager", "KvCacheManager"]
 
@@ -69,6 +90,9 @@ class CacheManager:
         self._pools = {Placement.DEVICE: device_pool, Placement.HOST: host_pool}
         self._registry = CacheRegistry()
         self._closed = False
+        self._links: dict[int, Link] = {}  # peer cluster id -> link (kept by LLMDataDist)
+        self.peer_service = PeerService(cluster_id, self._registry, config)
+        self._tasks: set[asyncio.Task[None]] = set()  # layer-wise transfers, owned here
 
     # ---- introspection ------------------------------------------------------------------
     @property
@@ -452,10 +476,397 @@ class CacheManager:
         with self._pinned(se, de), map_errors(op):
             await self._scheduler.copy_blocks(src.rows(), dst.rows(), pairs)
 
+    # ---- remote -------------------------------------------------------------------------
+    def _link(self, op: str, cluster_id: int) -> Link:
+        link = self._links.get(cluster_id)
+        if link is None or link.broken:
+            raise LLMException(
+                f"{op}: cluster {cluster_id} is not linked", LLMStatusCode.LLM_NOT_YET_LINK
+            )
+        return link
+
+    @staticmethod
+    def _ranges(
+        op: str,
+        local: Cache,
+        local_layers: Any,
+        remote_layers: Any,
+        per_layer: Any,
+    ) -> tuple[range, list[int] | None, int]:
+        """Local tensor indices, the remote layer range for the wire, and tensors per layer."""
+        n = check_int(op, "tensor_num_per_layer", per_layer, 1, 2**31)
+        for name, r in (("local layer range", local_layers), ("remote layer range", remote_layers)):
+            if r is not None:
+                check_instance(op, name, r, range)
+                if r.step != 1 or r.start < 0 or len(r) == 0:
+                    param_invalid(op, f"layer range {r} must be non-empty with step 1")
+        if local_layers is not None and remote_layers is not None and len(local_layers) != len(
+            remote_layers
+        ):
+            param_invalid(op, "src_layer_range and dst_layer_range differ in length")
+        tensors = tensor_range(op, local.cache_desc.num_tensors, local_layers, n)
+        wire = None if remote_layers is None else [remote_layers.start, remote_layers.stop]
+        return tensors, wire, n
+
+    async def _transfer(
+        self, op: str, key: Any, cache: Cache, entry: Entry | None, layout: Layout,
+        meta: dict[str, Any], *, write: bool,
+    ) -> None:
+        require_host(op, cache)
+        link = self._link(op, key.cluster_id)
+        meta = {"v": PROTOCOL, "key": key_meta(key), "ntensors": len(layout.tensors), **meta}
+        views = layout.views(cache)
+        timeout = self._config.sync_kv_timeout / 1000
+        with self._pinned(entry), map_errors(op):
+            if write:
+                await link.write(meta, views, timeout=timeout)
+            else:
+                await link.read(meta, views, timeout=timeout)
+
+    async def pull_cache(
+        self,
+        cache_key: CacheKey | CacheKeyByIdAndIndex,
+        cache: Cache,
+        batch_index: int = 0,
+        size: int = -1,
+        *,
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+    ) -> None:
+        """Pull one batch slot of a peer's contiguous cache into slot ``batch_index`` of
+        ``cache``: ``size`` bytes per tensor (``-1``: the whole slot, which must then be the
+        same size on both sides). A successful pull by ``CacheKey`` releases that key on
+        the peer (as llm_datadist does).
+
+        Layer ``i`` is tensors ``[i*n, (i+1)*n)`` with ``n = tensor_num_per_layer``.
+
+        Raises:
+            LLMException: ``LLM_NOT_YET_LINK`` (no link to ``cache_key``'s cluster),
+                ``LLM_KV_CACHE_NOT_EXIST`` (unknown key), ``LLM_PARAM_INVALID`` (sizes,
+                indices or layer ranges), ``LLM_TIMEOUT`` (past ``sync_kv_timeout``),
+                ``LLM_LINK_FAILED``. On failure the destination slot's bytes are
+                unspecified; nothing else is touched and the key is not released.
+        """
+        op = "pull_cache"
+        self._check_open(op)
+        check_instance(op, "cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
+        entry = self._registry.entry(op, cache)
+        if cache.is_blocks_cache:
+            param_invalid(op, "cache must be a contiguous cache (use pull_blocks)")
+        slot = check_index(op, "batch_index", batch_index, cache.cache_desc.batch_size)
+        per_slot = slot_bytes(op, cache)
+        check_int(op, "size", size, -1, 2**63)
+        if size == 0 or size > per_slot:
+            param_invalid(op, f"size {size} is outside the {per_slot}-byte slot")
+        n = per_slot if size == -1 else size
+        tensors, wire, per = self._ranges(
+            op, cache, dst_layer_range, src_layer_range, tensor_num_per_layer
+        )
+        layout = Layout(tensors, None, slot=slot, nbytes=n)
+        meta = {"shape": "slot", "size": n, "offset": 0, "layers": wire, "per_layer": per,
+                "exact": size == -1, "release": isinstance(cache_key, CacheKey)}
+        await self._transfer(op, cache_key, cache, entry, layout, meta, write=False)
+
+    async def pull_blocks(
+        self,
+        src_cache_key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex,
+        dst_cache: Cache,
+        src_blocks: Sequence[int] = (),
+        dst_blocks: Sequence[int] = (),
+        *,
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+    ) -> None:
+        """Pull blocks of a peer's cache into ``dst_blocks`` of the blocks cache ``dst_cache``.
+
+        With a ``BlocksCacheKey``, block ``src_blocks[i]`` lands in ``dst_blocks[i]``. With
+        a ``CacheKey`` / ``CacheKeyByIdAndIndex`` the source is a contiguous slot cut into
+        block-sized chunks: chunk ``src_blocks[i]`` (default ``i``) lands in
+        ``dst_blocks[i]``; a successful pull by ``CacheKey`` releases the key on the peer.
+
+        Raises:
+            LLMException: ``LLM_NOT_YET_LINK``, ``LLM_KV_CACHE_NOT_EXIST``,
+                ``LLM_PARAM_INVALID`` (empty or mismatched block lists, out-of-range blocks
+                or layers, different block sizes), ``LLM_TIMEOUT``, ``LLM_LINK_FAILED``.
+                On failure the destination blocks' bytes are unspecified.
+        """
+        op = "pull_blocks"
+        self._check_open(op)
+        check_instance(
+            op, "src_cache_key", src_cache_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex)
+        )
+        entry = self._blocks_entry(op, dst_cache, "dst_cache")
+        dsts = _check_blocks(op, "dst_blocks", dst_blocks, dst_cache.num_blocks)
+        srcs = _check_blocks(op, "src_blocks", src_blocks, 2**63)
+        if not dsts:
+            param_invalid(op, "dst_blocks is empty")
+        if len(set(dsts)) != len(dsts):
+            param_invalid(op, "a destination block appears twice")
+        if isinstance(src_cache_key, BlocksCacheKey):
+            if len(srcs) != len(dsts):
+                param_invalid(op, f"{len(srcs)} src_blocks for {len(dsts)} dst_blocks")
+            shape = "blocks"
+        else:
+            if srcs and len(srcs) != len(dsts):
+                param_invalid(op, f"{len(srcs)} src_blocks for {len(dsts)} dst_blocks")
+            srcs = srcs or list(range(len(dsts)))
+            shape = "chunks"
+        tensors, wire, per = self._ranges(
+            op, dst_cache, dst_layer_range, src_layer_range, tensor_num_per_layer
+        )
+        layout = Layout(tensors, tuple(dsts), nbytes=dst_cache.block_bytes)
+        meta = {"shape": shape, "blocks": srcs, "block_bytes": dst_cache.block_bytes,
+                "layers": wire, "per_layer": per, "release": isinstance(src_cache_key, CacheKey)}
+        await self._transfer(op, src_cache_key, dst_cache, entry, layout, meta, write=False)
+
+    async def push_cache(
+        self,
+        dst_cache_key: CacheKeyByIdAndIndex,
+        src_cache: Cache,
+        src_batch_index: int = 0,
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        size: int = -1,
+        tensor_num_per_layer: int = 2,
+    ) -> None:
+        """Push slot ``src_batch_index`` of ``src_cache`` into the peer's cache
+        ``dst_cache_key`` (which must have ``enable_remote_cache_accessible``).
+
+        Raises:
+            LLMException: as :meth:`pull_cache`; ``LLM_FEATURE_NOT_ENABLED`` when the peer
+                does not accept pushes. On failure the peer's slot bytes are unspecified.
+        """
+        op = "push_cache"
+        self._check_open(op)
+        check_instance(op, "dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
+        entry = self._registry.entry(op, src_cache, "src_cache")
+        if src_cache.is_blocks_cache:
+            param_invalid(op, "src_cache must be a contiguous cache (use push_blocks)")
+        slot = check_index(op, "src_batch_index", src_batch_index, src_cache.cache_desc.batch_size)
+        per_slot = slot_bytes(op, src_cache)
+        check_int(op, "size", size, -1, 2**63)
+        if size == 0 or size > per_slot:
+            param_invalid(op, f"size {size} is outside the {per_slot}-byte slot")
+        n = per_slot if size == -1 else size
+        tensors, wire, per = self._ranges(
+            op, src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer
+        )
+        layout = Layout(tensors, None, slot=slot, nbytes=n)
+        meta = {"shape": "slot", "size": n, "offset": 0, "layers": wire, "per_layer": per,
+                "exact": size == -1}
+        await self._transfer(op, dst_cache_key, src_cache, entry, layout, meta, write=True)
+
+    async def push_blocks(
+        self,
+        dst_cache_key: BlocksCacheKey,
+        src_cache: Cache,
+        src_blocks: Sequence[int] = (),
+        dst_blocks: Sequence[int] = (),
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+    ) -> None:
+        """Push ``src_blocks`` of the blocks cache ``src_cache`` into ``dst_blocks`` of the
+        peer's blocks cache ``dst_cache_key`` (which must accept pushes).
+
+        Raises:
+            LLMException: as :meth:`pull_blocks`; ``LLM_FEATURE_NOT_ENABLED`` when the peer
+                does not accept pushes.
+        """
+        op = "push_blocks"
+        self._check_open(op)
+        check_instance(op, "dst_cache_key", dst_cache_key, BlocksCacheKey)
+        entry = self._blocks_entry(op, src_cache, "src_cache")
+        srcs = _check_blocks(op, "src_blocks", src_blocks, src_cache.num_blocks)
+        dsts = _check_blocks(op, "dst_blocks", dst_blocks, 2**63)
+        if not srcs or len(srcs) != len(dsts):
+            param_invalid(op, f"{len(srcs)} src_blocks for {len(dsts)} dst_blocks")
+        if len(set(dsts)) != len(dsts):
+            param_invalid(op, "a destination block appears twice")
+        tensors, wire, per = self._ranges(
+            op, src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer
+        )
+        layout = Layout(tensors, tuple(srcs), nbytes=src_cache.block_bytes)
+        meta = {"shape": "blocks", "blocks": dsts, "block_bytes": src_cache.block_bytes,
+                "layers": wire, "per_layer": per}
+        await self._transfer(op, dst_cache_key, src_cache, entry, layout, meta, write=True)
+
+    # ---- layer-wise ---------------------------------------------------------------------
+    async def transfer_cache_async(
+        self,
+        src_cache: Cache,
+        layer_synchronizer: LayerSynchronizer,
+        transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
+        src_block_indices: Sequence[int] | None = None,
+        dst_block_indices: Sequence[int] | None = None,
+        dst_block_memory_size: int | None = None,
+    ) -> CacheTask:
+        """Start a layer-wise transfer of ``src_cache`` and return its ``CacheTask`` at once.
+
+        For each layer in order (layer ``i`` = tensors ``2i, 2i+1``) the task awaits
+        ``layer_synchronizer.synchronize_layer(i, sync_kv_timeout)`` and then sends that
+        layer to every destination needing it, so layer i moves while layer i+1 computes.
+
+        Destinations: a ``TransferConfig`` names raw tensor addresses registered on the
+        peer (``dst_addrs[j]`` for the j-th tensor of ``src_layer_range``), checked by the
+        peer against what it registered as remote accessible; a
+        ``TransferWithCacheKeyConfig`` names a peer cache by ``CacheKeyByIdAndIndex``
+        (contiguous) or ``BlocksCacheKey`` (paged). Both caches contiguous, or both paged
+        (``src_block_indices[k]`` → ``dst_block_indices[k]``, destination blocks of
+        ``dst_block_memory_size`` bytes, default the source block size).
+
+        Raises (at once, before anything is sent):
+            TypeError / NoneArgumentError: wrong argument types.
+            LLMException: ``LLM_PARAM_INVALID`` (layer ranges, block lists, address
+                counts), ``LLM_NOT_YET_LINK`` (a destination cluster is not linked).
+        """
+        op = "transfer_cache_async"
+        self._check_open(op)
+        entry = self._registry.entry(op, src_cache, "src_cache")
+        require_host(op, src_cache)
+        sync = check_instance(op, "layer_synchronizer", layer_synchronizer, LayerSynchronizer)
+        configs = _check_list(
+            op, "transfer_configs", transfer_configs, (TransferConfig, TransferWithCacheKeyConfig)
+        )
+        if not configs:
+            param_invalid(op, "transfer_configs is empty")
+        ntensors = src_cache.cache_desc.num_tensors
+        if ntensors % 2:
+            param_invalid(op, f"{ntensors} tensors is not a whole number of K/V layers")
+        nlayers = ntensors // 2
+        paged = src_cache.is_blocks_cache
+        if paged:
+            if src_block_indices is None or dst_block_indices is None:
+                param_invalid(op, "a blocks cache needs src_block_indices and dst_block_indices")
+            srcs = _check_blocks(op, "src_block_indices", src_block_indices, src_cache.num_blocks)
+            dsts = _check_blocks(op, "dst_block_indices", dst_block_indices, 2**40)
+            if not srcs or len(srcs) != len(dsts):
+                param_invalid(op, f"{len(srcs)} src blocks for {len(dsts)} dst blocks")
+            if len(set(dsts)) != len(dsts):
+                param_invalid(op, "a destination block appears twice")
+        else:
+            if src_block_indices is not None or dst_block_indices is not None:
+                param_invalid(op, "block indices need a blocks cache (both sides paged)")
+            srcs = dsts = []
+        bb = src_cache.block_bytes
+        dbs = bb
+        if dst_block_memory_size:
+            dbs = check_int(op, "dst_block_memory_size", dst_block_memory_size, 1, 2**40)
+            if dbs < bb:
+                param_invalid(op, f"dst_block_memory_size {dbs} < source block size {bb}")
+        jobs = [
+            self._layer_job(op, src_cache, cfg, nlayers, srcs, dsts, dbs) for cfg in configs
+        ]
+        results: list[LLMStatusCode | None] = [None] * len(jobs)
+        self._registry.pin(entry)
+
+        async def run() -> None:
+            try:
+                await run_layers(sync, jobs, self._config.sync_kv_timeout, results)
+            finally:
+                self._registry.unpin(entry)
+
+        task = asyncio.create_task(run(), name=f"aiokv-{op}-{src_cache.cache_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return CacheTask(task, results)
+
+    def _layer_job(
+        self,
+        op: str,
+        src: Cache,
+        cfg: TransferConfig | TransferWithCacheKeyConfig,
+        nlayers: int,
+        srcs: list[int],
+        dsts: list[int],
+        dbs: int,
+    ) -> LayerJob:
+        layers = cfg.src_layer_range or range(nlayers)
+        if layers.stop > nlayers:
+            param_invalid(op, f"src_layer_range {layers} exceeds {nlayers} layers")
+        batch = check_index(op, "src_batch_index", cfg.src_batch_index, src.cache_desc.batch_size)
+        if isinstance(cfg, TransferWithCacheKeyConfig):
+            key = cfg.cache_key
+            dst_layers = cfg.dst_layer_range or layers
+            if len(dst_layers) != len(layers):
+                param_invalid(op, "src_layer_range and dst_layer_range differ in length")
+            self._link(op, key.cluster_id)
+
+            def to_dst(layer: int) -> range:
+                d = dst_layers.start + layer - layers.start
+                return range(d, d + 1)
+
+            if isinstance(key, BlocksCacheKey):
+                if not src.is_blocks_cache:
+                    param_invalid(op, "a BlocksCacheKey destination needs a blocks cache")
+
+                async def send_blocks(layer: int) -> None:
+                    await self.push_blocks(
+                        key, src, srcs, dsts, range(layer, layer + 1), to_dst(layer)
+                    )
+
+                return LayerJob(layers, send_blocks)
+            if isinstance(key, CacheKeyByIdAndIndex) and not src.is_blocks_cache:
+
+                async def send_slot(layer: int) -> None:
+                    await self.push_cache(key, src, batch, range(layer, layer + 1), to_dst(layer))
+
+                return LayerJob(layers, send_slot)
+            param_invalid(op, f"{type(key).__name__} cannot name a destination of this cache")
+        link = self._link(op, cfg.dst_cluster_id)
+        if len(cfg.dst_addrs) != 2 * len(layers):
+            param_invalid(
+                op, f"{len(cfg.dst_addrs)} dst_addrs for {len(layers)} layers (need 2 per layer)"
+            )
+        timeout = self._config.sync_kv_timeout / 1000
+        per_slot = slot_bytes(op, src) if not src.is_blocks_cache else 0
+
+        def regions(layer: int) -> tuple[list[memoryview], list[list[int]]]:
+            views: list[memoryview] = []
+            regs: list[list[int]] = []
+            for k in range(2):
+                ti = 2 * layer + k
+                addr = cfg.dst_addrs[2 * (layer - layers.start) + k]
+                raw = src.tensors[ti].view(torch.uint8)
+                if src.is_blocks_cache:
+                    rows = raw.view(src.num_blocks, -1)
+                    for s_b, d_b in zip(srcs, dsts, strict=True):
+                        views.append(memview(rows[s_b]))
+                        regs.append([addr + d_b * dbs, src.block_bytes])
+                else:
+                    views.append(memview(raw.view(src.cache_desc.batch_size, -1)[batch]))
+                    regs.append([addr, per_slot])
+            return views, _merge(regs)
+
+        async def send_addrs(layer: int) -> None:
+            views, regs = regions(layer)
+            meta = {"v": PROTOCOL, "op": "addrs", "regions": regs}
+            with map_errors(op):
+                await link.write(meta, views, timeout=timeout)
+
+        return LayerJob(layers, send_addrs)
+
     # ---- lifecycle ----------------------------------------------------------------------
-    def _close(self) -> None:
-        """Mark closed (called by ``LLMDataDist.finalize`` after in-flight work ended)."""
+    async def _close(self) -> None:
+        """Refuse new work and stop layer-wise transfers (``LLMDataDist.finalize``)."""
         self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _merge(regs: list[list[int]]) -> list[list[int]]:
+    """Merge regions that continue each other: fewer, larger regions for the peer to check."""
+    out: list[list[int]] = []
+    for addr, n in regs:
+        if out and out[-1][0] + out[-1][1] == addr:
+            out[-1][1] += n
+        else:
+            out.append([addr, n])
+    return out
 
 
 _PULL_ROLES = (LLMRole.DECODER, LLMRole.MIX)
@@ -478,3 +889,15 @@ class KvCacheManager(CacheManager):
     async def remove_cache_key(self, cache_key: CacheKey) -> None:  # noqa: D102
         self._gate("remove_cache_key", _PROMPT_ROLES)
         await super().remove_cache_key(cache_key)
+
+    async def pull_cache(self, *args: Any, **kwargs: Any) -> None:  # noqa: D102
+        self._gate("pull_cache", _PULL_ROLES)
+        await super().pull_cache(*args, **kwargs)
+
+    async def pull_blocks(self, *args: Any, **kwargs: Any) -> None:  # noqa: D102
+        self._gate("pull_blocks", _PULL_ROLES)
+        await super().pull_blocks(*args, **kwargs)
+
+    async def transfer_cache_async(self, *args: Any, **kwargs: Any) -> CacheTask:  # noqa: D102
+        self._gate("transfer_cache_async", _PROMPT_ROLES)
+        return await super().transfer_cache_async(*args, **kwargs)

@@ -106,7 +106,13 @@ class Link(abc.ABC):
         """True once the link can no longer carry requests (closed, reset, protocol error)."""
 
     @abc.abstractmethod
-    async def read(self, meta: dict[str, Any], into: Sequence[memoryview], *, timeout: float) -> None:
+    async def read(
+        self,
+        meta: dict[str, Any],
+        into: Sequence[memoryview],
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
         """Pull the payload described by ``meta`` from the peer straight into ``into``.
 
         The total length of ``into`` must equal what the peer grants, otherwise
@@ -116,7 +122,13 @@ class Link(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def write(self, meta: dict[str, Any], src: Sequence[memoryview], *, timeout: float) -> None:
+    async def write(
+        self,
+        meta: dict[str, Any],
+        src: Sequence[memoryview],
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
         """Push ``src`` to the peer into the buffers it grants for ``meta``.
 
         Two-phase: no payload is sent before the peer grants the request. Returns once
@@ -176,7 +188,7 @@ class Transport(abc.ABC):
         """Accept links on ``host:port`` (port 0 picks a free one); returns the bound address."""
 
     @abc.abstractmethod
-    async def connect(self, host: str, port: int, *, timeout: float) -> Link:
+    async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
         """Open a link to a listening transport, handshake included, within ``timeout`` s.
 
         Raises:

@@ -1,0 +1,70 @@
+"""Transports: move raw bytes between processes on request; they know nothing of caches.
+
+The interface lives in :mod:`aiokv.transport._base`; implementations are found by name
+with :func:`get_transport` and imported only when asked for, so an optional backend
+(``nixl``) costs nothing where it is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .._enums import LLMStatusCode
+from .._errors import LLMException
+from ._base import Grant, Link, LinkCallback, PeerInfo, RequestHandler, Transport
+
+__all__ = [
+    "Grant",
+    "Link",
+    "LinkCallback",
+    "PeerInfo",
+    "RequestHandler",
+    "Transport",
+    "get_transport",
+    "transport_names",
+]
+
+# name -> "module:class", imported lazily. Add a backend by adding a line here.
+_REGISTRY: dict[str, str] = {
+    "tcp": "aiokv.transport._tcp:TcpTransport",
+    "nixl": "aiokv.transport._nixl:NixlTransport",
+}
+
+
+def transport_names() -> list[str]:
+    """The names :func:`get_transport` knows, whether or not their backend is installed."""
+    return sorted(_REGISTRY)
+
+
+def get_transport(name: str) -> type[Transport]:
+    """The :class:`Transport` class registered under ``name`` (e.g. ``"tcp"``).
+
+    Raises:
+        TypeError: ``name`` is not a string.
+        LLMException: ``LLM_PARAM_INVALID`` for an unknown name;
+            ``LLM_FEATURE_NOT_ENABLED`` when the backend cannot be imported (its
+            optional dependency is missing), the import error chained.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"get_transport: name must be str, got {type(name).__name__}")
+    try:
+        target = _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(transport_names())
+        raise LLMException(
+            f"get_transport: unknown transport {name!r} (known: {known})",
+            LLMStatusCode.LLM_PARAM_INVALID,
+        ) from None
+    module_name, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise LLMException(
+            f"get_transport: transport {name!r} is not available: {exc}",
+            LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise LLMException(
+            f"get_transport: {target} is not a Transport", LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+        )
+    return cls
