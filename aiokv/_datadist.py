@@ -172,7 +172,7 @@ class LLMDataDist:
         def on_link_lost(link: Link) -> None:
             if links.get(link.peer.cluster_id) is link:
                 del links[link.peer.cluster_id]
-                log.warning("link to cluster %d lost", link.peer.cluster_id)
+                log.info("link to cluster %d closed", link.peer.cluster_id)
 
         secret = None if config.link_secret is None else config.link_secret.encode()
         transport = get_transport(config.transfer_backend)(

@@ -517,11 +517,16 @@ class CacheManager:
         meta = {"v": PROTOCOL, "key": key_meta(key), "ntensors": len(layout.tensors), **meta}
         views = layout.views(cache)
         timeout = self._config.sync_kv_timeout / 1000
-        with self._pinned(entry), map_errors(op):
-            if write:
-                await link.write(meta, views, timeout=timeout)
-            else:
-                await link.read(meta, views, timeout=timeout)
+        try:
+            with self._pinned(entry), map_errors(op):
+                if write:
+                    await link.write(meta, views, timeout=timeout)
+                else:
+                    await link.read(meta, views, timeout=timeout)
+        except LLMException as exc:
+            if str(exc).startswith(op):
+                raise
+            raise LLMException(f"{op} ({key!r}): {exc}", exc.status_code) from exc
 
     async def pull_cache(
         self,

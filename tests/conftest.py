@@ -1,6 +1,6 @@
 """Shared test harness.
 
-- every async test runs on asyncio AND uvloop (the ``event_loop_policy`` fixture);
+- every async test runs on asyncio AND uvloop (the ``pytest_asyncio_loop_factories`` hook);
 - every event loop runs in debug mode (PYTHONASYNCIODEBUG), and a test fails if the loop
   logged a slow callback (something blocked it for more than ``slow_callback_duration``).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -21,16 +21,17 @@ try:
 except ImportError:  # pragma: no cover - uvloop is a dev dependency
     uvloop = None
 
-_POLICIES = ["asyncio"] + (["uvloop"] if uvloop is not None else [])
 
-
-@pytest.fixture(params=_POLICIES, scope="session")
-def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
     """Run each async test once per event loop implementation."""
-    if request.param == "uvloop":
-        assert uvloop is not None
-        return uvloop.EventLoopPolicy()
-    return asyncio.DefaultEventLoopPolicy()
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+        "asyncio": asyncio.new_event_loop
+    }
+    if uvloop is not None:
+        factories["uvloop"] = uvloop.new_event_loop
+    return factories
 
 
 @pytest.fixture(autouse=True)

@@ -52,6 +52,9 @@ _S = LLMStatusCode
 _F = wire.FrameType
 _IOV_MAX: Final = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _SCRATCH_BYTES: Final = 256 << 10
+# A peer that keeps the socket full would let the reader (or a fast peer the writer) run
+# without ever suspending; they yield to the loop after this many payload bytes.
+_YIELD_BYTES: Final = 4 << 20
 _NONCE_BYTES: Final = 32
 
 _Bufs = list[bytes | memoryview]
@@ -144,30 +147,66 @@ class _State(enum.Enum):
 
 
 class _MyOp:
-    """A request this side started (``read`` or ``write``)."""
+    """A request this side started (``read`` or ``write``).
 
-    __slots__ = ("cursor", "finished", "granted", "is_read", "rid", "state", "stream", "total")
+    Outcomes are plain fields, set by the reader or by a link failure; the caller waits
+    on a throw-away future, because a future awaited directly would be cancelled along
+    with the caller and lose the outcome that the clean-up still needs.
+    """
+
+    __slots__ = (
+        "_loop",
+        "_wake",
+        "cursor",
+        "granted",
+        "is_read",
+        "result",
+        "rid",
+        "state",
+        "stream",
+        "total",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, rid: int, is_read: bool) -> None:
+        self._loop = loop
+        self._wake: asyncio.Future[None] | None = None
         self.rid = rid
         self.is_read = is_read
         self.state = _State.WAIT_REPLY
         self.cursor: _Cursor | None = None
         self.stream: _Stream | None = None
         self.total = 0
-        # Results are status codes, never exceptions: a future left unawaited must not
-        # log "exception was never retrieved".
-        self.granted: asyncio.Future[LLMStatusCode] = loop.create_future()
-        self.finished: asyncio.Future[LLMStatusCode] = loop.create_future()
+        self.granted = False  # a write's WRITE_GRANT said yes
+        self.result: LLMStatusCode | None = None  # final outcome
+
+    def grant(self) -> None:
+        self.granted = True
+        self.state = _State.SENDING
+        self._notify()
 
     def finish(self, status: LLMStatusCode) -> None:
+        """Record the outcome (the first one wins) and stop all I/O on our buffers."""
         self.state = _State.OVER
-        for fut in (self.granted, self.finished):
-            if not fut.done():
-                fut.set_result(status)
+        if self.result is None:
+            self.result = status
+        self._notify()
 
-    def succeeded(self) -> bool:
-        return self.finished.done() and self.finished.result() is _S.LLM_SUCCESS
+    def outcome(self) -> LLMStatusCode:
+        return _S.LLM_FAILED if self.result is None else self.result
+
+    def _notify(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def until_granted_or_over(self) -> None:
+        while not self.granted and self.result is None:
+            self._wake = self._loop.create_future()
+            await self._wake
+
+    async def until_over(self) -> None:
+        while self.result is None:
+            self._wake = self._loop.create_future()
+            await self._wake
 
     def on_filled(self, link: _TcpLink) -> None:
         self.finish(_S.LLM_SUCCESS)
@@ -385,6 +424,7 @@ class _TcpLink(Link):
         self._iov: _Bufs = []
         self._pos = 0
         self._inflight: list[_Stream] = []
+        self._batch_data = 0  # payload bytes in the batch
         self._writer_idle: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader = self._spawn(self._read_loop(), "reader")
@@ -417,8 +457,8 @@ class _TcpLink(Link):
         try:
             self._post(wire.encode_frame(_F.READ_REQ, op.rid, meta=frame_meta, size=total))
             async with self._deadline(op, "Link.read", timeout):
-                await op.finished
-            status = op.finished.result()
+                await op.until_over()
+            status = op.outcome()
             if status is not _S.LLM_SUCCESS:
                 raise self._refused("Link.read", status)
             # The ack lets the peer release what it granted (e.g. drop a pulled key).
@@ -441,11 +481,11 @@ class _TcpLink(Link):
         try:
             self._post(wire.encode_frame(_F.WRITE_REQ, op.rid, meta=frame_meta, size=total))
             async with self._deadline(op, "Link.write", timeout):
-                await op.granted
+                await op.until_granted_or_over()
                 if op.state is _State.SENDING and total:
                     op.stream = self._add_stream(op.rid, views, total)
-                await op.finished
-            status = op.finished.result()
+                await op.until_over()
+            status = op.outcome()
             if status is not _S.LLM_SUCCESS:
                 raise self._refused("Link.write", status)
             ok = True
@@ -491,15 +531,14 @@ class _TcpLink(Link):
 
     @contextlib.asynccontextmanager
     async def _deadline(self, op: _MyOp, name: str, seconds: float) -> AsyncIterator[None]:
-        """Bound the wait for ``op`` by ``timeout`` s; expiry raises ``LLM_TIMEOUT``."""
+        """Bound the wait for ``op`` by ``seconds``; expiry raises ``LLM_TIMEOUT``."""
         try:
             async with asyncio.timeout(seconds):
                 yield
         except TimeoutError:
-            # The answer may have landed in the very iteration the deadline fired.
-            if not op.finished.done():
-                op.finish(_S.LLM_TIMEOUT)
-            if op.finished.result() is _S.LLM_TIMEOUT:
+            # No-op if the answer landed in the very iteration the deadline fired.
+            op.finish(_S.LLM_TIMEOUT)
+            if op.result is _S.LLM_TIMEOUT:
                 raise LLMException(
                     f"{name}: no answer from cluster {self.peer.cluster_id} within {seconds:.3g} s",
                     _S.LLM_TIMEOUT,
@@ -568,10 +607,12 @@ class _TcpLink(Link):
             if s.cursor.remaining:
                 streams.append(s)
         self._iov, self._pos, self._inflight = iov, 0, inflight
+        self._batch_data = self._t.chunk_bytes - budget
         return bool(iov)
 
     async def _write_loop(self) -> None:
         sock = self._sock
+        unyielded = 0
         try:
             while True:
                 if not self._next_batch():
@@ -601,6 +642,10 @@ class _TcpLink(Link):
                     if not s.cursor.remaining:
                         s.sent = True
                 self._inflight = []
+                unyielded += self._batch_data
+                if unyielded >= _YIELD_BYTES:
+                    unyielded = 0
+                    await asyncio.sleep(0)
         except OSError as exc:
             self._break(f"send failed: {exc}")
         except Exception as exc:  # a bug must not kill the loop silently
@@ -613,12 +658,17 @@ class _TcpLink(Link):
         hbuf = bytearray(wire.HEADER_SIZE)
         hview = memoryview(hbuf)
         recv_exact = self._io.recv_exact
+        unyielded = 0
         try:
             while True:
                 await recv_exact(hview)
                 h = wire.decode_header(hview)
                 if h.type is _F.DATA:
                     await self._on_data(h.req_id, h.size)
+                    unyielded += h.size
+                    if unyielded >= _YIELD_BYTES:
+                        unyielded = 0
+                        await asyncio.sleep(0)
                     continue
                 meta: bytearray | None = None
                 if h.meta_len > self._t.max_meta_bytes:
@@ -732,8 +782,7 @@ class _TcpLink(Link):
             if op.is_read or op.state is not _State.WAIT_REPLY:
                 return
             if status is _S.LLM_SUCCESS:
-                op.state = _State.SENDING
-                op.granted.set_result(status)
+                op.grant()
             else:
                 op.finish(status)
         elif not op.is_read and op.state is not _State.OVER:  # WRITE_DONE

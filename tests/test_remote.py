@@ -1,0 +1,572 @@
+"""Linking and remote transfers (issue 3): the contract, over every transport present.
+
+Most tests link two ``LLMDataDist`` in one process (fast); the serving-framework flow and
+the dead-peer test use a real second process (spawn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import torch
+
+import peer_process
+from aiokv import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    CacheManager,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+
+CODE = LLMStatusCode
+BACKENDS = ["tcp"]  # the NIXL transport joins this list when it lands
+
+
+def config(backend: str, **kw: Any) -> LLMConfig:
+    base: dict[str, Any] = {
+        "device_type": "cpu",
+        "enable_cache_manager": True,
+        "listen_ip_info": "127.0.0.1:0",
+        "mem_pool_cfg": '{"memory_size": 67108864, "page_shift": 12}',
+        "enable_remote_cache_accessible": True,
+        "transfer_backend": backend,
+        "sync_kv_timeout": 3000,
+    }
+    base.update(kw)
+    return LLMConfig(**base)
+
+
+def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
+    assert address is not None
+    return LLMClusterInfo(remote_cluster_id=cluster_id, remote_ip_info=[address])
+
+
+@pytest.fixture(params=BACKENDS)
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    """A prompt (cluster 1) and a decoder (cluster 2), D linked to P."""
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config(request.param)) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config(request.param)) as d,
+    ):
+        code, codes = await d.link_clusters([info(1, p.listen_address)])
+        assert code == CODE.LLM_SUCCESS and codes == [CODE.LLM_SUCCESS]
+        yield p, d
+
+
+def paged(layers: int = 3, blocks: int = 32, dtype: DataType = DataType.DT_BF16) -> CacheDesc:
+    return CacheDesc(2 * layers, [blocks, 8, 2, 16], dtype)
+
+
+def fill(cache: Cache, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in cache.tensors:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def snap(cache: Cache) -> list[torch.Tensor]:
+    return [t.clone() for t in cache.tensors]
+
+
+async def settled(d: LLMDataDist, cluster_id: int = 1) -> None:
+    """One refused round trip on the link: the owner has processed every earlier frame
+    (read confirmations included), so its pins and keys are final."""
+    link = d.cache_manager._links[cluster_id]
+    with pytest.raises(LLMException):
+        await link.read({"v": 0}, [], timeout=5)
+
+
+async def raises(code: LLMStatusCode, coro: Any) -> LLMException:
+    with pytest.raises(LLMException) as ei:
+        await coro
+    assert ei.value.status_code == code, ei.value
+    return ei.value
+
+
+# ---- links ------------------------------------------------------------------------------------
+async def test_link_codes(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
+    p, d = pair
+    assert d.linked_clusters() == [1] and p.linked_clusters() == [2]  # both directions
+    code, codes = await d.link_clusters([info(1, p.listen_address)])
+    assert code != CODE.LLM_SUCCESS and codes == [CODE.LLM_ALREADY_LINK]
+    many = [info(100 + i, p.listen_address) for i in range(17)]
+    code, codes = await d.link_clusters(many)
+    assert code == CODE.LLM_CLUSTER_NUM_EXCEED_LIMIT and set(codes) == {code}
+    wrong = info(9, p.listen_address)  # P is cluster 1, not 9
+    assert (await d.link_clusters([wrong]))[1] == [CODE.LLM_LINK_FAILED]
+    code, codes = await d.unlink_clusters([info(1, p.listen_address), info(5, ("127.0.0.1", 1))])
+    assert codes == [CODE.LLM_SUCCESS, CODE.LLM_NOT_YET_LINK]
+    assert d.linked_clusters() == []
+    c = await d.cache_manager.allocate_blocks_cache(paged())
+    await raises(CODE.LLM_NOT_YET_LINK, d.cache_manager.pull_blocks(BlocksCacheKey(1), c, [0], [0]))
+    assert (await d.link_clusters([info(1, p.listen_address)]))[1] == [CODE.LLM_SUCCESS]  # relink
+    with pytest.raises(TypeError):
+        await d.link_clusters([1])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        await d.link_clusters([], timeout=0)
+
+
+async def test_link_to_nobody_fails_fast() -> None:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    async with LLMDataDist(LLMRole.DECODER, 2, config("tcp", link_retry_count=3)) as d:
+        t0 = time.monotonic()
+        code, codes = await d.link_clusters([info(1, ("127.0.0.1", port))], timeout=2000)
+        assert codes == [CODE.LLM_LINK_FAILED] and time.monotonic() - t0 < 2.5
+
+
+async def test_link_secret() -> None:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config("tcp", link_secret="right")) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config("tcp", link_secret="wrong")) as bad,
+        LLMDataDist(LLMRole.DECODER, 3, config("tcp")) as none,
+        LLMDataDist(LLMRole.DECODER, 4, config("tcp", link_secret="right")) as good,
+    ):
+        assert (await bad.link_clusters([info(1, p.listen_address)]))[1] == [CODE.LLM_LINK_FAILED]
+        assert (await none.link_clusters([info(1, p.listen_address)]))[1] == [CODE.LLM_LINK_FAILED]
+        assert (await good.link_clusters([info(1, p.listen_address)]))[1] == [CODE.LLM_SUCCESS]
+
+
+# ---- pulls and pushes ------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [DataType.DT_BF16, DataType.DT_FLOAT16])
+async def test_pull_blocks_exact(pair: tuple[LLMDataDist, LLMDataDist], dtype: DataType) -> None:
+    p, d = pair
+    src = await p.cache_manager.allocate_blocks_cache(paged(dtype=dtype), BlocksCacheKey(1, 0))
+    dst = await d.cache_manager.allocate_blocks_cache(paged(dtype=dtype))
+    fill(src, 1)
+    fill(dst, 2)
+    before = snap(dst)
+    srcs, dsts = [3, 4, 5, 17, 31], [0, 1, 2, 30, 9]
+    await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, srcs, dsts)  # positional
+    for i, (td, ts) in enumerate(zip(dst.tensors, src.tensors, strict=True)):
+        for b in range(32):
+            want = ts[srcs[dsts.index(b)]] if b in dsts else before[i][b]
+            assert torch.equal(td[b], want), (i, b)
+    # a tail subset of layers, into other layers
+    await d.cache_manager.pull_blocks(
+        BlocksCacheKey(1, 0), dst, [6], [7], src_layer_range=range(1, 3),
+        dst_layer_range=range(0, 2),
+    )
+    for k in range(4):
+        assert torch.equal(dst.tensors[k][7], src.tensors[2 + k][6])
+    assert torch.equal(dst.tensors[4][7], before[4][7])
+
+
+async def test_two_models_and_push_blocks(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
+    p, d = pair
+    m0 = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+    m1 = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 1))
+    fill(m0, 3)
+    fill(m1, 4)
+    dst = await d.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(2, 0))
+    await d.cache_manager.pull_blocks(BlocksCacheKey(1, 1), dst, [1], [1])
+    await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [2])
+    assert torch.equal(dst.tensors[0][1], m1.tensors[0][1])
+    assert torch.equal(dst.tensors[0][2], m0.tensors[0][1])
+    # P pushes into D's cache over the link D opened
+    await p.cache_manager.push_blocks(BlocksCacheKey(2, 0), m0, [10, 11, 12], [20, 21, 22])
+    for td, ts in zip(dst.tensors, m0.tensors, strict=True):
+        assert torch.equal(td[20:23], ts[10:13])
+
+
+async def test_push_needs_remote_access() -> None:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config("tcp", enable_remote_cache_accessible=False)) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config("tcp")) as d,
+    ):
+        await d.link_clusters([info(1, p.listen_address)])
+        tgt = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+        before = snap(tgt)
+        src = await d.cache_manager.allocate_blocks_cache(paged())
+        fill(src, 5)
+        await raises(
+            CODE.LLM_FEATURE_NOT_ENABLED,
+            d.cache_manager.push_blocks(BlocksCacheKey(1, 0), src, [0], [0]),
+        )
+        assert all(torch.equal(a, b) for a, b in zip(tgt.tensors, before, strict=True))
+
+
+async def test_pull_cache_releases_the_key(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
+    p, d = pair
+    desc = CacheDesc(4, [2, 1024], DataType.DT_FLOAT16)
+    k0, k1 = CacheKey(1, req_id=10), CacheKey(1, req_id=11)
+    src = await p.cache_manager.allocate_cache(desc, [k0, k1])
+    fill(src, 6)
+    await p.cache_manager.deallocate_cache(src)
+    held = p.cache_manager.get_pool_stats()
+    assert held is not None and held.used > 0
+    dst = await d.cache_manager.allocate_cache(CacheDesc(4, [3, 1024], DataType.DT_FLOAT16))
+    await d.cache_manager.pull_cache(k1, dst, 2)
+    assert all(torch.equal(td[2], ts[1]) for td, ts in zip(dst.tensors, src.tensors, strict=True))
+    await raises(CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_cache(k1, dst, 0))
+    # chunks of the contiguous slot into blocks; releases k0 -> memory goes back
+    blocks = await d.cache_manager.allocate_blocks_cache(CacheDesc(4, [8, 256], DataType.DT_FLOAT16))
+    await d.cache_manager.pull_blocks(k0, blocks, dst_blocks=[5, 6, 7, 0])
+    for tb, ts in zip(blocks.tensors, src.tensors, strict=True):
+        assert torch.equal(tb[[5, 6, 7, 0]].reshape(-1), ts[0])
+    await raises(CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_cache(k0, dst, 0))  # a round trip
+    after = p.cache_manager.get_pool_stats()
+    assert after is not None and after.used == 0
+
+
+async def test_pull_and_push_by_id(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
+    p, d = pair
+    desc = CacheDesc(4, [2, 512], DataType.DT_BF16)
+    src = await p.cache_manager.allocate_cache(desc)
+    fill(src, 7)
+    dst = await d.cache_manager.allocate_cache(desc)
+    await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 1), dst, 0)
+    assert all(torch.equal(a[0], b[1]) for a, b in zip(dst.tensors, src.tensors, strict=True))
+    fill(dst, 8)
+    await d.cache_manager.push_cache(
+        CacheKeyByIdAndIndex(1, src.cache_id, 0), dst, 1, range(1, 2), range(0, 1)
+    )
+    assert torch.equal(src.tensors[0][0], dst.tensors[2][1])
+    assert torch.equal(src.tensors[1][0], dst.tensors[3][1])
+    await d.cache_manager.push_cache(CacheKeyByIdAndIndex(1, src.cache_id, 1), dst, 0, size=128)
+    assert torch.equal(src.tensors[3][1].view(torch.uint8)[:128], dst.tensors[3][0].view(torch.uint8)[:128])
+
+
+async def test_remote_errors_change_nothing(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
+    p, d = pair
+    src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+    other = await p.cache_manager.allocate_blocks_cache(
+        CacheDesc(6, [32, 4, 2, 16], DataType.DT_BF16), BlocksCacheKey(1, 2)
+    )
+    dst = await d.cache_manager.allocate_blocks_cache(paged())
+    fill(src, 1)
+    fill(dst, 2)
+    bs, bd = snap(src), snap(dst)
+    cm: CacheManager = d.cache_manager
+    k = BlocksCacheKey(1, 0)
+    P = CODE.LLM_PARAM_INVALID
+    for code, coro in [
+        (CODE.LLM_KV_CACHE_NOT_EXIST, cm.pull_blocks(BlocksCacheKey(1, 7), dst, [0], [0])),
+        (CODE.LLM_KV_CACHE_NOT_EXIST, cm.pull_cache(CacheKey(1, 555), await cm.allocate_cache(CacheDesc(1, [1, 8], DataType.DT_BF16)))),
+        (P, cm.pull_blocks(k, dst, [], [])),
+        (P, cm.pull_blocks(k, dst, [0, 1], [0])),
+        (P, cm.pull_blocks(k, dst, [32], [0])),  # out of range on the owner
+        (P, cm.pull_blocks(k, dst, [0], [32])),  # out of range here
+        (P, cm.pull_blocks(k, dst, [0, 1], [2, 2])),
+        (P, cm.pull_blocks(k, dst, [0], [0], src_layer_range=range(2, 4))),  # owner has 3 layers
+        (P, cm.pull_blocks(k, dst, [0], [0], src_layer_range=range(0, 1), dst_layer_range=range(0, 2))),
+        (P, cm.pull_blocks(k, dst, [0], [0], tensor_num_per_layer=4, src_layer_range=range(0, 1))),
+        (P, cm.pull_blocks(BlocksCacheKey(1, 2), dst, [0], [0])),  # block sizes differ
+    ]:
+        await raises(code, coro)
+    with pytest.raises(TypeError):
+        await cm.pull_blocks(k, dst, [0.5], [0])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        await cm.pull_blocks(None, dst, [0], [0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        await cm.push_cache(CacheKey(1, 1), dst)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(src.tensors, bs, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(dst.tensors, bd, strict=True))
+    await settled(d)
+    assert all(e.pins == 0 for e in p.cache_manager._registry.live_entries())
+    del other
+
+
+async def test_timeout_and_cancel_leave_link_usable(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
+    p, d = pair
+    d.cache_manager._config.sync_kv_timeout = 200
+    src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+    dst = await d.cache_manager.allocate_blocks_cache(paged())
+    fill(src, 3)
+    service = p.cache_manager.peer_service
+    real = service.grant_read
+    gate = asyncio.Event()
+
+    async def stalled(peer: Any, meta: dict[str, Any]) -> Any:
+        await gate.wait()
+        return await real(peer, meta)
+
+    service.grant_read = stalled  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    await raises(CODE.LLM_TIMEOUT, d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0]))
+    assert time.monotonic() - t0 < 1.5
+    task = asyncio.create_task(d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [1]))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    service.grant_read = real  # type: ignore[method-assign]
+    gate.set()
+    await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [5], [5])
+    assert torch.equal(dst.tensors[0][5], src.tensors[0][5])
+    await settled(d)
+    assert all(e.pins == 0 for e in d.cache_manager._registry.live_entries())
+    assert all(e.pins == 0 for e in p.cache_manager._registry.live_entries())
+
+
+async def test_hostile_requests_never_touch_unregistered_memory(
+    pair: tuple[LLMDataDist, LLMDataDist],
+) -> None:
+    p, d = pair
+    target = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+    # off limits: memory nobody registered, and a cache registered as not remote accessible
+    loose = torch.randn(64, 1024)
+    sealed_t = [torch.randn(paged().shape).bfloat16() for _ in range(6)]
+    sealed = await p.cache_manager.register_blocks_cache(
+        paged(), sealed_t, BlocksCacheKey(1, 1), remote_accessible=False
+    )
+    fill(target, 1)
+    before_loose, before_sealed = loose.clone(), [t.clone() for t in sealed_t]
+    link = d.cache_manager._links[1]
+    rng = random.Random(7)
+    good: dict[str, Any] = {
+        "v": 1, "key": {"kind": "blocks", "cluster_id": 1, "model_id": 0}, "shape": "blocks",
+        "blocks": [0], "block_bytes": target.block_bytes, "ntensors": 6, "layers": None,
+        "per_layer": 2,
+    }
+    addrs = [target.tensor_addrs[0], sealed.tensor_addrs[0], loose.data_ptr()]
+    values: list[Any] = [
+        None, -1, 0, 1, 2**64, 2**63 - 1, 1.5, "x", [], [1, 2], {}, True, "addrs", "slot",
+        "chunks", "id", "key", [0, 1], [-1, 2], [0, 10**6],
+        *[[[a + off, n]] for a in addrs for off in (-1, 0, 8) for n in (64, 10**9)],
+    ]
+    refused = 0
+    for _ in range(600):
+        meta = {**good, "key": dict(good["key"])}
+        for _ in range(rng.randint(1, 3)):
+            field = rng.choice([*good, "op", "regions", "key.kind", "key.model_id", "key.cluster_id"])
+            if field.startswith("key.") and isinstance(meta["key"], dict):
+                meta["key"][field[4:]] = rng.choice([*values, 0, 1])
+            else:
+                meta[field] = rng.choice([*values, rng.randint(-5, 100)])
+        size = rng.choice([0, 1, 64, target.block_bytes, 6 * target.block_bytes, 4096])
+        buf = memoryview(bytearray(size))
+        try:
+            if rng.random() < 0.5:
+                await link.read(meta, [buf], timeout=2)
+            else:
+                await link.write(meta, [buf], timeout=2)
+        except LLMException:
+            refused += 1
+    assert refused > 450
+    assert torch.equal(loose, before_loose)
+    assert all(torch.equal(a, b) for a, b in zip(sealed_t, before_sealed, strict=True))
+    dst = await d.cache_manager.allocate_blocks_cache(paged())
+    await d.cache_manager.pull_blocks(BlocksCacheKey(1, 1), dst, [4], [4])
+    assert torch.equal(dst.tensors[5][4], sealed_t[5][4])
+    await settled(d)
+    assert all(e.pins == 0 for e in p.cache_manager._registry.live_entries())
+
+
+# ---- layer-wise --------------------------------------------------------------------------------
+class Releaser:
+    """A synchronizer whose layers are released one by one by the test ("compute")."""
+
+    def __init__(self, layers: int, answer: dict[int, bool] | None = None) -> None:
+        self.ready = [asyncio.Event() for _ in range(layers)]
+        self.asked: list[int] = []
+        self.answer = answer or {}
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        self.asked.append(layer_index)
+        await self.ready[layer_index].wait()
+        return self.answer.get(layer_index, True)
+
+
+async def test_transfer_cache_async_layer_by_layer(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
+    p, d = pair
+    layers = 4
+    src = await p.cache_manager.allocate_blocks_cache(paged(layers))
+    fill(src, 9)
+    dst_t = [torch.zeros(paged(layers).shape, dtype=torch.bfloat16) for _ in range(2 * layers)]
+    dst = await d.cache_manager.register_blocks_cache(paged(layers), dst_t, BlocksCacheKey(2, 0))
+    sync = Releaser(layers)
+    srcs, dsts = [1, 2, 3, 8], [4, 5, 6, 0]
+    task = await p.cache_manager.transfer_cache_async(
+        src, sync, [TransferConfig(2, dst.tensor_addrs)], srcs, dsts
+    )
+    assert await task.synchronize(timeout_in_millis=20) == CODE.LLM_TIMEOUT  # not cancelled
+    assert sync.asked == [0]
+    for layer in range(layers):
+        sync.ready[layer].set()
+        await asyncio.sleep(0)
+    assert await task == [CODE.LLM_SUCCESS]
+    assert await task.synchronize() == CODE.LLM_SUCCESS
+    for td, ts in zip(dst_t, src.tensors, strict=True):
+        assert torch.equal(td[dsts], ts[srcs])
+        assert not bool(td[7].any())
+    # by key, layers 1..2 only, and a synchronizer that refuses layer 2
+    keyed = await d.cache_manager.allocate_blocks_cache(paged(layers), BlocksCacheKey(2, 1))
+    sync2 = Releaser(layers, {2: False})
+    for e in sync2.ready:
+        e.set()
+    task2 = await p.cache_manager.transfer_cache_async(
+        src, sync2,
+        [TransferWithCacheKeyConfig(BlocksCacheKey(2, 1), range(0, 2), range(0, 2)),
+         TransferWithCacheKeyConfig(BlocksCacheKey(2, 1), range(2, 4), range(2, 4))],
+        [1], [1],
+    )
+    assert await task2.get_results() == [CODE.LLM_SUCCESS, CODE.LLM_PARAM_INVALID]
+    assert await task2.synchronize() == CODE.LLM_PARAM_INVALID
+    assert torch.equal(keyed.tensors[3][1], src.tensors[3][1])
+
+
+async def test_transfer_cache_async_errors(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
+    p, d = pair
+    p.cache_manager._config.sync_kv_timeout = 100
+    src = await p.cache_manager.allocate_blocks_cache(paged(2))
+    dst = await d.cache_manager.allocate_blocks_cache(paged(2))
+    cm = p.cache_manager
+    # layer 0 never released: the synchronizer times out
+    task = await cm.transfer_cache_async(src, Releaser(2), [TransferConfig(2, dst.tensor_addrs)], [0], [0])
+    assert await task.get_results() == [CODE.LLM_TIMEOUT]
+    # addresses the decoder never registered as accessible memory
+    sync = Releaser(2)
+    for e in sync.ready:
+        e.set()
+    bogus = [a + (1 << 40) for a in dst.tensor_addrs]
+    task = await cm.transfer_cache_async(src, sync, [TransferConfig(2, bogus)], [0], [0])
+    assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
+    # a plain (sync) synchronizer is accepted; cancelling reports None
+    class Plain:
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            return True
+
+    task = await cm.transfer_cache_async(src, Plain(), [TransferConfig(2, dst.tensor_addrs)], [2], [2])
+    assert await task == [CODE.LLM_SUCCESS]
+    slow = await cm.transfer_cache_async(src, Releaser(2), [TransferConfig(2, dst.tensor_addrs)], [0], [0])
+    slow.cancel()
+    assert await slow.get_results() == [None]
+    for call in [
+        lambda: cm.transfer_cache_async(src, Plain(), [TransferConfig(2, dst.tensor_addrs[:2])], [0], [0]),
+        lambda: cm.transfer_cache_async(src, Plain(), [TransferConfig(2, dst.tensor_addrs)], [0], None),
+        lambda: cm.transfer_cache_async(src, Plain(), [TransferConfig(2, dst.tensor_addrs)], [0], [0, 1]),
+        lambda: cm.transfer_cache_async(src, Plain(), [], [0], [0]),
+        lambda: cm.transfer_cache_async(src, Plain(), [TransferConfig(2, dst.tensor_addrs, range(0, 3))], [0], [0]),
+    ]:
+        await raises(CODE.LLM_PARAM_INVALID, call())
+    await raises(CODE.LLM_NOT_YET_LINK, cm.transfer_cache_async(src, Plain(), [TransferConfig(8, dst.tensor_addrs)], [0], [0]))
+    with pytest.raises(TypeError):
+        await cm.transfer_cache_async(src, object(), [TransferConfig(2, dst.tensor_addrs)], [0], [0])  # type: ignore[arg-type]
+
+
+# ---- two real processes -----------------------------------------------------------------------
+def start_peer(cluster_id: int, secret: str | None = None) -> tuple[Any, Any, int]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=peer_process.serve, args=(child, cluster_id, secret), daemon=True)
+    proc.start()
+    if not parent.poll(60):
+        proc.kill()
+        raise RuntimeError("peer process did not start")
+    return proc, parent, parent.recv()
+
+
+async def ask(conn: Any, cmd: str) -> Any:
+    conn.send(cmd)
+    return await asyncio.to_thread(conn.recv)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_two_processes_serving_flow(backend: str) -> None:
+    proc, conn, port = start_peer(11, secret="s")
+    try:
+        async with LLMDataDist(LLMRole.DECODER, 22, config(backend, link_secret="s")) as d:
+            assert (await d.link_clusters([info(11, ("127.0.0.1", port))]))[1] == [CODE.LLM_SUCCESS]
+            cm = d.cache_manager
+            L = peer_process.LAYERS
+            for model_id, dt in peer_process.DTYPES.items():
+                dst = await cm.allocate_blocks_cache(CacheDesc(2 * L, peer_process.SHAPE, dt))
+                srcs = [5, 6, 7, 40, 63]
+                dsts = [0, 1, 2, 3, 4]
+                await cm.pull_blocks(BlocksCacheKey(11, model_id), dst, srcs, dsts)
+                for i, t in enumerate(dst.tensors):
+                    want = peer_process.expected(model_id, i)
+                    for s, b in zip(srcs, dsts, strict=True):
+                        assert torch.equal(t[b], want[s]), (model_id, i, b)
+                # tail subset of layers
+                await cm.pull_blocks(
+                    BlocksCacheKey(11, model_id), dst, [9], [9],
+                    src_layer_range=range(L - 1, L), dst_layer_range=range(L - 1, L),
+                )
+                assert torch.equal(dst.tensors[-1][9], peer_process.expected(model_id, 2 * L - 1)[9])
+                assert not bool(dst.tensors[0][9].any())
+            # push_blocks back into the peer's model-0 cache
+            src = await cm.allocate_blocks_cache(
+                CacheDesc(2 * L, peer_process.SHAPE, DataType.DT_BF16), BlocksCacheKey(22, 0)
+            )
+            fill(src, 42)
+            await cm.push_blocks(BlocksCacheKey(11, 0), src, [0, 1, 2, 3], [60, 61, 62, 63])
+            pushed = await ask(conn, "pushed")
+            for t, got in zip(src.tensors, pushed, strict=True):
+                assert torch.equal(got, t[0:4])
+            # the CacheKey flow: pull_cache releases the key on the owner
+            used0, keys0 = await ask(conn, "stats")
+            assert keys0 == [100, 101]
+            cdesc = CacheDesc(2 * L, [1, 16 * 2 * 32 * 4], DataType.DT_BF16)
+            mine = await cm.allocate_cache(cdesc)
+            await cm.pull_cache(CacheKey(11, req_id=101), mine, 0)
+            for i, t in enumerate(mine.tensors):
+                assert torch.equal(t[0], peer_process.expected(0, i, [2, 16 * 2 * 32 * 4])[1])
+            blocks = await cm.allocate_blocks_cache(
+                CacheDesc(2 * L, [8, 16 * 2 * 32], DataType.DT_BF16)
+            )
+            await cm.pull_blocks(CacheKey(11, req_id=100), blocks, [], [7, 6, 5, 4])
+            for i, t in enumerate(blocks.tensors):
+                want = peer_process.expected(0, i, [2, 16 * 2 * 32 * 4])[0]
+                assert torch.equal(t[[7, 6, 5, 4]].reshape(-1), want)
+            await settled(d, 11)
+            used1, keys1 = await ask(conn, "stats")
+            assert keys1 == [] and used1 < used0  # both keys released: memory back in the pool
+    finally:
+        conn.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+async def test_killed_peer_fails_fast_and_relinks() -> None:
+    proc, conn, port = start_peer(11)
+    proc2 = None
+    try:
+        async with LLMDataDist(LLMRole.DECODER, 22, config("tcp", sync_kv_timeout=2000)) as d:
+            await d.link_clusters([info(11, ("127.0.0.1", port))])
+            cm = d.cache_manager
+            dst = await cm.allocate_blocks_cache(
+                CacheDesc(2 * peer_process.LAYERS, peer_process.SHAPE, DataType.DT_BF16)
+            )
+            await cm.pull_blocks(BlocksCacheKey(11, 0), dst, [1], [1])
+            proc.kill()
+            proc.join(10)
+            t0 = time.monotonic()
+            with pytest.raises(LLMException) as ei:
+                await cm.pull_blocks(BlocksCacheKey(11, 0), dst, [2], [2])
+            assert time.monotonic() - t0 < 2.5
+            assert ei.value.status_code in (CODE.LLM_LINK_FAILED, CODE.LLM_NOT_YET_LINK, CODE.LLM_TIMEOUT)
+            assert 11 not in d.linked_clusters()
+            proc2, conn2, port2 = start_peer(11)
+            assert (await d.link_clusters([info(11, ("127.0.0.1", port2))]))[1] == [CODE.LLM_SUCCESS]
+            await cm.pull_blocks(BlocksCacheKey(11, 0), dst, [2], [2])
+            assert torch.equal(dst.tensors[0][2], peer_process.expected(0, 0)[2])
+            conn2.send("stop")
+    finally:
+        for pr in (proc, proc2):
+            if pr is not None:
+                pr.join(10)
+                if pr.is_alive():
+                    pr.kill()

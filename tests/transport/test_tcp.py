@@ -1,0 +1,825 @@
+"""The TCP transport over loopback, with a fake cache layer serving plain bytearrays.
+
+Every async test runs on asyncio and on uvloop (see ``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from aiokv._enums import LLMStatusCode as Code
+from aiokv._errors import LLMException
+from aiokv.transport import Grant, Link, PeerInfo, Transport, get_transport, transport_names
+from aiokv.transport import _wire as wire
+from aiokv.transport._tcp import TcpTransport
+from aiokv.transport._wire import FrameType
+
+HOST = "127.0.0.1"
+KIB = 1 << 10
+MIB = 1 << 20
+
+
+# ------------------------------------------------------------------------------ fakes
+
+
+@dataclass
+class FakeHandler:
+    """A cache layer over named bytearrays.
+
+    meta: ``{"region": name, "spans": [[offset, length], ...]}`` selects the buffers;
+    ``{"refuse": code}`` refuses, ``{"raise": code}`` raises ``LLMException(code)``,
+    ``{"crash": true}`` raises a foreign error, ``{"hang": true}`` never answers.
+    Every ``done`` call is recorded under the meta's ``"tag"``.
+    """
+
+    regions: dict[str, bytearray] = field(default_factory=dict)
+    done: dict[Any, asyncio.Future[bool]] = field(default_factory=dict)
+    grants: int = 0
+    hanging: asyncio.Event = field(default_factory=asyncio.Event)
+    hung_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def _done(self, tag: Any) -> Callable[[bool], None]:
+        fut = self.done.setdefault(tag, asyncio.get_running_loop().create_future())
+
+        def done(ok: bool) -> None:
+            assert not fut.done(), f"done called twice for {tag!r}"
+            fut.set_result(ok)
+
+        return done
+
+    async def _grant(self, meta: dict[str, Any]) -> Grant:
+        self.grants += 1
+        if meta.get("hang"):
+            self.hanging.set()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                self.hung_cancelled.set()
+        if "refuse" in meta:
+            return Grant(Code(meta["refuse"]))
+        if "raise" in meta:
+            raise LLMException("refused by test", Code(meta["raise"]))
+        if meta.get("crash"):
+            raise KeyError("a bug in the cache layer")
+        buf = memoryview(self.regions[meta["region"]])
+        views = [buf[off : off + n] for off, n in meta["spans"]]
+        return Grant(Code.LLM_SUCCESS, views, self._done(meta.get("tag", object())))
+
+    async def grant_read(self, peer: PeerInfo, meta: dict[str, Any]) -> Grant:
+        return await self._grant(meta)
+
+    async def grant_write(self, peer: PeerInfo, meta: dict[str, Any], nbytes: int) -> Grant:
+        return await self._grant(meta)
+
+
+def layout(rng: random.Random, n: int, max_size: int, gap: int = 3) -> tuple[list[list[int]], int]:
+    """``n`` spans of random sizes with guard gaps between them, in shuffled wire order."""
+    spans, pos = [], gap
+    for _ in range(n):
+        size = rng.randint(1, max_size)
+        spans.append([pos, size])
+        pos += size + gap
+    rng.shuffle(spans)
+    return spans, pos
+
+
+def views_of(buf: bytearray, spans: list[list[int]]) -> list[memoryview]:
+    mv = memoryview(buf)
+    return [mv[off : off + n] for off, n in spans]
+
+
+def gather_spans(buf: bytes | bytearray, spans: list[list[int]]) -> bytes:
+    return b"".join(bytes(buf[off : off + n]) for off, n in spans)
+
+
+def outside_spans(buf: bytes | bytearray, spans: list[list[int]]) -> bytes:
+    """Every byte not covered by ``spans`` (which must not overlap): must never change."""
+    out, pos = [], 0
+    for off, n in sorted(spans):
+        out.append(bytes(buf[pos:off]))
+        pos = off + n
+    out.append(bytes(buf[pos:]))
+    return b"".join(out)
+
+
+@dataclass
+class Pair:
+    a: TcpTransport
+    b: TcpTransport
+    ha: FakeHandler
+    hb: FakeHandler
+    link_a: Link  # A's end (A connected)
+    link_b: Link  # B's end (B accepted)
+    lost_a: list[Link]
+    lost_b: list[Link]
+
+
+@contextlib.asynccontextmanager
+async def make_pair(
+    *,
+    secret_a: bytes | None = None,
+    secret_b: bytes | None = None,
+    **kwargs: Any,
+) -> AsyncIterator[Pair]:
+    ha, hb = FakeHandler(), FakeHandler()
+    lost_a: list[Link] = []
+    lost_b: list[Link] = []
+    accepted: asyncio.Future[Link] = asyncio.get_running_loop().create_future()
+    a = TcpTransport(1, ha, secret=secret_a, on_link_lost=lost_a.append, **kwargs)
+    b = TcpTransport(
+        2,
+        hb,
+        secret=secret_b,
+        on_link=lambda link: accepted.done() or accepted.set_result(link),
+        on_link_lost=lost_b.append,
+        **kwargs,
+    )
+    try:
+        host, port = await b.listen(HOST, 0)
+        link_a = await a.connect(host, port, timeout=5)
+        link_b = await asyncio.wait_for(accepted, 5)
+        yield Pair(a, b, ha, hb, link_a, link_b, lost_a, lost_b)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    # A small chunk size makes multi-chunk transfers cheap to test.
+    async with make_pair(chunk_bytes=64 * KIB) as p:
+        yield p
+
+
+# -------------------------------------------------------------------- data integrity
+
+
+async def test_link_ends_know_each_other(pair: Pair) -> None:
+    assert pair.link_a.peer.cluster_id == 2
+    assert pair.link_a.local_cluster_id == 1
+    assert pair.link_b.peer.cluster_id == 1
+    assert pair.link_b.local_cluster_id == 2
+    assert pair.link_a.peer.address[0] == HOST
+    assert pair.a.links() == [pair.link_a]
+    assert pair.b.links() == [pair.link_b]
+    assert not pair.link_a.broken
+    assert not pair.link_b.broken
+
+
+@pytest.mark.parametrize("chunk_bytes", [64 * KIB, wire.MAX_CHUNK])
+async def test_read_many_scatter_buffers_exact(chunk_bytes: int) -> None:
+    rng = random.Random(1)
+    async with make_pair(chunk_bytes=chunk_bytes) as p:
+        src_spans, src_len = layout(rng, 1500, 8 * KIB)  # > IOV_MAX buffers, > 4 MiB
+        total = sum(n for _, n in src_spans)
+        assert total > wire.MAX_CHUNK
+        # The same total in another scatter pattern on the receiving side.
+        dst_spans, pos = [], 5
+        for n in [total // 1100] * 1099 + [total - (total // 1100) * 1099]:
+            dst_spans.append([pos, n])
+            pos += n + 5
+        rng.shuffle(dst_spans)
+        src = bytearray(rng.randbytes(src_len))
+        dst = bytearray(rng.randbytes(pos))
+        dst_before = bytes(dst)
+        p.hb.regions["r"] = src
+        await p.link_a.read(
+            {"region": "r", "spans": src_spans, "tag": "t"}, views_of(dst, dst_spans), timeout=10
+        )
+        assert gather_spans(dst, dst_spans) == gather_spans(src, src_spans)
+        assert outside_spans(dst, dst_spans) == outside_spans(dst_before, dst_spans)
+        assert await asyncio.wait_for(p.hb.done["t"], 5) is True
+
+
+async def test_write_many_scatter_buffers_exact(pair: Pair) -> None:
+    rng = random.Random(2)
+    dst_spans, dst_len = layout(rng, 1300, 4 * KIB)
+    total = sum(n for _, n in dst_spans)
+    src_spans = [[3, total]]
+    src = bytearray(rng.randbytes(total + 6))
+    dst = bytearray(rng.randbytes(dst_len))
+    dst_before = bytes(dst)
+    pair.hb.regions["w"] = dst
+    await pair.link_a.write(
+        {"region": "w", "spans": dst_spans, "tag": "w"}, views_of(src, src_spans), timeout=10
+    )
+    # write() returns only once the peer confirmed: its done has already run.
+    assert pair.hb.done["w"].result() is True
+    assert gather_spans(dst, dst_spans) == gather_spans(src, src_spans)
+    assert outside_spans(dst, dst_spans) == outside_spans(dst_before, dst_spans)
+
+
+async def test_both_directions_on_one_link(pair: Pair) -> None:
+    rng = random.Random(3)
+    pair.ha.regions["x"] = bytearray(rng.randbytes(300 * KIB))
+    pair.hb.regions["y"] = bytearray(rng.randbytes(300 * KIB))
+    spans = [[0, 100 * KIB], [200 * KIB, 100 * KIB]]
+    got_a = bytearray(200 * KIB)
+    got_b = bytearray(200 * KIB)
+    push_a = bytearray(rng.randbytes(200 * KIB))
+    push_b = bytearray(rng.randbytes(200 * KIB))
+    await asyncio.gather(
+        pair.link_a.read({"region": "y", "spans": spans}, [memoryview(got_a)], timeout=10),
+        pair.link_b.read({"region": "x", "spans": spans}, [memoryview(got_b)], timeout=10),
+    )
+    assert got_a == gather_spans(pair.hb.regions["y"], spans)
+    assert got_b == gather_spans(pair.ha.regions["x"], spans)
+    await asyncio.gather(
+        pair.link_a.write({"region": "y", "spans": spans}, [memoryview(push_a)], timeout=10),
+        pair.link_b.write({"region": "x", "spans": spans}, [memoryview(push_b)], timeout=10),
+    )
+    assert gather_spans(pair.hb.regions["y"], spans) == push_a
+    assert gather_spans(pair.ha.regions["x"], spans) == push_b
+
+
+@dataclass
+class ManyOps:
+    sizes: list[int]
+    offsets: list[int]
+    remote: bytearray
+    locals_: list[bytearray]
+    pushes: list[bytearray]
+
+
+@pytest.fixture
+def many_ops() -> ManyOps:
+    """Distinct random data for 200 ops, made outside the event loop (it takes a while)."""
+    rng = random.Random(4)
+    sizes = [rng.randint(1, 120 * KIB) for _ in range(200)]  # up to two 64 KiB chunks
+    offsets = [0]
+    for s in sizes[:-1]:
+        offsets.append(offsets[-1] + s)
+    return ManyOps(
+        sizes,
+        offsets,
+        bytearray(rng.randbytes(sum(sizes))),
+        [bytearray(s) for s in sizes],
+        [bytearray(rng.randbytes(s)) for s in sizes],
+    )
+
+
+async def test_200_concurrent_ops_do_not_mix(pair: Pair, many_ops: ManyOps) -> None:
+    n, sizes, offsets = len(many_ops.sizes), many_ops.sizes, many_ops.offsets
+    remote, locals_, pushes = many_ops.remote, many_ops.locals_, many_ops.pushes
+    pair.hb.regions["r"] = remote
+    pair.ha.regions["w"] = bytearray(sum(sizes))
+
+    async def one(i: int) -> None:
+        span = [[offsets[i], sizes[i]]]
+        if i % 2:
+            await pair.link_a.read(
+                {"region": "r", "spans": span}, [memoryview(locals_[i])], timeout=20
+            )
+        else:  # B pushes into A over the same link, concurrently
+            await pair.link_b.write(
+                {"region": "w", "spans": span}, [memoryview(pushes[i])], timeout=20
+            )
+
+    async with asyncio.TaskGroup() as tg:
+        for i in range(n):
+            tg.create_task(one(i))
+            if i % 20 == 19:  # debug mode makes task creation slow: don't block the loop
+                await asyncio.sleep(0)
+        assert len(pair.link_a._mine) + len(pair.link_b._mine) > 100  # type: ignore[attr-defined]
+    for i in range(n):
+        o, s = offsets[i], sizes[i]
+        if i % 2:
+            assert locals_[i] == remote[o : o + s], f"read {i} got foreign bytes"
+        else:
+            assert pair.ha.regions["w"][o : o + s] == pushes[i], f"write {i} landed wrong"
+
+
+async def test_zero_byte_transfers(pair: Pair) -> None:
+    pair.hb.regions["r"] = bytearray(10)
+    await pair.link_a.read({"region": "r", "spans": [], "tag": "r0"}, [], timeout=5)
+    await pair.link_a.write({"region": "r", "spans": [], "tag": "w0"}, [], timeout=5)
+    assert await asyncio.wait_for(pair.hb.done["r0"], 5) is True
+    assert pair.hb.done["w0"].result() is True
+
+
+async def test_views_of_any_format_are_bytes(pair: Pair) -> None:
+    pair.hb.regions["r"] = bytearray(range(16))
+    words = memoryview(bytearray(16)).cast("I")  # 4 x uint32: 16 bytes
+    await pair.link_a.read({"region": "r", "spans": [[0, 16]]}, [words], timeout=5)
+    assert words.tobytes() == bytes(range(16))
+
+
+# --------------------------------------------------------------------- error codes
+
+
+@pytest.mark.parametrize(
+    ("meta", "code"),
+    [
+        ({"refuse": Code.LLM_KV_CACHE_NOT_EXIST}, Code.LLM_KV_CACHE_NOT_EXIST),
+        ({"refuse": Code.LLM_FEATURE_NOT_ENABLED}, Code.LLM_FEATURE_NOT_ENABLED),
+        ({"raise": Code.LLM_OUT_OF_MEMORY}, Code.LLM_OUT_OF_MEMORY),
+        ({"crash": True}, Code.LLM_FAILED),
+    ],
+)
+async def test_refusal_codes_propagate(pair: Pair, meta: dict[str, Any], code: Code) -> None:
+    buf = bytearray(8)
+    for op in (pair.link_a.read, pair.link_a.write):
+        with pytest.raises(LLMException) as info:
+            await op(meta, [memoryview(buf)], timeout=5)
+        assert info.value.status_code == code
+    assert not pair.link_a.broken
+
+
+async def test_size_mismatch_is_param_invalid(pair: Pair) -> None:
+    pair.hb.regions["r"] = bytearray(b"x" * 100)
+    meta = {"region": "r", "spans": [[0, 50]], "tag": "read"}
+    with pytest.raises(LLMException) as info:
+        await pair.link_a.read(meta, [memoryview(bytearray(49))], timeout=5)
+    assert info.value.status_code == Code.LLM_PARAM_INVALID
+    assert await asyncio.wait_for(pair.hb.done["read"], 5) is False
+    meta = {"region": "r", "spans": [[0, 50]], "tag": "write"}
+    with pytest.raises(LLMException) as info:
+        await pair.link_a.write(meta, [memoryview(bytearray(51))], timeout=5)
+    assert info.value.status_code == Code.LLM_PARAM_INVALID
+    assert pair.hb.done["write"].result() is False
+    assert pair.hb.regions["r"] == b"x" * 100  # nothing was sent into a refused request
+    got = bytearray(50)
+    await pair.link_a.read({"region": "r", "spans": [[0, 50]]}, [memoryview(got)], timeout=5)
+    assert got == b"x" * 50
+
+
+async def test_bad_arguments(pair: Pair) -> None:
+    buf = [memoryview(bytearray(4))]
+    with pytest.raises(TypeError):
+        await pair.link_a.read([], buf, timeout=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        await pair.link_a.read({}, [object()], timeout=1)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        await pair.link_a.read({}, memoryview(bytearray(4)), timeout=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        await pair.link_a.read({}, buf, timeout=0)
+    with pytest.raises(LLMException) as info:
+        await pair.link_a.read({}, [memoryview(b"readonly")], timeout=1)
+    assert info.value.status_code == Code.LLM_PARAM_INVALID
+    with pytest.raises(LLMException) as info:
+        await pair.link_a.read({"k": object()}, buf, timeout=1)
+    assert info.value.status_code == Code.LLM_PARAM_INVALID
+    assert pair.hb.grants == 0  # none of these reached the peer
+
+
+async def test_meta_caps() -> None:
+    async with make_pair(max_meta_bytes=1000) as p:
+        with pytest.raises(LLMException) as info:  # over our own cap: never sent
+            await p.link_a.read({"pad": "x" * 2000}, [], timeout=5)
+        assert info.value.status_code == Code.LLM_PARAM_INVALID
+    # Over the peer's cap only: the peer skips it and answers.
+    ha = FakeHandler()
+    small = TcpTransport(2, ha, max_meta_bytes=100)
+    big = TcpTransport(1, FakeHandler())
+    try:
+        port = (await small.listen(HOST, 0))[1]
+        link = await big.connect(HOST, port, timeout=5)
+        with pytest.raises(LLMException) as info:
+            await link.write({"pad": "x" * 5000}, [memoryview(bytearray(10))], timeout=5)
+        assert info.value.status_code == Code.LLM_PARAM_INVALID
+        assert ha.grants == 0
+        assert not link.broken
+    finally:
+        await big.aclose()
+        await small.aclose()
+
+
+# --------------------------------------------------------------- time and cancellation
+
+
+async def test_handler_that_never_answers_times_out(pair: Pair) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(LLMException) as info:
+        await pair.link_a.read({"hang": True}, [memoryview(bytearray(4))], timeout=0.2)
+    assert info.value.status_code == Code.LLM_TIMEOUT
+    assert time.monotonic() - t0 < 2
+    # The CANCEL reached the peer, which stopped waiting on its handler.
+    await asyncio.wait_for(pair.hb.hung_cancelled.wait(), 5)
+    with pytest.raises(LLMException) as info:
+        await pair.link_a.write({"hang": True}, [memoryview(bytearray(4))], timeout=0.1)
+    assert info.value.status_code == Code.LLM_TIMEOUT
+    assert not pair.link_a.broken
+    pair.hb.regions["r"] = bytearray(b"ok")
+    got = bytearray(2)
+    await pair.link_a.read({"region": "r", "spans": [[0, 2]]}, [memoryview(got)], timeout=5)
+    assert got == b"ok"
+
+
+@pytest.mark.parametrize(
+    ("chunk", "sockbuf"),
+    [(16 * KIB, None), (1 * MIB, 32 * KIB)],
+    ids=["small-chunks", "chunks-over-socket-buffer"],
+)
+@pytest.mark.parametrize("op", ["read", "write"])
+async def test_cancel_at_every_step_leaves_link_usable(
+    op: str, chunk: int, sockbuf: int | None
+) -> None:
+    """Cancel one transfer after 0, 1, 2, ... loop steps: before, during and after it.
+
+    With chunks larger than the socket buffers, cancellation lands mid-chunk: the reader
+    must switch to scratch space, the writer finish the frame from a private copy.
+    """
+    rng = random.Random(5)
+    size = 2 * MIB
+    async with make_pair(chunk_bytes=chunk, sock_buf_bytes=sockbuf) as p:
+        p.hb.regions["r"] = bytearray(rng.randbytes(size))
+        for steps in range(0, 60, 4):
+            tag = f"{op}{steps}"
+            mine = bytearray(rng.randbytes(size))
+            meta = {"region": "r", "spans": [[0, size]], "tag": tag}
+            method = p.link_a.read if op == "read" else p.link_a.write
+            task = asyncio.create_task(method(meta, [memoryview(mine)], timeout=20))
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            snapshot = bytes(mine)
+            if tag in p.hb.done:  # the grant happened: the peer learns how it ended
+                ok = await asyncio.wait_for(p.hb.done[tag], 5)
+                if op == "read":  # a pull counts as done exactly when read() returned
+                    assert ok is (not task.cancelled())
+                else:  # a push may land just before its confirmation is awaited
+                    assert ok or task.cancelled()
+            # The link still works, and the cancelled op's buffer is never touched again
+            # (late chunks of it are drained into scratch space while this runs).
+            check = bytearray(size)
+            await p.link_a.read(
+                {"region": "r", "spans": [[0, size]]}, [memoryview(check)], timeout=20
+            )
+            assert check == p.hb.regions["r"]
+            assert bytes(mine) == snapshot
+            if op == "write":
+                p.hb.regions["r"][:] = check  # a cancelled push may have half-landed
+        assert not p.link_a.broken
+        assert not p.link_b.broken
+        assert p.a.links() == [p.link_a]
+
+
+async def test_timeout_mid_transfer_keeps_link(pair: Pair) -> None:
+    size = 8 * MIB
+    pair.hb.regions["r"] = bytearray(random.Random(6).randbytes(size))
+    mine = bytearray(size)
+    with contextlib.suppress(LLMException):  # may or may not finish in 1 ms
+        await pair.link_a.read(
+            {"region": "r", "spans": [[0, size]]}, [memoryview(mine)], timeout=0.001
+        )
+    snapshot = bytes(mine)
+    got = bytearray(size)
+    await pair.link_a.read({"region": "r", "spans": [[0, size]]}, [memoryview(got)], timeout=20)
+    assert got == pair.hb.regions["r"]
+    assert bytes(mine) == snapshot
+
+
+# ---------------------------------------------------------------- broken links, close
+
+
+async def test_peer_close_fails_pending_ops_promptly(pair: Pair) -> None:
+    task = asyncio.create_task(pair.link_a.read({"hang": True}, [], timeout=30))
+    await pair.hb.hanging.wait()
+    t0 = time.monotonic()
+    await pair.link_b.aclose()
+    with pytest.raises(LLMException) as info:
+        await task
+    assert info.value.status_code == Code.LLM_LINK_FAILED
+    assert time.monotonic() - t0 < 2
+    assert pair.link_a.broken
+    assert pair.link_b.broken
+    assert pair.a.links() == []
+    assert pair.b.links() == []
+    assert pair.lost_a == [pair.link_a]
+    assert pair.lost_b == [pair.link_b]
+    with pytest.raises(LLMException) as info:
+        await pair.link_a.read({}, [], timeout=1)
+    assert info.value.status_code == Code.LLM_LINK_FAILED
+    assert pair.hb.hung_cancelled.is_set()
+
+
+Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def fake_peer(serve: Serve) -> AsyncIterator[int]:
+    """A raw-frame peer on a free port; every connection is closed and awaited on exit."""
+    handlers: list[asyncio.Task[None]] = []
+
+    async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                await serve(reader, writer)
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    def spawn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.ensure_future(run(reader, writer)))
+
+    server = await asyncio.start_server(spawn, HOST, 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        await server.wait_closed()
+
+
+async def _fake_peer_hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Server side of the handshake, without a secret, from raw frames."""
+    h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+    await reader.readexactly(h.meta_len)
+    meta = wire.encode_meta({"cluster_id": 9, "nonce": secrets.token_hex(32), "mac": None}, 4096)
+    writer.write(wire.encode_frame(FrameType.HELLO, meta=meta))
+    h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+    await reader.readexactly(h.meta_len)
+    writer.write(wire.encode_frame(FrameType.AUTH, status=0))
+
+
+async def test_peer_dies_mid_transfer() -> None:
+    """A peer sends half a payload and vanishes: LLM_LINK_FAILED at once, link broken."""
+    finished = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _fake_peer_hello(reader, writer)
+        h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+        await reader.readexactly(h.meta_len)
+        writer.write(wire.encode_frame(FrameType.READ_RESP, h.req_id, size=h.size))
+        writer.write(wire.encode_frame(FrameType.DATA, h.req_id, size=h.size))
+        writer.write(b"\xab" * (h.size // 2))
+        await writer.drain()
+        writer.transport.abort()
+        finished.set()
+
+    async with fake_peer(serve) as port:
+        client = TcpTransport(1, FakeHandler())
+        try:
+            link = await client.connect(HOST, port, timeout=5)
+            assert link.peer.cluster_id == 9
+            t0 = time.monotonic()
+            with pytest.raises(LLMException) as info:
+                await link.read({}, [memoryview(bytearray(64 * KIB))], timeout=30)
+            assert info.value.status_code == Code.LLM_LINK_FAILED
+            assert time.monotonic() - t0 < 2
+            assert link.broken
+            assert client.links() == []
+            await finished.wait()
+        finally:
+            await client.aclose()
+
+
+def _misbehave_read(kind: str, rid: int, size: int) -> bytes:
+    if kind == "wrong-size":
+        return wire.encode_frame(FrameType.READ_RESP, rid, size=size + 1)
+    if kind == "unknown-status":
+        return wire.encode_frame(FrameType.READ_RESP, rid, status=12345)
+    # "too-much-data": the grant matches, then one byte more than that arrives
+    return (
+        wire.encode_frame(FrameType.READ_RESP, rid, size=size)
+        + wire.encode_frame(FrameType.DATA, rid, size=size + 1)
+        + b"\xee" * (size + 1)
+    )
+
+
+@pytest.mark.parametrize(
+    ("kind", "code"),
+    [
+        ("wrong-size", Code.LLM_PARAM_INVALID),
+        ("unknown-status", Code.LLM_FAILED),
+        ("too-much-data", Code.LLM_PARAM_INVALID),
+        ("early-write-done", Code.LLM_FAILED),
+    ],
+)
+async def test_misbehaving_peer_cannot_fool_the_requester(kind: str, code: Code) -> None:
+    """Replies that contradict the request fail it; nothing lands in our buffers."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _fake_peer_hello(reader, writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+                await reader.readexactly(h.meta_len + (h.size if h.type is FrameType.DATA else 0))
+                if h.type is FrameType.READ_REQ:
+                    writer.write(_misbehave_read(kind, h.req_id, h.size))
+                elif h.type is FrameType.WRITE_REQ:  # "landed" before a byte was sent
+                    writer.write(wire.encode_frame(FrameType.WRITE_GRANT, h.req_id))
+                    writer.write(wire.encode_frame(FrameType.WRITE_DONE, h.req_id))
+
+    async with fake_peer(serve) as port:
+        client = TcpTransport(1, FakeHandler())
+        try:
+            link = await client.connect(HOST, port, timeout=5)
+            buf = bytearray(b"\0" * 100)
+            op = link.write if kind == "early-write-done" else link.read
+            with pytest.raises(LLMException) as info:
+                await op({}, [memoryview(buf)], timeout=5)
+            assert info.value.status_code == code
+            assert buf == b"\0" * 100
+            assert not link.broken
+        finally:
+            await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "grant",
+    [
+        "not a grant",
+        Grant(0xDEAD),  # type: ignore[arg-type]
+        Grant(Code.LLM_SUCCESS, [object()]),  # type: ignore[list-item]
+        Grant(Code.LLM_SUCCESS, [memoryview(b"read-only")]),  # a write grant must be writable
+    ],
+    ids=["not-a-grant", "unknown-status", "not-a-buffer", "read-only"],
+)
+async def test_broken_grants_are_refused(grant: Any) -> None:
+    class Bad:
+        async def grant_read(self, peer: PeerInfo, meta: dict[str, Any]) -> Any:
+            return grant
+
+        async def grant_write(self, peer: PeerInfo, meta: dict[str, Any], nbytes: int) -> Any:
+            return grant
+
+    server = TcpTransport(2, Bad())
+    client = TcpTransport(1, FakeHandler())
+    try:
+        link = await client.connect(HOST, (await server.listen(HOST, 0))[1], timeout=5)
+        with pytest.raises(LLMException) as info:
+            await link.write({}, [memoryview(bytearray(9))], timeout=5)
+        assert info.value.status_code == Code.LLM_FAILED
+        assert not link.broken
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_oversized_chunk_breaks_the_link() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _fake_peer_hello(reader, writer)
+        h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+        writer.write(
+            wire.HEADER.pack(wire.MAGIC, wire.VERSION, FrameType.DATA, 0, 0, 0, h.req_id, 2**40)
+        )
+        with contextlib.suppress(Exception):
+            await reader.read()
+
+    async with fake_peer(serve) as port:
+        lost: list[Link] = []
+        client = TcpTransport(1, FakeHandler(), on_link_lost=lost.append)
+        try:
+            link = await client.connect(HOST, port, timeout=5)
+            with pytest.raises(LLMException) as info:
+                await link.read({}, [memoryview(bytearray(10))], timeout=5)
+            assert info.value.status_code == Code.LLM_LINK_FAILED
+            assert link.broken
+            assert lost == [link]
+        finally:
+            await client.aclose()
+
+
+async def test_aclose_fails_pending_and_leaves_nothing_behind() -> None:
+    before = asyncio.all_tasks()
+    async with make_pair() as p:
+        pending = asyncio.create_task(p.link_a.read({"hang": True}, [], timeout=30))
+        incoming = asyncio.create_task(p.link_b.write({"hang": True}, [], timeout=30))
+        await p.hb.hanging.wait()
+        await p.ha.hanging.wait()
+        sockets = [link._sock for link in (p.link_a, p.link_b)]  # type: ignore[attr-defined]
+        await p.a.aclose()
+        for task in (pending, incoming):
+            with pytest.raises(LLMException) as info:
+                await task
+            assert info.value.status_code == Code.LLM_LINK_FAILED
+        await p.b.aclose()
+        assert p.a.links() == []
+        assert p.b.links() == []
+        assert all(s.fileno() == -1 for s in sockets)
+        with pytest.raises(LLMException) as info:
+            await p.a.connect(HOST, 1, timeout=1)
+        assert info.value.status_code == Code.LLM_LINK_FAILED
+    assert asyncio.all_tasks() == before
+
+
+# ------------------------------------------------------------------ connect and auth
+
+
+async def test_auth_with_the_same_secret() -> None:
+    async with make_pair(secret_a=b"s3cret", secret_b=b"s3cret") as p:
+        p.hb.regions["r"] = bytearray(b"secret data")
+        got = bytearray(11)
+        await p.link_a.read({"region": "r", "spans": [[0, 11]]}, [memoryview(got)], timeout=5)
+        assert got == b"secret data"
+
+
+@pytest.mark.parametrize(
+    ("client_secret", "server_secret"),
+    [(b"wrong", b"right"), (None, b"right"), (b"right", None)],
+    ids=["wrong-secret", "client-lacks-secret", "server-lacks-secret"],
+)
+async def test_auth_failures(client_secret: bytes | None, server_secret: bytes | None) -> None:
+    accepted: list[Link] = []
+    server = TcpTransport(2, FakeHandler(), secret=server_secret, on_link=accepted.append)
+    client = TcpTransport(1, FakeHandler(), secret=client_secret)
+    try:
+        port = (await server.listen(HOST, 0))[1]
+        with pytest.raises(LLMException) as info:
+            await client.connect(HOST, port, timeout=5)
+        assert info.value.status_code == Code.LLM_LINK_FAILED
+        assert client.links() == []
+        # The server never adopts an unauthenticated peer; give it a moment to decide.
+        await asyncio.sleep(0.05)
+        assert accepted == []
+        assert server.links() == []
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_connect_refused_and_silent_server() -> None:
+    client = TcpTransport(1, FakeHandler())
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        free_port = probe.getsockname()[1]
+    silent = socket.create_server((HOST, 0))  # accepts at kernel level, never answers
+    try:
+        with pytest.raises(LLMException) as info:
+            await client.connect(HOST, free_port, timeout=5)
+        assert info.value.status_code == Code.LLM_LINK_FAILED
+        t0 = time.monotonic()
+        with pytest.raises(LLMException) as info:
+            await client.connect(HOST, silent.getsockname()[1], timeout=0.2)
+        assert info.value.status_code == Code.LLM_TIMEOUT
+        assert time.monotonic() - t0 < 2
+    finally:
+        silent.close()
+        await client.aclose()
+
+
+async def test_server_drops_silent_handshakes() -> None:
+    server = TcpTransport(2, FakeHandler(), handshake_timeout=0.1)
+    try:
+        port = (await server.listen(HOST, 0))[1]
+        reader, writer = await asyncio.open_connection(HOST, port)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed on us
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        await server.aclose()
+
+
+async def test_version_mismatch_is_refused() -> None:
+    server = TcpTransport(2, FakeHandler())
+    try:
+        port = (await server.listen(HOST, 0))[1]
+        reader, writer = await asyncio.open_connection(HOST, port)
+        hdr = bytearray(wire.encode_frame(FrameType.HELLO))
+        hdr[4] = wire.VERSION + 1
+        writer.write(bytes(hdr))
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        await writer.wait_closed()
+        assert server.links() == []
+    finally:
+        await server.aclose()
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_registry() -> None:
+    assert get_transport("tcp") is TcpTransport
+    assert issubclass(TcpTransport, Transport)
+    assert "tcp" in transport_names()
+    with pytest.raises(LLMException) as info:
+        get_transport("carrier-pigeon")
+    assert info.value.status_code == Code.LLM_PARAM_INVALID
+    with pytest.raises(TypeError):
+        get_transport(None)  # type: ignore[arg-type]
+    try:  # present or not, never a raw ImportError
+        nixl: type[Transport] | LLMException = get_transport("nixl")
+    except LLMException as exc:
+        nixl = exc
+    if isinstance(nixl, LLMException):
+        assert nixl.status_code == Code.LLM_FEATURE_NOT_ENABLED
+    else:
+        assert issubclass(nixl, Transport)
+
+
+def test_constructor_checks() -> None:
+    with pytest.raises(TypeError):
+        TcpTransport("1", FakeHandler())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="out of range"):
+        TcpTransport(-1, FakeHandler())
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        TcpTransport(1, FakeHandler(), chunk_bytes=wire.MAX_CHUNK + 1)
+    with pytest.raises(TypeError):
+        TcpTransport(1, FakeHandler(), secret="text")  # type: ignore[arg-type]
