@@ -218,8 +218,9 @@ class CacheRegistry:
         if blocks_key is not None:
             old = self.blocks_keys.get(blocks_key)
             if old is not None:
-                log.warning("%s was registered to cache %d; now cache %d", blocks_key, old,
-                            cache.cache_id)
+                log.warning(
+                    "%s was registered to cache %d; now cache %d", blocks_key, old, cache.cache_id
+                )
                 self.entries[old].blocks_key = None
             self.blocks_keys[blocks_key] = cache.cache_id
             entry.blocks_key = blocks_key
@@ -228,8 +229,7 @@ class CacheRegistry:
     def _bind_key(self, key: CacheKey, entry: Entry, slot: int) -> None:
         old = self.keys.get(key)
         if old is not None and old[0] != entry.cache.cache_id:
-            log.warning("%s was bound to cache %d; now cache %d", key, old[0],
-                        entry.cache.cache_id)
+            log.warning("%s was bound to cache %d; now cache %d", key, old[0], entry.cache.cache_id)
             self.release_key(key)
         self.keys[key] = (entry.cache.cache_id, slot)
         entry.keys.add(key)
@@ -248,7 +248,7 @@ class CacheRegistry:
             return None
         if cache._registry is not self:
             param_invalid(op, f"{name} {cache.cache_id} belongs to another LLMDataDist")
-        e = self.entries.get(cache.cache_id)
+        e: Entry | None = self.entries.get(cache.cache_id)
         if e is None or not e.id_held:
             raise LLMException(
                 f"{op}: cache {cache.cache_id} is not allocated or registered here",

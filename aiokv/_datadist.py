@@ -138,7 +138,8 @@ class LLMDataDist:
             raise RuntimeError(f"{op}: LLMDataDist is already initialized")
         check_instance(op, "options", options, (LLMConfig, dict))
         config = (
-            options.model_copy() if isinstance(options, LLMConfig)
+            options.model_copy()
+            if isinstance(options, LLMConfig)
             else LLMConfig.from_options(options)
         )
         device = resolve_device(config.device_type, config.device_id)
@@ -194,8 +195,7 @@ class LLMDataDist:
         self._config = config
         self._scheduler = scheduler
         self._transport = transport
-        log.info("LLMDataDist %d (%s) initialized on %s", self._cluster_id, self._role.name,
-                 device)
+        log.info("LLMDataDist %d (%s) initialized on %s", self._cluster_id, self._role.name, device)
 
     @staticmethod
     async def _make_pool(
@@ -204,11 +204,15 @@ class LLMDataDist:
         if cfg is None:
             return None
         name = "device pool" if on_device else "host pool"
-        code = LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY if on_device else LLMStatusCode.LLM_OUT_OF_MEMORY
+        code = (
+            LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY if on_device else LLMStatusCode.LLM_OUT_OF_MEMORY
+        )
         with map_errors(f"init ({name} of {cfg.memory_size} bytes)", code):
+
             def reserve() -> Any:
                 region = (
-                    device_empty(cfg.memory_size, device) if on_device
+                    device_empty(cfg.memory_size, device)
+                    if on_device
                     else host_empty(cfg.memory_size, device, pin=supports_pinning(device))
                 )
                 pre_touch(region)  # commit the pages now, not on the first transfer
@@ -294,12 +298,14 @@ class LLMDataDist:
                     try:
                         link = await self._transport.connect(host, port, timeout=left)
                     except LLMException as exc:
-                        log.info("link to %d at %s:%d, try %d: %s", cid, host, port,
-                                 attempt + 1, exc)
+                        log.info(
+                            "link to %d at %s:%d, try %d: %s", cid, host, port, attempt + 1, exc
+                        )
                         continue
                     if link.peer.cluster_id != cid:
-                        log.warning("%s:%d is cluster %d, not %d", host, port,
-                                    link.peer.cluster_id, cid)
+                        log.warning(
+                            "%s:%d is cluster %d, not %d", host, port, link.peer.cluster_id, cid
+                        )
                         await link.aclose()
                         return LLMStatusCode.LLM_LINK_FAILED
                     mgr._links[cid] = link

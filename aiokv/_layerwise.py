@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from ._enums import LLMStatusCode
 from ._errors import LLMException
 
-__all__ = ["CacheTask", "LayerSynchronizer", "LayerJob", "run_layers"]
+__all__ = ["CacheTask", "LayerJob", "LayerSynchronizer", "run_layers"]
 
 Code = LLMStatusCode
 
@@ -46,7 +46,7 @@ class LayerJob:
     """One destination: which layers it needs and how to send one of them."""
 
     layers: range
-    send: Callable[[int], Awaitable[None]]
+    send: Callable[[int], Coroutine[Any, Any, None]]
 
 
 async def _sync(sync: LayerSynchronizer, layer: int, timeout_ms: int) -> LLMStatusCode:
@@ -88,7 +88,9 @@ async def run_layers(
 
     try:
         for layer in range(first, last):
-            wanting = [j for j, job in enumerate(jobs) if layer in job.layers and results[j] is None]
+            wanting = [
+                j for j, job in enumerate(jobs) if layer in job.layers and results[j] is None
+            ]
             if not wanting:
                 continue
             code = await _sync(sync, layer, timeout_ms)

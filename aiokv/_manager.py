@@ -52,7 +52,7 @@ from .transport import Link
 __all__ = ["CacheManager", "KvCacheManager"]
 
 
-def _check_list(op: str, name: str, value: Any, item: type) -> list[Any]:
+def _check_list(op: str, name: str, value: Any, item: type | tuple[type, ...]) -> list[Any]:
     check_instance(op, name, value, (list, tuple))
     for i, v in enumerate(value):
         check_instance(op, f"{name}[{i}]", v, item)
@@ -432,7 +432,9 @@ class CacheManager:
         for i, lst in enumerate(dst_blocks_list):
             dsts = _check_blocks(op, f"dst_blocks_list[{i}]", lst, dst_cache.num_blocks)
             if len(dsts) != len(srcs):
-                param_invalid(op, f"dst_blocks_list[{i}] has {len(dsts)} blocks, src has {len(srcs)}")
+                param_invalid(
+                    op, f"dst_blocks_list[{i}] has {len(dsts)} blocks, src has {len(srcs)}"
+                )
             pairs.extend(zip(srcs, dsts, strict=True))
         dsts_all = [d for _, d in pairs]
         if len(set(dsts_all)) != len(dsts_all):
@@ -500,8 +502,10 @@ class CacheManager:
                 check_instance(op, name, r, range)
                 if r.step != 1 or r.start < 0 or len(r) == 0:
                     param_invalid(op, f"layer range {r} must be non-empty with step 1")
-        if local_layers is not None and remote_layers is not None and len(local_layers) != len(
-            remote_layers
+        if (
+            local_layers is not None
+            and remote_layers is not None
+            and len(local_layers) != len(remote_layers)
         ):
             param_invalid(op, "src_layer_range and dst_layer_range differ in length")
         tensors = tensor_range(op, local.cache_desc.num_tensors, local_layers, n)
@@ -509,8 +513,15 @@ class CacheManager:
         return tensors, wire, n
 
     async def _transfer(
-        self, op: str, key: Any, cache: Cache, entry: Entry | None, layout: Layout,
-        meta: dict[str, Any], *, write: bool,
+        self,
+        op: str,
+        key: Any,
+        cache: Cache,
+        entry: Entry | None,
+        layout: Layout,
+        meta: dict[str, Any],
+        *,
+        write: bool,
     ) -> None:
         require_host(op, cache)
         link = self._link(op, key.cluster_id)
@@ -569,8 +580,15 @@ class CacheManager:
             op, cache, dst_layer_range, src_layer_range, tensor_num_per_layer
         )
         layout = Layout(tensors, None, slot=slot, nbytes=n)
-        meta = {"shape": "slot", "size": n, "offset": 0, "layers": wire, "per_layer": per,
-                "exact": size == -1, "release": isinstance(cache_key, CacheKey)}
+        meta = {
+            "shape": "slot",
+            "size": n,
+            "offset": 0,
+            "layers": wire,
+            "per_layer": per,
+            "exact": size == -1,
+            "release": isinstance(cache_key, CacheKey),
+        }
         await self._transfer(op, cache_key, cache, entry, layout, meta, write=False)
 
     async def pull_blocks(
@@ -622,8 +640,14 @@ class CacheManager:
             op, dst_cache, dst_layer_range, src_layer_range, tensor_num_per_layer
         )
         layout = Layout(tensors, tuple(dsts), nbytes=dst_cache.block_bytes)
-        meta = {"shape": shape, "blocks": srcs, "block_bytes": dst_cache.block_bytes,
-                "layers": wire, "per_layer": per, "release": isinstance(src_cache_key, CacheKey)}
+        meta = {
+            "shape": shape,
+            "blocks": srcs,
+            "block_bytes": dst_cache.block_bytes,
+            "layers": wire,
+            "per_layer": per,
+            "release": isinstance(src_cache_key, CacheKey),
+        }
         await self._transfer(op, src_cache_key, dst_cache, entry, layout, meta, write=False)
 
     async def push_cache(
@@ -659,8 +683,14 @@ class CacheManager:
             op, src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
         layout = Layout(tensors, None, slot=slot, nbytes=n)
-        meta = {"shape": "slot", "size": n, "offset": 0, "layers": wire, "per_layer": per,
-                "exact": size == -1}
+        meta = {
+            "shape": "slot",
+            "size": n,
+            "offset": 0,
+            "layers": wire,
+            "per_layer": per,
+            "exact": size == -1,
+        }
         await self._transfer(op, dst_cache_key, src_cache, entry, layout, meta, write=True)
 
     async def push_blocks(
@@ -694,8 +724,13 @@ class CacheManager:
             op, src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
         layout = Layout(tensors, tuple(srcs), nbytes=src_cache.block_bytes)
-        meta = {"shape": "blocks", "blocks": dsts, "block_bytes": src_cache.block_bytes,
-                "layers": wire, "per_layer": per}
+        meta = {
+            "shape": "blocks",
+            "blocks": dsts,
+            "block_bytes": src_cache.block_bytes,
+            "layers": wire,
+            "per_layer": per,
+        }
         await self._transfer(op, dst_cache_key, src_cache, entry, layout, meta, write=True)
 
     # ---- layer-wise ---------------------------------------------------------------------
@@ -761,21 +796,22 @@ class CacheManager:
             dbs = check_int(op, "dst_block_memory_size", dst_block_memory_size, 1, 2**40)
             if dbs < bb:
                 param_invalid(op, f"dst_block_memory_size {dbs} < source block size {bb}")
-        jobs = [
-            self._layer_job(op, src_cache, cfg, nlayers, srcs, dsts, dbs) for cfg in configs
-        ]
+        jobs = [self._layer_job(op, src_cache, cfg, nlayers, srcs, dsts, dbs) for cfg in configs]
         results: list[LLMStatusCode | None] = [None] * len(jobs)
-        self._registry.pin(entry)
-
-        async def run() -> None:
-            try:
-                await run_layers(sync, jobs, self._config.sync_kv_timeout, results)
-            finally:
-                self._registry.unpin(entry)
-
-        task = asyncio.create_task(run(), name=f"aiokv-{op}-{src_cache.cache_id}")
+        live = [entry] if entry is not None else []
+        self._registry.pin(*live)  # now: the caller may deallocate before the task runs
+        task = asyncio.create_task(
+            run_layers(sync, jobs, self._config.sync_kv_timeout, results),
+            name=f"aiokv-{op}-{src_cache.cache_id}",
+        )
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+
+        def finished(t: asyncio.Task[None]) -> None:
+            # a done callback, not a finally: it also runs for a task cancelled unstarted
+            self._tasks.discard(t)
+            self._registry.unpin(*live)
+
+        task.add_done_callback(finished)
         return CacheTask(task, results)
 
     def _layer_job(
@@ -891,18 +927,18 @@ class KvCacheManager(CacheManager):
                 LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
             )
 
-    async def remove_cache_key(self, cache_key: CacheKey) -> None:  # noqa: D102
+    async def remove_cache_key(self, cache_key: CacheKey) -> None:
         self._gate("remove_cache_key", _PROMPT_ROLES)
         await super().remove_cache_key(cache_key)
 
-    async def pull_cache(self, *args: Any, **kwargs: Any) -> None:  # noqa: D102
+    async def pull_cache(self, *args: Any, **kwargs: Any) -> None:
         self._gate("pull_cache", _PULL_ROLES)
         await super().pull_cache(*args, **kwargs)
 
-    async def pull_blocks(self, *args: Any, **kwargs: Any) -> None:  # noqa: D102
+    async def pull_blocks(self, *args: Any, **kwargs: Any) -> None:
         self._gate("pull_blocks", _PULL_ROLES)
         await super().pull_blocks(*args, **kwargs)
 
-    async def transfer_cache_async(self, *args: Any, **kwargs: Any) -> CacheTask:  # noqa: D102
+    async def transfer_cache_async(self, *args: Any, **kwargs: Any) -> CacheTask:
         self._gate("transfer_cache_async", _PROMPT_ROLES)
         return await super().transfer_cache_async(*args, **kwargs)

@@ -343,9 +343,7 @@ class LLMConfig(_Model):
         swap_in_buffers: block-sized staging buffers for host→device swaps.
     """
 
-    model_config = ConfigDict(
-        strict=True, extra="forbid", frozen=False, validate_assignment=True
-    )
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     device_id: int = Field(default=0, ge=0, le=1 << 16)
     device_type: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     sync_kv_timeout: int = Field(default=1000, gt=0, le=1 << 31)
@@ -429,7 +427,9 @@ class LLMConfig(_Model):
                 try:
                     kwargs[field] = int(raw)
                 except ValueError:
-                    raise ValueError(f"LLMConfig.from_options: {key}={raw!r} is not an int") from None
+                    raise ValueError(
+                        f"LLMConfig.from_options: {key}={raw!r} is not an int"
+                    ) from None
             else:
                 kwargs[field] = raw
         return cls(**kwargs)
@@ -442,9 +442,7 @@ class LLMClusterInfo(_Model):
     info.append_remote_ip_info("127.0.0.1", 26000)``) or by keyword.
     """
 
-    model_config = ConfigDict(
-        strict=True, extra="forbid", frozen=False, validate_assignment=True
-    )
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     _positional = ("remote_cluster_id",)
     remote_cluster_id: int = 0
     local_ip_info: list[tuple[str, int]] = Field(default_factory=list)

@@ -54,9 +54,7 @@ def _runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def tensor_range(
-    op: str, ntensors: int, layers: range | None, per_layer: int
-) -> range:
+def tensor_range(op: str, ntensors: int, layers: range | None, per_layer: int) -> range:
     """Tensor indices of layer range ``layers`` (layer ``i`` = tensors ``[i*n, (i+1)*n)``).
 
     Raises:
@@ -202,12 +200,18 @@ class PeerService:
         if cluster != self._cluster_id:
             raise missing
         if kind == "blocks":
-            e = self._registry.by_blocks_key(BlocksCacheKey(cluster, _int(key, "model_id")))
+            bk = BlocksCacheKey(cluster_id=cluster, model_id=_int(key, "model_id"))
+            e = self._registry.by_blocks_key(bk)
             if e is None:
                 raise missing
             return e, None, None
         if kind == "key":
-            ck = CacheKey(cluster, _int(key, "req_id"), _int(key, "model_id"), _int(key, "prefix_id"))
+            ck = CacheKey(
+                prompt_cluster_id=cluster,
+                req_id=_int(key, "req_id"),
+                model_id=_int(key, "model_id"),
+                prefix_id=_int(key, "prefix_id"),
+            )
             hit = self._registry.by_key(ck)
             if hit is None:
                 raise missing
@@ -275,7 +279,9 @@ class PeerService:
                 return self._grant_addrs(meta, nbytes)
             entry, slot, key = self._lookup(meta)
             cache = entry.cache
-            if write and not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
+            if write and not (
+                self._config.enable_remote_cache_accessible and entry.remote_accessible
+            ):
                 raise _Refused(
                     Code.LLM_FEATURE_NOT_ENABLED,
                     f"cache {cache.cache_id} does not accept pushes "

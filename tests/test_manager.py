@@ -68,7 +68,9 @@ def snapshot(*caches: Cache) -> list[torch.Tensor]:
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True))
+    return all(
+        torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True)
+    )
 
 
 def used(cm: CacheManager) -> tuple[int, int]:
@@ -189,7 +191,9 @@ async def test_allocation_failures_change_nothing(cm: CacheManager) -> None:
     assert ei.value.status_code == CODE.LLM_OUT_OF_MEMORY
     assert used(cm) == before
     with pytest.raises(LLMException) as ei:
-        await cm.allocate_cache(CacheDesc(1, [2, 8], DataType.DT_UINT8), [CacheKey(1, i) for i in range(3)])
+        await cm.allocate_cache(
+            CacheDesc(1, [2, 8], DataType.DT_UINT8), [CacheKey(1, i) for i in range(3)]
+        )
     assert ei.value.status_code == CODE.LLM_PARAM_INVALID
     assert used(cm) == before
     await cm.deallocate_cache(big)
@@ -247,7 +251,9 @@ async def test_register_and_unregister(cm: CacheManager, caplog: pytest.LogCaptu
     await cm.unregister_cache(b.cache_id)
     assert reg.by_blocks_key(key) is None
     await cm.unregister_cache(b.cache_id)  # no-op
-    c = await cm.register_cache(CacheDesc(1, [2, 8], DataType.DT_FLOAT), [torch.ones(2, 8)], [CacheKey(1, 9)])
+    c = await cm.register_cache(
+        CacheDesc(1, [2, 8], DataType.DT_FLOAT), [torch.ones(2, 8)], [CacheKey(1, 9)]
+    )
     assert CacheKey(1, 9) in reg.keys
     await cm.unregister_cache(c.cache_id)
     assert CacheKey(1, 9) not in reg.keys
@@ -345,7 +351,9 @@ async def test_copy_cache_slots_offset_size(cm: CacheManager) -> None:
 async def test_error_contract_changes_nothing(cm: CacheManager) -> None:
     dev = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 16))
     host = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 16))
-    other = await cm.allocate_blocks_cache(CacheDesc(4, [16, 4, 2, 16], DataType.DT_BF16, Placement.HOST))
+    other = await cm.allocate_blocks_cache(
+        CacheDesc(4, [16, 4, 2, 16], DataType.DT_BF16, Placement.HOST)
+    )
     three = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 16, 3))
     contig = await cm.allocate_cache(CacheDesc(4, [2, 1024], DataType.DT_BF16))
     contig2 = await cm.allocate_cache(CacheDesc(4, [2, 512], DataType.DT_BF16))
@@ -381,14 +389,22 @@ async def test_error_contract_changes_nothing(cm: CacheManager) -> None:
         (lambda: cm.copy_cache(contig, contig2), P, CODE.LLM_PARAM_INVALID),
         (lambda: cm.copy_cache(contig, contig, 2, 0), P, CODE.LLM_PARAM_INVALID),
         (lambda: cm.copy_cache(contig, contig, 0, 1, offset=2048), P, CODE.LLM_PARAM_INVALID),
-        (lambda: cm.copy_cache(contig, contig, 0, 1, offset=1024, size=1025), P, CODE.LLM_PARAM_INVALID),
+        (
+            lambda: cm.copy_cache(contig, contig, 0, 1, offset=1024, size=1025),
+            P,
+            CODE.LLM_PARAM_INVALID,
+        ),
         (lambda: cm.copy_cache(contig, contig, 0, 1, size=-2), ValueError, None),
         (lambda: cm.copy_cache(contig, contig, "0", 1), TypeError, None),  # type: ignore[arg-type]
         (lambda: cm.copy_cache(contig, None), NoneArgumentError, None),  # type: ignore[arg-type]
         (lambda: cm.allocate_cache(None), NoneArgumentError, None),  # type: ignore[arg-type]
         (lambda: cm.allocate_cache("desc"), TypeError, None),  # type: ignore[arg-type]
         (lambda: cm.allocate_cache(blocks_desc(Placement.DEVICE), [1]), TypeError, None),  # type: ignore[list-item]
-        (lambda: cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE), CacheKey(1, 1)), TypeError, None),  # type: ignore[arg-type]
+        (
+            lambda: cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE), CacheKey(1, 1)),
+            TypeError,
+            None,
+        ),  # type: ignore[arg-type]
         (lambda: cm.remove_cache_key(None), NoneArgumentError, None),  # type: ignore[arg-type]
         (lambda: cm.remove_cache_key(BlocksCacheKey(1)), TypeError, None),  # type: ignore[arg-type]
         (lambda: cm.deallocate_cache(None), NoneArgumentError, None),  # type: ignore[arg-type]

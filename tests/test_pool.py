@@ -97,7 +97,7 @@ class RefcountMachine(RuleBasedStateMachine):
             for _ in range(desc.num_tensors):
                 spans.append(self.pool.allocate(desc.size))
         except LLMException as exc:
-            assert exc.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY
+            assert exc.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY  # noqa: PT017
             for s in spans:
                 self.pool.free(s)
             return None

@@ -13,10 +13,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import peer_process
 import pytest
 import torch
 
-import peer_process
 from aiokv import (
     BlocksCacheKey,
     Cache,
@@ -131,7 +131,7 @@ async def test_link_to_nobody_fails_fast() -> None:
     s.close()  # nothing listens there now
     async with LLMDataDist(LLMRole.DECODER, 2, config("tcp", link_retry_count=3)) as d:
         t0 = time.monotonic()
-        code, codes = await d.link_clusters([info(1, ("127.0.0.1", port))], timeout=2000)
+        _, codes = await d.link_clusters([info(1, ("127.0.0.1", port))], timeout=2000)
         assert codes == [CODE.LLM_LINK_FAILED] and time.monotonic() - t0 < 2.5
 
 
@@ -164,7 +164,11 @@ async def test_pull_blocks_exact(pair: tuple[LLMDataDist, LLMDataDist], dtype: D
             assert torch.equal(td[b], want), (i, b)
     # a tail subset of layers, into other layers
     await d.cache_manager.pull_blocks(
-        BlocksCacheKey(1, 0), dst, [6], [7], src_layer_range=range(1, 3),
+        BlocksCacheKey(1, 0),
+        dst,
+        [6],
+        [7],
+        src_layer_range=range(1, 3),
         dst_layer_range=range(0, 2),
     )
     for k in range(4):
@@ -220,11 +224,15 @@ async def test_pull_cache_releases_the_key(pair: tuple[LLMDataDist, LLMDataDist]
     assert all(torch.equal(td[2], ts[1]) for td, ts in zip(dst.tensors, src.tensors, strict=True))
     await raises(CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_cache(k1, dst, 0))
     # chunks of the contiguous slot into blocks; releases k0 -> memory goes back
-    blocks = await d.cache_manager.allocate_blocks_cache(CacheDesc(4, [8, 256], DataType.DT_FLOAT16))
+    blocks = await d.cache_manager.allocate_blocks_cache(
+        CacheDesc(4, [8, 256], DataType.DT_FLOAT16)
+    )
     await d.cache_manager.pull_blocks(k0, blocks, dst_blocks=[5, 6, 7, 0])
     for tb, ts in zip(blocks.tensors, src.tensors, strict=True):
         assert torch.equal(tb[[5, 6, 7, 0]].reshape(-1), ts[0])
-    await raises(CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_cache(k0, dst, 0))  # a round trip
+    await raises(
+        CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_cache(k0, dst, 0)
+    )  # a round trip
     after = p.cache_manager.get_pool_stats()
     assert after is not None and after.used == 0
 
@@ -244,7 +252,9 @@ async def test_pull_and_push_by_id(pair: tuple[LLMDataDist, LLMDataDist]) -> Non
     assert torch.equal(src.tensors[0][0], dst.tensors[2][1])
     assert torch.equal(src.tensors[1][0], dst.tensors[3][1])
     await d.cache_manager.push_cache(CacheKeyByIdAndIndex(1, src.cache_id, 1), dst, 0, size=128)
-    assert torch.equal(src.tensors[3][1].view(torch.uint8)[:128], dst.tensors[3][0].view(torch.uint8)[:128])
+    assert torch.equal(
+        src.tensors[3][1].view(torch.uint8)[:128], dst.tensors[3][0].view(torch.uint8)[:128]
+    )
 
 
 async def test_remote_errors_change_nothing(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
@@ -262,14 +272,24 @@ async def test_remote_errors_change_nothing(pair: tuple[LLMDataDist, LLMDataDist
     P = CODE.LLM_PARAM_INVALID
     for code, coro in [
         (CODE.LLM_KV_CACHE_NOT_EXIST, cm.pull_blocks(BlocksCacheKey(1, 7), dst, [0], [0])),
-        (CODE.LLM_KV_CACHE_NOT_EXIST, cm.pull_cache(CacheKey(1, 555), await cm.allocate_cache(CacheDesc(1, [1, 8], DataType.DT_BF16)))),
+        (
+            CODE.LLM_KV_CACHE_NOT_EXIST,
+            cm.pull_cache(
+                CacheKey(1, 555), await cm.allocate_cache(CacheDesc(1, [1, 8], DataType.DT_BF16))
+            ),
+        ),
         (P, cm.pull_blocks(k, dst, [], [])),
         (P, cm.pull_blocks(k, dst, [0, 1], [0])),
         (P, cm.pull_blocks(k, dst, [32], [0])),  # out of range on the owner
         (P, cm.pull_blocks(k, dst, [0], [32])),  # out of range here
         (P, cm.pull_blocks(k, dst, [0, 1], [2, 2])),
         (P, cm.pull_blocks(k, dst, [0], [0], src_layer_range=range(2, 4))),  # owner has 3 layers
-        (P, cm.pull_blocks(k, dst, [0], [0], src_layer_range=range(0, 1), dst_layer_range=range(0, 2))),
+        (
+            P,
+            cm.pull_blocks(
+                k, dst, [0], [0], src_layer_range=range(0, 1), dst_layer_range=range(0, 2)
+            ),
+        ),
         (P, cm.pull_blocks(k, dst, [0], [0], tensor_num_per_layer=4, src_layer_range=range(0, 1))),
         (P, cm.pull_blocks(BlocksCacheKey(1, 2), dst, [0], [0])),  # block sizes differ
     ]:
@@ -335,21 +355,46 @@ async def test_hostile_requests_never_touch_unregistered_memory(
     link = d.cache_manager._links[1]
     rng = random.Random(7)
     good: dict[str, Any] = {
-        "v": 1, "key": {"kind": "blocks", "cluster_id": 1, "model_id": 0}, "shape": "blocks",
-        "blocks": [0], "block_bytes": target.block_bytes, "ntensors": 6, "layers": None,
+        "v": 1,
+        "key": {"kind": "blocks", "cluster_id": 1, "model_id": 0},
+        "shape": "blocks",
+        "blocks": [0],
+        "block_bytes": target.block_bytes,
+        "ntensors": 6,
+        "layers": None,
         "per_layer": 2,
     }
     addrs = [target.tensor_addrs[0], sealed.tensor_addrs[0], loose.data_ptr()]
     values: list[Any] = [
-        None, -1, 0, 1, 2**64, 2**63 - 1, 1.5, "x", [], [1, 2], {}, True, "addrs", "slot",
-        "chunks", "id", "key", [0, 1], [-1, 2], [0, 10**6],
+        None,
+        -1,
+        0,
+        1,
+        2**64,
+        2**63 - 1,
+        1.5,
+        "x",
+        [],
+        [1, 2],
+        {},
+        True,
+        "addrs",
+        "slot",
+        "chunks",
+        "id",
+        "key",
+        [0, 1],
+        [-1, 2],
+        [0, 10**6],
         *[[[a + off, n]] for a in addrs for off in (-1, 0, 8) for n in (64, 10**9)],
     ]
     refused = 0
     for _ in range(600):
         meta = {**good, "key": dict(good["key"])}
         for _ in range(rng.randint(1, 3)):
-            field = rng.choice([*good, "op", "regions", "key.kind", "key.model_id", "key.cluster_id"])
+            field = rng.choice(
+                [*good, "op", "regions", "key.kind", "key.model_id", "key.cluster_id"]
+            )
             if field.startswith("key.") and isinstance(meta["key"], dict):
                 meta["key"][field[4:]] = rng.choice([*values, 0, 1])
             else:
@@ -416,10 +461,14 @@ async def test_transfer_cache_async_layer_by_layer(pair: tuple[LLMDataDist, LLMD
     for e in sync2.ready:
         e.set()
     task2 = await p.cache_manager.transfer_cache_async(
-        src, sync2,
-        [TransferWithCacheKeyConfig(BlocksCacheKey(2, 1), range(0, 2), range(0, 2)),
-         TransferWithCacheKeyConfig(BlocksCacheKey(2, 1), range(2, 4), range(2, 4))],
-        [1], [1],
+        src,
+        sync2,
+        [
+            TransferWithCacheKeyConfig(BlocksCacheKey(2, 1), range(0, 2), range(0, 2)),
+            TransferWithCacheKeyConfig(BlocksCacheKey(2, 1), range(2, 4), range(2, 4)),
+        ],
+        [1],
+        [1],
     )
     assert await task2.get_results() == [CODE.LLM_SUCCESS, CODE.LLM_PARAM_INVALID]
     assert await task2.synchronize() == CODE.LLM_PARAM_INVALID
@@ -433,7 +482,9 @@ async def test_transfer_cache_async_errors(pair: tuple[LLMDataDist, LLMDataDist]
     dst = await d.cache_manager.allocate_blocks_cache(paged(2))
     cm = p.cache_manager
     # layer 0 never released: the synchronizer times out
-    task = await cm.transfer_cache_async(src, Releaser(2), [TransferConfig(2, dst.tensor_addrs)], [0], [0])
+    task = await cm.transfer_cache_async(
+        src, Releaser(2), [TransferConfig(2, dst.tensor_addrs)], [0], [0]
+    )
     assert await task.get_results() == [CODE.LLM_TIMEOUT]
     # addresses the decoder never registered as accessible memory
     sync = Releaser(2)
@@ -442,27 +493,45 @@ async def test_transfer_cache_async_errors(pair: tuple[LLMDataDist, LLMDataDist]
     bogus = [a + (1 << 40) for a in dst.tensor_addrs]
     task = await cm.transfer_cache_async(src, sync, [TransferConfig(2, bogus)], [0], [0])
     assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
+
     # a plain (sync) synchronizer is accepted; cancelling reports None
     class Plain:
         def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
             return True
 
-    task = await cm.transfer_cache_async(src, Plain(), [TransferConfig(2, dst.tensor_addrs)], [2], [2])
+    task = await cm.transfer_cache_async(
+        src, Plain(), [TransferConfig(2, dst.tensor_addrs)], [2], [2]
+    )
     assert await task == [CODE.LLM_SUCCESS]
-    slow = await cm.transfer_cache_async(src, Releaser(2), [TransferConfig(2, dst.tensor_addrs)], [0], [0])
+    slow = await cm.transfer_cache_async(
+        src, Releaser(2), [TransferConfig(2, dst.tensor_addrs)], [0], [0]
+    )
     slow.cancel()
     assert await slow.get_results() == [None]
     for call in [
-        lambda: cm.transfer_cache_async(src, Plain(), [TransferConfig(2, dst.tensor_addrs[:2])], [0], [0]),
-        lambda: cm.transfer_cache_async(src, Plain(), [TransferConfig(2, dst.tensor_addrs)], [0], None),
-        lambda: cm.transfer_cache_async(src, Plain(), [TransferConfig(2, dst.tensor_addrs)], [0], [0, 1]),
+        lambda: cm.transfer_cache_async(
+            src, Plain(), [TransferConfig(2, dst.tensor_addrs[:2])], [0], [0]
+        ),
+        lambda: cm.transfer_cache_async(
+            src, Plain(), [TransferConfig(2, dst.tensor_addrs)], [0], None
+        ),
+        lambda: cm.transfer_cache_async(
+            src, Plain(), [TransferConfig(2, dst.tensor_addrs)], [0], [0, 1]
+        ),
         lambda: cm.transfer_cache_async(src, Plain(), [], [0], [0]),
-        lambda: cm.transfer_cache_async(src, Plain(), [TransferConfig(2, dst.tensor_addrs, range(0, 3))], [0], [0]),
+        lambda: cm.transfer_cache_async(
+            src, Plain(), [TransferConfig(2, dst.tensor_addrs, range(0, 3))], [0], [0]
+        ),
     ]:
         await raises(CODE.LLM_PARAM_INVALID, call())
-    await raises(CODE.LLM_NOT_YET_LINK, cm.transfer_cache_async(src, Plain(), [TransferConfig(8, dst.tensor_addrs)], [0], [0]))
+    await raises(
+        CODE.LLM_NOT_YET_LINK,
+        cm.transfer_cache_async(src, Plain(), [TransferConfig(8, dst.tensor_addrs)], [0], [0]),
+    )
     with pytest.raises(TypeError):
-        await cm.transfer_cache_async(src, object(), [TransferConfig(2, dst.tensor_addrs)], [0], [0])  # type: ignore[arg-type]
+        await cm.transfer_cache_async(
+            src, object(), [TransferConfig(2, dst.tensor_addrs)], [0], [0]
+        )  # type: ignore[arg-type]
 
 
 # ---- two real processes -----------------------------------------------------------------------
@@ -501,10 +570,16 @@ async def test_two_processes_serving_flow(backend: str) -> None:
                         assert torch.equal(t[b], want[s]), (model_id, i, b)
                 # tail subset of layers
                 await cm.pull_blocks(
-                    BlocksCacheKey(11, model_id), dst, [9], [9],
-                    src_layer_range=range(L - 1, L), dst_layer_range=range(L - 1, L),
+                    BlocksCacheKey(11, model_id),
+                    dst,
+                    [9],
+                    [9],
+                    src_layer_range=range(L - 1, L),
+                    dst_layer_range=range(L - 1, L),
                 )
-                assert torch.equal(dst.tensors[-1][9], peer_process.expected(model_id, 2 * L - 1)[9])
+                assert torch.equal(
+                    dst.tensors[-1][9], peer_process.expected(model_id, 2 * L - 1)[9]
+                )
                 assert not bool(dst.tensors[0][9].any())
             # push_blocks back into the peer's model-0 cache
             src = await cm.allocate_blocks_cache(
@@ -541,7 +616,7 @@ async def test_two_processes_serving_flow(backend: str) -> None:
 
 
 async def test_killed_peer_fails_fast_and_relinks() -> None:
-    proc, conn, port = start_peer(11)
+    proc, _conn, port = start_peer(11)
     proc2 = None
     try:
         async with LLMDataDist(LLMRole.DECODER, 22, config("tcp", sync_kv_timeout=2000)) as d:
@@ -557,10 +632,16 @@ async def test_killed_peer_fails_fast_and_relinks() -> None:
             with pytest.raises(LLMException) as ei:
                 await cm.pull_blocks(BlocksCacheKey(11, 0), dst, [2], [2])
             assert time.monotonic() - t0 < 2.5
-            assert ei.value.status_code in (CODE.LLM_LINK_FAILED, CODE.LLM_NOT_YET_LINK, CODE.LLM_TIMEOUT)
+            assert ei.value.status_code in (
+                CODE.LLM_LINK_FAILED,
+                CODE.LLM_NOT_YET_LINK,
+                CODE.LLM_TIMEOUT,
+            )
             assert 11 not in d.linked_clusters()
             proc2, conn2, port2 = start_peer(11)
-            assert (await d.link_clusters([info(11, ("127.0.0.1", port2))]))[1] == [CODE.LLM_SUCCESS]
+            assert (await d.link_clusters([info(11, ("127.0.0.1", port2))]))[1] == [
+                CODE.LLM_SUCCESS
+            ]
             await cm.pull_blocks(BlocksCacheKey(11, 0), dst, [2], [2])
             assert torch.equal(dst.tensors[0][2], peer_process.expected(0, 0)[2])
             conn2.send("stop")
