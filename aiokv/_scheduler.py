@@ -345,9 +345,12 @@ def _copy_host(src: torch.Tensor, dst: torch.Tensor, planner: _Planner, staging:
     if n_rest == 0:
         return
     sw, dw = _wide_pair(src, dst)
-    if plan.dst_start is not None:
+    # One tensor (copy_blocks): torch refuses `out=`/source views of the very tensor being
+    # written even when the rows are disjoint, so those copies go through staging.
+    same = _same_view(src, dst)
+    if plan.dst_start is not None and not same:
         torch.index_select(sw, 0, plan.rest_src, out=dw[plan.dst_start : plan.dst_start + n_rest])
-    elif plan.src_start is not None:
+    elif plan.src_start is not None and not same:
         dw.index_copy_(0, plan.rest_dst, sw[plan.src_start : plan.src_start + n_rest])
     else:
         rows = max(1, staging // max(row_bytes, 1))

@@ -278,6 +278,26 @@ async def test_copy_blocks_one_to_many(cm: CacheManager) -> None:
         assert torch.equal(t, ref)
 
 
+@pytest.mark.parametrize(
+    "info",
+    [{1: [255]}, {1: [255, 254]}, {0: [128]}, {3: [4]}, {10: list(range(200, 240)), 2: [0, 1]}],
+)
+async def test_copy_blocks_patterns_within_one_tensor(
+    cm: CacheManager, info: dict[int, list[int]]
+) -> None:
+    # regression: copies inside one tensor must not hand torch an aliasing out=/source view
+    c = await cm.allocate_blocks_cache(CacheDesc(2, [256, 1024], DataType.DT_UINT8))
+    for i, t in enumerate(c.tensors):
+        t.copy_(torch.randint(0, 255, t.shape, generator=torch.Generator().manual_seed(i)))
+    before = snapshot(c)
+    await cm.copy_blocks(c, info)
+    for i, t in enumerate(c.tensors):
+        ref = before[i].clone()
+        for s, ds in info.items():
+            ref[ds] = before[i][s]
+        assert torch.equal(t, ref)
+
+
 async def test_copy_kv_blocks_all_directions(cm: CacheManager) -> None:
     dev = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 32))
     dev2 = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 32))

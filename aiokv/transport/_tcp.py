@@ -36,7 +36,7 @@ import math
 import os
 import secrets
 import socket
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final
 
 from .._enums import LLMStatusCode
@@ -456,8 +456,11 @@ class _TcpLink(Link):
         acked = False
         try:
             self._post(wire.encode_frame(_F.READ_REQ, op.rid, meta=frame_meta, size=total))
-            async with self._deadline(op, "Link.read", timeout):
-                await op.until_over()
+            try:
+                async with asyncio.timeout(timeout):
+                    await op.until_over()
+            except TimeoutError:
+                self._timed_out(op, "Link.read", timeout)
             status = op.outcome()
             if status is not _S.LLM_SUCCESS:
                 raise self._refused("Link.read", status)
@@ -480,11 +483,14 @@ class _TcpLink(Link):
         ok = False
         try:
             self._post(wire.encode_frame(_F.WRITE_REQ, op.rid, meta=frame_meta, size=total))
-            async with self._deadline(op, "Link.write", timeout):
-                await op.until_granted_or_over()
-                if op.state is _State.SENDING and total:
-                    op.stream = self._add_stream(op.rid, views, total)
-                await op.until_over()
+            try:
+                async with asyncio.timeout(timeout):
+                    await op.until_granted_or_over()
+                    if op.state is _State.SENDING and total:
+                        op.stream = self._add_stream(op.rid, views, total)
+                    await op.until_over()
+            except TimeoutError:
+                self._timed_out(op, "Link.write", timeout)
             status = op.outcome()
             if status is not _S.LLM_SUCCESS:
                 raise self._refused("Link.write", status)
@@ -529,20 +535,14 @@ class _TcpLink(Link):
         op.total = total
         return op
 
-    @contextlib.asynccontextmanager
-    async def _deadline(self, op: _MyOp, name: str, seconds: float) -> AsyncIterator[None]:
-        """Bound the wait for ``op`` by ``seconds``; expiry raises ``LLM_TIMEOUT``."""
-        try:
-            async with asyncio.timeout(seconds):
-                yield
-        except TimeoutError:
-            # No-op if the answer landed in the very iteration the deadline fired.
-            op.finish(_S.LLM_TIMEOUT)
-            if op.result is _S.LLM_TIMEOUT:
-                raise LLMException(
-                    f"{name}: no answer from cluster {self.peer.cluster_id} within {seconds:.3g} s",
-                    _S.LLM_TIMEOUT,
-                ) from None
+    def _timed_out(self, op: _MyOp, name: str, seconds: float) -> None:
+        """The deadline passed: raise ``LLM_TIMEOUT``, unless the answer landed just now."""
+        op.finish(_S.LLM_TIMEOUT)  # no-op if it landed in the very iteration the deadline fired
+        if op.result is _S.LLM_TIMEOUT:
+            raise LLMException(
+                f"{name}: no answer from cluster {self.peer.cluster_id} within {seconds:.3g} s",
+                _S.LLM_TIMEOUT,
+            ) from None
 
     def _refused(self, name: str, status: LLMStatusCode) -> LLMException:
         if status is _S.LLM_LINK_FAILED:
