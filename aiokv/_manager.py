@@ -873,13 +873,14 @@ class CacheManager:
                 raw = src.tensors[ti].view(torch.uint8)
                 if src.is_blocks_cache:
                     rows = raw.view(src.num_blocks, -1)
-                    for s_b, d_b in zip(srcs, dsts, strict=True):
-                        views.append(memview(rows[s_b]))
-                        regs.append([addr + d_b * dbs, src.block_bytes])
+                    views.extend(memview(rows[s_b]) for s_b in srcs)
+                    # merged within this destination tensor only: the peer checks each
+                    # region against ONE registered tensor
+                    regs.extend(_merge([[addr + d_b * dbs, src.block_bytes] for d_b in dsts]))
                 else:
                     views.append(memview(raw.view(src.cache_desc.batch_size, -1)[batch]))
                     regs.append([addr, per_slot])
-            return views, _merge(regs)
+            return views, regs
 
         async def send_addrs(layer: int) -> None:
             views, regs = regions(layer)

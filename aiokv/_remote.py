@@ -86,19 +86,23 @@ class Layout:
         return per * len(self.tensors)
 
     def views(self, cache: Cache) -> list[memoryview]:
-        """The buffers of ``cache`` this layout names, consecutive memory coalesced."""
+        """The buffers of ``cache`` this layout names, consecutive memory coalesced.
+
+        One memoryview per tensor, sliced per run: slicing costs ~0.1 µs, a fresh view
+        over raw memory several µs.
+        """
         out: list[memoryview] = []
+        n = self.nbytes
         if self.blocks is not None:
-            runs = _runs(self.blocks)
+            runs = [(start * n, (start + count) * n) for start, count in _runs(self.blocks)]
             for ti in self.tensors:
-                # rows of nbytes: the blocks of a blocks cache, or chunks of a contiguous one
-                rows = cache.tensors[ti].view(torch.uint8).view(-1, self.nbytes)
-                for start, count in runs:
-                    out.append(memview(rows[start : start + count].reshape(-1)))
+                whole = memview(cache.tensors[ti])
+                out.extend(whole[a:b] for a, b in runs)
         else:
+            per_slot = cache.cache_desc.size // cache.cache_desc.batch_size
+            a = self.slot * per_slot + self.offset
             for ti in self.tensors:
-                rows = cache.tensors[ti].view(torch.uint8).view(cache.cache_desc.batch_size, -1)
-                out.append(memview(rows[self.slot, self.offset : self.offset + self.nbytes]))
+                out.append(memview(cache.tensors[ti])[a : a + n])
         return out
 
 
@@ -165,9 +169,9 @@ def _ints(meta: dict[str, Any], name: str, hi: int) -> tuple[int, ...]:
 
 def _layers(meta: dict[str, Any], ntensors: int) -> range:
     v = meta.get("layers")
-    per = _int(meta, "per_layer", 1, max(ntensors, 1))
     if v is None:
         return range(ntensors)
+    per = _int(meta, "per_layer", 1, max(ntensors, 1))
     if (
         not isinstance(v, list)
         or len(v) != 2

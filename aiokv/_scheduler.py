@@ -214,10 +214,11 @@ class _Planner:
         return self._disjoint
 
     def for_rows(self, row_bytes: int) -> _Plan:
-        min_run = max(1, -(-_SLICE_MIN_BYTES // max(row_bytes, 1)))
-        plan = self._plans.get(min_run)
+        """The plan for tensors whose blocks are ``row_bytes`` long."""
+        plan = self._plans.get(row_bytes)
         if plan is None:
-            plan = self._plans[min_run] = _make_plan(
+            min_run = max(1, -(-_SLICE_MIN_BYTES // max(row_bytes, 1)))
+            plan = self._plans[row_bytes] = _make_plan(
                 self._src, self._dst, self._starts, self._lengths, min_run
             )
         return plan
@@ -241,19 +242,9 @@ class _Planner:
 # --------------------------------------------------------------------------- copy kernels
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as ``[blocks, elements]`` without copying, or ``t`` itself if not viewable."""
-    if t.dim() == 2:
-        return t
-    try:
-        return t.view(t.shape[0], -1)
-    except RuntimeError:
-        return t
-
-
 def _row_bytes(t: torch.Tensor) -> int:
     rows = t.shape[0]
-    return t.numel() // rows * t.element_size() if rows else 0
+    return t.nbytes // rows if rows else 0
 
 
 def _wide_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,21 +264,21 @@ def _wide_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return a, b
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
+def _end(t: torch.Tensor, start: int) -> int:
+    """One past the last byte ``t`` can touch."""
     if t.is_contiguous():
-        return start, start + t.nbytes
+        return start + t.nbytes
+    if t.numel() == 0:
+        return start
     extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    return start, start + (extent + 1) * t.element_size()
+    return start + (extent + 1) * t.element_size()
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` (on one device) may share bytes."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, a1 = _span(a)
-    b0, b1 = _span(b)
-    return a0 < b1 and b0 < a1
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = _end(a, a0), _end(b, b0)
+    return a0 < b1 and b0 < a1 and a0 < a1 and b0 < b1
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -326,13 +317,25 @@ def _context(device: torch.device) -> DeviceContext:
     return ctx
 
 
+def _needs_snapshot(src: torch.Tensor, dst: torch.Tensor, planner: _Planner) -> tuple[bool, bool]:
+    """``(snapshot, same)``: whether the copy must do every read before any write (the
+    tensors may share memory and a block is both read and written), and whether they are
+    one view. Runs once per tensor per call, so the common case makes few torch calls."""
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    if s0 == d0 and src.shape == dst.shape and src.stride() == dst.stride():
+        return not planner.disjoint, True
+    if src.is_contiguous() and dst.is_contiguous():
+        return s0 < d0 + dst.nbytes and d0 < s0 + src.nbytes, False
+    return _overlap(src, dst), False
+
+
 def _copy_host(src: torch.Tensor, dst: torch.Tensor, planner: _Planner, staging: int) -> None:
     """``dst[d] = src[s]`` for every planned pair, both tensors in host memory.
 
     Kept lean: it runs once per tensor per call, and a call may carry 64+ tensors.
     """
-    if _overlap(src, dst) and not (_same_view(src, dst) and planner.disjoint):
-        # Source and destination may share memory: read everything before writing.
+    snapshot, same = _needs_snapshot(src, dst, planner)
+    if snapshot:
         plan = planner.snapshot()
         sw, dw = _wide_pair(src, dst)
         dw.index_copy_(0, plan.rest_dst, sw.index_select(0, plan.rest_src))
@@ -345,9 +348,8 @@ def _copy_host(src: torch.Tensor, dst: torch.Tensor, planner: _Planner, staging:
     if n_rest == 0:
         return
     sw, dw = _wide_pair(src, dst)
-    # One tensor (copy_blocks): torch refuses `out=`/source views of the very tensor being
-    # written even when the rows are disjoint, so those copies go through staging.
-    same = _same_view(src, dst)
+    # Within one tensor torch refuses an `out=` or source that is a view of the tensor
+    # being written, even for disjoint rows, so that case goes through staging.
     if plan.dst_start is not None and not same:
         torch.index_select(sw, 0, plan.rest_src, out=dw[plan.dst_start : plan.dst_start + n_rest])
     elif plan.src_start is not None and not same:
@@ -407,26 +409,41 @@ class _Ring:
         return slot
 
     def drain(self) -> None:
+        """Finish every slot: wait for its copy and do its owed host scatter."""
         for slot in self._slots:
+            slot.settle()
+
+    def abandon(self) -> None:
+        """After a failed job: wait for queued copies, forget owed scatters.
+
+        No slot may write into a failed call's memory once the call has returned.
+        """
+        for slot in self._slots:
+            slot.scatter = None
             slot.settle()
 
 
 def _copy_cross(
-    src: torch.Tensor, dst: torch.Tensor, planner: _Planner, ring: _Ring, staging: int
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    planner: _Planner,
+    ring: _Ring,
+    staging: int,
+    src_host: bool,
+    dst_host: bool,
 ) -> None:
     """``dst[d] = src[s]`` for every planned pair where at least one side is an accelerator.
 
     Must run under ``ring.ctx.stream()``; the caller drains the ring and synchronizes the
     context before the job ends. The host side of an index copy goes through pinned ring
     slots so transfers are async and overlap the host gather/scatter of other chunks.
+    ``src_host`` / ``dst_host`` say which sides are host memory (passed in so tests can
+    drive every branch with CPU tensors).
     """
     sv, dv = src, dst
     row_bytes = _row_bytes(src)
     same_device = src.device == dst.device
-    # Tensors that may share memory get every read done before any write.
-    snapshot = (
-        same_device and _overlap(src, dst) and not (_same_view(src, dst) and planner.disjoint)
-    )
+    snapshot, same = _needs_snapshot(src, dst, planner) if same_device else (False, False)
     plan = planner.snapshot() if snapshot else planner.for_rows(row_bytes)
     for s, d, n in plan.slices:
         dv[d : d + n].copy_(sv[s : s + n], non_blocking=True)
@@ -435,12 +452,11 @@ def _copy_cross(
         return
     sidx, _ = plan.rest_on(src.device)
     _, didx = plan.rest_on(dst.device)
-    src_host, dst_host = src.device.type == "cpu", dst.device.type == "cpu"
     rows = n_rest if snapshot else max(1, staging // max(row_bytes, 1))
     for k in range(0, n_rest, rows):
         m = min(rows, n_rest - k)
         slot: _Slot | None = None
-        if plan.src_start is not None:
+        if plan.src_start is not None and not same:
             part = sv[plan.src_start + k : plan.src_start + k + m]
         elif src_host:
             # Host→device: gather on the host straight into pinned memory.
@@ -473,35 +489,45 @@ def _copy_blocks_job(
     pairs: list[tuple[int, int]],
     config: SchedulerConfig,
 ) -> None:
+    """The body of :meth:`CopyScheduler.copy_blocks`, on a worker thread."""
     planner = _Planner(pairs)
     rings: dict[torch.device, _Ring] = {}
-    for s, d in zip(src, dst, strict=True):
-        if s.is_cpu and d.is_cpu:
-            _copy_host(s, d, planner, config.staging_bytes)
-            continue
-        ctx = _context(s.device if is_accelerator(s.device) else d.device)
-        ring = rings.get(ctx.device)
-        if ring is None:
-            ring = rings[ctx.device] = _Ring(ctx, config.swap_in_buffers, config.staging_bytes)
-        with ctx.stream():
-            _copy_cross(s, d, planner, ring, config.staging_bytes)
-    for ring in rings.values():
-        ring.drain()
-        ring.ctx.synchronize()
+    try:
+        for s, d in zip(src, dst, strict=True):
+            if s.is_cpu and d.is_cpu:
+                _copy_host(s, d, planner, config.staging_bytes)
+                continue
+            ctx = _context(s.device if is_accelerator(s.device) else d.device)
+            ring = rings.get(ctx.device)
+            if ring is None:
+                ring = rings[ctx.device] = _Ring(ctx, config.swap_in_buffers, config.staging_bytes)
+            with ctx.stream():
+                _copy_cross(s, d, planner, ring, config.staging_bytes, s.is_cpu, d.is_cpu)
+        for ring in rings.values():
+            ring.drain()
+    finally:
+        # Even after an error, nothing queued may outlive the job: the caller may free
+        # the memory as soon as the await returns.
+        for ring in rings.values():
+            ring.abandon()
+            ring.ctx.synchronize()
 
 
 def _copy_many_job(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The body of :meth:`CopyScheduler.copy_many`, on a worker thread."""
     used: dict[torch.device, DeviceContext] = {}
-    for s, d in pairs:
-        if s.is_cpu and d.is_cpu:
-            d.copy_(s)
-            continue
-        ctx = _context(s.device if is_accelerator(s.device) else d.device)
-        used[ctx.device] = ctx
-        with ctx.stream():
-            d.copy_(s, non_blocking=True)
-    for ctx in used.values():
-        ctx.synchronize()
+    try:
+        for s, d in pairs:
+            if s.is_cpu and d.is_cpu:
+                d.copy_(s)
+                continue
+            ctx = _context(s.device if is_accelerator(s.device) else d.device)
+            used[ctx.device] = ctx
+            with ctx.stream():
+                d.copy_(s, non_blocking=True)
+    finally:
+        for ctx in used.values():
+            ctx.synchronize()
 
 
 # --------------------------------------------------------------------------- jobs and pools

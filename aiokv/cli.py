@@ -40,6 +40,16 @@ def bench_local(
     local_main(quick=quick)
 
 
+@bench_app.command("transfer")
+def bench_transfer(
+    quick: Annotated[bool, typer.Option(help="Fewer sizes, fewer transfers.")] = False,
+) -> None:
+    """pull/push over loopback vs a raw socket stream; layer-wise overlap; 1,000 in flight."""
+    from ._bench_transfer import run
+
+    _run_loop(lambda: run(quick=quick))
+
+
 def main() -> None:
     """Entry point of the ``aiokv`` console script."""
     app()

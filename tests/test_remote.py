@@ -176,6 +176,19 @@ async def test_pull_blocks_exact(pair: tuple[LLMDataDist, LLMDataDist], dtype: D
     assert torch.equal(dst.tensors[4][7], before[4][7])
 
 
+async def test_single_tensor_cache_without_layer_ranges(
+    pair: tuple[LLMDataDist, LLMDataDist],
+) -> None:
+    # regression: tensor_num_per_layer only matters when a layer range is given
+    p, d = pair
+    desc = CacheDesc(1, [8, 4096], DataType.DT_UINT8)
+    src = await p.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+    fill(src, 1)
+    dst = await d.cache_manager.allocate_blocks_cache(desc)
+    await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [3], [4])
+    assert torch.equal(dst.tensors[0][4], src.tensors[0][3])
+
+
 async def test_two_models_and_push_blocks(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
     p, d = pair
     m0 = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))

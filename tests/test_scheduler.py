@@ -21,7 +21,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiokv._scheduler import CopyScheduler, SchedulerConfig, coalesce
+from aiokv._device import DeviceContext
+from aiokv._scheduler import (
+    CopyScheduler,
+    SchedulerConfig,
+    _copy_cross,
+    _Planner,
+    _Ring,
+    coalesce,
+)
 
 CPU = torch.device("cpu")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -49,6 +57,9 @@ def expected(
 def assert_bytes_equal(a: torch.Tensor, b: torch.Tensor) -> None:
     assert a.shape == b.shape
     assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+PAIR_KINDS = ["random", "contiguous", "dst_consecutive", "src_consecutive", "mixed"]
 
 
 def make_pairs(kind: str, n: int, rows: int, rng: random.Random) -> list[tuple[int, int]]:
@@ -115,9 +126,7 @@ async def sched() -> AsyncIterator[CopyScheduler]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "kind", ["random", "contiguous", "dst_consecutive", "src_consecutive", "mixed"]
-)
+@pytest.mark.parametrize("kind", PAIR_KINDS)
 async def test_copy_blocks_exact(sched: CopyScheduler, dtype: torch.dtype, kind: str) -> None:
     gen = torch.Generator().manual_seed(1)
     rows = 96
@@ -171,17 +180,56 @@ async def test_copy_blocks_byte_rows_and_odd_layouts(sched: CopyScheduler) -> No
         assert_bytes_equal(d, w)
 
 
-@pytest.mark.parametrize("kind", ["disjoint", "chained"])
+WITHIN_ONE_TENSOR = {
+    # copy-on-write forks: 0..9 -> 20..29 (a slice) and scattered singles
+    "disjoint": [(i, 20 + i) for i in range(10)] + [(40, 50), (41, 60), (40, 61)],
+    "dst_consecutive": [(50, 3), (45, 4), (60, 5), (41, 6)],
+    "src_consecutive": [(3, 50), (4, 45), (5, 60), (6, 41)],
+    "chained": [(i, i + 1) for i in range(30)],  # a destination is also a source
+}
+
+
+@pytest.mark.parametrize("kind", list(WITHIN_ONE_TENSOR))
 async def test_copy_blocks_within_one_tensor(sched: CopyScheduler, kind: str) -> None:
     """Same tensor as source and destination: every read happens before any write."""
     gen = torch.Generator().manual_seed(7)
     t = rand_tensor((64, 2048), torch.bfloat16, gen)
-    if kind == "disjoint":  # copy-on-write forks: 0..9 -> 20..29 (slices) and singles
-        pairs = [(i, 20 + i) for i in range(10)] + [(40, 50), (41, 60), (40, 61)]
-    else:  # shifted by one: a destination is also a source
-        pairs = [(i, i + 1) for i in range(30)]
+    pairs = WITHIN_ONE_TENSOR[kind]
     want = expected([t], [t], pairs)
     await sched.copy_blocks([t], [t], pairs)
+    assert_bytes_equal(t, want[0])
+
+
+@pytest.mark.parametrize(("src_host", "dst_host"), [(True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("kind", PAIR_KINDS)
+def test_accelerator_path_logic_on_cpu(src_host: bool, dst_host: bool, kind: str) -> None:
+    """Every branch of the host<->device path (pinned ring slots, owed host scatters,
+    gathers, chunking) driven with CPU tensors, so it is checked without a GPU."""
+    gen = torch.Generator().manual_seed(12)
+    rows = 96
+    shapes = [(rows, 2, 4096), (rows, 3, 5)]  # 16 KiB rows (slices) and odd tiny rows
+    src = [rand_tensor(sh, torch.bfloat16, gen) for sh in shapes]
+    dst = [rand_tensor(sh, torch.bfloat16, gen) for sh in shapes]
+    pairs = make_pairs(kind, 24, rows, random.Random(13))
+    want = expected(src, dst, pairs)
+    ring = _Ring(DeviceContext(CPU), 2, 1024)  # 2 slots: chunks cycle through them
+    planner = _Planner(pairs)
+    for s, d in zip(src, dst, strict=True):
+        _copy_cross(s, d, planner, ring, 40 * 1024, src_host, dst_host)
+    ring.drain()
+    for d, w in zip(dst, want, strict=True):
+        assert_bytes_equal(d, w)
+
+
+@pytest.mark.parametrize("kind", list(WITHIN_ONE_TENSOR))
+def test_accelerator_path_within_one_tensor_on_cpu(kind: str) -> None:
+    gen = torch.Generator().manual_seed(14)
+    t = rand_tensor((64, 2048), torch.bfloat16, gen)
+    pairs = WITHIN_ONE_TENSOR[kind]
+    want = expected([t], [t], pairs)
+    ring = _Ring(DeviceContext(CPU), 2, 1024)
+    _copy_cross(t, t, _Planner(pairs), ring, 8192, False, False)
+    ring.drain()
     assert_bytes_equal(t, want[0])
 
 
@@ -463,9 +511,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 @needs_cuda
 @pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
-@pytest.mark.parametrize(
-    "kind", ["random", "contiguous", "dst_consecutive", "src_consecutive", "mixed"]
-)
+@pytest.mark.parametrize("kind", PAIR_KINDS)
 async def test_copy_blocks_cuda(direction: str, kind: str) -> None:
     dev = torch.device("cuda", 0)
     gen = torch.Generator().manual_seed(10)

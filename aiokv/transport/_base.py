@@ -94,7 +94,12 @@ class Link(abc.ABC):
     Every operation raises ``LLMException``: the peer's code when it refuses,
     ``LLM_PARAM_INVALID`` for a size mismatch or bad ``meta``, ``LLM_TIMEOUT`` past its
     ``timeout`` (seconds), ``LLM_LINK_FAILED`` when the link is or becomes broken.
-    Cancelling an operation fails only that operation; the link stays usable.
+    ``TypeError`` / ``ValueError`` for arguments of the wrong type or range.
+    Cancelling an operation (``task.cancel()``, an enclosing ``asyncio.timeout``) fails
+    only that operation; the link stays usable and the peer is told to let go.
+
+    ``timeout`` is an argument rather than left to an enclosing scope because expiry is
+    part of the protocol: it must map to ``LLM_TIMEOUT`` and release the peer's grant.
     """
 
     local_cluster_id: int

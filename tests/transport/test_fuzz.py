@@ -52,7 +52,7 @@ class GuardedHandler:
         self.open_grants = 0
         self.granted = 0
 
-    def _grant(self, buf: bytearray, meta: dict[str, Any]) -> Grant:
+    def _grant(self, buf: memoryview, meta: dict[str, Any]) -> Grant:
         spans = meta.get("spans")
         if not isinstance(spans, list) or len(spans) > 2000:
             return Grant(Code.LLM_PARAM_INVALID)
@@ -67,7 +67,7 @@ class GuardedHandler:
                 or s[0] + s[1] > REGION
             ):
                 return Grant(Code.LLM_PARAM_INVALID)
-            views.append(memoryview(buf)[s[0] : s[0] + s[1]])
+            views.append(buf[s[0] : s[0] + s[1]])
         self.open_grants += 1
         self.granted += 1
         released = False
@@ -81,10 +81,10 @@ class GuardedHandler:
         return Grant(Code.LLM_SUCCESS, views, done)
 
     async def grant_read(self, peer: PeerInfo, meta: dict[str, Any]) -> Grant:
-        return self._grant(self.ro, meta)
+        return self._grant(memoryview(self.ro), meta)
 
     async def grant_write(self, peer: PeerInfo, meta: dict[str, Any], nbytes: int) -> Grant:
-        return self._grant(memoryview(self.rw)[GUARD : GUARD + REGION], meta)  # type: ignore[arg-type]
+        return self._grant(memoryview(self.rw)[GUARD : GUARD + REGION], meta)
 
 
 def raw(
@@ -181,7 +181,7 @@ class Fuzzer:
         _, meta = await self.recv_frame()
         server = wire.decode_meta(meta)
         nonce_s = bytes.fromhex(server["nonce"])
-        mac = _mac(SECRET, b"client", nonce_c, nonce_s, FUZZER_ID, SERVER_ID)
+        mac: Any = _mac(SECRET, b"client", nonce_c, nonce_s, FUZZER_ID, SERVER_ID)
         if forge:
             mac = self.rng.choice([None, "00" * 32, mac[:-1] + "0", 12, "zz", mac.upper()])
         self.writer.write(wire.encode_frame(F.AUTH, meta=js({"mac": mac})))
@@ -269,8 +269,8 @@ class Fuzzer:
                     )
                 )
             elif k == 13:  # truncated: a frame cut short, then the end of the connection
-                frame = raw(F.WRITE_REQ, self.next_id(), meta=js({"spans": spans(rng)}), size=99)
-                out.append(frame[: rng.randrange(len(frame))])
+                whole = raw(F.WRITE_REQ, self.next_id(), meta=js({"spans": spans(rng)}), size=99)
+                out.append(whole[: rng.randrange(len(whole))])
                 break
             elif k == 14:
                 out.append(raw(F.ERROR if rng.random() < 0.5 else F.CLOSE))

@@ -19,7 +19,7 @@ import pytest
 
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
-from aiokv.transport import Grant, Link, PeerInfo, Transport, get_transport, transport_names
+from aiokv.transport import Grant, Link, PeerInfo, Transport, _tcp, get_transport, transport_names
 from aiokv.transport import _wire as wire
 from aiokv.transport._tcp import TcpTransport
 from aiokv.transport._wire import FrameType
@@ -135,15 +135,13 @@ async def make_pair(
     lost_a: list[Link] = []
     lost_b: list[Link] = []
     accepted: asyncio.Future[Link] = asyncio.get_running_loop().create_future()
+
+    def on_link(link: Link) -> None:
+        if not accepted.done():
+            accepted.set_result(link)
+
     a = TcpTransport(1, ha, secret=secret_a, on_link_lost=lost_a.append, **kwargs)
-    b = TcpTransport(
-        2,
-        hb,
-        secret=secret_b,
-        on_link=lambda link: accepted.done() or accepted.set_result(link),
-        on_link_lost=lost_b.append,
-        **kwargs,
-    )
+    b = TcpTransport(2, hb, secret=secret_b, on_link=on_link, on_link_lost=lost_b.append, **kwargs)
     try:
         host, port = await b.listen(HOST, 0)
         link_a = await a.connect(host, port, timeout=5)
@@ -360,7 +358,7 @@ async def test_bad_arguments(pair: Pair) -> None:
     with pytest.raises(TypeError):
         await pair.link_a.read({}, [object()], timeout=1)  # type: ignore[list-item]
     with pytest.raises(TypeError):
-        await pair.link_a.read({}, memoryview(bytearray(4)), timeout=1)  # type: ignore[arg-type]
+        await pair.link_a.read({}, memoryview(bytearray(4)), timeout=1)
     with pytest.raises(ValueError, match="timeout"):
         await pair.link_a.read({}, buf, timeout=0)
     with pytest.raises(LLMException) as info:
@@ -370,6 +368,20 @@ async def test_bad_arguments(pair: Pair) -> None:
         await pair.link_a.read({"k": object()}, buf, timeout=1)
     assert info.value.status_code == Code.LLM_PARAM_INVALID
     assert pair.hb.grants == 0  # none of these reached the peer
+
+
+async def test_peer_request_flood_is_capped(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_tcp, "_MAX_PEER_REQUESTS", 2)
+    hung = [asyncio.create_task(pair.link_a.read({"hang": True}, [], timeout=10)) for _ in range(2)]
+    while pair.hb.grants < 2:
+        await pair.hb.hanging.wait()
+        pair.hb.hanging.clear()
+    with pytest.raises(LLMException) as info:
+        await pair.link_a.read({"hang": True}, [], timeout=10)
+    assert info.value.status_code == Code.LLM_LINK_BUSY
+    for task in hung:
+        task.cancel()
+    await asyncio.gather(*hung, return_exceptions=True)
 
 
 async def test_meta_caps() -> None:
