@@ -316,9 +316,11 @@ async def run(quick: bool = False) -> None:
                     f"{r['pull_us_per_block']:.2f}",
                 )
             console.print(table)
-            lw = await _layerwise(peer, dd, layers=16 if quick else 32, block=64 * KIB, count=32)
+            layers = 16 if quick else 32
+            lw = await _layerwise(peer, dd, layers=layers, block=64 * KIB, count=32)
             console.print(
-                f"layer-wise transfer_cache_async: {lw['layers']} layers, {lw['bytes'] / MIB:.0f} MiB; "
+                f"layer-wise transfer_cache_async: {lw['layers']} layers, "
+                f"{lw['bytes'] / MIB:.0f} MiB; "
                 f"transfer alone {lw['transfer'] * 1e3:.1f} ms, compute alone "
                 f"{lw['compute'] * 1e3:.1f} ms, together {lw['total'] * 1e3:.1f} ms = "
                 f"{lw['ratio']:.2f} x max(compute, transfer)"

@@ -11,7 +11,8 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
-from typing import Any, ClassVar, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import (
@@ -98,6 +99,19 @@ class CacheDesc(_Model):
     number of blocks and one block is ``size // shape[0]`` bytes of each tensor.
     """
 
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            num_tensors: int,
+            shape: Sequence[int],
+            data_type: DataType | torch.dtype,
+            placement: Placement = ...,
+            batch_dim_index: int = ...,
+            seq_len_dim_index: int = ...,
+            kv_tensor_format: str | None = ...,
+        ) -> None: ...
+
     _positional = (
         "num_tensors",
         "shape",
@@ -166,6 +180,18 @@ class CacheKey(_Model):
     Accepts ``prompt_cluster_id`` or its alias ``cluster_id``.
     """
 
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            prompt_cluster_id: int = ...,
+            req_id: int = ...,
+            model_id: int = ...,
+            prefix_id: int = ...,
+            *,
+            cluster_id: int = ...,
+        ) -> None: ...
+
     _positional = ("prompt_cluster_id", "req_id", "model_id", "prefix_id")
     prompt_cluster_id: int
     req_id: int
@@ -198,6 +224,12 @@ class BlocksCacheKey(_Model):
     Accepts ``cluster_id`` or its alias ``prompt_cluster_id``.
     """
 
+    if TYPE_CHECKING:
+
+        def __init__(
+            self, cluster_id: int = ..., model_id: int = ..., *, prompt_cluster_id: int = ...
+        ) -> None: ...
+
     _positional = ("cluster_id", "model_id")
     cluster_id: int
     model_id: int = 0
@@ -223,6 +255,10 @@ class BlocksCacheKey(_Model):
 class CacheKeyByIdAndIndex(_Model):
     """Names one batch slot of a cache by the owner's ``cache_id``."""
 
+    if TYPE_CHECKING:
+
+        def __init__(self, cluster_id: int, cache_id: int, batch_index: int = ...) -> None: ...
+
     _positional = ("cluster_id", "cache_id", "batch_index")
     cluster_id: int
     cache_id: int
@@ -239,6 +275,10 @@ class MemPoolConfig(_Model):
     ``MemPoolConfig.parse('{"memory_size": 1073741824, "page_shift": 16}')`` accepts
     llm_datadist's JSON string form.
     """
+
+    if TYPE_CHECKING:
+
+        def __init__(self, memory_size: int, page_shift: int = ...) -> None: ...
 
     _positional = ("memory_size", "page_shift")
     memory_size: int = Field(gt=0, le=1 << 48)
@@ -343,6 +383,27 @@ class LLMConfig(_Model):
         swap_in_buffers: block-sized staging buffers for host→device swaps.
     """
 
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            *,
+            device_id: int = ...,
+            device_type: Literal["auto", "cpu", "cuda", "npu"] = ...,
+            sync_kv_timeout: int = ...,
+            mem_pool_cfg: MemPoolConfig | str | None = ...,
+            host_mem_pool_cfg: MemPoolConfig | str | None = ...,
+            listen_ip_info: str | None = ...,
+            enable_cache_manager: bool = ...,
+            enable_remote_cache_accessible: bool = ...,
+            link_total_time: int = ...,
+            link_retry_count: int = ...,
+            transfer_backend: Literal["tcp", "nixl"] = ...,
+            link_secret: str | None = ...,
+            swap_out_threads: int = ...,
+            swap_in_buffers: int = ...,
+        ) -> None: ...
+
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     device_id: int = Field(default=0, ge=0, le=1 << 16)
     device_type: Literal["auto", "cpu", "cuda", "npu"] = "auto"
@@ -442,6 +503,16 @@ class LLMClusterInfo(_Model):
     info.append_remote_ip_info("127.0.0.1", 26000)``) or by keyword.
     """
 
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            remote_cluster_id: int = ...,
+            *,
+            local_ip_info: Sequence[tuple[str, int]] = ...,
+            remote_ip_info: Sequence[tuple[str, int]] = ...,
+        ) -> None: ...
+
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     _positional = ("remote_cluster_id",)
     remote_cluster_id: int = 0
@@ -498,6 +569,16 @@ class TransferConfig(_Model):
     against the memory it registered).
     """
 
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            dst_cluster_id: int,
+            dst_addrs: Sequence[int],
+            src_layer_range: range | None = ...,
+            src_batch_index: int = ...,
+        ) -> None: ...
+
     model_config = ConfigDict(
         strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True
     )
@@ -528,6 +609,16 @@ class TransferConfig(_Model):
 
 class TransferWithCacheKeyConfig(_Model):
     """One destination of ``transfer_cache_async`` named by a key on the peer."""
+
+    if TYPE_CHECKING:
+
+        def __init__(
+            self,
+            cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
+            src_layer_range: range | None = ...,
+            dst_layer_range: range | None = ...,
+            src_batch_index: int = ...,
+        ) -> None: ...
 
     model_config = ConfigDict(
         strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True

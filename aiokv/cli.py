@@ -37,7 +37,7 @@ def bench_local(
     """Swap/copy of N paged blocks vs the best plain-torch method; small-op latency."""
     from ._bench_local import main as local_main
 
-    local_main(quick=quick)
+    local_main(["--repeat", "2", "--layers", "8"] if quick else [])
 
 
 @bench_app.command("transfer")

@@ -109,8 +109,9 @@ async def main(layers: int = 16, blocks: int = 128, say: Callable[..., Any] = pr
             torch.equal(a[:64], b[:64])
             for a, b in zip(d_cache.tensors, p_cache.tensors, strict=True)
         )
+        names = [r.name for r in results if r is not None]
         say(
-            f"transfer_cache_async over {layers} layers: {[r.name for r in results if r is not None]} "
+            f"transfer_cache_async over {layers} layers: {names} "
             f"in {dt * 1e3:.1f} ms (compute alone {layers * 5} ms), byte-exact = {ok}"
         )
 
