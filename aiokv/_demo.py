@@ -15,7 +15,7 @@ from rich.console import Console
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEMOS = (
     ("local_blocks", "local KV blocks: allocate, swap out/in, fork"),
-    ("disaggregated", "prefill → decode over TCP: link, pull, push, layer-wise"),
+    ("disaggregated", "prefill → decode over TCP: link, pull, layer-wise push"),
 )
 
 
