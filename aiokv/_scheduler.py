@@ -565,6 +565,11 @@ class _Job(Generic[T]):
             self._state = _JobState.RUNNING
         try:
             return (self._fn(),)
+        except StopIteration as exc:
+            # A future cannot hold StopIteration; wrap it as asyncio does for coroutines.
+            err = RuntimeError(f"job raised StopIteration: {exc!r}")
+            err.__cause__ = exc
+            return err
         except BaseException as exc:
             return exc
 
@@ -789,7 +794,8 @@ class CopyScheduler:
         """Run ``fn()`` on a worker thread and return its result (same cancellation rules).
 
         Raises:
-            RuntimeError: the scheduler is closed.
+            RuntimeError: the scheduler is closed (or ``fn`` raised ``StopIteration``,
+                which a future cannot carry; it is chained as the cause).
             Exception: whatever ``fn`` raised, unchanged.
         """
         self._check_open()

@@ -278,6 +278,8 @@ async def test_call_returns_and_raises(sched: CopyScheduler) -> None:
         await sched.call(fail)
     assert info.value is err  # the original exception, not a wrapper
     assert await sched.call(lambda: "ok") == "ok"
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        await sched.call(lambda: next(iter(())))
 
 
 async def test_many_concurrent_calls_use_few_threads() -> None:
