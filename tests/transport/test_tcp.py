@@ -617,6 +617,40 @@ async def test_peer_dies_mid_transfer() -> None:
             await client.aclose()
 
 
+@pytest.mark.parametrize("stall", [False, True], ids=["trickle", "stall"])
+async def test_slow_peer_mid_chunk(stall: bool) -> None:
+    """A chunk arriving in dribs completes; one that stops half-way times out, no hang."""
+    size = 1 * MIB
+    payload = random.Random(7).randbytes(size)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _fake_peer_hello(reader, writer)
+        h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+        await reader.readexactly(h.meta_len)
+        writer.write(wire.encode_frame(FrameType.READ_RESP, h.req_id, size=size))
+        writer.write(wire.encode_frame(FrameType.DATA, h.req_id, size=size))
+        for off in range(0, size // 2 if stall else size, 32 * KIB):
+            writer.write(payload[off : off + 32 * KIB])
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        await reader.read()  # keep the connection open until the client leaves
+
+    async with fake_peer(serve) as port:
+        client = TcpTransport(1, FakeHandler())
+        try:
+            link = await client.connect(HOST, port, timeout=5)
+            got = bytearray(size)
+            if stall:
+                with pytest.raises(LLMException) as info:
+                    await link.read({}, [memoryview(got)], timeout=0.5)
+                assert info.value.status_code == Code.LLM_TIMEOUT
+            else:
+                await link.read({}, [memoryview(got)], timeout=10)
+                assert got == payload
+        finally:
+            await client.aclose()
+
+
 def _misbehave_read(kind: str, rid: int, size: int) -> bytes:
     if kind == "wrong-size":
         return wire.encode_frame(FrameType.READ_RESP, rid, size=size + 1)
