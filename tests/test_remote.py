@@ -566,7 +566,7 @@ async def ask(conn: Any, cmd: str) -> Any:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_two_processes_serving_flow(backend: str) -> None:
-    proc, conn, port = start_peer(11, secret="s")
+    proc, conn, port = await asyncio.to_thread(start_peer, 11, "s")
     try:
         async with LLMDataDist(LLMRole.DECODER, 22, config(backend, link_secret="s")) as d:
             assert (await d.link_clusters([info(11, ("127.0.0.1", port))]))[1] == [CODE.LLM_SUCCESS]
@@ -623,13 +623,13 @@ async def test_two_processes_serving_flow(backend: str) -> None:
             assert keys1 == [] and used1 < used0  # both keys released: memory back in the pool
     finally:
         conn.send("stop")
-        proc.join(10)
+        await asyncio.to_thread(proc.join, 10)
         if proc.is_alive():
             proc.kill()
 
 
 async def test_killed_peer_fails_fast_and_relinks() -> None:
-    proc, _conn, port = start_peer(11)
+    proc, _conn, port = await asyncio.to_thread(start_peer, 11)
     proc2 = None
     try:
         async with LLMDataDist(LLMRole.DECODER, 22, config("tcp", sync_kv_timeout=2000)) as d:
@@ -640,7 +640,7 @@ async def test_killed_peer_fails_fast_and_relinks() -> None:
             )
             await cm.pull_blocks(BlocksCacheKey(11, 0), dst, [1], [1])
             proc.kill()
-            proc.join(10)
+            await asyncio.to_thread(proc.join, 10)
             t0 = time.monotonic()
             with pytest.raises(LLMException) as ei:
                 await cm.pull_blocks(BlocksCacheKey(11, 0), dst, [2], [2])
@@ -651,7 +651,7 @@ async def test_killed_peer_fails_fast_and_relinks() -> None:
                 CODE.LLM_TIMEOUT,
             )
             assert 11 not in d.linked_clusters()
-            proc2, conn2, port2 = start_peer(11)
+            proc2, conn2, port2 = await asyncio.to_thread(start_peer, 11)
             assert (await d.link_clusters([info(11, ("127.0.0.1", port2))]))[1] == [
                 CODE.LLM_SUCCESS
             ]
@@ -661,6 +661,6 @@ async def test_killed_peer_fails_fast_and_relinks() -> None:
     finally:
         for pr in (proc, proc2):
             if pr is not None:
-                pr.join(10)
+                await asyncio.to_thread(pr.join, 10)
                 if pr.is_alive():
                     pr.kill()
