@@ -32,6 +32,7 @@ def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
     """Run each async test once per event loop implementation."""
+
     def make(new: Callable[[], asyncio.AbstractEventLoop]) -> asyncio.AbstractEventLoop:
         loop = new()
         loop.slow_callback_duration = SLOW_CALLBACK_S
