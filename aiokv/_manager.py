@@ -539,6 +539,39 @@ class CacheManager:
                 raise
             raise LLMException(f"{op} ({key!r}): {exc}", exc.status_code) from exc
 
+    def _slot_transfer(
+        self,
+        op: str,
+        cache: Any,
+        name: str,
+        batch_index: Any,
+        size: Any,
+        local_layers: Any,
+        remote_layers: Any,
+        per_layer: Any,
+    ) -> tuple[Entry | None, Layout, dict[str, Any]]:
+        """Validate a slot transfer (pull_cache / push_cache) on the local ``cache``."""
+        entry = self._registry.entry(op, cache, name)
+        if cache.is_blocks_cache:
+            param_invalid(op, f"{name} must be a contiguous cache (use the *_blocks call)")
+        slot = check_index(op, "batch_index", batch_index, cache.cache_desc.batch_size)
+        per_slot = slot_bytes(op, cache)
+        check_int(op, "size", size, -1, 2**63)
+        if size == 0 or size > per_slot:
+            param_invalid(op, f"size {size} is outside the {per_slot}-byte slot")
+        n = per_slot if size == -1 else size
+        tensors, wire, per = self._ranges(op, cache, local_layers, remote_layers, per_layer)
+        layout = Layout(tensors, None, slot=slot, nbytes=n)
+        meta: dict[str, Any] = {
+            "shape": "slot",
+            "size": n,
+            "offset": 0,
+            "layers": wire,
+            "per_layer": per,
+            "exact": size == -1,
+        }
+        return entry, layout, meta
+
     async def pull_cache(
         self,
         cache_key: CacheKey | CacheKeyByIdAndIndex,
@@ -567,28 +600,17 @@ class CacheManager:
         op = "pull_cache"
         self._check_open(op)
         check_instance(op, "cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
-        entry = self._registry.entry(op, cache)
-        if cache.is_blocks_cache:
-            param_invalid(op, "cache must be a contiguous cache (use pull_blocks)")
-        slot = check_index(op, "batch_index", batch_index, cache.cache_desc.batch_size)
-        per_slot = slot_bytes(op, cache)
-        check_int(op, "size", size, -1, 2**63)
-        if size == 0 or size > per_slot:
-            param_invalid(op, f"size {size} is outside the {per_slot}-byte slot")
-        n = per_slot if size == -1 else size
-        tensors, wire, per = self._ranges(
-            op, cache, dst_layer_range, src_layer_range, tensor_num_per_layer
+        entry, layout, meta = self._slot_transfer(
+            op,
+            cache,
+            "cache",
+            batch_index,
+            size,
+            dst_layer_range,
+            src_layer_range,
+            tensor_num_per_layer,
         )
-        layout = Layout(tensors, None, slot=slot, nbytes=n)
-        meta = {
-            "shape": "slot",
-            "size": n,
-            "offset": 0,
-            "layers": wire,
-            "per_layer": per,
-            "exact": size == -1,
-            "release": isinstance(cache_key, CacheKey),
-        }
+        meta["release"] = isinstance(cache_key, CacheKey)
         await self._transfer(op, cache_key, cache, entry, layout, meta, write=False)
 
     async def pull_blocks(
@@ -670,27 +692,16 @@ class CacheManager:
         op = "push_cache"
         self._check_open(op)
         check_instance(op, "dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
-        entry = self._registry.entry(op, src_cache, "src_cache")
-        if src_cache.is_blocks_cache:
-            param_invalid(op, "src_cache must be a contiguous cache (use push_blocks)")
-        slot = check_index(op, "src_batch_index", src_batch_index, src_cache.cache_desc.batch_size)
-        per_slot = slot_bytes(op, src_cache)
-        check_int(op, "size", size, -1, 2**63)
-        if size == 0 or size > per_slot:
-            param_invalid(op, f"size {size} is outside the {per_slot}-byte slot")
-        n = per_slot if size == -1 else size
-        tensors, wire, per = self._ranges(
-            op, src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer
+        entry, layout, meta = self._slot_transfer(
+            op,
+            src_cache,
+            "src_cache",
+            src_batch_index,
+            size,
+            src_layer_range,
+            dst_layer_range,
+            tensor_num_per_layer,
         )
-        layout = Layout(tensors, None, slot=slot, nbytes=n)
-        meta = {
-            "shape": "slot",
-            "size": n,
-            "offset": 0,
-            "layers": wire,
-            "per_layer": per,
-            "exact": size == -1,
-        }
         await self._transfer(op, dst_cache_key, src_cache, entry, layout, meta, write=True)
 
     async def push_blocks(
