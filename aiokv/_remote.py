@@ -80,11 +80,6 @@ class Layout:
     offset: int = 0  # first byte within the slot
     nbytes: int = 0  # bytes per tensor (slot) or per block (blocks)
 
-    def total(self) -> int:
-        """Bytes on the wire."""
-        per = len(self.blocks) * self.nbytes if self.blocks is not None else self.nbytes
-        return per * len(self.tensors)
-
     def views(self, cache: Cache) -> list[memoryview]:
         """The buffers of ``cache`` this layout names, consecutive memory coalesced.
 
