@@ -5,6 +5,7 @@ awaitable. Everything public is importable from here; all other modules are priv
 """
 
 from ._cache import Cache, KvCache
+from ._config import LLMConfig, MemPoolConfig
 from ._datadist import LLMDataDist
 from ._enums import DataType, LLMRole, LLMStatusCode, Placement
 from ._errors import LLMException, NoneArgumentError
@@ -16,8 +17,6 @@ from ._models import (
     CacheKey,
     CacheKeyByIdAndIndex,
     LLMClusterInfo,
-    LLMConfig,
-    MemPoolConfig,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )

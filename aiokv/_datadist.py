@@ -1,4 +1,9 @@
-"""``LLMDataDist``: one participant of a disaggregated deployment (SPEC §1.6)."""
+"""``LLMDataDist``: one participant of a disaggregated deployment (SPEC §1.6).
+
+The composition root: ``init`` builds the device, pools, copy scheduler, registry, link
+table, remote client, peer service, transport and cache manager, and wires them
+together; ``finalize`` takes them down in reverse order. It also owns linking.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +14,18 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
+from ._checks import check_instance, check_int
+from ._config import LLMConfig, MemPoolConfig
 from ._device import device_empty, host_empty, pre_touch, resolve_device, supports_pinning
 from ._enums import LLMRole, LLMStatusCode
-from ._errors import LLMException, check_instance, check_int, map_errors
+from ._errors import LLMException, map_errors, status_of
 from ._manager import CacheManager, KvCacheManager
-from ._models import LLMClusterInfo, LLMConfig, MemPoolConfig
+from ._models import LLMClusterInfo
 from ._pool import MemPool
+from ._registry import CacheRegistry
+from ._remote import LinkTable, PeerService, RemoteClient
 from ._scheduler import CopyScheduler, SchedulerConfig
-from .transport import Link, Transport, get_transport
+from .transport import Transport, get_transport
 
 __all__ = ["LLMDataDist"]
 
@@ -49,8 +58,8 @@ class LLMDataDist:
         self._manager: CacheManager | None = None
         self._scheduler: CopyScheduler | None = None
         self._transport: Transport | None = None
+        self._links = LinkTable()
         self._listen: tuple[str, int] | None = None
-        self._linking: set[int] = set()
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -155,33 +164,26 @@ class LLMDataDist:
         except BaseException:
             await scheduler.aclose()
             raise
+        registry = CacheRegistry()
+        links = LinkTable()
         cls = CacheManager if config.enable_cache_manager else KvCacheManager
         mgr = cls(
-            cluster_id=self._cluster_id,
             role=self._role,
             config=config,
             device=device,
             scheduler=scheduler,
+            registry=registry,
+            client=RemoteClient(links, config),
             device_pool=device_pool,
             host_pool=host_pool,
         )
-        links = mgr._links
-
-        def on_link(link: Link) -> None:
-            links.setdefault(link.peer.cluster_id, link)
-
-        def on_link_lost(link: Link) -> None:
-            if links.get(link.peer.cluster_id) is link:
-                del links[link.peer.cluster_id]
-                log.info("link to cluster %d closed", link.peer.cluster_id)
-
         secret = None if config.link_secret is None else config.link_secret.encode()
         transport = get_transport(config.transfer_backend)(
             self._cluster_id,
-            mgr.peer_service,
+            PeerService(self._cluster_id, registry, config),
             secret=secret,
-            on_link=on_link,
-            on_link_lost=on_link_lost,
+            on_link=lambda link: links.add(link, replace=False),
+            on_link_lost=links.lost,
         )
         try:
             if config.listen_address is not None:
@@ -192,6 +194,7 @@ class LLMDataDist:
             await scheduler.aclose()
             raise
         self._manager = mgr
+        self._links = links
         self._config = config
         self._scheduler = scheduler
         self._transport = transport
@@ -264,31 +267,30 @@ class LLMDataDist:
             RuntimeError: not initialized.
         """
         op = "link_clusters"
-        mgr = self._require(op)
+        self._require(op)
         infos = self._check_clusters(op, clusters, timeout)
         if len(infos) > 16:
             code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
             return code, [code] * len(infos)
-        codes = list(await asyncio.gather(*(self._link_one(mgr, c, timeout) for c in infos)))
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(self._link_one(c, timeout)) for c in infos]
+        codes = [t.result() for t in tasks]
         ok = all(c == LLMStatusCode.LLM_SUCCESS for c in codes)
         return (LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED), codes
 
-    async def _link_one(
-        self, mgr: CacheManager, info: LLMClusterInfo, timeout_ms: int
-    ) -> LLMStatusCode:
+    async def _link_one(self, info: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
+        """Link one cluster; every failure becomes its code (logged), never an exception."""
         cid = info.remote_cluster_id
-        existing = mgr._links.get(cid)
-        if existing is not None and not existing.broken:
+        if self._links.get(cid) is not None:
             return LLMStatusCode.LLM_ALREADY_LINK
-        if cid in self._linking:
-            return LLMStatusCode.LLM_PROCESSING_LINK
         if not info.remote_ip_info:
             log.warning("link_clusters: cluster %d has no remote_ip_info", cid)
             return LLMStatusCode.LLM_LINK_FAILED
+        if not self._links.begin(cid):
+            return LLMStatusCode.LLM_PROCESSING_LINK
         assert self._config is not None and self._transport is not None
         total = self._config.link_total_time or timeout_ms / 1000
         deadline = time.monotonic() + total
-        self._linking.add(cid)
         try:
             for attempt in range(self._config.link_retry_count):
                 for host, port in info.remote_ip_info:
@@ -298,9 +300,7 @@ class LLMDataDist:
                     try:
                         link = await self._transport.connect(host, port, timeout=left)
                     except LLMException as exc:
-                        log.info(
-                            "link to %d at %s:%d, try %d: %s", cid, host, port, attempt + 1, exc
-                        )
+                        status_of(exc, log, f"link to {cid} at {host}:{port}, try {attempt + 1}")
                         continue
                     if link.peer.cluster_id != cid:
                         log.warning(
@@ -308,11 +308,11 @@ class LLMDataDist:
                         )
                         await link.aclose()
                         return LLMStatusCode.LLM_LINK_FAILED
-                    mgr._links[cid] = link
+                    self._links.add(link)
                     return LLMStatusCode.LLM_SUCCESS
             return LLMStatusCode.LLM_LINK_FAILED
         finally:
-            self._linking.discard(cid)
+            self._links.end(cid)
 
     async def unlink_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
@@ -324,12 +324,12 @@ class LLMDataDist:
         llm_datadist compatibility (closing never waits for the peer).
         """
         op = "unlink_clusters"
-        mgr = self._require(op)
+        self._require(op)
         infos = self._check_clusters(op, clusters, timeout)
         check_instance(op, "force", force, bool)
         codes: list[LLMStatusCode] = []
         for info in infos:
-            link = mgr._links.pop(info.remote_cluster_id, None)
+            link = self._links.pop(info.remote_cluster_id)
             if link is None:
                 codes.append(LLMStatusCode.LLM_NOT_YET_LINK)
                 continue
@@ -344,8 +344,8 @@ class LLMDataDist:
 
     def linked_clusters(self) -> list[int]:
         """Cluster ids with a live link (either direction)."""
-        mgr = self._require("linked_clusters")
-        return sorted(cid for cid, link in mgr._links.items() if not link.broken)
+        self._require("linked_clusters")
+        return self._links.clusters()
 
     async def __aenter__(self) -> LLMDataDist:
         if self._manager is None and self._pending_config is not None:

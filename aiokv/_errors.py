@@ -1,118 +1,82 @@
-"""The one error contract (SPEC §1.2) and the argument checks every public call uses.
+"""The one error contract (SPEC §1.2): the exception tree and foreign-error mapping.
 
 Exception tree::
 
     RuntimeError
-      └── LLMException            .status_code: LLMStatusCode
+      └── LLMException            .status_code, .op, .context
     TypeError
       └── NoneArgumentError       (also an AttributeError: llm_datadist documents it)
 
-Wrong type → ``TypeError``; int out of range → ``ValueError``; ``None`` where an object
-is required → ``NoneArgumentError``; well-typed but semantically invalid →
-``LLMException(LLM_PARAM_INVALID)``. Foreign errors (torch, sockets, transports) are
-translated at the boundary with :func:`map_errors`, the original chained.
+Foreign errors (torch, sockets, transports) are translated at the boundary with
+:func:`map_errors`, the original chained. Where an exception becomes a bare status code
+(layer-wise results, link codes) :func:`status_of` logs it with its traceback first, so
+no failure disappears silently. The argument checks live in :mod:`aiokv._checks`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-from collections.abc import Iterator
-from typing import Any, NoReturn, TypeVar
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from ._enums import LLMStatusCode
 
-__all__ = [
-    "LLMException",
-    "NoneArgumentError",
-    "check_index",
-    "check_instance",
-    "check_int",
-    "map_errors",
-    "param_invalid",
-]
-
-T = TypeVar("T")
-
-UINT64_MAX = 2**64 - 1
+__all__ = ["LLMException", "NoneArgumentError", "map_errors", "status_of"]
 
 
 class LLMException(RuntimeError):
     """An operation failed; ``status_code`` says why.
 
-    The message names the operation and the reason.
+    Attributes:
+        status_code: the llm_datadist code.
+        op: the public operation that failed, once known (``None`` while the error is
+            still inside a lower layer, e.g. a transport).
+        context: what the operation was about (peer cluster, key, ...), set with ``op``.
     """
 
-    def __init__(self, message: str, status_code: LLMStatusCode = LLMStatusCode.LLM_FAILED):
+    def __init__(
+        self,
+        message: str,
+        status_code: LLMStatusCode = LLMStatusCode.LLM_FAILED,
+        *,
+        op: str | None = None,
+        context: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status_code = LLMStatusCode(status_code)
+        self.op = op
+        self.context: Mapping[str, Any] = dict(context or {})
+
+    def in_context(self, op: str, **context: Any) -> LLMException:
+        """This error as seen by the public operation ``op``; added once, by one layer.
+
+        An error that already names its operation is returned unchanged; otherwise a new
+        ``LLMException`` with the same code, ``op`` and ``context`` set, and the message
+        prefixed with them (``self`` becomes its ``__cause__`` when raised ``from``).
+        """
+        if self.op is not None:
+            return self
+        about = ", ".join(f"{k}={v!r}" for k, v in context.items())
+        prefix = f"{op} ({about})" if about else op
+        return LLMException(f"{prefix}: {self}", self.status_code, op=op, context=context)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.status_code))
+        return (_rebuild, (str(self), self.status_code, self.op, dict(self.context)))
 
     def __repr__(self) -> str:
         return f"LLMException({str(self)!r}, {self.status_code.name})"
 
 
+def _rebuild(
+    message: str, code: LLMStatusCode, op: str | None, context: dict[str, Any]
+) -> LLMException:
+    return LLMException(message, code, op=op, context=context)
+
+
 class NoneArgumentError(TypeError, AttributeError):
     """``None`` passed where an object is required; a ``TypeError`` and ``AttributeError``."""
-
-
-def param_invalid(op: str, reason: str) -> NoReturn:
-    """Raise ``LLMException(LLM_PARAM_INVALID)`` naming ``op`` and ``reason``."""
-    raise LLMException(f"{op}: {reason}", LLMStatusCode.LLM_PARAM_INVALID)
-
-
-def check_instance(op: str, name: str, value: Any, expected: type[T] | tuple[type, ...]) -> T:
-    """Return ``value`` if it is an instance of ``expected``.
-
-    Raises:
-        NoneArgumentError: ``value`` is ``None``.
-        TypeError: ``value`` has another type.
-    """
-    if value is None:
-        raise NoneArgumentError(f"{op}: {name} must not be None")
-    if not isinstance(value, expected):
-        want = (
-            expected.__name__
-            if isinstance(expected, type)
-            else " | ".join(t.__name__ for t in expected)
-        )
-        raise TypeError(f"{op}: {name} must be {want}, got {type(value).__name__}")
-    return value  # type: ignore[return-value]
-
-
-def check_int(op: str, name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
-    """Return ``value`` if it is an ``int`` (not ``bool``) within ``[lo, hi]``.
-
-    Raises:
-        NoneArgumentError: ``value`` is ``None``.
-        TypeError: not an int.
-        ValueError: outside ``[lo, hi]``.
-    """
-    if value is None:
-        raise NoneArgumentError(f"{op}: {name} must not be None")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{op}: {name} must be int, got {type(value).__name__}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{op}: {name}={value} is out of range [{lo}, {hi}]")
-    return int(value)
-
-
-def check_index(op: str, name: str, value: Any, length: int) -> int:
-    """Return ``value`` if it is a valid index into ``length`` items.
-
-    A well-typed index out of ``[0, length)`` is a semantically invalid request.
-
-    Raises:
-        TypeError / NoneArgumentError: as :func:`check_int`.
-        ValueError: negative.
-        LLMException: ``LLM_PARAM_INVALID`` when ``value >= length``.
-    """
-    v = check_int(op, name, value, 0, UINT64_MAX)
-    if v >= length:
-        param_invalid(op, f"{name}={v} is out of range [0, {length})")
-    return v
 
 
 _OS_CODES: dict[int, LLMStatusCode] = {
@@ -124,31 +88,57 @@ _OS_CODES: dict[int, LLMStatusCode] = {
 }
 
 
+def _is_device_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is an accelerator allocator's out-of-memory error."""
+    import torch  # already imported by every caller; kept lazy to keep this module light
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    # torch_npu raises a plain RuntimeError for NPU OOM (no dedicated class as of 2.x):
+    # the message is the only signal there, so it is the documented fallback.
+    return type(exc) is RuntimeError and "NPU out of memory" in str(exc)
+
+
 @contextlib.contextmanager
 def map_errors(op: str, default: LLMStatusCode = LLMStatusCode.LLM_FAILED) -> Iterator[None]:
     """Translate foreign exceptions raised inside the block into ``LLMException``.
 
     Our own errors (``LLMException``, ``TypeError``, ``ValueError``) and cancellation pass
-    through untouched. ``TimeoutError`` → ``LLM_TIMEOUT``; ``MemoryError`` and torch
-    out-of-memory → ``LLM_OUT_OF_MEMORY`` / ``LLM_DEVICE_OUT_OF_MEMORY``; connection
-    errors → ``LLM_LINK_FAILED``; anything else → ``default``.
+    through untouched. ``TimeoutError`` → ``LLM_TIMEOUT``; ``MemoryError`` →
+    ``LLM_OUT_OF_MEMORY``; a device allocator's out-of-memory error →
+    ``LLM_DEVICE_OUT_OF_MEMORY``; connection errors → ``LLM_LINK_FAILED``; anything
+    else → ``default``.
     """
     try:
         yield
     except (LLMException, TypeError, ValueError):
         raise
     except TimeoutError as exc:
-        raise LLMException(f"{op}: timed out", LLMStatusCode.LLM_TIMEOUT) from exc
+        raise LLMException(f"{op}: timed out", LLMStatusCode.LLM_TIMEOUT, op=op) from exc
     except MemoryError as exc:
-        raise LLMException(f"{op}: out of memory", LLMStatusCode.LLM_OUT_OF_MEMORY) from exc
+        raise LLMException(f"{op}: out of memory", LLMStatusCode.LLM_OUT_OF_MEMORY, op=op) from exc
     except OSError as exc:
         code = _OS_CODES.get(exc.errno or 0, default)
         if isinstance(exc, ConnectionError):
             code = LLMStatusCode.LLM_LINK_FAILED
-        raise LLMException(f"{op}: {exc}", code) from exc
+        raise LLMException(f"{op}: {exc}", code, op=op) from exc
     except Exception as exc:
-        if "out of memory" in str(exc).lower():
+        if _is_device_oom(exc):
             raise LLMException(
-                f"{op}: device out of memory", LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY
+                f"{op}: device out of memory", LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY, op=op
             ) from exc
-        raise LLMException(f"{op}: {type(exc).__name__}: {exc}", default) from exc
+        raise LLMException(f"{op}: {type(exc).__name__}: {exc}", default, op=op) from exc
+
+
+def status_of(exc: BaseException, log: logging.Logger, what: str) -> LLMStatusCode:
+    """The status code that reports ``exc``, after logging it with its traceback.
+
+    An ``LLMException`` is an expected failure (logged at INFO) and keeps its code;
+    anything else is a bug or a foreign failure (logged at ERROR) and becomes
+    ``LLM_FAILED``.
+    """
+    if isinstance(exc, LLMException):
+        log.info("%s: %s", what, exc, exc_info=exc)
+        return exc.status_code
+    log.error("%s: unexpected %s", what, type(exc).__name__, exc_info=exc)
+    return LLMStatusCode.LLM_FAILED

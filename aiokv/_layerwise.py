@@ -1,24 +1,51 @@
 """Layer-wise transfer: send layer ``i`` while the model computes layer ``i + 1``.
 
-``CacheManager.transfer_cache_async`` validates everything, then returns a
-:class:`CacheTask` at once. The task walks the layers in order: it awaits
-``layer_synchronizer.synchronize_layer(i, timeout)`` (the model saying "layer i is
-written"), starts sending layer i to every destination, and moves on to wait for layer
-i + 1 while those sends run. Each destination gets one result code.
+``CacheManager.transfer_cache_async`` validates everything, then :func:`plan` turns each
+destination into a :class:`LayerPlan` ONCE: validated block lists, the source
+:class:`~aiokv._layout.ByteLayout`, one memoryview per source tensor, the encoded block
+list and the link. Sending a layer then costs one request and one slice per run — no
+re-validation and no per-block objects. :func:`run_layers` walks the layers in order:
+it awaits ``layer_synchronizer.synchronize_layer(i, timeout)`` (the model saying
+"layer i is written"), starts layer i's sends in its task group, and goes on to wait
+for layer i + 1 while they run. Each destination gets one result code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from ._cache import Cache
+from ._checks import Blocks, check_index, param_invalid
 from ._enums import LLMStatusCode
-from ._errors import LLMException
+from ._errors import status_of
+from ._layout import ByteLayout, tensor_bytes
+from ._models import (
+    BlocksCacheKey,
+    CacheKeyByIdAndIndex,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+from ._remote import RemoteClient
+from ._remote._protocol import (
+    AddrsReq,
+    BlocksReq,
+    KeyByBlocks,
+    KeyById,
+    Request,
+    SlotReq,
+    Tensors,
+    pack_blocks,
+    wire_key,
+)
 
-__all__ = ["CacheTask", "LayerJob", "LayerSynchronizer", "run_layers"]
+__all__ = ["CacheTask", "LayerPlan", "LayerSynchronizer", "plan", "run_layers"]
+
+log = logging.getLogger("aiokv.layerwise")
 
 Code = LLMStatusCode
 
@@ -42,11 +69,102 @@ class LayerSynchronizer(Protocol):
 
 
 @dataclass(slots=True)
-class LayerJob:
-    """One destination: which layers it needs and how to send one of them."""
+class LayerPlan:
+    """One destination: which source layers it needs and how to send one of them."""
 
     layers: range
     send: Callable[[int], Coroutine[Any, Any, None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """What every destination of one transfer shares, validated once.
+
+    Attributes:
+        cache: the source cache (pinned by the caller for the transfer's life).
+        nlayers: K,V layers of the cache (2 tensors each).
+        srcs / dsts: the block lists of a paged transfer (empty for a contiguous one).
+        dst_block_bytes: bytes between destination blocks (``dst_block_memory_size``).
+    """
+
+    cache: Cache
+    nlayers: int
+    srcs: Blocks
+    dsts: Blocks
+    dst_block_bytes: int
+
+
+def plan(
+    op: str,
+    client: RemoteClient,
+    source: Source,
+    cfg: TransferConfig | TransferWithCacheKeyConfig,
+) -> LayerPlan:
+    """Validate one destination of ``transfer_cache_async`` and prepare its sends.
+
+    Raises:
+        LLMException: ``LLM_PARAM_INVALID`` (layer ranges, address counts, a key that
+            cannot name this destination), ``LLM_NOT_YET_LINK``.
+    """
+    src = source.cache
+    layers = cfg.src_layer_range or range(source.nlayers)
+    if layers.stop > source.nlayers:
+        param_invalid(op, f"src_layer_range {layers} exceeds {source.nlayers} layers")
+    batch = check_index(op, "src_batch_index", cfg.src_batch_index, src.cache_desc.batch_size)
+    paged = src.is_blocks_cache
+    if not paged and not src.slots_contiguous:
+        param_invalid(op, "remote slot transfers need batch_dim_index 0")
+    local = (
+        ByteLayout.of_blocks(source.srcs, src.block_bytes)
+        if paged
+        else ByteLayout.of_span(batch * src.slot_bytes, src.slot_bytes)
+    )
+    buffers = [tensor_bytes(t) for t in src.tensors]
+
+    if isinstance(cfg, TransferWithCacheKeyConfig):
+        key = cfg.cache_key
+        dst_layers = cfg.dst_layer_range or layers
+        if len(dst_layers) != len(layers):
+            param_invalid(op, "src_layer_range and dst_layer_range differ in length")
+        if isinstance(key, BlocksCacheKey) != paged or not isinstance(
+            key, BlocksCacheKey | CacheKeyByIdAndIndex
+        ):
+            param_invalid(op, f"{type(key).__name__} cannot name a destination of this cache")
+        link = client.link(op, key.cluster_id)
+        wkey = wire_key(key)
+        packed = pack_blocks(source.dsts) if paged else b""
+        shift = dst_layers.start - layers.start
+
+        def request(layer: int) -> Request:
+            sel = Tensors(2, (layer + shift, layer + shift + 1))
+            if isinstance(wkey, KeyByBlocks):
+                return BlocksReq(wkey, sel, packed, src.block_bytes)
+            assert isinstance(wkey, KeyById)
+            return SlotReq(wkey, sel, src.slot_bytes, exact=True)
+
+        about: dict[str, Any] = {"cluster": key.cluster_id, "key": key}
+    else:
+        link = client.link(op, cfg.dst_cluster_id)
+        if len(cfg.dst_addrs) != 2 * len(layers):
+            param_invalid(
+                op, f"{len(cfg.dst_addrs)} dst_addrs for {len(layers)} layers (need 2 per layer)"
+            )
+        addrs = list(cfg.dst_addrs)
+        packed = pack_blocks(source.dsts)
+
+        def request(layer: int) -> Request:
+            i = 2 * (layer - layers.start)
+            if paged:
+                return AddrsReq(addrs[i : i + 2], src.block_bytes, source.dst_block_bytes, packed)
+            return AddrsReq(addrs[i : i + 2], src.slot_bytes, src.slot_bytes)
+
+        about = {"cluster": cfg.dst_cluster_id}
+
+    async def send(layer: int) -> None:
+        views = local.views(buffers[2 * layer : 2 * layer + 2])
+        await client.transfer(op, link, request(layer), views, write=True, about=about)
+
+    return LayerPlan(layers, send)
 
 
 async def _sync(sync: LayerSynchronizer, layer: int, timeout_ms: int) -> LLMStatusCode:
@@ -57,58 +175,44 @@ async def _sync(sync: LayerSynchronizer, layer: int, timeout_ms: int) -> LLMStat
                 got = await got
     except TimeoutError:
         return Code.LLM_TIMEOUT
-    except Exception:
-        return Code.LLM_FAILED
+    except Exception as exc:
+        return status_of(exc, log, f"synchronize_layer({layer})")
     return Code.LLM_SUCCESS if got is True else Code.LLM_PARAM_INVALID
 
 
 async def run_layers(
-    sync: LayerSynchronizer, jobs: list[LayerJob], timeout_ms: int, results: list[Code | None]
+    sync: LayerSynchronizer, plans: list[LayerPlan], timeout_ms: int, results: list[Code | None]
 ) -> None:
     """Walk the layers in order, overlapping each layer's sends with the next wait.
 
-    ``results[j]`` gets job j's code as soon as it is known (the first failure, or
-    ``LLM_SUCCESS`` after its last layer landed).
+    ``results[j]`` gets plan j's code as soon as it is known (the first failure, or
+    ``LLM_SUCCESS`` after its last layer landed). The sends run in a task group owned
+    by this coroutine: cancelling it cancels them and waits for them to end.
     """
-    last = max(job.layers.stop for job in jobs)
-    first = min(job.layers.start for job in jobs)
-    inflight: dict[int, list[asyncio.Task[None]]] = {j: [] for j in range(len(jobs))}
 
-    async def settle(j: int) -> None:
-        for t in inflight[j]:
-            try:
-                await t
-            except LLMException as exc:
-                if results[j] is None:
-                    results[j] = exc.status_code
-            except Exception:
-                if results[j] is None:
-                    results[j] = Code.LLM_FAILED
-        inflight[j].clear()
+    async def send(j: int, layer: int) -> None:
+        try:
+            await plans[j].send(layer)
+        except Exception as exc:
+            if results[j] is None:
+                results[j] = status_of(exc, log, f"layer {layer} to destination {j}")
 
-    try:
+    first = min(p.layers.start for p in plans)
+    last = max(p.layers.stop for p in plans)
+    async with asyncio.TaskGroup() as group:
         for layer in range(first, last):
-            wanting = [
-                j for j, job in enumerate(jobs) if layer in job.layers and results[j] is None
-            ]
+            wanting = [j for j, p in enumerate(plans) if layer in p.layers and results[j] is None]
             if not wanting:
                 continue
             code = await _sync(sync, layer, timeout_ms)
             for j in wanting:
                 if code != Code.LLM_SUCCESS:
                     results[j] = code
-                    continue
-                inflight[j].append(asyncio.create_task(jobs[j].send(layer)))
-        for j in range(len(jobs)):
-            await settle(j)
-            if results[j] is None:
-                results[j] = Code.LLM_SUCCESS
-    finally:
-        pending = [t for ts in inflight.values() for t in ts if not t.done()]
-        for t in pending:
-            t.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+                else:
+                    group.create_task(send(j, layer))
+    for j, r in enumerate(results):
+        if r is None:
+            results[j] = Code.LLM_SUCCESS
 
 
 class CacheTask:

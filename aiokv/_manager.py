@@ -1,9 +1,14 @@
-"""``CacheManager``: the public async operations on caches (SPEC §1.4–1.5).
+"""``CacheManager``: the public async operations on caches (SPEC §1.4–1.5), a façade.
 
-Each operation validates everything first (synchronously: a failed call changes
-nothing), pins the caches it touches, then awaits one job on the copy scheduler. Pins
-keep memory alive while a job runs, so a concurrent ``deallocate_cache`` defers the free
+Every operation checks its arguments (synchronously: a failed call changes nothing),
+plans, and delegates: bookkeeping to the registry, copies to the copy scheduler, remote
+transfers to the remote client (with a :class:`~aiokv._layout.ByteLayout` over this
+side's cache), layer-wise transfers to :mod:`aiokv._layerwise`. Caches an operation
+touches are pinned for its duration, so a concurrent ``deallocate_cache`` defers the free
 instead of handing the bytes to someone else mid-copy.
+
+``KvCacheManager`` is the same class with llm_datadist's legacy role gates: a table the
+base methods consult, so its signatures and docstrings are the base's.
 """
 
 from __future__ import annotations
@@ -11,87 +16,90 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
-from ._cache import Cache, CacheRegistry, Entry, wrap_memory
-from ._enums import LLMRole, LLMStatusCode, Placement
-from ._errors import (
-    LLMException,
+from ._cache import Cache, wrap_memory
+from ._checks import (
+    MAX_BLOCK_INDEX,
+    UINT64_MAX,
+    check_blocks,
     check_index,
     check_instance,
     check_int,
-    map_errors,
+    check_layer_range,
+    check_list,
+    check_unique,
     param_invalid,
+    tensor_range,
 )
-from ._layerwise import CacheTask, LayerJob, LayerSynchronizer, run_layers
+from ._config import LLMConfig
+from ._enums import LLMRole, LLMStatusCode, Placement
+from ._errors import LLMException, map_errors
+from ._layerwise import CacheTask, LayerSynchronizer, Source, plan, run_layers
+from ._layout import ByteLayout, tensor_bytes
 from ._models import (
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
-    LLMConfig,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
 from ._pool import MemPool, PoolStats, Span
-from ._remote import (
-    PROTOCOL,
-    Layout,
-    PeerService,
-    key_meta,
-    memview,
-    require_host,
-    slot_bytes,
-    tensor_range,
+from ._registry import CacheRegistry, Entry, RegistryStats
+from ._remote import RemoteClient
+from ._remote._protocol import (
+    MAX_TENSORS,
+    BlocksReq,
+    ChunksReq,
+    Request,
+    SlotReq,
+    Tensors,
+    pack_blocks,
+    wire_key,
 )
 from ._scheduler import CopyScheduler
-from .transport import Link
 
 __all__ = ["CacheManager", "KvCacheManager"]
 
-
-def _check_list(op: str, name: str, value: Any, item: type | tuple[type, ...]) -> list[Any]:
-    check_instance(op, name, value, (list, tuple))
-    for i, v in enumerate(value):
-        check_instance(op, f"{name}[{i}]", v, item)
-    return list(value)
-
-
-def _check_blocks(op: str, name: str, value: Any, nblocks: int) -> list[int]:
-    check_instance(op, name, value, (list, tuple))
-    return [check_index(op, f"{name}[{i}]", b, nblocks) for i, b in enumerate(value)]
+_PULL_ROLES = (LLMRole.DECODER, LLMRole.MIX)
+_PROMPT_ROLES = (LLMRole.PROMPT, LLMRole.MIX)
 
 
 class CacheManager:
-    """Allocates, registers, copies and swaps caches of one ``LLMDataDist``.
+    """Allocates, registers, copies, swaps and transfers caches of one ``LLMDataDist``.
 
     Obtained from ``LLMDataDist.cache_manager`` after ``init``; every method is async and
     never blocks the event loop. Errors follow SPEC §1.2.
     """
 
+    #: operation → roles allowed to call it (empty here; llm_datadist's legacy gates in
+    #: :class:`KvCacheManager`).
+    _GATES: ClassVar[Mapping[str, tuple[LLMRole, ...]]] = {}
+
     def __init__(
         self,
         *,
-        cluster_id: int,
         role: LLMRole,
         config: LLMConfig,
         device: torch.device,
         scheduler: CopyScheduler,
+        registry: CacheRegistry,
+        client: RemoteClient,
         device_pool: MemPool | None,
         host_pool: MemPool | None,
     ) -> None:
-        self._cluster_id = cluster_id
         self._role = role
         self._config = config
         self._device = device
         self._scheduler = scheduler
+        self._registry = registry
+        self._client = client
         self._pools = {Placement.DEVICE: device_pool, Placement.HOST: host_pool}
-        self._registry = CacheRegistry()
         self._closed = False
-        self._links: dict[int, Link] = {}  # peer cluster id -> link (kept by LLMDataDist)
-        self.peer_service = PeerService(cluster_id, self._registry, config)
         self._tasks: set[asyncio.Task[None]] = set()  # layer-wise transfers, owned here
 
     # ---- introspection ------------------------------------------------------------------
@@ -106,11 +114,23 @@ class CacheManager:
         pool = self._pools[placement]
         return None if pool is None else pool.stats()
 
+    def statistics(self) -> RegistryStats:
+        """A snapshot of the caches, keys and pins this manager tracks."""
+        return self._registry.statistics()
+
     def _check_open(self, op: str) -> None:
+        """Refuse calls after ``finalize`` and calls the role gates forbid."""
         if self._closed:
             raise RuntimeError(f"{op}: the LLMDataDist was finalized")
+        roles = self._GATES.get(op)
+        if roles is not None and self._role not in roles:
+            raise LLMException(
+                f"{op}: not allowed for role {self._role.name}",
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                op=op,
+            )
 
-    # ---- allocation ---------------------------------------------------------------------
+    # ---- allocation and registration ----------------------------------------------------
     def _allocate(self, op: str, desc: CacheDesc) -> tuple[list[torch.Tensor], list[Any]]:
         pool = self._pools[desc.placement]
         if pool is None:
@@ -118,6 +138,7 @@ class CacheManager:
             raise LLMException(
                 f"{op}: no {desc.placement.name.lower()} memory pool ({which} not set)",
                 LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                op=op,
             )
         spans: list[Span] = []
         try:
@@ -129,6 +150,43 @@ class CacheManager:
             raise
         tensors = [pool.view(s).view(desc.torch_dtype).view(desc.shape) for s in spans]
         return tensors, [(pool, s) for s in spans]
+
+    def _add(
+        self,
+        op: str,
+        desc: Any,
+        memory: Any,
+        *,
+        blocks: bool,
+        keys: Any = (),
+        blocks_key: Any = None,
+        remote_accessible: Any = None,
+    ) -> Cache:
+        """The one body of allocate_* and register_*: check, take memory, track.
+
+        ``memory`` is None to allocate from the pool of ``desc.placement``, else the
+        user's tensors or host addresses to register.
+        """
+        self._check_open(op)
+        check_instance(op, "cache_desc", desc, CacheDesc)
+        key_list = check_list(op, "cache_keys", keys, CacheKey)
+        if len(key_list) > desc.batch_size:
+            param_invalid(op, f"{len(key_list)} cache_keys for batch size {desc.batch_size}")
+        if blocks_key is not None:
+            check_instance(op, "blocks_cache_key", blocks_key, BlocksCacheKey)
+        if remote_accessible is None:
+            remote = self._config.enable_remote_cache_accessible
+        else:
+            remote = check_instance(op, "remote_accessible", remote_accessible, bool)
+        if memory is None:
+            tensors, spans = self._allocate(op, desc)
+        else:
+            tensors, spans = wrap_memory(op, desc, memory, self._device), []
+        cache = Cache(desc, tensors, is_blocks_cache=blocks)
+        self._registry.add(
+            cache, spans, remote_accessible=remote, keys=key_list, blocks_key=blocks_key
+        )
+        return cache
 
     async def allocate_cache(
         self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()
@@ -145,21 +203,7 @@ class CacheManager:
             LLMException: ``LLM_PARAM_INVALID`` (more keys than batch slots),
                 ``LLM_FEATURE_NOT_ENABLED`` (no pool), ``LLM_OUT_OF_MEMORY``.
         """
-        op = "allocate_cache"
-        self._check_open(op)
-        check_instance(op, "cache_desc", cache_desc, CacheDesc)
-        keys = _check_list(op, "cache_keys", cache_keys, CacheKey)
-        if len(keys) > cache_desc.batch_size:
-            param_invalid(op, f"{len(keys)} cache_keys for batch size {cache_desc.batch_size}")
-        tensors, spans = self._allocate(op, cache_desc)
-        cache = Cache(cache_desc, tensors, is_blocks_cache=False)
-        self._registry.add(
-            cache,
-            spans,
-            remote_accessible=self._config.enable_remote_cache_accessible,
-            keys=keys,
-        )
-        return cache
+        return self._add("allocate_cache", cache_desc, None, blocks=False, keys=cache_keys)
 
     async def allocate_blocks_cache(
         self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
@@ -173,25 +217,69 @@ class CacheManager:
             TypeError / NoneArgumentError: wrong argument types.
             LLMException: ``LLM_FEATURE_NOT_ENABLED`` (no pool), ``LLM_OUT_OF_MEMORY``.
         """
-        op = "allocate_blocks_cache"
-        self._check_open(op)
-        check_instance(op, "cache_desc", cache_desc, CacheDesc)
-        if blocks_cache_key is not None:
-            check_instance(op, "blocks_cache_key", blocks_cache_key, BlocksCacheKey)
-        tensors, spans = self._allocate(op, cache_desc)
-        cache = Cache(cache_desc, tensors, is_blocks_cache=True)
-        self._registry.add(
-            cache,
-            spans,
-            remote_accessible=self._config.enable_remote_cache_accessible,
-            blocks_key=blocks_cache_key,
+        return self._add(
+            "allocate_blocks_cache", cache_desc, None, blocks=True, blocks_key=blocks_cache_key
         )
-        return cache
+
+    async def register_cache(
+        self,
+        cache_desc: CacheDesc,
+        tensors_or_addrs: Sequence[torch.Tensor] | Sequence[int],
+        cache_keys: Sequence[CacheKey] = (),
+        remote_accessible: bool | None = None,
+    ) -> Cache:
+        """Register user memory as a contiguous cache (no copy; the user keeps ownership).
+
+        Args:
+            cache_desc: describes each tensor.
+            tensors_or_addrs: ``num_tensors`` tensors (DEVICE placement: on this device)
+                or host addresses.
+            cache_keys: key i names batch slot i, as in ``allocate_cache``.
+            remote_accessible: whether peers may push into / read by id from it
+                (default: ``enable_remote_cache_accessible``).
+
+        Raises:
+            TypeError / NoneArgumentError: wrong argument types.
+            LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``, more
+                keys than batch slots).
+        """
+        return self._add(
+            "register_cache",
+            cache_desc,
+            tensors_or_addrs,
+            blocks=False,
+            keys=cache_keys,
+            remote_accessible=remote_accessible,
+        )
+
+    async def register_blocks_cache(
+        self,
+        cache_desc: CacheDesc,
+        tensors_or_addrs: Sequence[torch.Tensor] | Sequence[int],
+        blocks_cache_key: BlocksCacheKey | None = None,
+        remote_accessible: bool | None = None,
+    ) -> Cache:
+        """Register user memory as a blocks cache (``shape[0]`` blocks), optionally keyed.
+
+        Registering a key already in use moves it here (the later wins; warned).
+
+        Raises:
+            TypeError / NoneArgumentError: wrong argument types.
+            LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``).
+        """
+        return self._add(
+            "register_blocks_cache",
+            cache_desc,
+            tensors_or_addrs,
+            blocks=True,
+            blocks_key=blocks_cache_key,
+            remote_accessible=remote_accessible,
+        )
 
     def _release(self, op: str, cache: Any, *, blocks: bool) -> None:
         check_instance(op, "cache", cache, Cache)
-        if cache._registry is not self._registry:
-            if cache._registry is None:
+        if cache._owner is not self._registry:
+            if cache._owner is None:
                 param_invalid(op, f"cache {cache.cache_id} was not allocated by this manager")
             param_invalid(op, f"cache {cache.cache_id} belongs to another LLMDataDist")
         entry = self._registry.by_id(cache.cache_id)
@@ -217,65 +305,10 @@ class CacheManager:
 
     async def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Unbind ``cache_key`` so peers can no longer pull it (a no-op if not bound)."""
-        check_instance("remove_cache_key", "cache_key", cache_key, CacheKey)
+        op = "remove_cache_key"
+        self._check_open(op)
+        check_instance(op, "cache_key", cache_key, CacheKey)
         self._registry.release_key(cache_key)
-
-    # ---- registration of user memory ----------------------------------------------------
-    def _remote(self, op: str, remote_accessible: Any) -> bool:
-        if remote_accessible is None:
-            return self._config.enable_remote_cache_accessible
-        return check_instance(op, "remote_accessible", remote_accessible, bool)
-
-    async def register_cache(
-        self,
-        cache_desc: CacheDesc,
-        tensors_or_addrs: Sequence[torch.Tensor] | Sequence[int],
-        cache_keys: Sequence[CacheKey] = (),
-        remote_accessible: bool | None = None,
-    ) -> Cache:
-        """Register user memory as a contiguous cache (no copy; the user keeps ownership).
-
-        Args:
-            cache_desc: describes each tensor.
-            tensors_or_addrs: ``num_tensors`` tensors (DEVICE placement: on this device)
-                or host addresses.
-            cache_keys: key i names batch slot i, as in ``allocate_cache``.
-            remote_accessible: whether peers may push into / read by id from it
-                (default: ``enable_remote_cache_accessible``).
-        """
-        op = "register_cache"
-        self._check_open(op)
-        check_instance(op, "cache_desc", cache_desc, CacheDesc)
-        keys = _check_list(op, "cache_keys", cache_keys, CacheKey)
-        if len(keys) > cache_desc.batch_size:
-            param_invalid(op, f"{len(keys)} cache_keys for batch size {cache_desc.batch_size}")
-        remote = self._remote(op, remote_accessible)
-        tensors = wrap_memory(op, cache_desc, tensors_or_addrs, self._device)
-        cache = Cache(cache_desc, tensors, is_blocks_cache=False)
-        self._registry.add(cache, [], remote_accessible=remote, keys=keys)
-        return cache
-
-    async def register_blocks_cache(
-        self,
-        cache_desc: CacheDesc,
-        tensors_or_addrs: Sequence[torch.Tensor] | Sequence[int],
-        blocks_cache_key: BlocksCacheKey | None = None,
-        remote_accessible: bool | None = None,
-    ) -> Cache:
-        """Register user memory as a blocks cache (``shape[0]`` blocks), optionally keyed.
-
-        Registering a key already in use moves it here (the later wins; warned).
-        """
-        op = "register_blocks_cache"
-        self._check_open(op)
-        check_instance(op, "cache_desc", cache_desc, CacheDesc)
-        if blocks_cache_key is not None:
-            check_instance(op, "blocks_cache_key", blocks_cache_key, BlocksCacheKey)
-        remote = self._remote(op, remote_accessible)
-        tensors = wrap_memory(op, cache_desc, tensors_or_addrs, self._device)
-        cache = Cache(cache_desc, tensors, is_blocks_cache=True)
-        self._registry.add(cache, [], remote_accessible=remote, blocks_key=blocks_cache_key)
-        return cache
 
     async def unregister_cache(self, cache_id: int) -> None:
         """Forget registered user memory (a no-op if unknown or already unregistered).
@@ -284,7 +317,7 @@ class CacheManager:
             LLMException: ``LLM_PARAM_INVALID`` if ``cache_id`` names pool memory.
         """
         op = "unregister_cache"
-        check_int(op, "cache_id", cache_id, 0, 2**64 - 1)
+        check_int(op, "cache_id", cache_id, 0, UINT64_MAX)
         entry = self._registry.by_id(cache_id)
         if entry is None:
             return
@@ -344,10 +377,10 @@ class CacheManager:
         dd, sd = dst.cache_desc, src.cache_desc
         di = check_index(op, "dst_batch_index", dst_batch_index, dd.batch_size)
         si = check_index(op, "src_batch_index", src_batch_index, sd.batch_size)
-        check_int(op, "offset", offset, 0, 2**63)
-        check_int(op, "size", size, -1, 2**63)
+        check_int(op, "offset", offset, 0, MAX_BLOCK_INDEX)
+        check_int(op, "size", size, -1, MAX_BLOCK_INDEX)
         if req_id is not None:
-            check_int(op, "req_id", req_id, 0, 2**64 - 1)
+            check_int(op, "req_id", req_id, 0, UINT64_MAX)
         if dd.num_tensors != sd.num_tensors or dd.data_type != sd.data_type:
             param_invalid(op, "src and dst differ in tensor count or data type")
         bd_s, bd_d = sd.batch_dim_index % len(sd.shape), dd.batch_dim_index % len(dd.shape)
@@ -389,7 +422,7 @@ class CacheManager:
         pairs: list[tuple[int, int]] = []
         for s, dsts in copy_block_info.items():
             s = check_index(op, "src block", s, n)
-            for d in _check_blocks(op, f"copy_block_info[{s}]", dsts, n):
+            for d in check_blocks(op, f"copy_block_info[{s}]", dsts, n).tolist():
                 pairs.append((s, d))
         dsts_all = [d for _, d in pairs]
         if len(set(dsts_all)) != len(dsts_all):
@@ -426,11 +459,11 @@ class CacheManager:
         if src_cache.placement == Placement.HOST and dst_cache.placement == Placement.HOST:
             param_invalid(op, "host to host copies are not supported")
         self._check_block_compat(op, src_cache, dst_cache)
-        srcs = _check_blocks(op, "src_blocks", src_blocks, src_cache.num_blocks)
+        srcs = check_blocks(op, "src_blocks", src_blocks, src_cache.num_blocks).tolist()
         check_instance(op, "dst_blocks_list", dst_blocks_list, (list, tuple))
         pairs: list[tuple[int, int]] = []
         for i, lst in enumerate(dst_blocks_list):
-            dsts = _check_blocks(op, f"dst_blocks_list[{i}]", lst, dst_cache.num_blocks)
+            dsts = check_blocks(op, f"dst_blocks_list[{i}]", lst, dst_cache.num_blocks).tolist()
             if len(dsts) != len(srcs):
                 param_invalid(
                     op, f"dst_blocks_list[{i}] has {len(dsts)} blocks, src has {len(srcs)}"
@@ -479,29 +512,14 @@ class CacheManager:
             await self._scheduler.copy_blocks(src.rows(), dst.rows(), pairs)
 
     # ---- remote -------------------------------------------------------------------------
-    def _link(self, op: str, cluster_id: int) -> Link:
-        link = self._links.get(cluster_id)
-        if link is None or link.broken:
-            raise LLMException(
-                f"{op}: cluster {cluster_id} is not linked", LLMStatusCode.LLM_NOT_YET_LINK
-            )
-        return link
-
     @staticmethod
-    def _ranges(
-        op: str,
-        local: Cache,
-        local_layers: Any,
-        remote_layers: Any,
-        per_layer: Any,
-    ) -> tuple[range, list[int] | None, int]:
-        """Local tensor indices, the remote layer range for the wire, and tensors per layer."""
-        n = check_int(op, "tensor_num_per_layer", per_layer, 1, 2**31)
-        for name, r in (("local layer range", local_layers), ("remote layer range", remote_layers)):
-            if r is not None:
-                check_instance(op, name, r, range)
-                if r.step != 1 or r.start < 0 or len(r) == 0:
-                    param_invalid(op, f"layer range {r} must be non-empty with step 1")
+    def _selection(
+        op: str, local: Cache, local_layers: Any, remote_layers: Any, per_layer: Any
+    ) -> tuple[range, Tensors]:
+        """Local tensor indices, and which tensors the peer selects (the wire form)."""
+        n = check_int(op, "tensor_num_per_layer", per_layer, 1, MAX_TENSORS)
+        local_layers = check_layer_range(op, "local layer range", local_layers)
+        remote_layers = check_layer_range(op, "remote layer range", remote_layers)
         if (
             local_layers is not None
             and remote_layers is not None
@@ -509,37 +527,29 @@ class CacheManager:
         ):
             param_invalid(op, "src_layer_range and dst_layer_range differ in length")
         tensors = tensor_range(op, local.cache_desc.num_tensors, local_layers, n)
-        wire = None if remote_layers is None else [remote_layers.start, remote_layers.stop]
-        return tensors, wire, n
+        wire = None if remote_layers is None else (remote_layers.start, remote_layers.stop)
+        return tensors, Tensors(len(tensors), wire, n)
 
-    async def _transfer(
+    async def _move(
         self,
         op: str,
-        key: Any,
+        key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex,
         cache: Cache,
         entry: Entry | None,
-        layout: Layout,
-        meta: dict[str, Any],
+        tensors: range,
+        layout: ByteLayout,
+        request: Request,
         *,
         write: bool,
     ) -> None:
-        require_host(op, cache)
-        link = self._link(op, key.cluster_id)
-        meta = {"v": PROTOCOL, "key": key_meta(key), "ntensors": len(layout.tensors), **meta}
-        views = layout.views(cache)
-        timeout = self._config.sync_kv_timeout / 1000
-        try:
-            with self._pinned(entry), map_errors(op):
-                if write:
-                    await link.write(meta, views, timeout=timeout)
-                else:
-                    await link.read(meta, views, timeout=timeout)
-        except LLMException as exc:
-            if str(exc).startswith(op):
-                raise
-            raise LLMException(f"{op} ({key!r}): {exc}", exc.status_code) from exc
+        """Move the bytes ``layout`` names of ``tensors`` of ``cache`` to/from the peer."""
+        self._client.require_host(op, cache)
+        link = self._client.link(op, key.cluster_id)
+        views = layout.views([tensor_bytes(cache.tensors[t]) for t in tensors])
+        with self._pinned(entry):
+            await self._client.transfer(op, link, request, views, write=write, about={"key": key})
 
-    def _slot_transfer(
+    def _slot(
         self,
         op: str,
         cache: Any,
@@ -549,28 +559,22 @@ class CacheManager:
         local_layers: Any,
         remote_layers: Any,
         per_layer: Any,
-    ) -> tuple[Entry | None, Layout, dict[str, Any]]:
-        """Validate a slot transfer (pull_cache / push_cache) on the local ``cache``."""
+    ) -> tuple[Entry | None, range, Tensors, ByteLayout, int]:
+        """Check a slot transfer (pull_cache / push_cache) on the local ``cache``:
+        ``(entry, local tensors, peer tensors, local layout, bytes per tensor)``."""
         entry = self._registry.entry(op, cache, name)
         if cache.is_blocks_cache:
             param_invalid(op, f"{name} must be a contiguous cache (use the *_blocks call)")
         slot = check_index(op, "batch_index", batch_index, cache.cache_desc.batch_size)
-        per_slot = slot_bytes(op, cache)
-        check_int(op, "size", size, -1, 2**63)
+        if not cache.slots_contiguous:
+            param_invalid(op, "remote slot transfers need batch_dim_index 0")
+        per_slot = cache.slot_bytes
+        check_int(op, "size", size, -1, MAX_BLOCK_INDEX)
         if size == 0 or size > per_slot:
             param_invalid(op, f"size {size} is outside the {per_slot}-byte slot")
         n = per_slot if size == -1 else size
-        tensors, wire, per = self._ranges(op, cache, local_layers, remote_layers, per_layer)
-        layout = Layout(tensors, None, slot=slot, nbytes=n)
-        meta: dict[str, Any] = {
-            "shape": "slot",
-            "size": n,
-            "offset": 0,
-            "layers": wire,
-            "per_layer": per,
-            "exact": size == -1,
-        }
-        return entry, layout, meta
+        tensors, wire = self._selection(op, cache, local_layers, remote_layers, per_layer)
+        return entry, tensors, wire, ByteLayout.of_span(slot * per_slot, n), n
 
     async def pull_cache(
         self,
@@ -600,7 +604,7 @@ class CacheManager:
         op = "pull_cache"
         self._check_open(op)
         check_instance(op, "cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
-        entry, layout, meta = self._slot_transfer(
+        entry, tensors, wire, layout, n = self._slot(
             op,
             cache,
             "cache",
@@ -610,8 +614,14 @@ class CacheManager:
             src_layer_range,
             tensor_num_per_layer,
         )
-        meta["release"] = isinstance(cache_key, CacheKey)
-        await self._transfer(op, cache_key, cache, entry, layout, meta, write=False)
+        req = SlotReq(
+            wire_key(cache_key),  # type: ignore[arg-type]
+            wire,
+            n,
+            exact=size == -1,
+            release=isinstance(cache_key, CacheKey),
+        )
+        await self._move(op, cache_key, cache, entry, tensors, layout, req, write=False)
 
     async def pull_blocks(
         self,
@@ -643,34 +653,27 @@ class CacheManager:
             op, "src_cache_key", src_cache_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex)
         )
         entry = self._blocks_entry(op, dst_cache, "dst_cache")
-        dsts = _check_blocks(op, "dst_blocks", dst_blocks, dst_cache.num_blocks)
-        srcs = _check_blocks(op, "src_blocks", src_blocks, 2**63)
-        if not dsts:
+        dsts = check_blocks(op, "dst_blocks", dst_blocks, dst_cache.num_blocks)
+        srcs = check_blocks(op, "src_blocks", src_blocks, MAX_BLOCK_INDEX + 1)
+        if not dsts.size:
             param_invalid(op, "dst_blocks is empty")
-        if len(set(dsts)) != len(dsts):
-            param_invalid(op, "a destination block appears twice")
-        if isinstance(src_cache_key, BlocksCacheKey):
-            if len(srcs) != len(dsts):
-                param_invalid(op, f"{len(srcs)} src_blocks for {len(dsts)} dst_blocks")
-            shape = "blocks"
-        else:
-            if srcs and len(srcs) != len(dsts):
-                param_invalid(op, f"{len(srcs)} src_blocks for {len(dsts)} dst_blocks")
-            srcs = srcs or list(range(len(dsts)))
-            shape = "chunks"
-        tensors, wire, per = self._ranges(
+        check_unique(op, "a destination block", dsts)
+        if (srcs.size or isinstance(src_cache_key, BlocksCacheKey)) and srcs.size != dsts.size:
+            param_invalid(op, f"{srcs.size} src_blocks for {dsts.size} dst_blocks")
+        tensors, wire = self._selection(
             op, dst_cache, dst_layer_range, src_layer_range, tensor_num_per_layer
         )
-        layout = Layout(tensors, tuple(dsts), nbytes=dst_cache.block_bytes)
-        meta = {
-            "shape": shape,
-            "blocks": srcs,
-            "block_bytes": dst_cache.block_bytes,
-            "layers": wire,
-            "per_layer": per,
-            "release": isinstance(src_cache_key, CacheKey),
-        }
-        await self._transfer(op, src_cache_key, dst_cache, entry, layout, meta, write=False)
+        bb = dst_cache.block_bytes
+        key = wire_key(src_cache_key)
+        req: Request
+        if isinstance(src_cache_key, BlocksCacheKey):
+            req = BlocksReq(key, wire, pack_blocks(srcs), bb)
+        else:
+            chunks = srcs if srcs.size else np.arange(dsts.size, dtype=np.int64)
+            release = isinstance(src_cache_key, CacheKey)
+            req = ChunksReq(key, wire, pack_blocks(chunks), bb, release)  # type: ignore[arg-type]
+        layout = ByteLayout.of_blocks(dsts, bb)
+        await self._move(op, src_cache_key, dst_cache, entry, tensors, layout, req, write=False)
 
     async def push_cache(
         self,
@@ -692,7 +695,7 @@ class CacheManager:
         op = "push_cache"
         self._check_open(op)
         check_instance(op, "dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
-        entry, layout, meta = self._slot_transfer(
+        entry, tensors, wire, layout, n = self._slot(
             op,
             src_cache,
             "src_cache",
@@ -702,7 +705,8 @@ class CacheManager:
             dst_layer_range,
             tensor_num_per_layer,
         )
-        await self._transfer(op, dst_cache_key, src_cache, entry, layout, meta, write=True)
+        req = SlotReq(wire_key(dst_cache_key), wire, n, exact=size == -1)  # type: ignore[arg-type]
+        await self._move(op, dst_cache_key, src_cache, entry, tensors, layout, req, write=True)
 
     async def push_blocks(
         self,
@@ -725,24 +729,18 @@ class CacheManager:
         self._check_open(op)
         check_instance(op, "dst_cache_key", dst_cache_key, BlocksCacheKey)
         entry = self._blocks_entry(op, src_cache, "src_cache")
-        srcs = _check_blocks(op, "src_blocks", src_blocks, src_cache.num_blocks)
-        dsts = _check_blocks(op, "dst_blocks", dst_blocks, 2**63)
-        if not srcs or len(srcs) != len(dsts):
-            param_invalid(op, f"{len(srcs)} src_blocks for {len(dsts)} dst_blocks")
-        if len(set(dsts)) != len(dsts):
-            param_invalid(op, "a destination block appears twice")
-        tensors, wire, per = self._ranges(
+        srcs = check_blocks(op, "src_blocks", src_blocks, src_cache.num_blocks)
+        dsts = check_blocks(op, "dst_blocks", dst_blocks, MAX_BLOCK_INDEX + 1)
+        if not srcs.size or srcs.size != dsts.size:
+            param_invalid(op, f"{srcs.size} src_blocks for {dsts.size} dst_blocks")
+        check_unique(op, "a destination block", dsts)
+        tensors, wire = self._selection(
             op, src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer
         )
-        layout = Layout(tensors, tuple(srcs), nbytes=src_cache.block_bytes)
-        meta = {
-            "shape": "blocks",
-            "blocks": dsts,
-            "block_bytes": src_cache.block_bytes,
-            "layers": wire,
-            "per_layer": per,
-        }
-        await self._transfer(op, dst_cache_key, src_cache, entry, layout, meta, write=True)
+        bb = src_cache.block_bytes
+        req = BlocksReq(wire_key(dst_cache_key), wire, pack_blocks(dsts), bb)
+        layout = ByteLayout.of_blocks(srcs, bb)
+        await self._move(op, dst_cache_key, src_cache, entry, tensors, layout, req, write=True)
 
     # ---- layer-wise ---------------------------------------------------------------------
     async def transfer_cache_async(
@@ -776,9 +774,9 @@ class CacheManager:
         op = "transfer_cache_async"
         self._check_open(op)
         entry = self._registry.entry(op, src_cache, "src_cache")
-        require_host(op, src_cache)
+        self._client.require_host(op, src_cache)
         sync = check_instance(op, "layer_synchronizer", layer_synchronizer, LayerSynchronizer)
-        configs = _check_list(
+        configs = check_list(
             op, "transfer_configs", transfer_configs, (TransferConfig, TransferWithCacheKeyConfig)
         )
         if not configs:
@@ -786,33 +784,30 @@ class CacheManager:
         ntensors = src_cache.cache_desc.num_tensors
         if ntensors % 2:
             param_invalid(op, f"{ntensors} tensors is not a whole number of K/V layers")
-        nlayers = ntensors // 2
-        paged = src_cache.is_blocks_cache
-        if paged:
+        srcs = dsts = np.empty(0, dtype=np.int64)
+        if src_cache.is_blocks_cache:
             if src_block_indices is None or dst_block_indices is None:
                 param_invalid(op, "a blocks cache needs src_block_indices and dst_block_indices")
-            srcs = _check_blocks(op, "src_block_indices", src_block_indices, src_cache.num_blocks)
-            dsts = _check_blocks(op, "dst_block_indices", dst_block_indices, 2**40)
-            if not srcs or len(srcs) != len(dsts):
-                param_invalid(op, f"{len(srcs)} src blocks for {len(dsts)} dst blocks")
-            if len(set(dsts)) != len(dsts):
-                param_invalid(op, "a destination block appears twice")
-        else:
-            if src_block_indices is not None or dst_block_indices is not None:
-                param_invalid(op, "block indices need a blocks cache (both sides paged)")
-            srcs = dsts = []
+            srcs = check_blocks(op, "src_block_indices", src_block_indices, src_cache.num_blocks)
+            dsts = check_blocks(op, "dst_block_indices", dst_block_indices, MAX_BLOCK_INDEX + 1)
+            if not srcs.size or srcs.size != dsts.size:
+                param_invalid(op, f"{srcs.size} src blocks for {dsts.size} dst blocks")
+            check_unique(op, "a destination block", dsts)
+        elif src_block_indices is not None or dst_block_indices is not None:
+            param_invalid(op, "block indices need a blocks cache (both sides paged)")
         bb = src_cache.block_bytes
         dbs = bb
         if dst_block_memory_size:
-            dbs = check_int(op, "dst_block_memory_size", dst_block_memory_size, 1, 2**40)
+            dbs = check_int(op, "dst_block_memory_size", dst_block_memory_size, 1, MAX_BLOCK_INDEX)
             if dbs < bb:
                 param_invalid(op, f"dst_block_memory_size {dbs} < source block size {bb}")
-        jobs = [self._layer_job(op, src_cache, cfg, nlayers, srcs, dsts, dbs) for cfg in configs]
-        results: list[LLMStatusCode | None] = [None] * len(jobs)
+        source = Source(src_cache, ntensors // 2, srcs, dsts, dbs)
+        plans = [plan(op, self._client, source, cfg) for cfg in configs]
+        results: list[LLMStatusCode | None] = [None] * len(plans)
         live = [entry] if entry is not None else []
         self._registry.pin(*live)  # now: the caller may deallocate before the task runs
         task = asyncio.create_task(
-            run_layers(sync, jobs, self._config.sync_kv_timeout, results),
+            run_layers(sync, plans, self._config.sync_kv_timeout, results),
             name=f"aiokv-{op}-{src_cache.cache_id}",
         )
         self._tasks.add(task)
@@ -825,82 +820,6 @@ class CacheManager:
         task.add_done_callback(finished)
         return CacheTask(task, results)
 
-    def _layer_job(
-        self,
-        op: str,
-        src: Cache,
-        cfg: TransferConfig | TransferWithCacheKeyConfig,
-        nlayers: int,
-        srcs: list[int],
-        dsts: list[int],
-        dbs: int,
-    ) -> LayerJob:
-        layers = cfg.src_layer_range or range(nlayers)
-        if layers.stop > nlayers:
-            param_invalid(op, f"src_layer_range {layers} exceeds {nlayers} layers")
-        batch = check_index(op, "src_batch_index", cfg.src_batch_index, src.cache_desc.batch_size)
-        if isinstance(cfg, TransferWithCacheKeyConfig):
-            key = cfg.cache_key
-            dst_layers = cfg.dst_layer_range or layers
-            if len(dst_layers) != len(layers):
-                param_invalid(op, "src_layer_range and dst_layer_range differ in length")
-            self._link(op, key.cluster_id)
-
-            def to_dst(layer: int) -> range:
-                d = dst_layers.start + layer - layers.start
-                return range(d, d + 1)
-
-            if isinstance(key, BlocksCacheKey):
-                if not src.is_blocks_cache:
-                    param_invalid(op, "a BlocksCacheKey destination needs a blocks cache")
-
-                async def send_blocks(layer: int) -> None:
-                    await self.push_blocks(
-                        key, src, srcs, dsts, range(layer, layer + 1), to_dst(layer)
-                    )
-
-                return LayerJob(layers, send_blocks)
-            if isinstance(key, CacheKeyByIdAndIndex) and not src.is_blocks_cache:
-
-                async def send_slot(layer: int) -> None:
-                    await self.push_cache(key, src, batch, range(layer, layer + 1), to_dst(layer))
-
-                return LayerJob(layers, send_slot)
-            param_invalid(op, f"{type(key).__name__} cannot name a destination of this cache")
-        link = self._link(op, cfg.dst_cluster_id)
-        if len(cfg.dst_addrs) != 2 * len(layers):
-            param_invalid(
-                op, f"{len(cfg.dst_addrs)} dst_addrs for {len(layers)} layers (need 2 per layer)"
-            )
-        timeout = self._config.sync_kv_timeout / 1000
-        per_slot = slot_bytes(op, src) if not src.is_blocks_cache else 0
-
-        def regions(layer: int) -> tuple[list[memoryview], list[list[int]]]:
-            views: list[memoryview] = []
-            regs: list[list[int]] = []
-            for k in range(2):
-                ti = 2 * layer + k
-                addr = cfg.dst_addrs[2 * (layer - layers.start) + k]
-                raw = src.tensors[ti].view(torch.uint8)
-                if src.is_blocks_cache:
-                    rows = raw.view(src.num_blocks, -1)
-                    views.extend(memview(rows[s_b]) for s_b in srcs)
-                    # merged within this destination tensor only: the peer checks each
-                    # region against ONE registered tensor
-                    regs.extend(_merge([[addr + d_b * dbs, src.block_bytes] for d_b in dsts]))
-                else:
-                    views.append(memview(raw.view(src.cache_desc.batch_size, -1)[batch]))
-                    regs.append([addr, per_slot])
-            return views, regs
-
-        async def send_addrs(layer: int) -> None:
-            views, regs = regions(layer)
-            meta = {"v": PROTOCOL, "op": "addrs", "regions": regs}
-            with map_errors(op):
-                await link.write(meta, views, timeout=timeout)
-
-        return LayerJob(layers, send_addrs)
-
     # ---- lifecycle ----------------------------------------------------------------------
     async def _close(self) -> None:
         """Refuse new work and stop layer-wise transfers (``LLMDataDist.finalize``)."""
@@ -911,46 +830,16 @@ class CacheManager:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _merge(regs: list[list[int]]) -> list[list[int]]:
-    """Merge regions that continue each other: fewer, larger regions for the peer to check."""
-    out: list[list[int]] = []
-    for addr, n in regs:
-        if out and out[-1][0] + out[-1][1] == addr:
-            out[-1][1] += n
-        else:
-            out.append([addr, n])
-    return out
-
-
-_PULL_ROLES = (LLMRole.DECODER, LLMRole.MIX)
-_PROMPT_ROLES = (LLMRole.PROMPT, LLMRole.MIX)
-
-
 class KvCacheManager(CacheManager):
-    """Legacy-mode manager (``enable_cache_manager=False``): the same engine, with
+    """Legacy-mode manager (``enable_cache_manager=False``): the same operations, with
     llm_datadist's role gates (only DECODER pulls; only PROMPT removes keys or calls
-    ``transfer_cache_async``). A gated call raises ``LLMException(LLM_FEATURE_NOT_ENABLED)``.
+    ``transfer_cache_async``; MIX may do both). A gated call raises
+    ``LLMException(LLM_FEATURE_NOT_ENABLED)``.
     """
 
-    def _gate(self, op: str, roles: tuple[LLMRole, ...]) -> None:
-        if self._role not in roles:
-            raise LLMException(
-                f"{op}: not allowed for role {self._role.name}",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-            )
-
-    async def remove_cache_key(self, cache_key: CacheKey) -> None:
-        self._gate("remove_cache_key", _PROMPT_ROLES)
-        await super().remove_cache_key(cache_key)
-
-    async def pull_cache(self, *args: Any, **kwargs: Any) -> None:
-        self._gate("pull_cache", _PULL_ROLES)
-        await super().pull_cache(*args, **kwargs)
-
-    async def pull_blocks(self, *args: Any, **kwargs: Any) -> None:
-        self._gate("pull_blocks", _PULL_ROLES)
-        await super().pull_blocks(*args, **kwargs)
-
-    async def transfer_cache_async(self, *args: Any, **kwargs: Any) -> CacheTask:
-        self._gate("transfer_cache_async", _PROMPT_ROLES)
-        return await super().transfer_cache_async(*args, **kwargs)
+    _GATES: ClassVar[Mapping[str, tuple[LLMRole, ...]]] = {
+        "pull_cache": _PULL_ROLES,
+        "pull_blocks": _PULL_ROLES,
+        "remove_cache_key": _PROMPT_ROLES,
+        "transfer_cache_async": _PROMPT_ROLES,
+    }

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Protocol, Self
 
 from .._enums import LLMStatusCode
 
@@ -71,11 +71,15 @@ class Grant:
 class RequestHandler(Protocol):
     """Serves a peer's requests; implemented by the cache layer, runs on the event loop."""
 
-    async def grant_read(self, peer: PeerInfo, meta: dict[str, Any]) -> Grant:
-        """The peer wants to READ (pull) from us: return the buffers to send."""
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+        """The peer wants to READ (pull) from us: return the buffers to send.
+
+        ``meta`` is the requester's opaque request (the layer above encodes it), at most
+        ``max_meta_bytes`` long; it is untrusted.
+        """
         ...
 
-    async def grant_write(self, peer: PeerInfo, meta: dict[str, Any], nbytes: int) -> Grant:
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
         """The peer wants to WRITE (push) ``nbytes`` into us: return buffers totalling it.
 
         A grant whose buffers do not total ``nbytes`` is answered ``LLM_PARAM_INVALID``.
@@ -113,12 +117,13 @@ class Link(abc.ABC):
     @abc.abstractmethod
     async def read(
         self,
-        meta: dict[str, Any],
+        meta: bytes,
         into: Sequence[memoryview],
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        """Pull the payload described by ``meta`` from the peer straight into ``into``.
+        """Pull the payload described by ``meta`` (opaque bytes, at most
+        ``max_meta_bytes``) from the peer straight into ``into``.
 
         The total length of ``into`` must equal what the peer grants, otherwise
         ``LLM_PARAM_INVALID`` and the peer reports nothing done. Once this returns or
@@ -129,7 +134,7 @@ class Link(abc.ABC):
     @abc.abstractmethod
     async def write(
         self,
-        meta: dict[str, Any],
+        meta: bytes,
         src: Sequence[memoryview],
         *,
         timeout: float,  # noqa: ASYNC109

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import multiprocessing as mp
 import random
 import socket
@@ -75,7 +76,8 @@ class _PoolHandler:
     def __init__(self, pool: bytearray) -> None:
         self._pool = memoryview(pool)
 
-    def _views(self, meta: dict[str, Any]) -> Grant:
+    def _views(self, raw: bytes) -> Grant:
+        meta = json.loads(raw)
         size, blocks = meta.get("block_bytes"), meta.get("blocks")
         if not isinstance(size, int) or size <= 0 or not isinstance(blocks, list):
             return Grant(LLMStatusCode.LLM_PARAM_INVALID)
@@ -86,10 +88,10 @@ class _PoolHandler:
             LLMStatusCode.LLM_SUCCESS, [self._pool[i * size : (i + 1) * size] for i in blocks]
         )
 
-    async def grant_read(self, peer: PeerInfo, meta: dict[str, Any]) -> Grant:
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
         return self._views(meta)
 
-    async def grant_write(self, peer: PeerInfo, meta: dict[str, Any], nbytes: int) -> Grant:
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
         return self._views(meta)
 
 
@@ -176,7 +178,7 @@ def _measure(
                     remote = rng.sample(range(pool_bytes // size), count)
                     local = rng.sample(range(pool_bytes // size), count)
                     views = [pool[i * size : (i + 1) * size] for i in local]
-                    meta = {"block_bytes": size, "blocks": remote}
+                    meta = json.dumps({"block_bytes": size, "blocks": remote}).encode()
                     if lnk is not None:  # prove that the bytes really move
                         for v in views:
                             v[:] = bytes(size)

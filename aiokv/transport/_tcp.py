@@ -472,7 +472,7 @@ class _TcpLink(Link):
 
     async def read(
         self,
-        meta: dict[str, Any],
+        meta: bytes,
         into: Sequence[memoryview],
         *,
         timeout: float,  # noqa: ASYNC109
@@ -500,7 +500,7 @@ class _TcpLink(Link):
 
     async def write(
         self,
-        meta: dict[str, Any],
+        meta: bytes,
         src: Sequence[memoryview],
         *,
         timeout: float,  # noqa: ASYNC109
@@ -539,22 +539,23 @@ class _TcpLink(Link):
 
     # ----------------------------------------------------------------- op bookkeeping
 
-    def _prepare(self, op: str, meta: dict[str, Any], timeout: float) -> bytes:
+    def _prepare(self, op: str, meta: bytes, timeout: float) -> bytes:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             raise TypeError(f"{op}: timeout must be a number of seconds")
         if not timeout > 0 or math.isnan(timeout):
             raise ValueError(f"{op}: timeout={timeout} must be > 0")
-        if not isinstance(meta, dict):
-            raise TypeError(f"{op}: meta must be a dict, got {type(meta).__name__}")
-        try:
-            raw = wire.encode_meta(meta, self._t.max_meta_bytes)
-        except wire.MetaError as exc:
-            raise LLMException(f"{op}: {exc}", _S.LLM_PARAM_INVALID) from exc
+        if not isinstance(meta, bytes):
+            raise TypeError(f"{op}: meta must be bytes, got {type(meta).__name__}")
+        if len(meta) > self._t.max_meta_bytes:
+            raise LLMException(
+                f"{op}: meta of {len(meta)} bytes exceeds the cap of {self._t.max_meta_bytes}",
+                _S.LLM_PARAM_INVALID,
+            )
         if self._broken:
             raise LLMException(
                 f"{op}: link to cluster {self.peer.cluster_id} is broken", _S.LLM_LINK_FAILED
             )
-        return raw
+        return meta
 
     def _start(self, *, is_read: bool, total: int) -> _MyOp:
         rid = self._next_id
@@ -866,18 +867,12 @@ class _TcpLink(Link):
         elif meta is None:
             status = _S.LLM_PARAM_INVALID  # meta over our cap, already skipped
         else:
-            try:
-                request_meta = wire.decode_meta(meta)
-            except wire.MetaError as exc:
-                _log.info("%r: request %d: %s", self, rid, exc)
-                status = _S.LLM_PARAM_INVALID
-            else:
-                op = self._theirs[rid] = _PeerOp(rid, is_read)
-                op.task = self._spawn(self._serve(op, request_meta, h.size), f"serve-{rid}")
-                return
+            op = self._theirs[rid] = _PeerOp(rid, is_read)
+            op.task = self._spawn(self._serve(op, bytes(meta), h.size), f"serve-{rid}")
+            return
         self._post(wire.encode_frame(reply, rid, status=status))
 
-    async def _serve(self, op: _PeerOp, meta: dict[str, Any], size: int) -> None:
+    async def _serve(self, op: _PeerOp, meta: bytes, size: int) -> None:
         """Ask the handler, then answer the peer and start the transfer."""
         name = "grant_read" if op.is_read else "grant_write"
         try:

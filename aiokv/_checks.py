@@ -1,0 +1,180 @@
+"""Every argument rule, written once (SPEC §1.2).
+
+Wrong type → ``TypeError``; ``None`` where an object is required →
+``NoneArgumentError``; an int outside its range → ``ValueError``; well-typed but
+semantically invalid (an index past the end, a block named twice) →
+``LLMException(LLM_PARAM_INVALID)``. Every check returns the checked value so call
+sites read ``n = check_int(...)``. Nothing here touches state: a failing check changes
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NoReturn, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from ._enums import LLMStatusCode
+from ._errors import LLMException, NoneArgumentError
+
+__all__ = [
+    "MAX_BLOCK_INDEX",
+    "UINT64_MAX",
+    "Blocks",
+    "check_blocks",
+    "check_index",
+    "check_instance",
+    "check_int",
+    "check_layer_range",
+    "check_list",
+    "check_unique",
+    "param_invalid",
+    "tensor_range",
+]
+
+T = TypeVar("T")
+
+#: The largest uint64: ids, keys and addresses travel as uint64.
+UINT64_MAX = 2**64 - 1
+#: Bound for block indices on a peer this side cannot see (they travel as int64).
+MAX_BLOCK_INDEX = 2**63 - 1
+
+#: A validated block list: a read-only int64 array.
+Blocks = npt.NDArray[np.int64]
+
+
+def param_invalid(op: str, reason: str) -> NoReturn:
+    """Raise ``LLMException(LLM_PARAM_INVALID)`` naming ``op`` and ``reason``."""
+    raise LLMException(f"{op}: {reason}", LLMStatusCode.LLM_PARAM_INVALID, op=op)
+
+
+def check_instance(op: str, name: str, value: Any, expected: type[T] | tuple[type, ...]) -> T:
+    """Return ``value`` if it is an instance of ``expected``.
+
+    Raises:
+        NoneArgumentError: ``value`` is ``None``.
+        TypeError: ``value`` has another type.
+    """
+    if value is None:
+        raise NoneArgumentError(f"{op}: {name} must not be None")
+    if not isinstance(value, expected):
+        want = (
+            expected.__name__
+            if isinstance(expected, type)
+            else " | ".join(t.__name__ for t in expected)
+        )
+        raise TypeError(f"{op}: {name} must be {want}, got {type(value).__name__}")
+    return value  # type: ignore[return-value]
+
+
+def check_int(op: str, name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    """Return ``value`` if it is an ``int`` (not ``bool``) within ``[lo, hi]``.
+
+    Raises:
+        NoneArgumentError: ``value`` is ``None``.
+        TypeError: not an int.
+        ValueError: outside ``[lo, hi]``.
+    """
+    if value is None:
+        raise NoneArgumentError(f"{op}: {name} must not be None")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{op}: {name} must be int, got {type(value).__name__}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{op}: {name}={value} is out of range [{lo}, {hi}]")
+    return int(value)
+
+
+def check_index(op: str, name: str, value: Any, length: int) -> int:
+    """Return ``value`` if it is a valid index into ``length`` items.
+
+    Raises:
+        TypeError / NoneArgumentError: as :func:`check_int`.
+        ValueError: negative or beyond uint64.
+        LLMException: ``LLM_PARAM_INVALID`` when ``value >= length``.
+    """
+    v = check_int(op, name, value, 0, UINT64_MAX)
+    if v >= length:
+        param_invalid(op, f"{name}={v} is out of range [0, {length})")
+    return v
+
+
+def check_list(op: str, name: str, value: Any, item: type | tuple[type, ...]) -> list[Any]:
+    """Return ``value`` (a list or tuple whose items are all ``item``) as a new list.
+
+    Raises:
+        NoneArgumentError / TypeError: ``value`` or one of its items has the wrong type.
+    """
+    check_instance(op, name, value, (list, tuple))
+    for i, v in enumerate(value):
+        check_instance(op, f"{name}[{i}]", v, item)
+    return list(value)
+
+
+def check_blocks(op: str, name: str, value: Any, nblocks: int) -> Blocks:
+    """Return the block list ``value`` as an int64 array, every entry in ``[0, nblocks)``.
+
+    Args:
+        nblocks: how many blocks the cache has; :data:`MAX_BLOCK_INDEX` + 1 for a peer's
+            cache whose size only the peer knows (it checks again).
+
+    Raises:
+        NoneArgumentError / TypeError: not a list/tuple of ints.
+        ValueError: a negative entry or one beyond :data:`MAX_BLOCK_INDEX`.
+        LLMException: ``LLM_PARAM_INVALID`` for an entry ``>= nblocks``.
+    """
+    check_instance(op, name, value, (list, tuple))
+    for i, b in enumerate(value):
+        if isinstance(b, bool) or not isinstance(b, int):
+            check_int(op, f"{name}[{i}]", b)  # raises the right error for the type
+    if not value:
+        return np.empty(0, dtype=np.int64)
+    lo, hi = min(value), max(value)
+    if lo < 0 or hi > MAX_BLOCK_INDEX:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{op}: {name} entry {bad} is out of range [0, {MAX_BLOCK_INDEX}]")
+    if hi >= nblocks:
+        param_invalid(op, f"{name} entry {hi} is out of range [0, {nblocks})")
+    arr = np.array(value, dtype=np.int64)
+    arr.flags.writeable = False
+    return arr
+
+
+def check_unique(op: str, what: str, values: Blocks | Sequence[int]) -> None:
+    """Refuse a list naming the same entry twice (``LLM_PARAM_INVALID``)."""
+    arr = np.asarray(values)
+    if arr.size > 1 and np.unique(arr).size != arr.size:
+        param_invalid(op, f"{what} appears twice")
+
+
+def check_layer_range(op: str, name: str, value: Any) -> range | None:
+    """Return ``value`` if it is ``None`` or a non-empty ``range`` with step 1 from >= 0.
+
+    Raises:
+        TypeError: not a range.
+        LLMException: ``LLM_PARAM_INVALID`` for an empty, stepped or negative range.
+    """
+    if value is None:
+        return None
+    check_instance(op, name, value, range)
+    if value.step != 1 or value.start < 0 or len(value) == 0:
+        param_invalid(op, f"{name} {value} must be non-empty with step 1")
+    r: range = value
+    return r
+
+
+def tensor_range(op: str, ntensors: int, layers: range | None, per_layer: int) -> range:
+    """Tensor indices of layer range ``layers`` (layer ``i`` = tensors ``[i*n, (i+1)*n)``).
+
+    Raises:
+        LLMException: ``LLM_PARAM_INVALID`` if ``per_layer`` does not divide the tensor
+            count or the layers fall outside the cache.
+    """
+    if layers is None:
+        return range(ntensors)
+    if per_layer < 1 or per_layer > ntensors or ntensors % per_layer:
+        param_invalid(op, f"tensor_num_per_layer {per_layer} does not divide {ntensors} tensors")
+    if layers.step != 1 or layers.start < 0 or layers.stop * per_layer > ntensors or not layers:
+        param_invalid(op, f"layer range {layers} is outside 0..{ntensors // per_layer - 1}")
+    return range(layers.start * per_layer, layers.stop * per_layer)

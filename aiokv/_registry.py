@@ -1,0 +1,233 @@
+"""The registry of one ``LLMDataDist``'s caches: ids, keys, reference counts, pins.
+
+Memory goes back to its pool when the id reference is dropped, no key is bound and no
+operation pins it. Everything here is synchronous bookkeeping: no method awaits, so a
+cancelled caller can never leave it half-updated (STYLE convention 3).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sortedcontainers import SortedDict
+
+from ._cache import Cache
+from ._checks import UINT64_MAX, check_instance, param_invalid
+from ._enums import LLMStatusCode
+from ._errors import LLMException
+from ._models import BlocksCacheKey, CacheKey
+from ._pool import MemPool, Span
+
+__all__ = ["CacheRegistry", "Entry", "RegistryStats"]
+
+log = logging.getLogger("aiokv")
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryStats:
+    """A snapshot of a registry's bookkeeping (``CacheManager.statistics()``).
+
+    Attributes:
+        caches: caches whose memory is still held (id held, or kept by keys or pins).
+        allocated: of those, caches allocated from a pool.
+        registered: of those, registered user memory.
+        released: caches whose id was released but whose memory keys or pins still hold.
+        keys: bound ``CacheKey`` s.
+        blocks_keys: bound ``BlocksCacheKey`` s.
+        pins: operations (local copies, remote grants, layer-wise tasks) holding a cache.
+    """
+
+    caches: int
+    allocated: int
+    registered: int
+    released: int
+    keys: int
+    blocks_keys: int
+    pins: int
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """Bookkeeping of one cache known to a registry.
+
+    Memory (``spans``) goes back to its pool when the id reference is dropped, no key is
+    bound and no operation pins it.
+    """
+
+    cache: Cache
+    spans: list[tuple[MemPool, Span]]
+    remote_accessible: bool
+    id_held: bool = True
+    keys: set[CacheKey] = field(default_factory=set)
+    blocks_key: BlocksCacheKey | None = None
+    pins: int = 0
+    freed: bool = False
+
+    @property
+    def owned(self) -> bool:
+        """Memory allocated from a pool (vs. registered user memory)."""
+        return bool(self.spans)
+
+
+class CacheRegistry:
+    """Ids, keys, refcounts and address ranges of the caches of one ``LLMDataDist``."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, Entry] = {}
+        self.keys: dict[CacheKey, tuple[int, int]] = {}  # key -> (cache_id, batch_index)
+        self.blocks_keys: dict[BlocksCacheKey, int] = {}
+        self._regions: SortedDict[int, tuple[int, int, int]] = SortedDict()
+
+    # ---- adding -------------------------------------------------------------------------
+    def add(
+        self,
+        cache: Cache,
+        spans: list[tuple[MemPool, Span]],
+        *,
+        remote_accessible: bool,
+        keys: Sequence[CacheKey] = (),
+        blocks_key: BlocksCacheKey | None = None,
+    ) -> Entry:
+        """Track ``cache``; bind ``keys`` (key i → batch slot i, placeholders skipped, the last
+        duplicate wins) or ``blocks_key``. A key already bound elsewhere moves here (warned)."""
+        entry = Entry(cache, spans, remote_accessible)
+        cache._owner = self
+        self.entries[cache.cache_id] = entry
+        for i, t in enumerate(cache.tensors):
+            self._regions[t.data_ptr()] = (t.data_ptr() + cache.cache_desc.size, cache.cache_id, i)
+        for slot, key in enumerate(keys):
+            if key.req_id != UINT64_MAX:
+                self._bind_key(key, entry, slot)
+        if blocks_key is not None:
+            old = self.blocks_keys.get(blocks_key)
+            if old is not None:
+                log.warning(
+                    "%s was registered to cache %d; now cache %d", blocks_key, old, cache.cache_id
+                )
+                self.entries[old].blocks_key = None
+            self.blocks_keys[blocks_key] = cache.cache_id
+            entry.blocks_key = blocks_key
+        return entry
+
+    def _bind_key(self, key: CacheKey, entry: Entry, slot: int) -> None:
+        old = self.keys.get(key)
+        if old is not None and old[0] != entry.cache.cache_id:
+            log.warning("%s was bound to cache %d; now cache %d", key, old[0], entry.cache.cache_id)
+            self.release_key(key)
+        self.keys[key] = (entry.cache.cache_id, slot)
+        entry.keys.add(key)
+
+    # ---- lookups ------------------------------------------------------------------------
+    def entry(self, op: str, cache: Any, name: str = "cache") -> Entry | None:
+        """The live entry of ``cache``; ``None`` for a user-owned ``create_cpu_cache`` cache.
+
+        Raises:
+            TypeError / NoneArgumentError: not a ``Cache``.
+            LLMException: ``LLM_PARAM_INVALID`` if it belongs to another ``LLMDataDist``;
+                ``LLM_KV_CACHE_NOT_EXIST`` if already released.
+        """
+        check_instance(op, name, cache, Cache)
+        if cache._owner is None:
+            return None
+        if cache._owner is not self:
+            param_invalid(op, f"{name} {cache.cache_id} belongs to another LLMDataDist")
+        e: Entry | None = self.entries.get(cache.cache_id)
+        if e is None or not e.id_held:
+            raise LLMException(
+                f"{op}: cache {cache.cache_id} is not allocated or registered here",
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+            )
+        return e
+
+    def by_key(self, key: CacheKey) -> tuple[Entry, int] | None:
+        """``(entry, batch_index)`` bound to ``key``, or ``None``."""
+        hit = self.keys.get(key)
+        return None if hit is None else (self.entries[hit[0]], hit[1])
+
+    def by_blocks_key(self, key: BlocksCacheKey) -> Entry | None:
+        """The entry registered under ``key``, or ``None``."""
+        cid = self.blocks_keys.get(key)
+        return None if cid is None else self.entries[cid]
+
+    def by_id(self, cache_id: int) -> Entry | None:
+        """The entry of a cache whose id reference is still held, or ``None``."""
+        e = self.entries.get(cache_id)
+        return e if e is not None and e.id_held else None
+
+    def find_region(self, addr: int, nbytes: int) -> tuple[Entry, int, int] | None:
+        """The ``(entry, tensor_index, byte_offset)`` whose tensor holds ``[addr, addr+nbytes)``
+        entirely, or ``None`` — how raw addresses from a peer are checked."""
+        i = self._regions.bisect_right(addr)
+        if i == 0 or nbytes < 0:
+            return None
+        start, (end, cid, ti) = self._regions.peekitem(i - 1)
+        if addr + nbytes > end:
+            return None
+        e = self.entries.get(cid)
+        if e is None or not e.id_held:
+            return None
+        return e, ti, addr - start
+
+    # ---- releasing ----------------------------------------------------------------------
+    def release_id(self, entry: Entry) -> None:
+        """Drop the id reference (``deallocate_cache`` / ``unregister_cache``)."""
+        if entry.blocks_key is not None:
+            self.blocks_keys.pop(entry.blocks_key, None)
+            entry.blocks_key = None
+        if not entry.owned:
+            # user memory: keys die with the registration; the user owns the bytes
+            for key in list(entry.keys):
+                self.keys.pop(key, None)
+            entry.keys.clear()
+        entry.id_held = False
+        self._maybe_free(entry)
+
+    def release_key(self, key: CacheKey) -> bool:
+        """Unbind ``key``; ``False`` if it was not bound (a no-op, as llm_datadist)."""
+        hit = self.keys.pop(key, None)
+        if hit is None:
+            return False
+        entry = self.entries[hit[0]]
+        entry.keys.discard(key)
+        self._maybe_free(entry)
+        return True
+
+    def pin(self, *entries: Entry) -> None:
+        """Keep memory alive while an operation uses it."""
+        for e in entries:
+            e.pins += 1
+
+    def unpin(self, *entries: Entry) -> None:
+        """End a :meth:`pin`; frees memory whose last reference went meanwhile."""
+        for e in entries:
+            e.pins -= 1
+            self._maybe_free(e)
+
+    def _maybe_free(self, e: Entry) -> None:
+        if e.freed or e.id_held or e.keys or e.pins:
+            return
+        e.freed = True
+        for t in e.cache.tensors:
+            region = self._regions.get(t.data_ptr())
+            if region is not None and region[1] == e.cache.cache_id:
+                del self._regions[t.data_ptr()]
+        for pool, span in e.spans:
+            pool.free(span)
+        del self.entries[e.cache.cache_id]
+
+    def statistics(self) -> RegistryStats:
+        """A consistent snapshot of the bookkeeping (see :class:`RegistryStats`)."""
+        live = list(self.entries.values())
+        allocated = sum(1 for e in live if e.owned)
+        return RegistryStats(
+            caches=len(live),
+            allocated=allocated,
+            registered=len(live) - allocated,
+            released=sum(1 for e in live if not e.id_held),
+            keys=len(self.keys),
+            blocks_keys=len(self.blocks_keys),
+            pins=sum(e.pins for e in live),
+        )

@@ -1,0 +1,197 @@
+"""The peer protocol: the single definition of what a request carries over a link.
+
+A request is a msgspec ``Struct`` encoded as MessagePack (:func:`encode`) and decoded
+by the serving side with :func:`decode`, which enforces every type and bound here —
+uint64 ranges, tagged unions, list and byte-string caps — in C, before any lookup,
+allocation or per-block work. What a request *means* against this side's registry is
+checked afterwards by the peer service.
+
+Block lists travel as little-endian int64 byte strings: decoding them is one
+``numpy.frombuffer`` (no per-block Python objects), and their length is capped by
+:data:`MAX_BLOCKS`.
+
+Requests:
+    * :class:`BlocksReq`: blocks of a blocks cache (pull_blocks / push_blocks).
+    * :class:`ChunksReq`: block-sized chunks of one batch slot of a contiguous cache,
+      read into blocks (pull_blocks from a ``CacheKey`` / ``CacheKeyByIdAndIndex``).
+    * :class:`SlotReq`: the first ``size`` bytes of one batch slot (pull_cache /
+      push_cache).
+    * :class:`AddrsReq`: a write to raw addresses the peer registered (layer-wise
+      ``TransferConfig``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+import msgspec
+import numpy as np
+
+from .._checks import Blocks
+from .._models import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+
+__all__ = [
+    "MAX_BLOCKS",
+    "MAX_TENSORS",
+    "PROTOCOL",
+    "AddrsReq",
+    "BlocksReq",
+    "ChunksReq",
+    "KeyByBlocks",
+    "KeyById",
+    "KeyByReq",
+    "Request",
+    "SlotReq",
+    "Tensors",
+    "blocks_of",
+    "decode",
+    "encode",
+    "pack_blocks",
+    "wire_key",
+]
+
+PROTOCOL: Final = 1
+#: Most blocks one request may name (its int64 list is 8 bytes a block).
+MAX_BLOCKS: Final = 1 << 20
+#: Most tensors one request may select.
+MAX_TENSORS: Final = 1 << 16
+
+# MessagePack cannot encode an integer above 2**64-1, so ``ge=0`` bounds a uint64 fully
+# (msgspec cannot state ``le`` beyond int64).
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
+BlockBytes = Annotated[bytes, msgspec.Meta(max_length=8 * MAX_BLOCKS)]
+
+
+class KeyByBlocks(msgspec.Struct, frozen=True, tag="blocks"):
+    """A ``BlocksCacheKey``."""
+
+    cluster_id: U64
+    model_id: U64
+
+
+class KeyByReq(msgspec.Struct, frozen=True, tag="req"):
+    """A ``CacheKey``."""
+
+    cluster_id: U64
+    req_id: U64
+    model_id: U64
+    prefix_id: U64
+
+
+class KeyById(msgspec.Struct, frozen=True, tag="id"):
+    """A ``CacheKeyByIdAndIndex``."""
+
+    cluster_id: U64
+    cache_id: U64
+    batch_index: U64
+
+
+Key = KeyByBlocks | KeyByReq | KeyById
+
+
+class Tensors(msgspec.Struct, frozen=True):
+    """Which tensors of the served cache: all (``layers`` None) or a layer range.
+
+    Attributes:
+        count: how many tensors the requester moves; must equal the selection.
+        layers: ``(start, stop)`` of a layer range, or None for every tensor.
+        per_layer: tensors per layer (layer ``i`` = tensors ``[i*n, (i+1)*n)``).
+    """
+
+    count: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSORS)]
+    layers: tuple[U64, U64] | None = None
+    per_layer: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSORS)] = 2
+
+
+class BlocksReq(msgspec.Struct, frozen=True, tag="blocks"):
+    """Blocks ``blocks`` (int64 LE) of a blocks cache, ``block_bytes`` each."""
+
+    key: Key
+    tensors: Tensors
+    blocks: BlockBytes
+    block_bytes: Count
+    release: bool = False
+
+
+class ChunksReq(msgspec.Struct, frozen=True, tag="chunks"):
+    """Chunks ``chunks`` (int64 LE) of ``chunk_bytes`` each of one batch slot."""
+
+    key: KeyByReq | KeyById
+    tensors: Tensors
+    chunks: BlockBytes
+    chunk_bytes: Count
+    release: bool = False
+
+
+class SlotReq(msgspec.Struct, frozen=True, tag="slot"):
+    """The first ``size`` bytes of one batch slot; ``exact``: the slots must be equal."""
+
+    key: KeyByReq | KeyById
+    tensors: Tensors
+    size: Count
+    exact: bool
+    release: bool = False
+
+
+class AddrsReq(msgspec.Struct, frozen=True, tag="addrs"):
+    """A write into raw addresses: for each base address (one per tensor), blocks
+    ``blocks`` of ``block_bytes`` at ``base + b * stride`` — or, with ``blocks`` None,
+    ``block_bytes`` bytes at ``base``."""
+
+    bases: Annotated[list[U64], msgspec.Meta(min_length=1, max_length=MAX_TENSORS)]
+    block_bytes: Count
+    stride: Count
+    blocks: BlockBytes | None = None
+
+
+Request = BlocksReq | ChunksReq | SlotReq | AddrsReq
+
+
+class _Envelope(msgspec.Struct, frozen=True, array_like=True):
+    v: Literal[1]
+    req: Request
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def encode(req: Request) -> bytes:
+    """The wire form of ``req`` (MessagePack, with the protocol version)."""
+    return _encoder.encode(_Envelope(PROTOCOL, req))
+
+
+def decode(raw: bytes) -> Request:
+    """Parse and bound-check a peer's request.
+
+    Raises:
+        msgspec.ValidationError / msgspec.DecodeError: anything malformed: wrong
+            version, unknown tag, a type or bound violated, a block string not a
+            multiple of 8 bytes is caught later by :func:`blocks_of`.
+    """
+    return _decoder.decode(raw).req
+
+
+def pack_blocks(blocks: Blocks) -> bytes:
+    """A validated block list in its wire form (int64 little-endian)."""
+    return np.ascontiguousarray(blocks, dtype="<i8").tobytes()
+
+
+def blocks_of(raw: bytes) -> Blocks | None:
+    """A block list from its wire form; None if malformed (length, negative entries)."""
+    if len(raw) % 8:
+        return None
+    arr = np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
+    if arr.size and int(arr.min()) < 0:
+        return None
+    return arr
+
+
+def wire_key(key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex) -> Key:
+    """The wire form of a key."""
+    if isinstance(key, BlocksCacheKey):
+        return KeyByBlocks(key.cluster_id, key.model_id)
+    if isinstance(key, CacheKey):
+        return KeyByReq(key.prompt_cluster_id, key.req_id, key.model_id, key.prefix_id)
+    return KeyById(key.cluster_id, key.cache_id, key.batch_index)

@@ -1,0 +1,229 @@
+"""``PeerService``: answers peers' reads and writes against this side's registry.
+
+It is the transport's ``RequestHandler``. Everything a peer sends is untrusted: the
+request is decoded and bound-checked by :mod:`._protocol` first, then every field is
+checked against what this side registered — the key exists, the tensors, blocks, slot
+and sizes are inside that cache, pushes are allowed — before a single buffer is handed
+out. A request can only ever reach the memory of a registered cache (or, for raw
+addresses, of ONE registered, remote-accessible tensor per address).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import numpy as np
+
+from .._cache import Cache
+from .._checks import Blocks, tensor_range
+from .._config import LLMConfig
+from .._enums import LLMStatusCode
+from .._errors import LLMException
+from .._layout import ByteLayout, tensor_bytes
+from .._models import BlocksCacheKey, CacheKey
+from .._registry import CacheRegistry, Entry
+from ..transport import Grant, PeerInfo
+from ._protocol import (
+    AddrsReq,
+    BlocksReq,
+    ChunksReq,
+    Key,
+    KeyByBlocks,
+    KeyByReq,
+    SlotReq,
+    Tensors,
+    blocks_of,
+    decode,
+)
+
+__all__ = ["PeerService"]
+
+log = logging.getLogger("aiokv.remote")
+
+Code = LLMStatusCode
+
+
+class _Refused(Exception):
+    """A request this side will not serve; becomes a refusal ``Grant`` with ``code``."""
+
+    def __init__(self, code: LLMStatusCode, why: str) -> None:
+        super().__init__(why)
+        self.code = code
+
+
+def _invalid(why: str) -> _Refused:
+    return _Refused(Code.LLM_PARAM_INVALID, why)
+
+
+def _blocks(raw: bytes, limit: int, what: str, *, unique: bool) -> Blocks:
+    blocks = blocks_of(raw)
+    if blocks is None:
+        raise _invalid(f"{what} is not a list of int64")
+    if blocks.size == 0:
+        raise _invalid(f"{what} is empty")
+    top = int(blocks.max())
+    if top >= limit:
+        raise _invalid(f"{what} entry {top} is out of range [0, {limit})")
+    if unique and np.unique(blocks).size != blocks.size:
+        raise _invalid(f"a block of {what} appears twice")
+    return blocks
+
+
+class PeerService:
+    """Serves peers' requests for one ``LLMDataDist`` (a transport ``RequestHandler``)."""
+
+    def __init__(self, cluster_id: int, registry: CacheRegistry, config: LLMConfig) -> None:
+        self._cluster_id = cluster_id
+        self._registry = registry
+        self._config = config
+
+    # ---- RequestHandler -----------------------------------------------------------------
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+        """A peer pulls from us: the buffers to send, or a refusal."""
+        return self._grant(peer, meta, write=False)
+
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+        """A peer pushes ``nbytes`` into us: the buffers to fill, or a refusal.
+
+        The transport refuses a grant whose buffers do not total ``nbytes``.
+        """
+        return self._grant(peer, meta, write=True)
+
+    # ---- requests -----------------------------------------------------------------------
+    def _grant(self, peer: PeerInfo, meta: bytes, *, write: bool) -> Grant:
+        try:
+            try:
+                req = decode(meta)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise _invalid(f"malformed request: {exc}") from None
+            if isinstance(req, AddrsReq):
+                if not write:
+                    raise _invalid("address reads are not served")
+                entries, views = self._addrs(req)
+                release = None
+            else:
+                entry, slot, release = self._lookup(req.key)
+                self._check_access(entry, write=write, by_key=release is not None)
+                views = self._views(req, entry.cache, slot, write=write)
+                entries = [entry]
+                if write or not req.release:
+                    release = None
+        except _Refused as r:
+            log.warning("refused a %s from cluster %d: %s", _kind(write), peer.cluster_id, r)
+            return Grant(r.code)
+        self._registry.pin(*entries)
+
+        def done(ok: bool) -> None:
+            self._registry.unpin(*entries)
+            if ok and release is not None:
+                self._registry.release_key(release)
+
+        return Grant(Code.LLM_SUCCESS, views, done)
+
+    def _lookup(self, key: Key) -> tuple[Entry, int | None, CacheKey | None]:
+        """``(entry, batch slot or None, the CacheKey a successful read may release)``."""
+        missing = _Refused(Code.LLM_KV_CACHE_NOT_EXIST, f"no cache for {key}")
+        if key.cluster_id != self._cluster_id:
+            raise missing
+        if isinstance(key, KeyByBlocks):
+            e = self._registry.by_blocks_key(BlocksCacheKey(key.cluster_id, key.model_id))
+            if e is None:
+                raise missing
+            return e, None, None
+        if isinstance(key, KeyByReq):
+            ck = CacheKey(key.cluster_id, key.req_id, key.model_id, key.prefix_id)
+            hit = self._registry.by_key(ck)
+            if hit is None:
+                raise missing
+            return hit[0], hit[1], ck
+        e = self._registry.by_id(key.cache_id)
+        if e is None:
+            raise missing
+        if key.batch_index >= e.cache.cache_desc.batch_size:
+            raise _invalid(f"batch_index {key.batch_index} out of range")
+        return e, key.batch_index, None
+
+    def _check_access(self, entry: Entry, *, write: bool, by_key: bool) -> None:
+        if write and not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
+            raise _Refused(
+                Code.LLM_FEATURE_NOT_ENABLED,
+                f"cache {entry.cache.cache_id} does not accept pushes "
+                "(enable_remote_cache_accessible)",
+            )
+        if write and by_key:
+            raise _invalid("a push needs a CacheKeyByIdAndIndex")
+        if not entry.cache.on_host:
+            raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "device memory over tcp")
+
+    @staticmethod
+    def _tensors(sel: Tensors, cache: Cache) -> range:
+        ntensors = cache.cache_desc.num_tensors
+        if sel.layers is None:
+            tensors = range(ntensors)
+        else:
+            start, stop = sel.layers
+            try:
+                tensors = tensor_range("remote", ntensors, range(start, stop), sel.per_layer)
+            except LLMException as exc:
+                raise _invalid(str(exc)) from None
+        if sel.count != len(tensors):
+            raise _invalid(f"tensor counts differ ({sel.count} vs {len(tensors)})")
+        return tensors
+
+    def _views(
+        self, req: BlocksReq | ChunksReq | SlotReq, cache: Cache, slot: int | None, *, write: bool
+    ) -> list[memoryview]:
+        tensors = self._tensors(req.tensors, cache)
+        if isinstance(req, BlocksReq):
+            if not cache.is_blocks_cache:
+                raise _invalid("the cache is not a blocks cache")
+            if req.block_bytes != cache.block_bytes:
+                raise _invalid(f"block sizes differ ({req.block_bytes} vs {cache.block_bytes})")
+            blocks = _blocks(req.blocks, cache.num_blocks, "blocks", unique=write)
+            layout = ByteLayout.of_blocks(blocks, req.block_bytes)
+        else:
+            if slot is None or not cache.slots_contiguous:
+                raise _invalid("slot transfers need a contiguous cache with batch_dim_index 0")
+            per_slot = cache.slot_bytes
+            if isinstance(req, ChunksReq):
+                if req.chunk_bytes > per_slot or per_slot % req.chunk_bytes:
+                    raise _invalid("the slot is not a whole number of chunks")
+                per = per_slot // req.chunk_bytes
+                chunks = _blocks(req.chunks, per, "chunks", unique=write)
+                layout = ByteLayout.of_blocks(slot * per + chunks, req.chunk_bytes)
+            else:
+                if req.size > per_slot or (req.exact and req.size != per_slot):
+                    raise _invalid(f"slot sizes differ ({req.size} vs {per_slot} bytes)")
+                layout = ByteLayout.of_span(slot * per_slot, req.size)
+        return layout.views([tensor_bytes(cache.tensors[t]) for t in tensors])
+
+    def _addrs(self, req: AddrsReq) -> tuple[list[Entry], list[memoryview]]:
+        """Raw destination addresses: each must lie inside ONE registered, remote-accessible
+        host tensor, together with every byte the layout touches from it."""
+        if req.blocks is None:
+            layout = ByteLayout.of_span(0, req.block_bytes)
+        else:
+            if req.stride < req.block_bytes:
+                raise _invalid("stride is smaller than the block size")
+            limit = (2**63 - 1 - req.block_bytes) // req.stride
+            blocks = _blocks(req.blocks, limit, "blocks", unique=True)
+            layout = ByteLayout.of_blocks(blocks, req.block_bytes, stride=req.stride)
+        entries: list[Entry] = []
+        buffers: list[memoryview] = []
+        for base in req.bases:
+            hit = self._registry.find_region(base, layout.extent) if base else None
+            if hit is None:
+                raise _invalid(f"[{base}, +{layout.extent}) is not inside one registered tensor")
+            entry, ti, off = hit
+            if not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
+                raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "memory is not remote accessible")
+            if not entry.cache.on_host:
+                raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "device memory over tcp")
+            entries.append(entry)
+            buffers.append(tensor_bytes(entry.cache.tensors[ti])[off : off + layout.extent])
+        return entries, layout.views(buffers)
+
+
+def _kind(write: bool) -> str:
+    return "push" if write else "pull"
