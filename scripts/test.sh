@@ -5,4 +5,5 @@ set -x
 ruff check aiokv tests examples
 ruff format --check aiokv tests examples
 mypy --strict aiokv
+lint-imports
 python -m pytest -q "$@"

@@ -7,12 +7,16 @@ the dead-peer test use a real second process (spawn).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import multiprocessing as mp
 import random
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+import numpy as np
 import peer_process
 import pytest
 import torch
@@ -31,9 +35,13 @@ from aiokv import (
     LLMException,
     LLMRole,
     LLMStatusCode,
+    Placement,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aiokv._layout import ByteLayout, tensor_bytes
+from aiokv._remote import _protocol as protocol
+from aiokv.transport import Grant, PeerInfo, get_transport
 
 CODE = LLMStatusCode
 BACKENDS = ["tcp"]  # the NIXL transport joins this list when it lands
@@ -87,9 +95,26 @@ def snap(cache: Cache) -> list[torch.Tensor]:
 async def settled(d: LLMDataDist, cluster_id: int = 1) -> None:
     """One refused round trip on the link: the owner has processed every earlier frame
     (read confirmations included), so its pins and keys are final."""
-    link = d.cache_manager._links[cluster_id]
-    with pytest.raises(LLMException):
-        await link.read({"v": 0}, [], timeout=5)
+    probe = Cache.create_cpu_cache(
+        CacheDesc(1, [1, 64], DataType.DT_UINT8, Placement.HOST),
+        [torch.zeros(1, 64, dtype=torch.uint8)],
+    )
+    missing = BlocksCacheKey(cluster_id, 2**63)
+    await raises(CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_blocks(missing, probe, [0], [0]))
+
+
+@contextlib.asynccontextmanager
+async def linked(
+    backend: str, p_cfg: dict[str, Any] | None = None, d_cfg: dict[str, Any] | None = None
+) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    """Like the ``pair`` fixture, with extra configuration for either side."""
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config(backend, **(p_cfg or {}))) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config(backend, **(d_cfg or {}))) as d,
+    ):
+        code, _ = await d.link_clusters([info(1, p.listen_address)])
+        assert code == CODE.LLM_SUCCESS
+        yield p, d
 
 
 async def raises(code: LLMStatusCode, coro: Any) -> LLMException:
@@ -316,40 +341,80 @@ async def test_remote_errors_change_nothing(pair: tuple[LLMDataDist, LLMDataDist
     assert all(torch.equal(a, b) for a, b in zip(src.tensors, bs, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(dst.tensors, bd, strict=True))
     await settled(d)
-    assert all(e.pins == 0 for e in p.cache_manager._registry.live_entries())
+    assert p.cache_manager.statistics().pins == 0
     del other
 
 
-async def test_timeout_and_cancel_leave_link_usable(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
-    p, d = pair
-    d.cache_manager._config.sync_kv_timeout = 200
-    src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
-    dst = await d.cache_manager.allocate_blocks_cache(paged())
-    fill(src, 3)
-    service = p.cache_manager.peer_service
-    real = service.grant_read
-    gate = asyncio.Event()
+class StalledPeer:
+    """A fake prompt side (a bare transport): serves ``BlocksReq`` reads from its own
+    tensors, but only once ``gate`` is set."""
 
-    async def stalled(peer: Any, meta: dict[str, Any]) -> Any:
-        await gate.wait()
-        return await real(peer, meta)
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.gate = asyncio.Event()
 
-    service.grant_read = stalled  # type: ignore[method-assign]
-    t0 = time.monotonic()
-    await raises(CODE.LLM_TIMEOUT, d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0]))
-    assert time.monotonic() - t0 < 1.5
-    task = asyncio.create_task(d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [1]))
-    await asyncio.sleep(0.01)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    service.grant_read = real  # type: ignore[method-assign]
-    gate.set()
-    await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [5], [5])
-    assert torch.equal(dst.tensors[0][5], src.tensors[0][5])
-    await settled(d)
-    assert all(e.pins == 0 for e in d.cache_manager._registry.live_entries())
-    assert all(e.pins == 0 for e in p.cache_manager._registry.live_entries())
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+        await self.gate.wait()
+        req = protocol.decode(meta)
+        assert isinstance(req, protocol.BlocksReq)
+        blocks = protocol.blocks_of(req.blocks)
+        assert blocks is not None
+        layout = ByteLayout.of_blocks(blocks, req.block_bytes)
+        return Grant(CODE.LLM_SUCCESS, layout.views([tensor_bytes(t) for t in self.tensors]))
+
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+        return Grant(CODE.LLM_FEATURE_NOT_ENABLED)
+
+
+class NoHandler:
+    """Serves nothing (the requesting end of a raw link)."""
+
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+        return Grant(CODE.LLM_FEATURE_NOT_ENABLED)
+
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+        return Grant(CODE.LLM_FEATURE_NOT_ENABLED)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_timeout_and_cancel_leave_link_usable(backend: str) -> None:
+    src = [torch.randn(paged().shape).bfloat16() for _ in range(6)]
+    peer = StalledPeer(src)
+    async with (
+        get_transport(backend)(1, peer) as fake,
+        LLMDataDist(LLMRole.DECODER, 2, config(backend, sync_kv_timeout=200)) as d,
+    ):
+        address = await fake.listen("127.0.0.1", 0)
+        assert (await d.link_clusters([info(1, address)]))[0] == CODE.LLM_SUCCESS
+        dst = await d.cache_manager.allocate_blocks_cache(paged())
+        key = BlocksCacheKey(1, 0)
+        t0 = time.monotonic()
+        await raises(CODE.LLM_TIMEOUT, d.cache_manager.pull_blocks(key, dst, [0], [0]))
+        assert time.monotonic() - t0 < 1.5
+        task = asyncio.create_task(d.cache_manager.pull_blocks(key, dst, [1], [1]))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        peer.gate.set()
+        await d.cache_manager.pull_blocks(key, dst, [5], [5])
+        assert all(torch.equal(dst.tensors[i][5], src[i][5]) for i in range(6))
+        assert d.cache_manager.statistics().pins == 0
+
+
+def _mutations(rng: random.Random, good: dict[str, Any], values: list[Any]) -> bytes | None:
+    """``good`` (the raw msgpack form of a request) with 1-3 fields replaced at random."""
+    req = copy.deepcopy(good)
+    for _ in range(rng.randint(1, 3)):
+        where = rng.choice(
+            [d for d in (req, req.get("key"), req.get("tensors")) if isinstance(d, dict)]
+        )
+        field = rng.choice([*where, "type", "extra"])
+        where[field] = rng.choice(values)
+    try:
+        return msgspec.msgpack.encode([1, req])
+    except OverflowError:  # MessagePack cannot even say it
+        return None
 
 
 async def test_hostile_requests_never_touch_unregistered_memory(
@@ -365,70 +430,49 @@ async def test_hostile_requests_never_touch_unregistered_memory(
     )
     fill(target, 1)
     before_loose, before_sealed = loose.clone(), [t.clone() for t in sealed_t]
-    link = d.cache_manager._links[1]
     rng = random.Random(7)
     good: dict[str, Any] = {
-        "v": 1,
-        "key": {"kind": "blocks", "cluster_id": 1, "model_id": 0},
-        "shape": "blocks",
-        "blocks": [0],
+        "type": "blocks",
+        "key": {"type": "blocks", "cluster_id": 1, "model_id": 0},
+        "tensors": {"count": 6, "layers": None, "per_layer": 2},
+        "blocks": protocol.pack_blocks(np.array([0], dtype=np.int64)),
         "block_bytes": target.block_bytes,
-        "ntensors": 6,
-        "layers": None,
-        "per_layer": 2,
     }
     addrs = [target.tensor_addrs[0], sealed.tensor_addrs[0], loose.data_ptr()]
     values: list[Any] = [
-        None,
-        -1,
-        0,
-        1,
-        2**64,
-        2**63 - 1,
-        1.5,
-        "x",
-        [],
-        [1, 2],
-        {},
-        True,
-        "addrs",
-        "slot",
-        "chunks",
-        "id",
-        "key",
-        [0, 1],
-        [-1, 2],
-        [0, 10**6],
-        *[[[a + off, n]] for a in addrs for off in (-1, 0, 8) for n in (64, 10**9)],
-    ]
+        None, -1, 0, 1, 2, 6, 2**64 - 1, 2**63 - 1, 1.5, "x", b"", b"\x01" * 7, True, [], {},
+        [0, 1], [-1, 2], [1, 2**40], "addrs", "slot", "chunks", "id", "req", "blocks",
+        target.block_bytes, 4096, 10**9,
+        protocol.pack_blocks(np.array([31, 0, 2**40], dtype=np.int64)),
+        protocol.pack_blocks(np.array([5, 5], dtype=np.int64)),
+        *[[a + off] for a in addrs for off in (-1, 0, 8)],
+    ]  # fmt: skip
     refused = 0
-    for _ in range(600):
-        meta = {**good, "key": dict(good["key"])}
-        for _ in range(rng.randint(1, 3)):
-            field = rng.choice(
-                [*good, "op", "regions", "key.kind", "key.model_id", "key.cluster_id"]
-            )
-            if field.startswith("key.") and isinstance(meta["key"], dict):
-                meta["key"][field[4:]] = rng.choice([*values, 0, 1])
-            else:
-                meta[field] = rng.choice([*values, rng.randint(-5, 100)])
-        size = rng.choice([0, 1, 64, target.block_bytes, 6 * target.block_bytes, 4096])
-        buf = memoryview(bytearray(size))
-        try:
-            if rng.random() < 0.5:
-                await link.read(meta, [buf], timeout=2)
-            else:
-                await link.write(meta, [buf], timeout=2)
-        except LLMException:
-            refused += 1
+    async with get_transport(p.config.transfer_backend)(3, NoHandler()) as raw:
+        assert p.listen_address is not None
+        link = await raw.connect(*p.listen_address, timeout=5)
+        for _ in range(600):
+            meta = _mutations(rng, good, values)
+            if meta is None:
+                continue
+            size = rng.choice([0, 1, 64, target.block_bytes, 6 * target.block_bytes, 4096])
+            buf = memoryview(bytearray(size))
+            try:
+                if rng.random() < 0.5:
+                    await link.read(meta, [buf], timeout=2)
+                else:
+                    await link.write(meta, [buf], timeout=2)
+            except LLMException:
+                refused += 1
     assert refused > 450
     assert torch.equal(loose, before_loose)
     assert all(torch.equal(a, b) for a, b in zip(sealed_t, before_sealed, strict=True))
+    # the server still serves: reads by key are allowed, also of non-accessible memory
     dst = await d.cache_manager.allocate_blocks_cache(paged())
     await d.cache_manager.pull_blocks(BlocksCacheKey(1, 1), dst, [4], [4])
     assert torch.equal(dst.tensors[5][4], sealed_t[5][4])
     await settled(d)
-    assert all(e.pins == 0 for e in p.cache_manager._registry.live_entries())
+    assert p.cache_manager.statistics().pins == 0
 
 
 # ---- layer-wise --------------------------------------------------------------------------------
@@ -490,7 +534,7 @@ async def test_transfer_cache_async_layer_by_layer(pair: tuple[LLMDataDist, LLMD
 
 async def test_transfer_cache_async_errors(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
     p, d = pair
-    p.cache_manager._config.sync_kv_timeout = 100
+    p.config.sync_kv_timeout = 100  # read at each call
     src = await p.cache_manager.allocate_blocks_cache(paged(2))
     dst = await d.cache_manager.allocate_blocks_cache(paged(2))
     cm = p.cache_manager
