@@ -708,3 +708,57 @@ async def test_killed_peer_fails_fast_and_relinks() -> None:
                 await asyncio.to_thread(pr.join, 10)
                 if pr.is_alive():
                     pr.kill()
+
+
+async def test_concurrent_mixed_ops_have_no_spurious_failures(
+    pair: tuple[LLMDataDist, LLMDataDist],
+) -> None:
+    """Requester and peer agree on every outcome: with an honest peer and no faults, all of
+    2,000 pulls and pushes (1-40 blocks each, 32 at a time) succeed with exact bytes."""
+    p, d = pair
+    # blocks of 16 KiB: a writer batch (chunks of several streams) then fills the socket
+    # mid-way, so a stream's last byte can reach the peer before the batch's tail leaves
+    desc = CacheDesc(2, [512, 16384], DataType.DT_UINT8)
+    theirs = await p.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+    mine = await d.cache_manager.allocate_blocks_cache(desc)
+    back = await d.cache_manager.allocate_blocks_cache(desc)
+    for t in (*theirs.tensors, *mine.tensors):
+        t.random_(0, 256)
+    rng = random.Random(11)
+    cm, key = d.cache_manager, BlocksCacheKey(1, 0)
+    failures: list[BaseException] = []
+    pulled: set[int] = set()
+    pushed: set[int] = set()
+
+    async def one(i: int) -> None:
+        # disjoint block ranges: pulls read theirs[0:256] into back, pushes write
+        # mine[256:512] into theirs[256:512]
+        n = rng.randint(1, 40)
+        blocks = rng.sample(range(256), n)
+        try:
+            if i % 2:
+                await cm.pull_blocks(key, back, blocks, blocks)
+                pulled.update(blocks)
+            else:
+                hi = [256 + b for b in blocks]
+                await cm.push_blocks(key, mine, hi, hi)
+                pushed.update(hi)
+        except LLMException as exc:
+            failures.append(exc)
+
+    async def worker(w: int) -> None:  # 32 in flight at any time
+        for i in range(w, 2000, 32):
+            await one(i)
+
+    async with asyncio.timeout(120), asyncio.TaskGroup() as group:
+        for w in range(32):
+            group.create_task(worker(w))
+    assert failures == []
+    await settled(d)
+    assert len(pulled) > 250 and len(pushed) > 250
+    idx_pulled, idx_pushed = sorted(pulled), sorted(pushed)
+    for t_back, t_theirs, t_mine in zip(back.tensors, theirs.tensors, mine.tensors, strict=True):
+        assert torch.equal(t_back[idx_pulled], t_theirs[idx_pulled])
+        assert torch.equal(t_theirs[idx_pushed], t_mine[idx_pushed])
+    assert d.cache_manager.statistics().pins == 0
+    assert p.cache_manager.statistics().pins == 0

@@ -452,6 +452,10 @@ class _TcpLink(Link):
         self._iov: _Bufs = []
         self._pos = 0
         self._inflight: list[_Stream] = []
+        # streams whose last byte is in the batch, with the iov index just past that byte:
+        # a stream is `sent` once the kernel took it, not when the whole batch is out (a
+        # peer's WRITE_DONE / READ_DONE may arrive while the batch's tail still waits)
+        self._finishing: collections.deque[tuple[int, _Stream]] = collections.deque()
         self._batch_data = 0  # payload bytes in the batch
         self._writer_idle: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -633,6 +637,8 @@ class _TcpLink(Link):
             inflight.append(s)
             if s.cursor.remaining:
                 streams.append(s)
+            else:
+                self._finishing.append((len(iov), s))
         self._iov, self._pos, self._inflight = iov, 0, inflight
         self._batch_data = self._t.chunk_bytes - budget
         return bool(iov)
@@ -649,9 +655,6 @@ class _TcpLink(Link):
         sock, sent = self._sock, 0
         while True:
             if self._pos >= len(self._iov):
-                for s in self._inflight:
-                    if not s.cursor.remaining:
-                        s.sent = True
                 self._inflight = []
                 if sent >= _YIELD_BYTES:
                     return _MORE
@@ -672,6 +675,9 @@ class _TcpLink(Link):
                     iov[pos] = memoryview(iov[pos])[n:]
                     n = 0
             self._pos = pos
+            finishing = self._finishing
+            while finishing and finishing[0][0] <= pos:
+                finishing.popleft()[1].sent = True
 
     def _kick(self) -> None:
         """Wake the writer if it is parked.
