@@ -9,7 +9,6 @@ from types import ModuleType
 
 import aiokv
 
-
 #: modules that are programs (the CLI, the demo, benchmarks, examples), not libraries
 SCRIPTS = ("aiokv.cli", "aiokv._demo", "aiokv._bench", "aiokv.examples")
 
@@ -65,9 +64,7 @@ def test_public_methods_are_documented() -> None:
 def test_manager_operations_are_async() -> None:
     sync = {"get_pool_stats", "statistics"}
     for cls in (aiokv.CacheManager, aiokv.KvCacheManager):
-        ops = [
-            n for n, m in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")
-        ]
+        ops = [n for n, m in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")]
         assert len(ops) >= 17
         for op in ops:
             assert inspect.iscoroutinefunction(getattr(cls, op)) == (op not in sync), op
