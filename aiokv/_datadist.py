@@ -9,13 +9,20 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from ._device import device_empty, host_empty, pre_touch, resolve_device, supports_pinning
+from ._copy import (
+    CopyScheduler,
+    SchedulerConfig,
+    device_empty,
+    host_empty,
+    pre_touch,
+    resolve_device,
+    supports_pinning,
+)
 from ._enums import LLMRole, LLMStatusCode
 from ._errors import LLMException, check_instance, check_int, map_errors
 from ._manager import CacheManager, KvCacheManager
 from ._models import LLMClusterInfo, LLMConfig, MemPoolConfig
 from ._pool import MemPool
-from ._scheduler import CopyScheduler, SchedulerConfig
 from .transport import Link, Transport, get_transport
 
 __all__ = ["LLMDataDist"]

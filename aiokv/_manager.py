@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ._cache import Cache, CacheRegistry, Entry, wrap_memory
+from ._copy import CopyScheduler
 from ._enums import LLMRole, LLMStatusCode, Placement
 from ._errors import (
     LLMException,
@@ -46,7 +47,6 @@ from ._remote import (
     slot_bytes,
     tensor_range,
 )
-from ._scheduler import CopyScheduler
 from .transport import Link
 
 __all__ = ["CacheManager", "KvCacheManager"]

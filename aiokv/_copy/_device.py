@@ -20,8 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ._enums import LLMStatusCode
-from ._errors import LLMException, check_instance, check_int
+from .._enums import LLMStatusCode
+from .._errors import LLMException, check_instance, check_int
 
 __all__ = [
     "DeviceContext",
