@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from ._device import DeviceContext, host_empty, is_accelerator
-from ._plan import _Planner, _row_bytes, _stage_like
+from ._plan import Planner, row_nbytes, stage_like
+
+__all__ = ["DEFAULT_STAGING_BYTES", "Ring", "copy_blocks_job", "copy_cross", "copy_many_job"]
 
 # Index paths on the host gather into a staging buffer of at most this size, then
 # scatter from it: small enough to stay in the last-level cache, large enough that the
 # per-chunk op overhead is noise (measured: 4 MiB beats both 1 MiB and unchunked).
-_DEFAULT_STAGING_BYTES = 4 << 20
+DEFAULT_STAGING_BYTES = 4 << 20
 
 # index_copy_ on CPU copies element by element, so the widest element is fastest:
 # measured ~2x faster as complex128 than as bf16/fp16, and int dtypes are slower than
@@ -62,11 +64,6 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1 and a0 < a1 and b0 < b1
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the same memory seen the same way (block i is block i)."""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-
-
 class _WorkerState(threading.local):
     """Per worker thread: staging buffers and device contexts, reused across jobs."""
 
@@ -92,7 +89,7 @@ def _context(device: torch.device) -> DeviceContext:
     return ctx
 
 
-def _needs_snapshot(src: torch.Tensor, dst: torch.Tensor, planner: _Planner) -> tuple[bool, bool]:
+def _needs_snapshot(src: torch.Tensor, dst: torch.Tensor, planner: Planner) -> tuple[bool, bool]:
     """``(snapshot, same)``: whether the copy must do every read before any write (the
     tensors may share memory and a block is both read and written), and whether they are
     one view. Runs once per tensor per call, so the common case makes few torch calls."""
@@ -104,7 +101,7 @@ def _needs_snapshot(src: torch.Tensor, dst: torch.Tensor, planner: _Planner) -> 
     return _overlap(src, dst), False
 
 
-def _copy_host(src: torch.Tensor, dst: torch.Tensor, planner: _Planner, staging: int) -> None:
+def _copy_host(src: torch.Tensor, dst: torch.Tensor, planner: Planner, staging: int) -> None:
     """``dst[d] = src[s]`` for every planned pair, both tensors in host memory.
 
     Kept lean: it runs once per tensor per call, and a call may carry 64+ tensors.
@@ -115,7 +112,7 @@ def _copy_host(src: torch.Tensor, dst: torch.Tensor, planner: _Planner, staging:
         sw, dw = _wide_pair(src, dst)
         dw.index_copy_(0, plan.rest_dst, sw.index_select(0, plan.rest_src))
         return
-    row_bytes = _row_bytes(src)
+    row_bytes = row_nbytes(src)
     plan = planner.for_rows(row_bytes)
     for s, d, n in plan.slices:
         dst[d : d + n].copy_(src[s : s + n])
@@ -159,7 +156,7 @@ class _Slot:
             dw.index_copy_(0, idx, sw)
 
 
-class _Ring:
+class Ring:
     """Round-robin over one worker's pinned staging slots for one accelerator.
 
     Slots persist in the worker's state across jobs; a slot is settled (its queued copy
@@ -198,11 +195,11 @@ class _Ring:
             slot.settle()
 
 
-def _copy_cross(
+def copy_cross(
     src: torch.Tensor,
     dst: torch.Tensor,
-    planner: _Planner,
-    ring: _Ring,
+    planner: Planner,
+    ring: Ring,
     staging: int,
     src_host: bool,
     dst_host: bool,
@@ -216,7 +213,7 @@ def _copy_cross(
     drive every branch with CPU tensors).
     """
     sv, dv = src, dst
-    row_bytes = _row_bytes(src)
+    row_bytes = row_nbytes(src)
     same_device = src.device == dst.device
     snapshot, same = _needs_snapshot(src, dst, planner) if same_device else (False, False)
     plan = planner.snapshot() if snapshot else planner.for_rows(row_bytes)
@@ -236,7 +233,7 @@ def _copy_cross(
         elif src_host:
             # Host→device: gather on the host straight into pinned memory.
             slot = ring.next(m * row_bytes)
-            part = _stage_like(slot.buf, m, sv)
+            part = stage_like(slot.buf, m, sv)
             sw, pw = _wide_pair(sv, part)
             torch.index_select(sw, 0, sidx[k : k + m], out=pw)
         else:
@@ -246,7 +243,7 @@ def _copy_cross(
         elif dst_host:
             # Device→host: land in pinned memory; the host scatter runs once it arrived.
             slot = ring.next(m * row_bytes)
-            stage = _stage_like(slot.buf, m, dv)
+            stage = stage_like(slot.buf, m, dv)
             stage.copy_(part, non_blocking=True)
             slot.scatter = (dv, didx[k : k + m], stage)
         elif same_device:
@@ -258,7 +255,7 @@ def _copy_cross(
             slot.event = ring.ctx.record()
 
 
-def _copy_blocks_job(
+def copy_blocks_job(
     src: list[torch.Tensor],
     dst: list[torch.Tensor],
     pairs: list[tuple[int, int]],
@@ -270,8 +267,8 @@ def _copy_blocks_job(
     ``buffers`` pinned ring slots per accelerator, each ``staging`` bytes (also the host
     gather chunk).
     """
-    planner = _Planner(pairs)
-    rings: dict[torch.device, _Ring] = {}
+    planner = Planner(pairs)
+    rings: dict[torch.device, Ring] = {}
     try:
         for s, d in zip(src, dst, strict=True):
             if s.is_cpu and d.is_cpu:
@@ -280,9 +277,9 @@ def _copy_blocks_job(
             ctx = _context(s.device if is_accelerator(s.device) else d.device)
             ring = rings.get(ctx.device)
             if ring is None:
-                ring = rings[ctx.device] = _Ring(ctx, buffers, staging)
+                ring = rings[ctx.device] = Ring(ctx, buffers, staging)
             with ctx.stream():
-                _copy_cross(s, d, planner, ring, staging, s.is_cpu, d.is_cpu)
+                copy_cross(s, d, planner, ring, staging, s.is_cpu, d.is_cpu)
         for ring in rings.values():
             ring.drain()
     finally:
@@ -293,7 +290,7 @@ def _copy_blocks_job(
             ring.ctx.synchronize()
 
 
-def _copy_many_job(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def copy_many_job(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """The body of :meth:`CopyScheduler.copy_many`, on a worker thread."""
     used: dict[torch.device, DeviceContext] = {}
     try:

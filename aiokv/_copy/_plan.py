@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["Run", "coalesce"]
+__all__ = ["Planner", "Run", "coalesce", "row_nbytes", "stage_like"]
 
 Run = tuple[int, int, int]
 """``(src_start, dst_start, count)`` in rows of dim 0 (blocks)."""
@@ -148,7 +148,7 @@ def _make_plan(src: _I64, dst: _I64, starts: _I64, lengths: _I64, min_run: int) 
     return plan
 
 
-class _Planner:
+class Planner:
     """Plans for one call, one per row size (tensors of a call may differ in block size)."""
 
     __slots__ = (
@@ -187,11 +187,11 @@ class _Planner:
         return plan
 
     def stage(self, buf: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:
-        """:func:`_stage_like`, memoized for the call (tensors of a call share layouts)."""
+        """:func:`stage_like`, memoized for the call (tensors of a call share layouts)."""
         key = (buf.data_ptr(), rows, like.dtype, like.shape[1:])
         view = self._stages.get(key)
         if view is None:
-            view = self._stages[key] = _stage_like(buf, rows, like)
+            view = self._stages[key] = stage_like(buf, rows, like)
         return view
 
     def snapshot(self) -> _Plan:
@@ -202,12 +202,13 @@ class _Planner:
         return self._snapshot
 
 
-def _row_bytes(t: torch.Tensor) -> int:
+def row_nbytes(t: torch.Tensor) -> int:
+    """Bytes of one block (one row of dim 0) of ``t``; 0 for a tensor without rows."""
     rows = t.shape[0]
     return t.nbytes // rows if rows else 0
 
 
-def _stage_like(buf: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:
+def stage_like(buf: torch.Tensor, rows: int, like: torch.Tensor) -> torch.Tensor:
     """A contiguous ``[rows, *like.shape[1:]]`` view of ``like.dtype`` on byte buffer ``buf``."""
-    nbytes = rows * _row_bytes(like)
+    nbytes = rows * row_nbytes(like)
     return buf[:nbytes].view(like.dtype).view(rows, *like.shape[1:])

@@ -1,22 +1,16 @@
-"""Copy jobs on dedicated worker threads, awaited from the event loop without blocking it.
+"""``CopyScheduler``: the copy engine's façade, one awaited job per call.
 
-A call (``copy_blocks``, ``copy_many``, ``call``) becomes ONE job: it is queued to a worker
-pool, runs there, and its result is handed back with ``loop.call_soon_threadsafe``. The
-loop never sleeps, polls or waits on a device.
-
-Pools follow llm_datadist: device→host and host→host copies (and :meth:`CopyScheduler.call`)
-on a pool of ``swap_out_threads``; host→device and device→device copies on
-``d2d_threads`` (one) thread, host→device staged through a ring of ``swap_in_buffers``
-pinned buffers. Threads start on demand, are named ``aiokv-<pool>-<n>``, and are joined
-by :meth:`CopyScheduler.aclose`.
+A call (``copy_blocks``, ``copy_many``, ``call``) becomes ONE job on a worker pool
+(:mod:`._workers`) running a copy kernel (:mod:`._kernels`); the loop never sleeps,
+polls or waits on a device. Pools follow llm_datadist: device→host and host→host copies
+(and :meth:`CopyScheduler.call`) on ``swap_out_threads`` threads; host→device and
+device→device copies on ``d2d_threads`` (one) thread, host→device staged through a ring
+of ``swap_in_buffers`` pinned buffers. Threads start on demand, are named
+``aiokv-<pool>-<n>``, and are joined by :meth:`CopyScheduler.aclose`.
 
 Cancellation: a job cancelled before it starts never runs; once started it is never
 abandoned half-way: the awaiting task waits (shielded) for it to finish, then
 ``CancelledError`` propagates. So no worker writes caller memory after the await returned.
-
-Block copies are planned on the worker: pairs are coalesced into runs that are
-consecutive in both source and destination; long runs are single slice copies, the rest
-are index gathers/scatters with index tensors built once and reused for every tensor.
 """
 
 from __future__ import annotations
@@ -32,8 +26,8 @@ from typing import TypeVar
 import torch
 
 from ._device import is_accelerator
-from ._kernels import _DEFAULT_STAGING_BYTES, _copy_blocks_job, _copy_many_job
-from ._workers import _Job, _Pool, _resolve_threadsafe, _stop_pools
+from ._kernels import DEFAULT_STAGING_BYTES, copy_blocks_job, copy_many_job
+from ._workers import WorkerPool
 
 __all__ = ["CopyScheduler", "SchedulerConfig"]
 
@@ -55,7 +49,7 @@ class SchedulerConfig:
     swap_out_threads: int = 4
     swap_in_buffers: int = 4
     d2d_threads: int = 1
-    staging_bytes: int = _DEFAULT_STAGING_BYTES
+    staging_bytes: int = DEFAULT_STAGING_BYTES
 
     def __post_init__(self) -> None:
         for name in ("swap_out_threads", "swap_in_buffers", "d2d_threads", "staging_bytes"):
@@ -86,10 +80,11 @@ class CopyScheduler:
             raise TypeError(f"CopyScheduler: config must be SchedulerConfig, got {type(config)}")
         self.device = device
         self.config = config
-        self._swap_out = _Pool("swap-out", config.swap_out_threads)
-        self._d2d = _Pool("d2d", config.d2d_threads)
+        self._swap_out = WorkerPool("swap-out", config.swap_out_threads)
+        self._d2d = WorkerPool("d2d", config.d2d_threads)
         self._closed = False
-        self._finalizer = weakref.finalize(self, _stop_pools, (self._swap_out, self._d2d))
+        # Dropped without aclose(): tell the threads to exit (they are not joined).
+        self._finalizer = weakref.finalize(self, _stop_nowait, (self._swap_out, self._d2d))
 
     @property
     def closed(self) -> bool:
@@ -127,9 +122,9 @@ class CopyScheduler:
         pool = self._d2d if is_accelerator(dst_l[0].device) else self._swap_out
         cfg = self.config
         job = functools.partial(
-            _copy_blocks_job, src_l, dst_l, pairs_l, cfg.swap_in_buffers, cfg.staging_bytes
+            copy_blocks_job, src_l, dst_l, pairs_l, cfg.swap_in_buffers, cfg.staging_bytes
         )
-        await self._run(pool, job)
+        await pool.run(job)
 
     async def copy_many(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``dst.copy_(src)`` for every ``(src, dst)`` in order, as one job.
@@ -143,8 +138,8 @@ class CopyScheduler:
         if not pairs_l:
             return
         to_device = any(is_accelerator(d.device) for _, d in pairs_l)
-        job = functools.partial(_copy_many_job, pairs_l)
-        await self._run(self._d2d if to_device else self._swap_out, job)
+        job = functools.partial(copy_many_job, pairs_l)
+        await (self._d2d if to_device else self._swap_out).run(job)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on a worker thread and return its result (same cancellation rules).
@@ -155,7 +150,7 @@ class CopyScheduler:
             Exception: whatever ``fn`` raised, unchanged.
         """
         self._check_open()
-        return await self._run(self._swap_out, fn)
+        return await self._swap_out.run(fn)
 
     async def aclose(self) -> None:
         """Let queued jobs finish, stop every worker thread and join it. Idempotent.
@@ -166,27 +161,13 @@ class CopyScheduler:
             return
         self._closed = True
         self._finalizer.detach()
-        loop = asyncio.get_running_loop()
-        exits: list[asyncio.Future[None]] = []
-        for pool in (self._swap_out, self._d2d):
-            for _ in pool.threads:
-                fut: asyncio.Future[None] = loop.create_future()
-                exits.append(fut)
-                pool.stop_one(functools.partial(_resolve_threadsafe, loop, fut))
-        await asyncio.gather(*exits)
-        for t in self.threads:
-            t.join()  # each has already left its loop; this only reaps it
+        await asyncio.gather(self._swap_out.aclose(), self._d2d.aclose())
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("CopyScheduler is closed")
 
-    async def _run(self, pool: _Pool, fn: Callable[[], T]) -> T:
-        job = _Job(fn, asyncio.get_running_loop())
-        pool.submit(job)
-        try:
-            return await job.future
-        except asyncio.CancelledError:
-            if not job.cancel_if_pending():
-                await job.wait_finished()
-            raise
+
+def _stop_nowait(pools: tuple[WorkerPool, ...]) -> None:
+    for pool in pools:
+        pool.stop_nowait()

@@ -12,11 +12,14 @@ import asyncio
 import atexit
 import contextlib
 import enum
+import functools
 import queue
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
+
+__all__ = ["WorkerPool"]
 
 T = TypeVar("T")
 
@@ -103,22 +106,67 @@ class _Stop:
         self.notify = notify
 
 
-class _Pool:
+class WorkerPool:
     """Worker threads fed by one FIFO queue, started on demand up to ``size``.
 
-    As in ``concurrent.futures.ThreadPoolExecutor``, a new thread starts only when a
-    job arrives and no thread is idle, so an unused pool costs no threads.
+    :meth:`run` awaits one job. A new thread starts only when a job arrives and no
+    thread is idle, so an unused pool costs no threads. Threads are named
+    ``aiokv-<name>-<n>``, are not daemons, and exit after the jobs queued before
+    :meth:`aclose` (or :meth:`stop_nowait`); a pool never closed is stopped before the
+    interpreter joins its threads at exit.
     """
 
     def __init__(self, name: str, size: int) -> None:
         self.name = name
         self.size = size
         self.threads: list[threading.Thread] = []
+        """The threads started so far (never shrinks)."""
         self._queue: queue.SimpleQueue[_Job[Any] | _Stop] = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)
         _live_pools.add(self)
 
-    def submit(self, job: _Job[Any]) -> None:
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on a worker thread and return its result.
+
+        Cancelled before ``fn`` started, it never runs. Cancelled while it runs, this
+        waits (shielded against further cancellation) until it has finished, then
+        raises ``CancelledError``: ``fn`` never runs on after this returned.
+
+        Raises:
+            RuntimeError: ``fn`` raised ``StopIteration`` (chained as the cause).
+            BaseException: whatever ``fn`` raised, unchanged.
+        """
+        job = _Job(fn, asyncio.get_running_loop())
+        self._submit(job)
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            if not job.cancel_if_pending():
+                await job.wait_finished()
+            raise
+
+    async def aclose(self) -> None:
+        """Let the queued jobs finish, then stop every thread and join it.
+
+        The loop is not blocked: each thread reports its exit before it is joined.
+        No job may be submitted once this has been called.
+        """
+        loop = asyncio.get_running_loop()
+        exits: list[asyncio.Future[None]] = []
+        for _ in self.threads:
+            fut: asyncio.Future[None] = loop.create_future()
+            exits.append(fut)
+            self._queue.put(_Stop(functools.partial(_resolve_threadsafe, loop, fut)))
+        await asyncio.gather(*exits)
+        for t in self.threads:
+            t.join()  # each has already left its loop; this only reaps it
+
+    def stop_nowait(self) -> None:
+        """Tell every thread to exit after the queued jobs, without waiting (any thread)."""
+        for _ in self.threads:
+            self._queue.put(_Stop())
+
+    def _submit(self, job: _Job[Any]) -> None:
         self._queue.put(job)
         if self._idle.acquire(blocking=False):
             return
@@ -143,33 +191,19 @@ class _Pool:
                 item.report(outcome)
             del item, outcome  # drop what the job referenced before blocking again
 
-    def stop_one(self, notify: Callable[[], None] | None = None) -> None:
-        """Queue a sentinel (behind any queued jobs) that stops one thread."""
-        self._queue.put(_Stop(notify))
 
-    def stop(self) -> None:
-        """Queue one stop sentinel per thread started."""
-        for _ in self.threads:
-            self.stop_one()
-
-
-_live_pools: weakref.WeakSet[_Pool] = weakref.WeakSet()
+_live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 
 
 def _stop_live_pools() -> None:
     for pool in list(_live_pools):
-        pool.stop()
+        pool.stop_nowait()
 
 
 # Non-daemon workers of a scheduler that was never closed would keep the interpreter
 # from exiting. threading's private pre-join hook (the one concurrent.futures uses) runs
 # before non-daemon threads are joined; plain atexit would run too late.
 getattr(threading, "_register_atexit", atexit.register)(_stop_live_pools)
-
-
-def _stop_pools(pools: tuple[_Pool, ...]) -> None:
-    for pool in pools:
-        pool.stop()
 
 
 def _resolve_threadsafe(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:

@@ -20,8 +20,8 @@ from copy_helpers import (
 )
 
 from aiokv._copy import CopyScheduler, DeviceContext, SchedulerConfig
-from aiokv._copy._kernels import _copy_cross, _Ring
-from aiokv._copy._plan import _Planner
+from aiokv._copy._kernels import Ring, copy_cross
+from aiokv._copy._plan import Planner
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -102,10 +102,10 @@ def test_accelerator_path_logic_on_cpu(src_host: bool, dst_host: bool, kind: str
     dst = [rand_tensor(sh, torch.bfloat16, gen) for sh in shapes]
     pairs = make_pairs(kind, 24, rows, random.Random(13))
     want = expected(src, dst, pairs)
-    ring = _Ring(DeviceContext(CPU), 2, 1024)  # 2 slots: chunks cycle through them
-    planner = _Planner(pairs)
+    ring = Ring(DeviceContext(CPU), 2, 1024)  # 2 slots: chunks cycle through them
+    planner = Planner(pairs)
     for s, d in zip(src, dst, strict=True):
-        _copy_cross(s, d, planner, ring, 40 * 1024, src_host, dst_host)
+        copy_cross(s, d, planner, ring, 40 * 1024, src_host, dst_host)
     ring.drain()
     for d, w in zip(dst, want, strict=True):
         assert_bytes_equal(d, w)
@@ -117,8 +117,8 @@ def test_accelerator_path_within_one_tensor_on_cpu(kind: str) -> None:
     t = rand_tensor((64, 2048), torch.bfloat16, gen)
     pairs = WITHIN_ONE_TENSOR[kind]
     want = expected([t], [t], pairs)
-    ring = _Ring(DeviceContext(CPU), 2, 1024)
-    _copy_cross(t, t, _Planner(pairs), ring, 8192, False, False)
+    ring = Ring(DeviceContext(CPU), 2, 1024)
+    copy_cross(t, t, Planner(pairs), ring, 8192, False, False)
     ring.drain()
     assert_bytes_equal(t, want[0])
 
