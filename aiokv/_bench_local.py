@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from ._device import pre_touch
-from ._scheduler import CopyScheduler
+from ._copy import CopyScheduler, pre_touch
 
 __all__ = ["main", "run_local_bench"]
 

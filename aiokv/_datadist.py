@@ -16,7 +16,15 @@ from typing import Any
 
 from ._checks import check_instance, check_int
 from ._config import LLMConfig, MemPoolConfig
-from ._device import device_empty, host_empty, pre_touch, resolve_device, supports_pinning
+from ._copy import (
+    CopyScheduler,
+    SchedulerConfig,
+    device_empty,
+    host_empty,
+    pre_touch,
+    resolve_device,
+    supports_pinning,
+)
 from ._enums import LLMRole, LLMStatusCode
 from ._errors import LLMException, map_errors, status_of
 from ._manager import CacheManager, KvCacheManager
@@ -24,7 +32,6 @@ from ._models import LLMClusterInfo
 from ._pool import MemPool
 from ._registry import CacheRegistry
 from ._remote import LinkTable, PeerService, RemoteClient
-from ._scheduler import CopyScheduler, SchedulerConfig
 from .transport import Transport, get_transport
 
 __all__ = ["LLMDataDist"]

@@ -36,6 +36,7 @@ from ._checks import (
     tensor_range,
 )
 from ._config import LLMConfig
+from ._copy import CopyScheduler
 from ._enums import LLMRole, LLMStatusCode, Placement
 from ._errors import LLMException, map_errors
 from ._layerwise import CacheTask, LayerSynchronizer, Source, plan, run_layers
@@ -61,7 +62,6 @@ from ._remote._protocol import (
     pack_blocks,
     wire_key,
 )
-from ._scheduler import CopyScheduler
 
 __all__ = ["CacheManager", "KvCacheManager"]
 

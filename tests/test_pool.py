@@ -15,7 +15,8 @@ from hypothesis.stateful import (
 )
 
 from aiokv import CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
-from aiokv._cache import Cache, CacheRegistry
+from aiokv._cache import Cache
+from aiokv._registry import CacheRegistry
 from aiokv._pool import MemPool, Span
 
 PAGE_SHIFT = 10

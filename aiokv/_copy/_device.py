@@ -20,9 +20,9 @@ from collections.abc import Iterator
 
 import torch
 
-from ._checks import check_instance, check_int
-from ._enums import LLMStatusCode
-from ._errors import LLMException
+from .._checks import check_instance, check_int
+from .._enums import LLMStatusCode
+from .._errors import LLMException
 
 __all__ = [
     "DeviceContext",

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from aiokv import _device
-from aiokv._device import (
+from aiokv._copy import _device
+from aiokv._copy._device import (
     DeviceContext,
     device_empty,
     host_empty,

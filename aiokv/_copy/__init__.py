@@ -1,0 +1,35 @@
+"""The copy engine: block-pair planning, copy kernels, worker pools and devices.
+
+Modules, one concept each: ``_plan`` (coalescing and the block-pair planner),
+``_kernels`` (copy job bodies and the pinned staging ring), ``_workers`` (worker thread
+pools, jobs resolved on the loop), ``_scheduler`` (:class:`CopyScheduler`, the façade
+the rest of the package awaits), ``_device`` (device resolution, pinning, streams).
+"""
+
+from ._device import (
+    DeviceContext,
+    device_empty,
+    host_empty,
+    is_accelerator,
+    npu_device_count,
+    pre_touch,
+    resolve_device,
+    supports_pinning,
+)
+from ._plan import Run, coalesce
+from ._scheduler import CopyScheduler, SchedulerConfig
+
+__all__ = [
+    "CopyScheduler",
+    "DeviceContext",
+    "Run",
+    "SchedulerConfig",
+    "coalesce",
+    "device_empty",
+    "host_empty",
+    "is_accelerator",
+    "npu_device_count",
+    "pre_touch",
+    "resolve_device",
+    "supports_pinning",
+]
