@@ -175,9 +175,7 @@ async def test_placeholder_and_duplicate_keys(cm: CacheManager) -> None:
     hold = CacheKey(1, req_id=2**64 - 1)
     k = CacheKey(1, req_id=5)
     cache = await cm.allocate_cache(CacheDesc(1, [3, 4096], DataType.DT_UINT8), [hold, k, k])
-    reg = cm._registry
-    assert reg.keys[k] == (cache.cache_id, 2)  # the last duplicate wins
-    assert hold not in reg.keys
+    assert cm.statistics().keys == 1  # the placeholder binds nothing, k binds once
     await cm.deallocate_cache(cache)
     await cm.remove_cache_key(k)
     assert used(cm) == (0, 0)
@@ -205,13 +203,16 @@ async def test_allocation_failures_change_nothing(cm: CacheManager) -> None:
 
 
 async def test_deallocate_defers_while_pinned(cm: CacheManager) -> None:
-    c = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE))
-    entry = cm._registry.by_id(c.cache_id)
-    assert entry is not None
-    cm._registry.pin(entry)
+    src = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 1024))
+    c = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 1024))
+    copy = asyncio.create_task(cm.swap_blocks(src, c, {i: i for i in range(1024)}))
+    await asyncio.sleep(0)  # the swap has pinned both caches
+    assert cm.statistics().pins == 2
     await cm.deallocate_blocks_cache(c)
-    assert used(cm)[0] > 0  # an in-flight operation still uses it
-    cm._registry.unpin(entry)
+    assert used(cm)[0] > 0 and cm.statistics().released == 1  # in use: the free waits
+    await copy
+    assert cm.statistics().pins == 0 and cm.statistics().released == 0
+    await cm.deallocate_blocks_cache(src)
     assert used(cm) == (0, 0)
 
 
@@ -246,22 +247,24 @@ async def test_register_and_unregister(cm: CacheManager, caplog: pytest.LogCaptu
     with caplog.at_level(logging.WARNING, logger="aiokv"):
         b = await cm.register_blocks_cache(desc, ts2, key)
     assert "now cache" in caplog.text
-    reg = cm._registry
-    assert reg.by_blocks_key(key) is reg.by_id(b.cache_id)  # the later wins
+    assert cm.statistics().blocks_keys == 1 and cm.statistics().registered == 2
     await cm.unregister_cache(b.cache_id)
-    assert reg.by_blocks_key(key) is None
+    # the later registration held the key: it went with b (a no longer had it)
+    assert cm.statistics().blocks_keys == 0 and cm.statistics().registered == 1
     await cm.unregister_cache(b.cache_id)  # no-op
     c = await cm.register_cache(
         CacheDesc(1, [2, 8], DataType.DT_FLOAT), [torch.ones(2, 8)], [CacheKey(1, 9)]
     )
-    assert CacheKey(1, 9) in reg.keys
+    assert cm.statistics().keys == 1
     await cm.unregister_cache(c.cache_id)
-    assert CacheKey(1, 9) not in reg.keys
+    assert cm.statistics().keys == 0
     pool_cache = await cm.allocate_cache(CacheDesc(1, [8], DataType.DT_UINT8))
     with pytest.raises(LLMException):
         await cm.unregister_cache(pool_cache.cache_id)
     with pytest.raises(LLMException):
         await cm.deallocate_cache(a)  # registered memory is unregistered, not deallocated
+    await cm.unregister_cache(a.cache_id)
+    assert cm.statistics().registered == 0
 
 
 # ---- copies ------------------------------------------------------------------------------------
@@ -473,7 +476,7 @@ async def test_cancel_large_swap_in_flight_keeps_everything_consistent() -> None
         # the copy either never ran or ran to the end: never half-written after return
         sums = await asyncio.to_thread(lambda: {int(t.sum()) for t in host.tensors})
         assert sums <= {0, 7 * (64 << 20)} and len(sums) == 1
-        assert all(e.pins == 0 for e in cm._registry.live_entries())
+        assert cm.statistics().pins == 0
         await cm.deallocate_blocks_cache(host)
         await cm.deallocate_blocks_cache(dev)
         assert used(cm) == (0, 0)
