@@ -16,8 +16,8 @@ from hypothesis.stateful import (
 
 from aiokv import CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
 from aiokv._cache import Cache
-from aiokv._registry import CacheRegistry
 from aiokv._pool import MemPool, Span
+from aiokv._registry import CacheRegistry
 
 PAGE_SHIFT = 10
 PAGES = 64

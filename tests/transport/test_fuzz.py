@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import secrets
@@ -52,8 +53,12 @@ class GuardedHandler:
         self.open_grants = 0
         self.granted = 0
 
-    def _grant(self, buf: memoryview, meta: dict[str, Any]) -> Grant:
-        spans = meta.get("spans")
+    def _grant(self, buf: memoryview, meta: bytes) -> Grant:
+        try:
+            req = json.loads(meta)
+        except ValueError:
+            return Grant(Code.LLM_PARAM_INVALID)
+        spans = req.get("spans") if isinstance(req, dict) else None
         if not isinstance(spans, list) or len(spans) > 2000:
             return Grant(Code.LLM_PARAM_INVALID)
         views = []
@@ -80,10 +85,10 @@ class GuardedHandler:
 
         return Grant(Code.LLM_SUCCESS, views, done)
 
-    async def grant_read(self, peer: PeerInfo, meta: dict[str, Any]) -> Grant:
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
         return self._grant(memoryview(self.ro), meta)
 
-    async def grant_write(self, peer: PeerInfo, meta: dict[str, Any], nbytes: int) -> Grant:
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
         return self._grant(memoryview(self.rw)[GUARD : GUARD + REGION], meta)
 
 
@@ -117,8 +122,6 @@ def raw(
 
 
 def js(obj: Any) -> bytes:
-    import json
-
     return json.dumps(obj).encode()
 
 
@@ -394,10 +397,10 @@ async def test_hostile_frames_never_break_the_server(
         # The server still serves exactly what it holds...
         link = await client.connect(HOST, port, timeout=5)
         got = bytearray(REGION)
-        await link.read({"spans": [[0, REGION]]}, [memoryview(got)], timeout=5)
+        await link.read(js({"spans": [[0, REGION]]}), [memoryview(got)], timeout=5)
         assert got == handler.ro_known, f"read-only region changed (seed {seed})"
         fresh = bytes(random.Random(seed).randbytes(REGION))
-        await link.write({"spans": [[0, REGION]]}, [memoryview(fresh)], timeout=5)
+        await link.write(js({"spans": [[0, REGION]]}), [memoryview(fresh)], timeout=5)
         assert handler.rw[GUARD : GUARD + REGION] == fresh
         # ...and nothing ever landed outside a grant.
         assert (bytes(handler.rw[:GUARD]), bytes(handler.rw[-GUARD:])) == handler.guards, (

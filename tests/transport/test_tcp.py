@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import secrets
 import socket
@@ -27,6 +28,11 @@ from aiokv.transport._wire import FrameType
 HOST = "127.0.0.1"
 KIB = 1 << 10
 MIB = 1 << 20
+
+
+def js(obj: Any) -> bytes:
+    """The test cache layer's request encoding (the transport carries opaque bytes)."""
+    return json.dumps(obj).encode()
 
 
 # ------------------------------------------------------------------------------ fakes
@@ -57,8 +63,9 @@ class FakeHandler:
 
         return done
 
-    async def _grant(self, meta: dict[str, Any]) -> Grant:
+    async def _grant(self, raw: bytes) -> Grant:
         self.grants += 1
+        meta = json.loads(raw)
         if meta.get("hang"):
             self.hanging.set()
             try:
@@ -75,10 +82,10 @@ class FakeHandler:
         views = [buf[off : off + n] for off, n in meta["spans"]]
         return Grant(Code.LLM_SUCCESS, views, self._done(meta.get("tag", object())))
 
-    async def grant_read(self, peer: PeerInfo, meta: dict[str, Any]) -> Grant:
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
         return await self._grant(meta)
 
-    async def grant_write(self, peer: PeerInfo, meta: dict[str, Any], nbytes: int) -> Grant:
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
         return await self._grant(meta)
 
 
@@ -207,7 +214,9 @@ async def test_read_many_scatter_buffers_exact(chunk_bytes: int, scatter: Scatte
     async with make_pair(chunk_bytes=chunk_bytes) as p:
         p.hb.regions["r"] = src
         await p.link_a.read(
-            {"region": "r", "spans": src_spans, "tag": "t"}, views_of(dst, dst_spans), timeout=10
+            js({"region": "r", "spans": src_spans, "tag": "t"}),
+            views_of(dst, dst_spans),
+            timeout=10,
         )
         assert gather_spans(dst, dst_spans) == gather_spans(src, src_spans)
         assert set(outside_spans(dst, dst_spans)) == {0x77}  # nothing landed in the gaps
@@ -224,7 +233,7 @@ async def test_write_many_scatter_buffers_exact(pair: Pair) -> None:
     dst_before = bytes(dst)
     pair.hb.regions["w"] = dst
     await pair.link_a.write(
-        {"region": "w", "spans": dst_spans, "tag": "w"}, views_of(src, src_spans), timeout=10
+        js({"region": "w", "spans": dst_spans, "tag": "w"}), views_of(src, src_spans), timeout=10
     )
     # write() returns only once the peer confirmed: its done has already run.
     assert pair.hb.done["w"].result() is True
@@ -242,14 +251,14 @@ async def test_both_directions_on_one_link(pair: Pair) -> None:
     push_a = bytearray(rng.randbytes(200 * KIB))
     push_b = bytearray(rng.randbytes(200 * KIB))
     await asyncio.gather(
-        pair.link_a.read({"region": "y", "spans": spans}, [memoryview(got_a)], timeout=10),
-        pair.link_b.read({"region": "x", "spans": spans}, [memoryview(got_b)], timeout=10),
+        pair.link_a.read(js({"region": "y", "spans": spans}), [memoryview(got_a)], timeout=10),
+        pair.link_b.read(js({"region": "x", "spans": spans}), [memoryview(got_b)], timeout=10),
     )
     assert got_a == gather_spans(pair.hb.regions["y"], spans)
     assert got_b == gather_spans(pair.ha.regions["x"], spans)
     await asyncio.gather(
-        pair.link_a.write({"region": "y", "spans": spans}, [memoryview(push_a)], timeout=10),
-        pair.link_b.write({"region": "x", "spans": spans}, [memoryview(push_b)], timeout=10),
+        pair.link_a.write(js({"region": "y", "spans": spans}), [memoryview(push_a)], timeout=10),
+        pair.link_b.write(js({"region": "x", "spans": spans}), [memoryview(push_b)], timeout=10),
     )
     assert gather_spans(pair.hb.regions["y"], spans) == push_a
     assert gather_spans(pair.ha.regions["x"], spans) == push_b
@@ -299,11 +308,11 @@ async def test_200_concurrent_ops_do_not_mix(pair: Pair, many_ops: ManyOps) -> N
         try:
             if i % 2:
                 await pair.link_a.read(
-                    {"region": "r", "spans": span}, [memoryview(locals_[i])], timeout=20
+                    js({"region": "r", "spans": span}), [memoryview(locals_[i])], timeout=20
                 )
             else:  # B pushes into A over the same link, concurrently
                 await pair.link_b.write(
-                    {"region": "w", "spans": span}, [memoryview(pushes[i])], timeout=20
+                    js({"region": "w", "spans": span}), [memoryview(pushes[i])], timeout=20
                 )
         finally:
             in_flight -= 1
@@ -325,8 +334,8 @@ async def test_200_concurrent_ops_do_not_mix(pair: Pair, many_ops: ManyOps) -> N
 
 async def test_zero_byte_transfers(pair: Pair) -> None:
     pair.hb.regions["r"] = bytearray(10)
-    await pair.link_a.read({"region": "r", "spans": [], "tag": "r0"}, [], timeout=5)
-    await pair.link_a.write({"region": "r", "spans": [], "tag": "w0"}, [], timeout=5)
+    await pair.link_a.read(js({"region": "r", "spans": [], "tag": "r0"}), [], timeout=5)
+    await pair.link_a.write(js({"region": "r", "spans": [], "tag": "w0"}), [], timeout=5)
     assert await asyncio.wait_for(pair.hb.done["r0"], 5) is True
     assert pair.hb.done["w0"].result() is True
 
@@ -334,7 +343,7 @@ async def test_zero_byte_transfers(pair: Pair) -> None:
 async def test_views_of_any_format_are_bytes(pair: Pair) -> None:
     pair.hb.regions["r"] = bytearray(range(16))
     words = memoryview(bytearray(16)).cast("I")  # 4 x uint32: 16 bytes
-    await pair.link_a.read({"region": "r", "spans": [[0, 16]]}, [words], timeout=5)
+    await pair.link_a.read(js({"region": "r", "spans": [[0, 16]]}), [words], timeout=5)
     assert words.tobytes() == bytes(range(16))
 
 
@@ -354,7 +363,7 @@ async def test_refusal_codes_propagate(pair: Pair, meta: dict[str, Any], code: C
     buf = bytearray(8)
     for op in (pair.link_a.read, pair.link_a.write):
         with pytest.raises(LLMException) as info:
-            await op(meta, [memoryview(buf)], timeout=5)
+            await op(js(meta), [memoryview(buf)], timeout=5)
         assert info.value.status_code == code
     assert not pair.link_a.broken
 
@@ -363,17 +372,17 @@ async def test_size_mismatch_is_param_invalid(pair: Pair) -> None:
     pair.hb.regions["r"] = bytearray(b"x" * 100)
     meta = {"region": "r", "spans": [[0, 50]], "tag": "read"}
     with pytest.raises(LLMException) as info:
-        await pair.link_a.read(meta, [memoryview(bytearray(49))], timeout=5)
+        await pair.link_a.read(js(meta), [memoryview(bytearray(49))], timeout=5)
     assert info.value.status_code == Code.LLM_PARAM_INVALID
     assert await asyncio.wait_for(pair.hb.done["read"], 5) is False
     meta = {"region": "r", "spans": [[0, 50]], "tag": "write"}
     with pytest.raises(LLMException) as info:
-        await pair.link_a.write(meta, [memoryview(bytearray(51))], timeout=5)
+        await pair.link_a.write(js(meta), [memoryview(bytearray(51))], timeout=5)
     assert info.value.status_code == Code.LLM_PARAM_INVALID
     assert pair.hb.done["write"].result() is False
     assert pair.hb.regions["r"] == b"x" * 100  # nothing was sent into a refused request
     got = bytearray(50)
-    await pair.link_a.read({"region": "r", "spans": [[0, 50]]}, [memoryview(got)], timeout=5)
+    await pair.link_a.read(js({"region": "r", "spans": [[0, 50]]}), [memoryview(got)], timeout=5)
     assert got == b"x" * 50
 
 
@@ -382,28 +391,32 @@ async def test_bad_arguments(pair: Pair) -> None:
     with pytest.raises(TypeError):
         await pair.link_a.read([], buf, timeout=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        await pair.link_a.read({}, [object()], timeout=1)  # type: ignore[list-item]
+        await pair.link_a.read(js({}), [object()], timeout=1)  # type: ignore[list-item]
     with pytest.raises(TypeError):
-        await pair.link_a.read({}, memoryview(bytearray(4)), timeout=1)
+        await pair.link_a.read(js({}), memoryview(bytearray(4)), timeout=1)
     with pytest.raises(ValueError, match="timeout"):
-        await pair.link_a.read({}, buf, timeout=0)
+        await pair.link_a.read(js({}), buf, timeout=0)
     with pytest.raises(LLMException) as info:
-        await pair.link_a.read({}, [memoryview(b"readonly")], timeout=1)
+        await pair.link_a.read(js({}), [memoryview(b"readonly")], timeout=1)
     assert info.value.status_code == Code.LLM_PARAM_INVALID
+    with pytest.raises(TypeError, match="meta must be bytes"):
+        await pair.link_a.read({"region": "r"}, buf, timeout=1)  # type: ignore[arg-type]
     with pytest.raises(LLMException) as info:
-        await pair.link_a.read({"k": object()}, buf, timeout=1)
+        await pair.link_a.read(b"x" * (pair.a.max_meta_bytes + 1), buf, timeout=1)
     assert info.value.status_code == Code.LLM_PARAM_INVALID
     assert pair.hb.grants == 0  # none of these reached the peer
 
 
 async def test_peer_request_flood_is_capped(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_tcp, "_MAX_PEER_REQUESTS", 2)
-    hung = [asyncio.create_task(pair.link_a.read({"hang": True}, [], timeout=10)) for _ in range(2)]
+    hung = [
+        asyncio.create_task(pair.link_a.read(js({"hang": True}), [], timeout=10)) for _ in range(2)
+    ]
     while pair.hb.grants < 2:
         await pair.hb.hanging.wait()
         pair.hb.hanging.clear()
     with pytest.raises(LLMException) as info:
-        await pair.link_a.read({"hang": True}, [], timeout=10)
+        await pair.link_a.read(js({"hang": True}), [], timeout=10)
     assert info.value.status_code == Code.LLM_LINK_BUSY
     for task in hung:
         task.cancel()
@@ -413,7 +426,7 @@ async def test_peer_request_flood_is_capped(pair: Pair, monkeypatch: pytest.Monk
 async def test_meta_caps() -> None:
     async with make_pair(max_meta_bytes=1000) as p:
         with pytest.raises(LLMException) as info:  # over our own cap: never sent
-            await p.link_a.read({"pad": "x" * 2000}, [], timeout=5)
+            await p.link_a.read(js({"pad": "x" * 2000}), [], timeout=5)
         assert info.value.status_code == Code.LLM_PARAM_INVALID
     # Over the peer's cap only: the peer skips it and answers.
     ha = FakeHandler()
@@ -423,7 +436,7 @@ async def test_meta_caps() -> None:
         port = (await small.listen(HOST, 0))[1]
         link = await big.connect(HOST, port, timeout=5)
         with pytest.raises(LLMException) as info:
-            await link.write({"pad": "x" * 5000}, [memoryview(bytearray(10))], timeout=5)
+            await link.write(js({"pad": "x" * 5000}), [memoryview(bytearray(10))], timeout=5)
         assert info.value.status_code == Code.LLM_PARAM_INVALID
         assert ha.grants == 0
         assert not link.broken
@@ -438,18 +451,18 @@ async def test_meta_caps() -> None:
 async def test_handler_that_never_answers_times_out(pair: Pair) -> None:
     t0 = time.monotonic()
     with pytest.raises(LLMException) as info:
-        await pair.link_a.read({"hang": True}, [memoryview(bytearray(4))], timeout=0.2)
+        await pair.link_a.read(js({"hang": True}), [memoryview(bytearray(4))], timeout=0.2)
     assert info.value.status_code == Code.LLM_TIMEOUT
     assert time.monotonic() - t0 < 2
     # The CANCEL reached the peer, which stopped waiting on its handler.
     await asyncio.wait_for(pair.hb.hung_cancelled.wait(), 5)
     with pytest.raises(LLMException) as info:
-        await pair.link_a.write({"hang": True}, [memoryview(bytearray(4))], timeout=0.1)
+        await pair.link_a.write(js({"hang": True}), [memoryview(bytearray(4))], timeout=0.1)
     assert info.value.status_code == Code.LLM_TIMEOUT
     assert not pair.link_a.broken
     pair.hb.regions["r"] = bytearray(b"ok")
     got = bytearray(2)
-    await pair.link_a.read({"region": "r", "spans": [[0, 2]]}, [memoryview(got)], timeout=5)
+    await pair.link_a.read(js({"region": "r", "spans": [[0, 2]]}), [memoryview(got)], timeout=5)
     assert got == b"ok"
 
 
@@ -474,7 +487,7 @@ async def test_cancel_at_every_step_leaves_link_usable(
         for steps in range(0, 60, 4):
             tag = f"{op}{steps}"
             mine = bytearray(rng.randbytes(size))
-            meta = {"region": "r", "spans": [[0, size]], "tag": tag}
+            meta = js({"region": "r", "spans": [[0, size]], "tag": tag})
             method = p.link_a.read if op == "read" else p.link_a.write
             task = asyncio.create_task(method(meta, [memoryview(mine)], timeout=20))
             for _ in range(steps):
@@ -493,7 +506,7 @@ async def test_cancel_at_every_step_leaves_link_usable(
             # (late chunks of it are drained into scratch space while this runs).
             check = bytearray(size)
             await p.link_a.read(
-                {"region": "r", "spans": [[0, size]]}, [memoryview(check)], timeout=20
+                js({"region": "r", "spans": [[0, size]]}), [memoryview(check)], timeout=20
             )
             assert check == p.hb.regions["r"]
             assert bytes(mine) == snapshot
@@ -510,11 +523,11 @@ async def test_timeout_mid_transfer_keeps_link(pair: Pair) -> None:
     mine = bytearray(size)
     with contextlib.suppress(LLMException):  # may or may not finish in 1 ms
         await pair.link_a.read(
-            {"region": "r", "spans": [[0, size]]}, [memoryview(mine)], timeout=0.001
+            js({"region": "r", "spans": [[0, size]]}), [memoryview(mine)], timeout=0.001
         )
     snapshot = bytes(mine)
     got = bytearray(size)
-    await pair.link_a.read({"region": "r", "spans": [[0, size]]}, [memoryview(got)], timeout=20)
+    await pair.link_a.read(js({"region": "r", "spans": [[0, size]]}), [memoryview(got)], timeout=20)
     assert got == pair.hb.regions["r"]
     assert bytes(mine) == snapshot
 
@@ -523,7 +536,7 @@ async def test_timeout_mid_transfer_keeps_link(pair: Pair) -> None:
 
 
 async def test_peer_close_fails_pending_ops_promptly(pair: Pair) -> None:
-    task = asyncio.create_task(pair.link_a.read({"hang": True}, [], timeout=30))
+    task = asyncio.create_task(pair.link_a.read(js({"hang": True}), [], timeout=30))
     await pair.hb.hanging.wait()
     t0 = time.monotonic()
     await pair.link_b.aclose()
@@ -538,7 +551,7 @@ async def test_peer_close_fails_pending_ops_promptly(pair: Pair) -> None:
     assert pair.lost_a == [pair.link_a]
     assert pair.lost_b == [pair.link_b]
     with pytest.raises(LLMException) as info:
-        await pair.link_a.read({}, [], timeout=1)
+        await pair.link_a.read(js({}), [], timeout=1)
     assert info.value.status_code == Code.LLM_LINK_FAILED
     assert pair.hb.hung_cancelled.is_set()
 
@@ -607,7 +620,7 @@ async def test_peer_dies_mid_transfer() -> None:
             assert link.peer.cluster_id == 9
             t0 = time.monotonic()
             with pytest.raises(LLMException) as info:
-                await link.read({}, [memoryview(bytearray(64 * KIB))], timeout=30)
+                await link.read(js({}), [memoryview(bytearray(64 * KIB))], timeout=30)
             assert info.value.status_code == Code.LLM_LINK_FAILED
             assert time.monotonic() - t0 < 2
             assert link.broken
@@ -642,10 +655,10 @@ async def test_slow_peer_mid_chunk(stall: bool) -> None:
             got = bytearray(size)
             if stall:
                 with pytest.raises(LLMException) as info:
-                    await link.read({}, [memoryview(got)], timeout=0.5)
+                    await link.read(js({}), [memoryview(got)], timeout=0.5)
                 assert info.value.status_code == Code.LLM_TIMEOUT
             else:
-                await link.read({}, [memoryview(got)], timeout=10)
+                await link.read(js({}), [memoryview(got)], timeout=10)
                 assert got == payload
         finally:
             await client.aclose()
@@ -695,7 +708,7 @@ async def test_misbehaving_peer_cannot_fool_the_requester(kind: str, code: Code)
             buf = bytearray(b"\0" * 100)
             op = link.write if kind == "early-write-done" else link.read
             with pytest.raises(LLMException) as info:
-                await op({}, [memoryview(buf)], timeout=5)
+                await op(b"", [memoryview(buf)], timeout=5)
             assert info.value.status_code == code
             assert buf == b"\0" * 100
             assert not link.broken
@@ -726,7 +739,7 @@ async def test_broken_grants_are_refused(grant: Any) -> None:
     try:
         link = await client.connect(HOST, (await server.listen(HOST, 0))[1], timeout=5)
         with pytest.raises(LLMException) as info:
-            await link.write({}, [memoryview(bytearray(9))], timeout=5)
+            await link.write(js({}), [memoryview(bytearray(9))], timeout=5)
         assert info.value.status_code == Code.LLM_FAILED
         assert not link.broken
     finally:
@@ -750,7 +763,7 @@ async def test_oversized_chunk_breaks_the_link() -> None:
         try:
             link = await client.connect(HOST, port, timeout=5)
             with pytest.raises(LLMException) as info:
-                await link.read({}, [memoryview(bytearray(10))], timeout=5)
+                await link.read(js({}), [memoryview(bytearray(10))], timeout=5)
             assert info.value.status_code == Code.LLM_LINK_FAILED
             assert link.broken
             assert lost == [link]
@@ -761,8 +774,8 @@ async def test_oversized_chunk_breaks_the_link() -> None:
 async def test_aclose_fails_pending_and_leaves_nothing_behind() -> None:
     before = asyncio.all_tasks()
     async with make_pair() as p:
-        pending = asyncio.create_task(p.link_a.read({"hang": True}, [], timeout=30))
-        incoming = asyncio.create_task(p.link_b.write({"hang": True}, [], timeout=30))
+        pending = asyncio.create_task(p.link_a.read(js({"hang": True}), [], timeout=30))
+        incoming = asyncio.create_task(p.link_b.write(js({"hang": True}), [], timeout=30))
         await p.hb.hanging.wait()
         await p.ha.hanging.wait()
         sockets = [link._sock for link in (p.link_a, p.link_b)]  # type: ignore[attr-defined]
@@ -788,7 +801,7 @@ async def test_auth_with_the_same_secret() -> None:
     async with make_pair(secret_a=b"s3cret", secret_b=b"s3cret") as p:
         p.hb.regions["r"] = bytearray(b"secret data")
         got = bytearray(11)
-        await p.link_a.read({"region": "r", "spans": [[0, 11]]}, [memoryview(got)], timeout=5)
+        await p.link_a.read(js({"region": "r", "spans": [[0, 11]]}), [memoryview(got)], timeout=5)
         assert got == b"secret data"
 
 
