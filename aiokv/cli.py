@@ -35,7 +35,7 @@ def bench_local(
     quick: Annotated[bool, typer.Option(help="Fewer sizes, fewer repeats.")] = False,
 ) -> None:
     """Swap/copy of N paged blocks vs the best plain-torch method; small-op latency."""
-    from ._bench_local import main as local_main
+    from ._bench.local import main as local_main
 
     local_main(["--repeat", "2", "--layers", "8"] if quick else [])
 
@@ -45,7 +45,7 @@ def bench_transfer(
     quick: Annotated[bool, typer.Option(help="Fewer sizes, fewer transfers.")] = False,
 ) -> None:
     """pull/push over loopback vs a raw socket stream; layer-wise overlap; 1,000 in flight."""
-    from ._bench_transfer import run
+    from ._bench.transfer import run
 
     _run_loop(lambda: run(quick=quick))
 

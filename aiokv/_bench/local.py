@@ -1,6 +1,6 @@
 """Local copy benchmark: ``CopyScheduler`` against the best plain-torch method, in one run.
 
-Run it with ``python -m aiokv._bench_local``. For each block size and block count it
+Run it with ``python -m aiokv._bench.local``. For each block size and block count it
 times, on the same tensors, ``CopyScheduler.copy_blocks`` and the fastest of several
 plain-torch ways to do the same copy, for random ``(src, dst)`` pairs and for one
 contiguous run, and prints GB/s, the ratio and the framework overhead per block pair,
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ._device import pre_touch
-from ._scheduler import CopyScheduler
+from .._device import pre_touch
+from .._scheduler import CopyScheduler
 
 __all__ = ["main", "run_local_bench"]
 
@@ -265,7 +265,7 @@ def _print_table(results: list[dict[str, Any]]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line entry: print the benchmark table."""
-    parser = argparse.ArgumentParser(prog="python -m aiokv._bench_local", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m aiokv._bench.local", description=__doc__)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop")

@@ -4,7 +4,7 @@ In ONE run, with a prompt peer in a second process (spawn) on loopback:
 
 1. ``pull_blocks`` and ``push_blocks`` of K scattered blocks of B bytes, next to a raw
    socket stream of the same bytes (blocking ``sendall``/``recv_into``, measured in the
-   same run by :func:`aiokv.transport._bench_raw.raw_stream_gbps`): GB/s, ratio, and the
+   same run by :func:`aiokv._bench.raw.raw_stream_gbps`): GB/s, ratio, and the
    per-block overhead ``(t_aiokv - t_raw) / K``.
 2. Layer-wise ``transfer_cache_async`` with a synchronizer that releases one layer per
    simulated compute step: total time against ``max(compute, transfer)``.
@@ -25,7 +25,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import (
+from .. import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
@@ -35,7 +35,7 @@ from . import (
     LLMRole,
     TransferConfig,
 )
-from .transport._bench_raw import raw_stream_gbps
+from .raw import raw_stream_gbps
 
 KIB, MIB = 1 << 10, 1 << 20
 PEER, ME = 1, 2

@@ -14,7 +14,7 @@ same run, so their ratio is meaningful even where absolute figures vary run to r
 
 Children are started with the ``spawn`` method: ``fork`` after torch was imported hangs.
 
-Run ``python -m aiokv.transport._bench_raw [--quick] [--loop asyncio|uvloop]`` to print
+Run ``python -m aiokv._bench.raw [--quick] [--loop asyncio|uvloop]`` to print
 a table of GB/s and ratios against the raw stream.
 """
 
@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._enums import LLMStatusCode
-from ._base import Grant, PeerInfo
+from ..transport._base import Grant, PeerInfo
 
 __all__ = ["Row", "compare", "link_gbps", "main", "raw_stream_gbps"]
 
@@ -104,7 +104,7 @@ def _run(main: Callable[[], Coroutine[Any, Any, None]], use_uvloop: bool) -> Non
 
 def _link_server(conn: Connection, pool_bytes: int, use_uvloop: bool) -> None:
     """Child: serve one link over a pool, report the port on ``conn``, exit when it closes."""
-    from ._tcp import TcpTransport
+    from ..transport._tcp import TcpTransport
 
     async def serve() -> None:
         lost = asyncio.Event()
@@ -134,7 +134,7 @@ def _measure(
     so slow drifts of a shared machine hit all three alike; each figure is the median.
     Raw rounds block the event loop on purpose: nothing else runs meanwhile.
     """
-    from ._tcp import TcpTransport
+    from ..transport._tcp import TcpTransport
 
     max_total = max(b * k for b, k in configs)
     pool_bytes = 2 * max_total
@@ -284,7 +284,7 @@ def _fmt_bytes(n: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Print raw vs ``Link.read`` / ``Link.write`` GB/s and ratios for the default grid."""
-    parser = argparse.ArgumentParser(prog="python -m aiokv.transport._bench_raw")
+    parser = argparse.ArgumentParser(prog="python -m aiokv._bench.raw")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
     parser.add_argument("--quick", action="store_true", help="transfers up to 16 MiB only")
     parser.add_argument("--repeat", type=int, default=None, help="rounds per figure")
