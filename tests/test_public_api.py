@@ -38,7 +38,7 @@ def test_all_is_the_public_surface() -> None:
     assert set(aiokv.__all__) == EXPECTED
     for name in aiokv.__all__:
         assert hasattr(aiokv, name), name
-    public = {n for n in vars(aiokv) if not n.startswith("_")} - {"transport", "cli"}
+    public = {n for n in vars(aiokv) if not n.startswith("_")} - {"transport", "cli", "examples"}
     assert public <= EXPECTED, f"unexported public names: {public - EXPECTED}"
 
 
