@@ -44,8 +44,7 @@ def bench_local(quick: Quick = False, as_json: Json = False) -> None:
 
 @bench_app.command("transfer")
 def bench_transfer(quick: Quick = False, as_json: Json = False) -> None:
-    """pull/push over loopback vs a raw socket stream; layer-wise overlap (and overhead,
-    unless --quick); 1,000 in flight."""
+    """pull/push vs a raw socket stream; layer-wise overlap (+ overhead); 1,000 in flight."""
     from ._bench.transfer import run_transfer_bench
 
     _emit(run_transfer_bench(quick=quick), as_json)

@@ -48,18 +48,15 @@ __all__ = [
     "Peer",
     "PromptPeer",
     "Report",
-    "bench_config",
     "digest",
     "gbps",
     "interleave",
-    "link",
     "linked",
     "median",
     "random_fill",
     "run_loop",
     "run_remote",
     "scattered",
-    "serve_requests",
     "spawned",
     "time_call",
 ]
@@ -190,7 +187,7 @@ class Peer:
         self.conn.close()
 
 
-async def serve_requests(
+async def _serve_requests(
     conn: Connection, handlers: Mapping[str, Callable[..., Awaitable[Any]]]
 ) -> None:
     """In a :class:`Peer` child: answer ``(name, *args)`` requests until ``("stop",)``.
@@ -208,11 +205,13 @@ async def serve_requests(
 
 #: The prompt peer's cluster id; its one blocks cache is ``BlocksCacheKey(PEER_ID, 0)``.
 PEER_ID = 1
+#: The decoder's cluster id in :func:`run_remote`.
+DECODER_ID = 2
 #: The pool of each side of the remote benchmarks.
 POOL_BYTES = 1 << 30
 
 
-def bench_config(pool_bytes: int) -> LLMConfig:
+def _config(pool_bytes: int) -> LLMConfig:
     """A CPU participant on loopback with a ``pool_bytes`` pool, remote accessible."""
     return LLMConfig(
         device_type="cpu",
@@ -247,7 +246,7 @@ def digest(cache: Cache, blocks: Sequence[int]) -> str:
 
 
 async def _prompt_main(conn: Connection, pool_bytes: int) -> None:
-    async with LLMDataDist(LLMRole.PROMPT, PEER_ID, bench_config(pool_bytes)) as dd:
+    async with LLMDataDist(LLMRole.PROMPT, PEER_ID, _config(pool_bytes)) as dd:
         cm = dd.cache_manager
         caches: list[Cache] = []
 
@@ -266,7 +265,7 @@ async def _prompt_main(conn: Connection, pool_bytes: int) -> None:
 
         assert dd.listen_address is not None
         conn.send(dd.listen_address[1])
-        await serve_requests(conn, {"cache": cache, "clear": clear, "digest": block_digest})
+        await _serve_requests(conn, {"cache": cache, "clear": clear, "digest": block_digest})
 
 
 def _prompt_peer(conn: Connection, pool_bytes: int) -> None:
@@ -299,18 +298,6 @@ class PromptPeer(Peer):
         return got
 
 
-async def link(dd: LLMDataDist, peer: PromptPeer) -> None:
-    """Link ``dd`` to ``peer``.
-
-    Raises:
-        RuntimeError: the link failed (its status code in the message).
-    """
-    info = LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[("127.0.0.1", peer.port)])
-    code, codes = await dd.link_clusters([info])
-    if code != LLMStatusCode.LLM_SUCCESS:
-        raise RuntimeError(f"link to the prompt peer failed: {code.name} {codes}")
-
-
 class _Stoppable(Protocol):
     def stop(self) -> None: ...
 
@@ -331,10 +318,34 @@ async def spawned(start: Callable[[], S]) -> AsyncIterator[S]:
 
 @contextlib.asynccontextmanager
 async def linked(peer: PromptPeer, cluster_id: int, pool_bytes: int) -> AsyncIterator[LLMDataDist]:
-    """A decoder participant with a ``pool_bytes`` pool, linked to ``peer``, for the block."""
-    async with LLMDataDist(LLMRole.DECODER, cluster_id, bench_config(pool_bytes)) as dd:
-        await link(dd, peer)
+    """A decoder participant with a ``pool_bytes`` pool, linked to ``peer``, for the block.
+
+    Raises:
+        RuntimeError: the link failed (its status code in the message).
+    """
+    async with LLMDataDist(LLMRole.DECODER, cluster_id, _config(pool_bytes)) as dd:
+        info = LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[("127.0.0.1", peer.port)])
+        code, codes = await dd.link_clusters([info])
+        if code != LLMStatusCode.LLM_SUCCESS:
+            raise RuntimeError(f"link to the prompt peer failed: {code.name} {codes}")
         yield dd
+
+
+def run_remote(
+    main: Callable[[PromptPeer, LLMDataDist], Awaitable[None]], pool_bytes: int = POOL_BYTES
+) -> None:
+    """Run ``main(peer, decoder)`` on a new loop (uvloop where installed): a
+    :class:`PromptPeer` and a decoder linked to it, both with ``pool_bytes`` pools,
+    stopped afterwards whatever happens."""
+
+    async def run() -> None:
+        async with (
+            spawned(lambda: PromptPeer(pool_bytes)) as peer,
+            linked(peer, DECODER_ID, pool_bytes) as decoder,
+        ):
+            await main(peer, decoder)
+
+    run_loop(run)
 
 
 # ------------------------------------------------------------------------------ report
@@ -405,20 +416,3 @@ class Report:
             for row in part.rows:
                 table.add_row(*map(_cell, row.values()))
             console.print(table)
-
-
-def run_remote(
-    main: Callable[[PromptPeer, LLMDataDist], Awaitable[None]], pool_bytes: int = POOL_BYTES
-) -> None:
-    """Run ``main(peer, decoder)`` on a new loop (uvloop where installed): a
-    :class:`PromptPeer` and a decoder linked to it, both with ``pool_bytes`` pools,
-    stopped afterwards whatever happens."""
-
-    async def run() -> None:
-        async with (
-            spawned(lambda: PromptPeer(pool_bytes)) as peer,
-            linked(peer, 2, pool_bytes) as decoder,
-        ):
-            await main(peer, decoder)
-
-    run_loop(run)
