@@ -20,29 +20,16 @@ def test_demo_runs_from_the_package_alone_outside_the_repository(tmp_path: Path)
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site), "COLUMNS": "120"}
-    code = "import sys, aiokv.cli; sys.argv = ['aiokv', 'demo']; aiokv.cli.main()"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
-    assert (
-        str(site / "aiokv")
-        in subprocess.run(
-            [sys.executable, "-c", "import aiokv; print(aiokv.__file__)"],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    )  # the copy ran, not the checkout
+
+    def python(code: str) -> tuple[int, str]:
+        """Exit code and output of ``python -c code`` run there, with only the copy."""
+        proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True)
+        return proc.returncode, (proc.stdout + proc.stderr).decode()
+
+    where = python("import aiokv; print(aiokv.__file__)")[1]
+    assert where.startswith(str(site)), where  # the copy runs, not the checkout
+    code, out = python("import sys, aiokv.cli; sys.argv = ['aiokv', 'demo']; aiokv.cli.main()")
+    assert code == 0, out
     assert "aiokv demo: local KV blocks" in out
     assert "swap block 0 back in: bytes identical = True" in out
     assert "aiokv demo: prefill → decode" in out
