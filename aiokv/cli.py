@@ -1,53 +1,69 @@
-"""The ``aiokv`` command: ``aiokv demo`` and ``aiokv bench local|transfer``."""
+"""The ``aiokv`` command: ``aiokv demo`` and ``aiokv bench local|transfer|layerwise|raw``."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Coroutine
-from typing import Annotated, Any
+import json
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from ._bench._harness import Report
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks with ratios against raw baselines.")
 app.add_typer(bench_app, name="bench")
 
+Quick = Annotated[bool, typer.Option(help="Fewer sizes or rounds: checks that it works.")]
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
 
-def _run_loop(coro_factory: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro_factory())
+
+def _emit(report: Report, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report.as_dict()))
     else:
-        uvloop.run(coro_factory())
+        report.render()
 
 
 @app.command()
 def demo() -> None:
     """Allocate, swap and copy KV blocks, and move them between two linked participants."""
+    from ._bench._harness import run_loop
     from ._demo import run_demo
 
-    _run_loop(run_demo)
+    run_loop(run_demo)
 
 
 @bench_app.command("local")
-def bench_local(
-    quick: Annotated[bool, typer.Option(help="Fewer sizes, fewer repeats.")] = False,
-) -> None:
-    """Swap/copy of N paged blocks vs the best plain-torch method; small-op latency."""
-    from ._bench_local import main as local_main
+def bench_local(quick: Quick = False, as_json: Json = False) -> None:
+    """swap_blocks of N paged blocks vs the best plain-torch method; small-op latency."""
+    from ._bench.local import run_local_bench
 
-    local_main(["--repeat", "2", "--layers", "8"] if quick else [])
+    _emit(run_local_bench(repeat=2, layers=8) if quick else run_local_bench(), as_json)
 
 
 @bench_app.command("transfer")
-def bench_transfer(
-    quick: Annotated[bool, typer.Option(help="Fewer sizes, fewer transfers.")] = False,
-) -> None:
-    """pull/push over loopback vs a raw socket stream; layer-wise overlap; 1,000 in flight."""
-    from ._bench_transfer import run
+def bench_transfer(quick: Quick = False, as_json: Json = False) -> None:
+    """pull/push vs a raw socket stream; layer-wise overlap (+ overhead); 1,000 in flight."""
+    from ._bench.transfer import run_transfer_bench
 
-    _run_loop(lambda: run(quick=quick))
+    _emit(run_transfer_bench(quick=quick), as_json)
+
+
+@bench_app.command("layerwise")
+def bench_layerwise(quick: Quick = False, as_json: Json = False) -> None:
+    """transfer_cache_async (by key, by raw addresses) vs one push_blocks of the same bytes."""
+    from ._bench.layerwise import run_layerwise_bench
+
+    _emit(run_layerwise_bench(quick=quick), as_json)
+
+
+@bench_app.command("raw")
+def bench_raw(quick: Quick = False, as_json: Json = False) -> None:
+    """Transport level: Link.read / Link.write of scattered blocks vs a raw socket stream."""
+    from ._bench.raw import run_raw_bench
+
+    _emit(run_raw_bench(quick=quick), as_json)
 
 
 def main() -> None:

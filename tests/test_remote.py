@@ -552,6 +552,8 @@ async def test_transfer_cache_async_errors(pair: tuple[LLMDataDist, LLMDataDist]
     assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
 
     # a plain (sync) synchronizer is accepted; cancelling reports None
+    p.config.sync_kv_timeout = 5000  # the pushes below must not race a 100 ms limit
+
     class Plain:
         def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
             return True

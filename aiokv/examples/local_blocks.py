@@ -1,6 +1,6 @@
 """Allocate paged KV caches, swap blocks out to host and back, fork blocks copy-on-write.
 
-Run: ``python examples/local_blocks.py`` (or ``aiokv demo``).
+Run: ``python -m aiokv.examples.local_blocks`` (or ``aiokv demo``).
 """
 
 from __future__ import annotations

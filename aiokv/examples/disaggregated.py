@@ -3,7 +3,7 @@
 Both participants live in this process for the demo; across processes or machines the
 code is the same (give ``listen_ip_info`` a reachable address).
 
-Run: ``python examples/disaggregated.py`` (or ``aiokv demo``).
+Run: ``python -m aiokv.examples.disaggregated`` (or ``aiokv demo``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,230 @@
+"""Layer-wise transfers: their overhead over one ``push_blocks``, and their overlap
+with compute.
+
+* :func:`overhead` (``aiokv bench layerwise``; also part of ``aiokv bench transfer``
+  without ``--quick``) — ``transfer_cache_async`` to a prompt peer in a second process,
+  with a synchronizer that releases every layer at once, (a) by key
+  (``TransferWithCacheKeyConfig`` with a ``BlocksCacheKey``) and (b) by raw addresses
+  (``TransferConfig`` with the peer's registered tensor addresses), against ONE
+  ``push_blocks`` of the same bytes: interleaved rounds, medians, ratios
+  ``t_transfer_cache_async / t_push_blocks`` (target ≤ 1.3). Shapes: 32 layers × K,V
+  of 4,096 blocks of 256 B (64 MiB), and of 256 blocks of 16 KiB (256 MiB); scattered,
+  shuffled block lists on both sides. After the timed rounds every contender runs once
+  more into a zeroed destination and the peer's digest of the destination blocks must
+  equal the digest of the source blocks, so a fast wrong result cannot be reported.
+* :func:`overlap` (part of ``aiokv bench transfer``) — a synchronizer that releases
+  layer i after i + 1 simulated compute steps, each as long as one layer's transfer:
+  total time against ``max(compute, transfer)`` (target ≤ 1.1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from .. import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheManager,
+    DataType,
+    LayerSynchronizer,
+    LLMDataDist,
+    LLMStatusCode,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+from ._harness import (
+    KIB,
+    MIB,
+    PEER_ID,
+    POOL_BYTES,
+    PromptPeer,
+    Report,
+    digest,
+    interleave,
+    median,
+    random_fill,
+    run_remote,
+    scattered,
+    time_call,
+)
+
+__all__ = ["SHAPES", "overhead", "overlap", "run_layerwise_bench"]
+
+#: ``(blocks, block bytes)`` per tensor of the overhead benchmark; 32 layers x K,V.
+SHAPES = ((4096, 256), (256, 16 * KIB))
+LAYERS = 32
+
+
+class ReleaseAll:
+    """A LayerSynchronizer whose every layer is ready at once: no compute to wait for."""
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+class _Compute:
+    """Layer i is ready (i + 1) compute steps of ``step`` seconds after construction.
+
+    The steps stand in for device kernels: they take no host CPU.
+    """
+
+    def __init__(self, step: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._start = self._loop.time()
+        self._step = step
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        ready = self._start + (layer_index + 1) * self._step
+        await asyncio.sleep(max(0.0, ready - self._loop.time()))
+        return True
+
+
+async def _layerwise(
+    cm: CacheManager,
+    src: Cache,
+    sync: LayerSynchronizer,
+    configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
+    srcs: Sequence[int] | None,
+    dsts: Sequence[int] | None,
+) -> None:
+    """One ``transfer_cache_async``, awaited to the end.
+
+    Raises:
+        RuntimeError: a destination did not report success.
+    """
+    task = await cm.transfer_cache_async(src, sync, configs, srcs, dsts)
+    codes = await task
+    if codes != [LLMStatusCode.LLM_SUCCESS] * len(configs):
+        raise RuntimeError(f"transfer_cache_async failed: {codes}")
+
+
+async def overhead(
+    report: Report,
+    cm: CacheManager,
+    peer: PromptPeer,
+    *,
+    rounds: int,
+    shapes: Sequence[tuple[int, int]] = SHAPES,
+    layers: int = LAYERS,
+) -> None:
+    """Add the ``layerwise_overhead`` table to ``report``: one row per shape.
+
+    Raises:
+        AssertionError: a contender left wrong bytes at the destination.
+    """
+    rows = report.table(
+        "layerwise_overhead",
+        f"transfer_cache_async (every layer ready at once) vs ONE push_blocks, "
+        f"{layers} layers x K,V, scattered blocks; ms = median; ratio = t / t_push_blocks",
+    )
+    for count, block in shapes:
+        rows.append(await _overhead_row(cm, peer, count, block, layers, rounds))
+
+
+async def _overhead_row(
+    cm: CacheManager, peer: PromptPeer, count: int, block: int, layers: int, rounds: int
+) -> dict[str, Any]:
+    """One shape of :func:`overhead`: time the three contenders, then verify each."""
+    key = BlocksCacheKey(PEER_ID, 0)
+    desc = CacheDesc(2 * layers, [2 * count, block], DataType.DT_UINT8)
+    addrs = await peer.cache(desc)
+    src = await cm.allocate_blocks_cache(desc)
+    try:
+        await asyncio.to_thread(random_fill, src, 1000)
+        srcs, dsts = scattered(count, seed=1), scattered(count, seed=2)
+        by_key = [TransferWithCacheKeyConfig(key)]
+        by_addrs = [TransferConfig(PEER_ID, addrs)]
+        contenders: dict[str, Callable[[], object]] = {
+            "push_blocks": lambda: cm.push_blocks(key, src, srcs, dsts),
+            "by_key": lambda: _layerwise(cm, src, ReleaseAll(), by_key, srcs, dsts),
+            "by_addrs": lambda: _layerwise(cm, src, ReleaseAll(), by_addrs, srcs, dsts),
+        }
+        t = {k: median(v) for k, v in (await interleave(contenders, rounds)).items()}
+        want = await asyncio.to_thread(digest, src, srcs)
+        for name, fn in contenders.items():
+            await peer.clear()
+            await time_call(fn)
+            if await peer.digest(dsts) != want:
+                raise AssertionError(f"layer-wise benchmark: {name} delivered wrong bytes")
+    finally:
+        await cm.deallocate_blocks_cache(src)
+    return {
+        "blocks": count,
+        "block_bytes": block,
+        "mib": 2 * layers * count * block / MIB,
+        "push_blocks_ms": t["push_blocks"] * 1e3,
+        "by_key_ms": t["by_key"] * 1e3,
+        "by_key_ratio": t["by_key"] / t["push_blocks"],
+        "by_addrs_ms": t["by_addrs"] * 1e3,
+        "by_addrs_ratio": t["by_addrs"] / t["push_blocks"],
+        "verified": True,
+    }
+
+
+async def overlap(
+    report: Report, cm: CacheManager, peer: PromptPeer, *, layers: int, block: int, count: int
+) -> None:
+    """Add the ``layerwise_overlap`` summary: transfer overlapped with simulated compute."""
+    desc = CacheDesc(2 * layers, [count, block], DataType.DT_UINT8)
+    addrs = await peer.cache(desc)
+    src = await cm.allocate_blocks_cache(desc)
+    idx = list(range(count))
+    cfgs = [TransferConfig(PEER_ID, addrs)]
+    try:
+        alone = await interleave(
+            {"transfer": lambda: _layerwise(cm, src, ReleaseAll(), cfgs, idx, idx)}, 3
+        )
+        transfer = min(alone["transfer"])
+        step = transfer / layers  # compute per layer == transfer per layer: the hardest case
+
+        def together() -> Awaitable[None]:
+            return _layerwise(cm, src, _Compute(step), cfgs, idx, idx)
+
+        total = median((await interleave({"together": together}, 3))["together"])
+    finally:
+        await cm.deallocate_blocks_cache(src)
+    compute_total = step * layers
+    report.summary(
+        "layerwise_overlap",
+        "layer-wise transfer_cache_async: {layers} layers, {mib:.0f} MiB; transfer alone "
+        "{transfer_ms:.1f} ms, compute alone {compute_ms:.1f} ms, together {total_ms:.1f} ms "
+        "= {ratio:.2f} x max(compute, transfer)",
+        layers=layers,
+        mib=2 * layers * count * block / MIB,
+        transfer_ms=transfer * 1e3,
+        compute_ms=compute_total * 1e3,
+        total_ms=total * 1e3,
+        ratio=total / max(transfer, compute_total),
+    )
+
+
+def run_layerwise_bench(
+    *,
+    quick: bool = False,
+    shapes: Sequence[tuple[int, int]] = SHAPES,
+    layers: int = LAYERS,
+    pool_bytes: int = POOL_BYTES,
+) -> Report:
+    """``aiokv bench layerwise``: :func:`overhead` in one run, against a new prompt peer.
+
+    Args:
+        quick: 2 timed rounds per figure instead of 7 (the shapes stay the same).
+        shapes: ``(blocks, block bytes)`` per tensor, one row each.
+        layers: layers of K and V.
+        pool_bytes: the pool of each side; must hold twice the largest shape.
+
+    Raises:
+        AssertionError: a contender left wrong bytes at the destination.
+    """
+    rounds = 2 if quick else 7
+    report = Report("layerwise", {"rounds": rounds, "layers": layers})
+
+    async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
+        cm = decoder.cache_manager
+        await overhead(report, cm, peer, rounds=rounds, shapes=shapes, layers=layers)
+
+    run_remote(main, pool_bytes)
+    return report

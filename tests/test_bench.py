@@ -1,0 +1,117 @@
+"""The benchmark harness and the layer-wise benchmark: they time what they claim, and a
+benchmark whose transfer leaves wrong bytes fails instead of reporting a figure."""
+
+from __future__ import annotations
+
+import io
+import json
+from functools import partial
+from typing import Any
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+from aiokv import CacheManager, LLMDataDist
+from aiokv._bench import _harness, layerwise
+from aiokv._bench._harness import PromptPeer, Report, interleave, run_loop, run_remote, scattered
+from aiokv.cli import app
+
+TINY = ((64, 256), (8, 4096))  # (blocks, block bytes): the benchmark's shapes, scaled down
+
+
+def test_scattered_blocks_are_never_neighbours_and_repeatable() -> None:
+    blocks = scattered(100, seed=3)
+    assert len(set(blocks)) == 100
+    assert all(b % 2 == 0 and 0 <= b < 200 for b in blocks)
+    assert blocks != sorted(blocks)  # shuffled
+    assert blocks == scattered(100, seed=3)
+    assert blocks != scattered(100, seed=4)
+
+
+def test_interleave_alternates_contenders_and_drops_warmup() -> None:
+    calls: list[str] = []
+
+    def sync() -> None:
+        calls.append("s")
+
+    async def coro() -> None:
+        calls.append("a")
+
+    times = run_loop(
+        lambda: interleave({"s": sync, "a": coro}, 3, per_round=2, warmup=1), use_uvloop=False
+    )
+    assert calls == ["s", "s", "a", "a"] * 4
+    assert {k: len(v) for k, v in times.items()} == {"s": 6, "a": 6}
+    assert all(t >= 0 for v in times.values() for t in v)
+
+
+def test_report_prints_and_serialises_the_same_figures() -> None:
+    report = Report("x", {"loop": "asyncio"})
+    report.table("t", "a table").append({"name": "row", "ratio": 1.23456, "n": 7})
+    report.summary("s", "ratio {ratio:.1f}", ratio=2.0)
+    assert report.as_dict() == {
+        "bench": "x",
+        "meta": {"loop": "asyncio"},
+        "t": [{"name": "row", "ratio": 1.23456, "n": 7}],
+        "s": {"ratio": 2.0},
+    }
+    out = io.StringIO()
+    report.render(Console(file=out, width=120))
+    text = out.getvalue()
+    assert "loop: asyncio" in text and "a table" in text
+    assert "1.23" in text and "1.234" not in text and "ratio 2.0" in text
+
+
+def test_layerwise_bench_verifies_and_reports_every_shape() -> None:
+    report = layerwise.run_layerwise_bench(quick=True, shapes=TINY, layers=2, pool_bytes=1 << 24)
+    rows = report.as_dict()["layerwise_overhead"]
+    assert [(r["blocks"], r["block_bytes"]) for r in rows] == list(TINY)
+    for r in rows:
+        assert r["verified"] is True
+        assert r["push_blocks_ms"] > 0
+        assert r["by_key_ratio"] == pytest.approx(r["by_key_ms"] / r["push_blocks_ms"])
+        assert r["by_addrs_ratio"] == pytest.approx(r["by_addrs_ms"] / r["push_blocks_ms"])
+    json.dumps(report.as_dict())
+
+
+class _PushDropsBytes:
+    """A CacheManager whose ``push_blocks`` returns at once without moving anything."""
+
+    def __init__(self, cm: CacheManager) -> None:
+        self._cm = cm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cm, name)
+
+    async def push_blocks(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def test_layerwise_bench_fails_on_a_fast_wrong_result() -> None:
+    async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
+        cm: Any = _PushDropsBytes(decoder.cache_manager)
+        await layerwise.overhead(Report("x"), cm, peer, rounds=1, shapes=TINY[:1], layers=2)
+
+    with pytest.raises(AssertionError, match="push_blocks delivered wrong bytes"):
+        run_remote(main, pool_bytes=1 << 24)
+
+
+def test_cli_bench_json_prints_one_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny = partial(layerwise.run_layerwise_bench, shapes=TINY[1:], layers=1, pool_bytes=1 << 24)
+    monkeypatch.setattr(layerwise, "run_layerwise_bench", tiny)
+    result = CliRunner().invoke(app, ["bench", "layerwise", "--quick", "--json"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)
+    assert got["bench"] == "layerwise" and got["meta"]["rounds"] == 2
+    assert got["layerwise_overhead"][0]["verified"] is True
+
+
+def test_peer_that_never_greets_is_reported_and_stopped() -> None:
+    with pytest.raises(RuntimeError, match="did not start"):
+        _harness.Peer(_silent, start_timeout=0.5)
+
+
+def _silent(conn: Any) -> None:
+    """A peer process that never sends its greeting."""
+    conn.recv()  # until the parent's ("stop",)
