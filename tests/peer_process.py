@@ -69,7 +69,7 @@ async def _serve(conn: Connection, cluster_id: int, secret: str | None) -> None:
             if cmd == "stats":
                 stats = cm.get_pool_stats()
                 assert stats is not None
-                conn.send((stats.used, sorted(k.req_id for k in cm._registry.keys)))
+                conn.send((stats.used, cm.statistics().keys))
             elif cmd == "pushed":
                 # what push_blocks wrote into model 0's blocks 60..63 of every tensor
                 conn.send([t[60:64].clone() for t in keep[0]])

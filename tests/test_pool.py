@@ -15,8 +15,9 @@ from hypothesis.stateful import (
 )
 
 from aiokv import CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
-from aiokv._cache import Cache, CacheRegistry
+from aiokv._cache import Cache
 from aiokv._pool import MemPool, Span
+from aiokv._registry import CacheRegistry
 
 PAGE_SHIFT = 10
 PAGES = 64
