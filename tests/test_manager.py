@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -77,6 +78,16 @@ def used(cm: CacheManager) -> tuple[int, int]:
     d, h = cm.get_pool_stats(Placement.DEVICE), cm.get_pool_stats(Placement.HOST)
     assert d is not None and h is not None
     return d.used, h.used
+
+
+def stats(cm: CacheManager) -> dict[str, int]:
+    """``cm.statistics()`` as a dict, to compare whole snapshots."""
+    return dataclasses.asdict(cm.statistics())
+
+
+NOTHING = dict.fromkeys(
+    ("caches", "allocated", "registered", "released", "keys", "blocks_keys", "pins"), 0
+)
 
 
 # ---- lifecycle -----------------------------------------------------------------------------
@@ -172,13 +183,48 @@ async def test_memory_returns_when_last_reference_goes(cm: CacheManager) -> None
 
 
 async def test_placeholder_and_duplicate_keys(cm: CacheManager) -> None:
+    # which slot a duplicate binds: tests/test_registry.py
     hold = CacheKey(1, req_id=2**64 - 1)
     k = CacheKey(1, req_id=5)
     cache = await cm.allocate_cache(CacheDesc(1, [3, 4096], DataType.DT_UINT8), [hold, k, k])
-    assert cm.statistics().keys == 1  # the placeholder binds nothing, k binds once
+    assert cm.statistics().keys == 1  # the placeholder binds nothing; k binds once
+    await cm.remove_cache_key(hold)  # never bound: a no-op
+    assert cm.statistics().keys == 1
     await cm.deallocate_cache(cache)
+    assert used(cm)[0] == 3 * 4096  # k still holds it
     await cm.remove_cache_key(k)
-    assert used(cm) == (0, 0)
+    assert used(cm) == (0, 0) and cm.statistics().keys == 0
+
+
+async def test_statistics_track_public_operations(cm: CacheManager) -> None:
+    want = dict(NOTHING)
+
+    def expect(**delta: int) -> None:
+        for name, d in delta.items():
+            want[name] += d
+        assert stats(cm) == want
+
+    k1, k2, k3 = (CacheKey(1, req_id=i) for i in (1, 2, 3))
+    a = await cm.allocate_cache(CacheDesc(1, [2, 64], DataType.DT_UINT8), [k1, k2])
+    expect(caches=1, allocated=1, keys=2)
+    b = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST), BlocksCacheKey(1, 0))
+    expect(caches=1, allocated=1, blocks_keys=1)
+    desc = CacheDesc(1, [2, 64], DataType.DT_UINT8)
+    u = await cm.register_cache(desc, [torch.zeros(2, 64, dtype=torch.uint8)], [k3])
+    expect(caches=1, registered=1, keys=1)
+    await cm.deallocate_cache(a)  # its keys keep it
+    expect(released=1)
+    await cm.remove_cache_key(k1)
+    expect(keys=-1)
+    await cm.remove_cache_key(k1)  # no-op
+    expect()
+    await cm.remove_cache_key(k2)  # the last reference
+    expect(caches=-1, allocated=-1, released=-1, keys=-1)
+    await cm.deallocate_blocks_cache(b)
+    expect(caches=-1, allocated=-1, blocks_keys=-1)
+    await cm.unregister_cache(u.cache_id)
+    expect(caches=-1, registered=-1, keys=-1)
+    assert want == NOTHING and used(cm) == (0, 0)
 
 
 async def test_allocation_failures_change_nothing(cm: CacheManager) -> None:
@@ -203,16 +249,24 @@ async def test_allocation_failures_change_nothing(cm: CacheManager) -> None:
 
 
 async def test_deallocate_defers_while_pinned(cm: CacheManager) -> None:
-    src = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 1024))
-    c = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 1024))
-    copy = asyncio.create_task(cm.swap_blocks(src, c, {i: i for i in range(1024)}))
-    await asyncio.sleep(0)  # the swap has pinned both caches
+    src = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE))
+    dst = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST))
+    fill(src, 1)
+    held = used(cm)
+    task = asyncio.create_task(cm.swap_blocks(src, dst, {i: i for i in range(16)}))
+    for _ in range(100):  # until the swap has started and pinned both caches
+        if cm.statistics().pins:
+            break
+        await asyncio.sleep(0)
     assert cm.statistics().pins == 2
-    await cm.deallocate_blocks_cache(c)
-    assert used(cm)[0] > 0 and cm.statistics().released == 1  # in use: the free waits
-    await copy
-    assert cm.statistics().pins == 0 and cm.statistics().released == 0
+    # deallocate does not yield: the swap cannot finish (and unpin) between these lines
     await cm.deallocate_blocks_cache(src)
+    await cm.deallocate_blocks_cache(dst)
+    s = cm.statistics()
+    assert (s.caches, s.released, s.pins) == (2, 2, 2)
+    assert used(cm) == held  # the in-flight swap still uses both
+    await task
+    assert stats(cm) == NOTHING
     assert used(cm) == (0, 0)
 
 
@@ -247,17 +301,20 @@ async def test_register_and_unregister(cm: CacheManager, caplog: pytest.LogCaptu
     with caplog.at_level(logging.WARNING, logger="aiokv"):
         b = await cm.register_blocks_cache(desc, ts2, key)
     assert "now cache" in caplog.text
-    assert cm.statistics().blocks_keys == 1 and cm.statistics().registered == 2
+    s = cm.statistics()
+    assert (s.registered, s.allocated, s.blocks_keys) == (2, 0, 1)  # the key moved to b
     await cm.unregister_cache(b.cache_id)
-    # the later registration held the key: it went with b (a no longer had it)
-    assert cm.statistics().blocks_keys == 0 and cm.statistics().registered == 1
+    s = cm.statistics()
+    assert (s.registered, s.blocks_keys) == (1, 0)  # b held the key: it went with b
     await cm.unregister_cache(b.cache_id)  # no-op
+    assert cm.statistics() == s
     c = await cm.register_cache(
         CacheDesc(1, [2, 8], DataType.DT_FLOAT), [torch.ones(2, 8)], [CacheKey(1, 9)]
     )
     assert cm.statistics().keys == 1
     await cm.unregister_cache(c.cache_id)
-    assert cm.statistics().keys == 0
+    s = cm.statistics()
+    assert (s.registered, s.keys, s.released) == (1, 0, 0)  # user memory: keys die with it
     pool_cache = await cm.allocate_cache(CacheDesc(1, [8], DataType.DT_UINT8))
     with pytest.raises(LLMException):
         await cm.unregister_cache(pool_cache.cache_id)
@@ -476,7 +533,7 @@ async def test_cancel_large_swap_in_flight_keeps_everything_consistent() -> None
         # the copy either never ran or ran to the end: never half-written after return
         sums = await asyncio.to_thread(lambda: {int(t.sum()) for t in host.tensors})
         assert sums <= {0, 7 * (64 << 20)} and len(sums) == 1
-        assert cm.statistics().pins == 0
+        assert stats(cm) == NOTHING | {"caches": 2, "allocated": 2}  # no pin left behind
         await cm.deallocate_blocks_cache(host)
         await cm.deallocate_blocks_cache(dev)
         assert used(cm) == (0, 0)

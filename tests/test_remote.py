@@ -651,7 +651,7 @@ async def test_two_processes_serving_flow(backend: str) -> None:
                 assert torch.equal(got, t[0:4])
             # the CacheKey flow: pull_cache releases the key on the owner
             used0, keys0 = await ask(conn, "stats")
-            assert keys0 == 2
+            assert keys0 == 2  # CacheKeys 100 and 101
             cdesc = CacheDesc(2 * L, [1, 16 * 2 * 32 * 4], DataType.DT_BF16)
             mine = await cm.allocate_cache(cdesc)
             await cm.pull_cache(CacheKey(11, req_id=101), mine, 0)
