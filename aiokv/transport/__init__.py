@@ -26,7 +26,7 @@ __all__ = [
 
 # name -> "module:class", imported lazily. Add a backend by adding a line here.
 _REGISTRY: dict[str, str] = {
-    "tcp": "aiokv.transport._tcp:TcpTransport",
+    "tcp": "aiokv.transport.tcp:TcpTransport",
     "nixl": "aiokv.transport._nixl:NixlTransport",
 }
 

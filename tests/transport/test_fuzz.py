@@ -27,8 +27,9 @@ import pytest
 from aiokv._enums import LLMStatusCode as Code
 from aiokv.transport import Grant, Link, PeerInfo
 from aiokv.transport import _wire as wire
-from aiokv.transport._tcp import TcpTransport, _mac
 from aiokv.transport._wire import FrameType as F
+from aiokv.transport.tcp import TcpTransport
+from aiokv.transport.tcp._handshake import mac
 
 HOST = "127.0.0.1"
 SECRET = b"fuzz-secret"
@@ -184,10 +185,10 @@ class Fuzzer:
         _, meta = await self.recv_frame()
         server = wire.decode_meta(meta)
         nonce_s = bytes.fromhex(server["nonce"])
-        mac: Any = _mac(SECRET, b"client", nonce_c, nonce_s, FUZZER_ID, SERVER_ID)
+        proof: Any = mac(SECRET, b"client", nonce_c, nonce_s, FUZZER_ID, SERVER_ID)
         if forge:
-            mac = self.rng.choice([None, "00" * 32, mac[:-1] + "0", 12, "zz", mac.upper()])
-        self.writer.write(wire.encode_frame(F.AUTH, meta=js({"mac": mac})))
+            proof = self.rng.choice([None, "00" * 32, proof[:-1] + "0", 12, "zz", proof.upper()])
+        self.writer.write(wire.encode_frame(F.AUTH, meta=js({"mac": proof})))
         h, _ = await self.recv_frame()
         if h.type is not F.AUTH:
             raise ConnectionError("refused")

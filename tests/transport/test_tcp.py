@@ -20,10 +20,10 @@ import pytest
 
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
-from aiokv.transport import Grant, Link, PeerInfo, Transport, _tcp, get_transport, transport_names
+from aiokv.transport import Grant, Link, PeerInfo, Transport, get_transport, transport_names
 from aiokv.transport import _wire as wire
-from aiokv.transport._tcp import TcpTransport
 from aiokv.transport._wire import FrameType
+from aiokv.transport.tcp import TcpTransport, _link
 
 HOST = "127.0.0.1"
 KIB = 1 << 10
@@ -408,7 +408,7 @@ async def test_bad_arguments(pair: Pair) -> None:
 
 
 async def test_peer_request_flood_is_capped(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_tcp, "_MAX_PEER_REQUESTS", 2)
+    monkeypatch.setattr(_link, "_MAX_PEER_REQUESTS", 2)
     hung = [
         asyncio.create_task(pair.link_a.read(js({"hang": True}), [], timeout=10)) for _ in range(2)
     ]

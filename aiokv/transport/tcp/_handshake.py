@@ -1,0 +1,135 @@
+"""The link handshake: cluster ids, nonces and an optional mutual HMAC proof.
+
+HELLO →, ← HELLO (+ server MAC), AUTH (+ client MAC) →, ← AUTH verdict. The secret
+never travels; each side proves it holds it over both nonces and both cluster ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import secrets
+from typing import Any, Final
+
+from ..._enums import LLMStatusCode
+from .. import _wire as wire
+from ._io import SockIO
+from ._ops import code_of
+
+__all__ = ["HandshakeError", "client_handshake", "mac", "server_handshake"]
+
+_S = LLMStatusCode
+_F = wire.FrameType
+_NONCE_BYTES: Final = 32
+
+
+def mac(secret: bytes, role: bytes, nonce_c: bytes, nonce_s: bytes, cid_c: int, cid_s: int) -> str:
+    """HMAC-SHA256 binding the role, both nonces and both cluster ids (no reflection)."""
+    msg = (
+        b"aiokv-v1|"
+        + role
+        + nonce_c
+        + nonce_s
+        + cid_c.to_bytes(8, "big")
+        + cid_s.to_bytes(8, "big")
+    )
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+class HandshakeError(Exception):
+    """The peer failed or refused the handshake."""
+
+
+def _hs_int(meta: dict[str, Any], key: str) -> int:
+    v = meta.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**64:
+        raise HandshakeError(f"bad {key!r} in handshake")
+    return v
+
+
+def _hs_nonce(meta: dict[str, Any]) -> bytes:
+    v = meta.get("nonce")
+    try:
+        nonce = bytes.fromhex(v) if isinstance(v, str) else b""
+    except ValueError:
+        nonce = b""
+    if len(nonce) != _NONCE_BYTES:
+        raise HandshakeError("bad nonce in handshake")
+    return nonce
+
+
+def _hs_mac(meta: dict[str, Any]) -> str | None:
+    v = meta.get("mac")
+    if v is not None and not isinstance(v, str):
+        raise HandshakeError("bad mac in handshake")
+    return v
+
+
+def _mac_ok(expected: str, got: str | None) -> bool:
+    return got is not None and hmac.compare_digest(expected.encode(), got.encode())
+
+
+async def _recv_frame(io: SockIO, expect: wire.FrameType) -> tuple[wire.Header, dict[str, Any]]:
+    """One handshake frame of type ``expect``; an ``ERROR`` frame raises its reason."""
+    hbuf = bytearray(wire.HEADER_SIZE)
+    await io.recv_exact(memoryview(hbuf))
+    h = wire.decode_header(hbuf)
+    raw = bytearray(h.meta_len)
+    await io.recv_exact(memoryview(raw))
+    meta = wire.decode_meta(raw)
+    if h.type is _F.ERROR:
+        raise HandshakeError(f"peer refused the link: {meta.get('reason', 'no reason')}")
+    if h.type is not expect or h.size:
+        raise HandshakeError(f"expected {expect.name} in handshake, got {h.type.name}")
+    return h, meta
+
+
+def _hs_frame(kind: wire.FrameType, meta: dict[str, Any], status: int = 0) -> bytes:
+    return wire.encode_frame(
+        kind, status=status, meta=wire.encode_meta(meta, wire.HANDSHAKE_META_CAP)
+    )
+
+
+async def client_handshake(io: SockIO, me: int, secret: bytes | None) -> int:
+    """Run the connecting side's handshake; returns the peer's cluster id."""
+    nonce_c = secrets.token_bytes(_NONCE_BYTES)
+    await io.send_all(_hs_frame(_F.HELLO, {"cluster_id": me, "nonce": nonce_c.hex()}))
+    _, hello = await _recv_frame(io, _F.HELLO)
+    peer_id, nonce_s, mac_s = _hs_int(hello, "cluster_id"), _hs_nonce(hello), _hs_mac(hello)
+    if secret is not None:
+        if not _mac_ok(mac(secret, b"server", nonce_c, nonce_s, me, peer_id), mac_s):
+            raise HandshakeError("peer failed authentication")
+        mac_c: str | None = mac(secret, b"client", nonce_c, nonce_s, me, peer_id)
+    elif mac_s is not None:
+        raise HandshakeError("peer requires a shared secret; none configured")
+    else:
+        mac_c = None
+    await io.send_all(_hs_frame(_F.AUTH, {"mac": mac_c}))
+    h, _ = await _recv_frame(io, _F.AUTH)
+    if h.status != _S.LLM_SUCCESS:
+        raise HandshakeError(f"peer refused the link ({code_of(h.status).name})")
+    return peer_id
+
+
+async def server_handshake(io: SockIO, me: int, secret: bytes | None) -> int:
+    """Run the accepting side's handshake; returns the peer's cluster id."""
+    _, hello = await _recv_frame(io, _F.HELLO)
+    peer_id, nonce_c = _hs_int(hello, "cluster_id"), _hs_nonce(hello)
+    nonce_s = secrets.token_bytes(_NONCE_BYTES)
+    mac_s = None if secret is None else mac(secret, b"server", nonce_c, nonce_s, peer_id, me)
+    await io.send_all(_hs_frame(_F.HELLO, {"cluster_id": me, "nonce": nonce_s.hex(), "mac": mac_s}))
+    _, auth = await _recv_frame(io, _F.AUTH)
+    mac_c = _hs_mac(auth)
+    if secret is not None:
+        ok = _mac_ok(mac(secret, b"client", nonce_c, nonce_s, peer_id, me), mac_c)
+    else:
+        ok = mac_c is None
+    if not ok:
+        with contextlib.suppress(OSError):
+            io.sock.send(
+                _hs_frame(_F.ERROR, {"reason": "authentication failed"}, _S.LLM_LINK_FAILED)
+            )
+        raise HandshakeError("peer failed authentication")
+    await io.send_all(_hs_frame(_F.AUTH, {}, _S.LLM_SUCCESS))
+    return peer_id

@@ -1,0 +1,595 @@
+"""One TCP link: a connected socket, its reader task and its writer task.
+
+See :mod:`aiokv.transport.tcp` for the design.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import os
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from ..._enums import LLMStatusCode
+from ..._errors import LLMException
+from .. import _wire as wire
+from .._base import Grant, Link, PeerInfo
+from ._io import SockIO, wake
+from ._ops import Bufs, Cursor, MyOp, PeerOp, State, Stream, code_of, flatten
+
+if TYPE_CHECKING:
+    from ._transport import TcpTransport
+
+__all__ = ["TcpLink"]
+
+_log = logging.getLogger("aiokv.transport.tcp")
+_S = LLMStatusCode
+_F = wire.FrameType
+_IOV_MAX: Final = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+# A peer that keeps the socket full would let the reader (or a fast peer the writer) run
+# without ever suspending; they yield to the loop after about this many bytes.
+_YIELD_BYTES: Final = 4 << 20
+# What handling one frame counts for against _YIELD_BYTES: a flood of small frames
+# (each may start a request) also lets the loop run every 64 frames.
+_FRAME_COST: Final = _YIELD_BYTES // 64
+# Outcomes of TcpLink._pump.
+_DONE: Final = 0
+_BLOCKED: Final = 1
+_MORE: Final = 2
+# Requests a peer may have outstanding on one link; more are answered LLM_LINK_BUSY so a
+# hostile peer cannot pile up handler tasks without bound.
+_MAX_PEER_REQUESTS: Final = 1 << 14
+
+
+class TcpLink(Link):
+    """One connected socket with its reader and writer tasks; see the module docstring."""
+
+    def __init__(
+        self, transport: TcpTransport, io: SockIO, peer: PeerInfo, *, initiator: bool
+    ) -> None:
+        self.local_cluster_id = transport.local_cluster_id
+        self.peer = peer
+        self._t = transport
+        self._loop = transport._loop_or_raise()
+        self._io = io
+        self._sock = io.sock
+        self._broken = False
+        # The connecting side numbers its requests 0, 2, 4, ...; the accepting side 1, 3, 5.
+        self._next_id = 0 if initiator else 1
+        self._peer_parity = 1 if initiator else 0
+        self._mine: dict[int, MyOp] = {}
+        self._theirs: dict[int, PeerOp] = {}
+        # Writer state. `_iov[_pos:]` is the unsent part of the batch in flight.
+        self._ctrl: Bufs = []
+        self._streams: collections.deque[Stream] = collections.deque()
+        self._iov: Bufs = []
+        self._pos = 0
+        self._inflight: list[Stream] = []
+        # streams whose last byte is in the batch, with the iov index just past that byte:
+        # a stream is `sent` once the kernel took it, not when the whole batch is out (a
+        # peer's WRITE_DONE / READ_DONE may arrive while the batch's tail still waits)
+        self._finishing: collections.deque[tuple[int, Stream]] = collections.deque()
+        self._batch_data = 0  # payload bytes in the batch
+        self._writer_idle: asyncio.Future[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reader = self._spawn(self._read_loop(), "reader")
+        self._writer = self._spawn(self._write_loop(), "writer")
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else "up"
+        return (
+            f"<TcpLink {self.local_cluster_id}->{self.peer.cluster_id} {self.peer.address} {state}>"
+        )
+
+    @property
+    def broken(self) -> bool:
+        return self._broken
+
+    # ---------------------------------------------------------------- public operations
+
+    async def read(
+        self,
+        meta: bytes,
+        into: Sequence[memoryview],
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
+        views, total = flatten("Link.read", into, writable=True)
+        frame_meta = self._prepare("Link.read", meta, timeout)
+        op = self._start(is_read=True, total=total)
+        op.cursor = Cursor(views, total)
+        acked = False
+        try:
+            self._post(wire.encode_frame(_F.READ_REQ, op.rid, meta=frame_meta, size=total))
+            try:
+                async with asyncio.timeout(timeout):
+                    await op.until_over()
+            except TimeoutError:
+                self._timed_out(op, "Link.read", timeout)
+            status = op.outcome()
+            if status is not _S.LLM_SUCCESS:
+                raise self._refused("Link.read", status)
+            # The ack lets the peer release what it granted (e.g. drop a pulled key).
+            self._post(wire.encode_frame(_F.READ_DONE, op.rid))
+            acked = True
+        finally:
+            self._end(op, cancel=not acked)
+
+    async def write(
+        self,
+        meta: bytes,
+        src: Sequence[memoryview],
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
+        views, total = flatten("Link.write", src, writable=False)
+        frame_meta = self._prepare("Link.write", meta, timeout)
+        op = self._start(is_read=False, total=total)
+        ok = False
+        try:
+            self._post(wire.encode_frame(_F.WRITE_REQ, op.rid, meta=frame_meta, size=total))
+            try:
+                async with asyncio.timeout(timeout):
+                    await op.until_granted_or_over()
+                    if op.state is State.SENDING and total:
+                        op.stream = self._add_stream(op.rid, views, total)
+                    await op.until_over()
+            except TimeoutError:
+                self._timed_out(op, "Link.write", timeout)
+            status = op.outcome()
+            if status is not _S.LLM_SUCCESS:
+                raise self._refused("Link.write", status)
+            ok = True
+        finally:
+            if op.stream is not None:
+                self._abort_stream(op.stream)
+            self._end(op, cancel=not ok)
+
+    async def aclose(self) -> None:
+        if not self._broken and self._pos >= len(self._iov):
+            # Best effort: tell the peer this is an orderly close. Only when no frame is
+            # half-sent, and without waiting: a close must not hang on a stuck peer.
+            with contextlib.suppress(OSError):
+                self._sock.send(wire.encode_frame(_F.CLOSE))
+        self._break("closed locally")
+        await self._join()
+
+    # ----------------------------------------------------------------- op bookkeeping
+
+    def _prepare(self, op: str, meta: bytes, timeout: float) -> bytes:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"{op}: timeout must be a number of seconds")
+        if not timeout > 0 or math.isnan(timeout):
+            raise ValueError(f"{op}: timeout={timeout} must be > 0")
+        if not isinstance(meta, bytes):
+            raise TypeError(f"{op}: meta must be bytes, got {type(meta).__name__}")
+        if len(meta) > self._t.max_meta_bytes:
+            raise LLMException(
+                f"{op}: meta of {len(meta)} bytes exceeds the cap of {self._t.max_meta_bytes}",
+                _S.LLM_PARAM_INVALID,
+            )
+        if self._broken:
+            raise LLMException(
+                f"{op}: link to cluster {self.peer.cluster_id} is broken", _S.LLM_LINK_FAILED
+            )
+        return meta
+
+    def _start(self, *, is_read: bool, total: int) -> MyOp:
+        rid = self._next_id
+        self._next_id += 2
+        op = self._mine[rid] = MyOp(self._loop, rid, is_read)
+        op.total = total
+        return op
+
+    def _timed_out(self, op: MyOp, name: str, seconds: float) -> None:
+        """The deadline passed: raise ``LLM_TIMEOUT``, unless the answer landed just now."""
+        op.finish(_S.LLM_TIMEOUT)  # no-op if it landed in the very iteration the deadline fired
+        if op.result is _S.LLM_TIMEOUT:
+            raise LLMException(
+                f"{name}: no answer from cluster {self.peer.cluster_id} within {seconds:.3g} s",
+                _S.LLM_TIMEOUT,
+            ) from None
+
+    def _refused(self, name: str, status: LLMStatusCode) -> LLMException:
+        if status is _S.LLM_LINK_FAILED:
+            return LLMException(f"{name}: link to cluster {self.peer.cluster_id} broke", status)
+        return LLMException(
+            f"{name}: cluster {self.peer.cluster_id} answered {status.name}", status
+        )
+
+    def _end(self, op: MyOp, *, cancel: bool) -> None:
+        """Synchronous clean-up of our op: after this its buffers are never touched again."""
+        self._mine.pop(op.rid, None)
+        op.finish(_S.LLM_FAILED)  # no-op if already finished; makes the reader drop its data
+        if cancel:
+            self._post(wire.encode_frame(_F.CANCEL, op.rid))
+
+    # ---------------------------------------------------------------------- writer side
+
+    def _post(self, frame: bytes) -> None:
+        """Queue an owned control frame; the writer sends it before any further payload."""
+        if self._broken:
+            return
+        self._ctrl.append(frame)
+        self._kick()
+
+    def _add_stream(self, rid: int, views: list[memoryview], total: int) -> Stream:
+        stream = Stream(rid, views, total)
+        self._streams.append(stream)
+        self._kick()
+        return stream
+
+    def _abort_stream(self, stream: Stream) -> None:
+        """Withdraw a stream; afterwards its memory is never read again."""
+        if stream.sent or stream.aborted:
+            return
+        stream.aborted = True
+        with contextlib.suppress(ValueError):
+            self._streams.remove(stream)
+        if stream in self._inflight:
+            # Frames must stay whole, so the batch in flight is finished from private
+            # copies of whatever was not handed to the kernel yet.
+            iov = self._iov
+            for i in range(self._pos, len(iov)):
+                if isinstance(iov[i], memoryview):
+                    iov[i] = bytes(iov[i])
+
+    def _next_batch(self) -> bool:
+        """Fill `_iov` with control frames plus up to ~one chunk from each stream in turn."""
+        iov: Bufs = self._ctrl
+        self._ctrl = []
+        inflight: list[Stream] = []
+        budget = self._t.chunk_bytes
+        streams = self._streams
+        while streams and budget > 0:
+            s = streams.popleft()
+            n = min(s.cursor.remaining, self._t.chunk_bytes)
+            iov.append(wire.encode_header(_F.DATA, s.rid, size=n))
+            iov.extend(s.cursor.take(n))
+            budget -= n
+            inflight.append(s)
+            if s.cursor.remaining:
+                streams.append(s)
+            else:
+                self._finishing.append((len(iov), s))
+        self._iov, self._pos, self._inflight = iov, 0, inflight
+        self._batch_data = self._t.chunk_bytes - budget
+        return bool(iov)
+
+    def _pump(self) -> int:
+        """Send pending frames without waiting; returns ``_DONE``, ``_BLOCKED`` or ``_MORE``.
+
+        ``_BLOCKED``: the socket is full. ``_MORE``: work remains, but this call sent
+        :data:`_YIELD_BYTES` already and gives the loop a turn.
+
+        Raises:
+            OSError: the connection failed.
+        """
+        sock, sent = self._sock, 0
+        while True:
+            if self._pos >= len(self._iov):
+                self._inflight = []
+                if sent >= _YIELD_BYTES:
+                    return _MORE
+                if not self._next_batch():
+                    return _DONE
+                sent += self._batch_data
+            iov, pos = self._iov, self._pos
+            try:
+                n = sock.sendmsg(iov[pos : pos + _IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                return _BLOCKED
+            while n:
+                k = len(iov[pos])
+                if n >= k:
+                    n -= k
+                    pos += 1
+                else:
+                    iov[pos] = memoryview(iov[pos])[n:]
+                    n = 0
+            self._pos = pos
+            finishing = self._finishing
+            while finishing and finishing[0][0] <= pos:
+                finishing.popleft()[1].sent = True
+
+    def _kick(self) -> None:
+        """Wake the writer if it is parked.
+
+        It sends on its next turn rather than right here, so that all the frames posted
+        during one loop iteration leave in one ``sendmsg`` (sending at once measured no
+        faster for a lone request, and much slower for many concurrent ones).
+        """
+        if self._writer_idle is not None:
+            wake(self._writer_idle)
+
+    async def _write_loop(self) -> None:
+        try:
+            while True:
+                state = self._pump()
+                if state == _BLOCKED:
+                    await self._io.writable()
+                elif state == _MORE:
+                    await asyncio.sleep(0)
+                else:
+                    self._writer_idle = self._loop.create_future()
+                    await self._writer_idle
+                    self._writer_idle = None
+        except OSError as exc:
+            self._break(f"send failed: {exc}")
+        except Exception as exc:  # a bug must not kill the loop silently
+            _log.exception("writer of %r failed", self)
+            self._break(f"writer failed: {exc!r}")
+
+    # ---------------------------------------------------------------------- reader side
+
+    async def _read_loop(self) -> None:
+        hbuf = bytearray(wire.HEADER_SIZE)
+        hview = memoryview(hbuf)
+        recv_exact = self._io.recv_exact
+        unyielded = 0
+        try:
+            while True:
+                await recv_exact(hview)
+                h = wire.decode_header(hview)
+                if h.type is _F.DATA:
+                    await self._on_data(h.req_id, h.size)
+                    unyielded += h.size + _FRAME_COST
+                else:
+                    meta: bytearray | None = None
+                    if h.meta_len > self._t.max_meta_bytes:
+                        await self._discard(h.meta_len)  # only requests get here: answered
+                    elif h.meta_len:
+                        meta = bytearray(h.meta_len)
+                        await recv_exact(memoryview(meta))
+                    else:
+                        meta = bytearray()
+                    self._dispatch(h, meta)
+                    unyielded += h.meta_len + _FRAME_COST
+                if unyielded >= _YIELD_BYTES:
+                    unyielded = 0
+                    await asyncio.sleep(0)
+        except (OSError, EOFError) as exc:
+            self._break(f"connection lost: {exc}")
+        except wire.WireError as exc:
+            _log.warning("%r: protocol violation: %s", self, exc)
+            self._break(f"protocol violation: {exc}")
+        except Exception as exc:
+            _log.exception("reader of %r failed", self)
+            self._break(f"reader failed: {exc!r}")
+
+    async def _discard(self, n: int) -> None:
+        scratch, sock = self._t._scratch, self._sock
+        while n:
+            try:
+                k = sock.recv_into(scratch, min(n, len(scratch)))
+            except (BlockingIOError, InterruptedError):
+                await self._io.readable(min(n, len(scratch)))
+                continue
+            if not k:
+                raise ConnectionResetError("connection closed by peer")
+            n -= k
+
+    async def _on_data(self, rid: int, size: int) -> None:
+        sink: MyOp | PeerOp | None
+        sink = self._mine.get(rid) if rid % 2 != self._peer_parity else self._theirs.get(rid)
+        if sink is None or sink.state is not State.RECEIVING or sink.cursor is None:
+            await self._discard(size)  # late data of a finished or cancelled request
+            return
+        if size > sink.cursor.remaining:
+            # More than granted/requested: never written anywhere, the request fails.
+            self._fail_sink(sink, "sent more bytes than granted")
+            await self._discard(size)
+            return
+        iov = sink.cursor.take(size)
+        pos, sock, left = 0, self._sock, size
+        while pos < len(iov):
+            if sink.state is not State.RECEIVING:
+                # Cancelled mid-chunk: its owner has returned, so the rest is dropped.
+                await self._discard(sum(len(v) for v in iov[pos:]))
+                return
+            try:
+                if pos + 1 == len(iov):
+                    k = sock.recv_into(iov[pos])
+                else:
+                    k = sock.recvmsg_into(iov[pos : pos + _IOV_MAX])[0]
+            except (BlockingIOError, InterruptedError):
+                await self._io.readable(left)
+                continue
+            left -= k
+            if not k:
+                raise ConnectionResetError("connection closed by peer")
+            while k:
+                m = len(iov[pos])
+                if k >= m:
+                    k -= m
+                    pos += 1
+                else:
+                    iov[pos] = iov[pos][k:]
+                    k = 0
+        if not sink.cursor.remaining:
+            sink.on_filled(self)
+
+    def _fail_sink(self, sink: MyOp | PeerOp, why: str) -> None:
+        _log.warning("%r: request %d failed: peer %s", self, sink.rid, why)
+        if isinstance(sink, MyOp):
+            sink.finish(_S.LLM_PARAM_INVALID)
+        else:
+            self._theirs.pop(sink.rid, None)
+            sink.finish(False)
+            self._post(wire.encode_frame(_F.WRITE_DONE, sink.rid, status=_S.LLM_PARAM_INVALID))
+
+    def _dispatch(self, h: wire.Header, meta: bytearray | None) -> None:
+        """Handle one control frame; synchronous, so the reader never waits on anything else."""
+        kind, rid = h.type, h.req_id
+        if kind is _F.READ_REQ or kind is _F.WRITE_REQ:
+            self._on_request(h, meta)
+        elif kind is _F.READ_RESP or kind is _F.WRITE_GRANT or kind is _F.WRITE_DONE:
+            op = self._mine.get(rid) if rid % 2 != self._peer_parity else None
+            if op is not None:
+                self._on_reply(op, kind, code_of(h.status), h.size)
+        elif kind is _F.READ_DONE or kind is _F.CANCEL:
+            peer_op = self._theirs.get(rid) if rid % 2 == self._peer_parity else None
+            if peer_op is not None and (kind is _F.CANCEL or peer_op.is_read):
+                self._on_peer_end(peer_op, acked=kind is _F.READ_DONE)
+        elif kind is _F.ERROR or kind is _F.CLOSE:
+            self._break("closed by peer")
+        else:  # HELLO / AUTH after the handshake
+            raise wire.WireError(f"unexpected {kind.name} frame")
+
+    def _on_reply(self, op: MyOp, kind: wire.FrameType, status: LLMStatusCode, size: int) -> None:
+        if kind is _F.READ_RESP:
+            if not op.is_read or op.state is not State.WAIT_REPLY:
+                return
+            if status is not _S.LLM_SUCCESS:
+                op.finish(status)
+            elif size != op.total:  # the peer should have refused; never trust it
+                op.finish(_S.LLM_PARAM_INVALID)
+            elif size == 0:
+                op.finish(_S.LLM_SUCCESS)
+            else:
+                op.state = State.RECEIVING
+        elif kind is _F.WRITE_GRANT:
+            if op.is_read or op.state is not State.WAIT_REPLY:
+                return
+            if status is _S.LLM_SUCCESS:
+                op.grant()
+            else:
+                op.finish(status)
+        elif not op.is_read and op.state is not State.OVER:  # WRITE_DONE
+            complete = op.state is State.SENDING and (
+                op.total == 0 or (op.stream is not None and op.stream.sent)
+            )
+            if status is _S.LLM_SUCCESS and not complete:
+                status = _S.LLM_FAILED  # "landed" before we even sent it: a broken peer
+            op.finish(status)
+
+    def _on_peer_end(self, op: PeerOp, *, acked: bool) -> None:
+        """The peer acknowledged (READ_DONE) or cancelled one of its requests."""
+        self._theirs.pop(op.rid, None)
+        if op.task is not None and op.state is State.GRANTING:
+            op.task.cancel()
+        if op.stream is not None:
+            acked = acked and op.stream.sent
+            self._abort_stream(op.stream)
+        op.finish(acked and op.state is State.SENDING)
+
+    def _on_request(self, h: wire.Header, meta: bytearray | None) -> None:
+        is_read = h.type is _F.READ_REQ
+        reply = _F.READ_RESP if is_read else _F.WRITE_GRANT
+        rid = h.req_id
+        if rid % 2 != self._peer_parity:
+            status = _S.LLM_PARAM_INVALID
+        elif rid in self._theirs:
+            status = _S.LLM_REPEAT_REQUEST
+        elif len(self._theirs) >= _MAX_PEER_REQUESTS:
+            status = _S.LLM_LINK_BUSY
+        elif meta is None:
+            status = _S.LLM_PARAM_INVALID  # meta over our cap, already skipped
+        else:
+            op = self._theirs[rid] = PeerOp(rid, is_read)
+            op.task = self._spawn(self._serve(op, bytes(meta), h.size), f"serve-{rid}")
+            return
+        self._post(wire.encode_frame(reply, rid, status=status))
+
+    async def _serve(self, op: PeerOp, meta: bytes, size: int) -> None:
+        """Ask the handler, then answer the peer and start the transfer."""
+        name = "grant_read" if op.is_read else "grant_write"
+        try:
+            if op.is_read:
+                grant = await self._t.handler.grant_read(self.peer, meta)
+            else:
+                grant = await self._t.handler.grant_write(self.peer, meta, size)
+        except LLMException as exc:
+            grant = Grant(exc.status_code)
+        except Exception:
+            _log.exception("%r: handler %s failed", self, name)
+            grant = Grant(_S.LLM_FAILED)
+        status, views, total = self._check_grant(grant, name, writable=not op.is_read)
+        if isinstance(grant, Grant):
+            op.bind(grant.done)
+        if self._theirs.get(op.rid) is not op or self._broken:
+            op.finish(False)  # cancelled or link lost while the handler decided
+            return
+        if status is _S.LLM_SUCCESS and total != size:
+            status = _S.LLM_PARAM_INVALID
+        reply = _F.READ_RESP if op.is_read else _F.WRITE_GRANT
+        if status is not _S.LLM_SUCCESS:
+            self._theirs.pop(op.rid, None)
+            op.finish(False)
+            self._post(wire.encode_frame(reply, op.rid, status=status))
+            return
+        if op.is_read:
+            op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL
+            self._post(wire.encode_frame(reply, op.rid, status=status, size=total))
+            if total:
+                op.stream = self._add_stream(op.rid, views, total)
+        else:
+            op.state = State.RECEIVING
+            op.cursor = Cursor(views, total)
+            self._post(wire.encode_frame(reply, op.rid, status=status))
+            if not total:
+                op.on_filled(self)
+
+    @staticmethod
+    def _check_grant(
+        grant: Any, name: str, *, writable: bool
+    ) -> tuple[LLMStatusCode, list[memoryview], int]:
+        if not isinstance(grant, Grant):
+            _log.error("handler %s returned %r, not a Grant", name, type(grant).__name__)
+            return _S.LLM_FAILED, [], 0
+        try:
+            status = LLMStatusCode(grant.status)
+        except ValueError:
+            _log.error("handler %s returned unknown status %r", name, grant.status)
+            return _S.LLM_FAILED, [], 0
+        if status is not _S.LLM_SUCCESS:
+            return status, [], 0
+        try:
+            views, total = flatten(name, grant.buffers, writable=writable)
+        except (TypeError, LLMException) as exc:
+            _log.error("handler %s granted unusable buffers: %s", name, exc)
+            return _S.LLM_FAILED, [], 0
+        return status, views, total
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
+        task = self._t._spawn(coro, f"aiokv-tcp-{what}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _break(self, reason: str) -> None:
+        """Mark broken, close the socket, fail everything pending. Idempotent, synchronous."""
+        if self._broken:
+            return
+        self._broken = True
+        _log.debug("%r: %s", self, reason)
+        self._io.close()
+        mine, theirs = list(self._mine.values()), list(self._theirs.values())
+        self._mine.clear()
+        self._theirs.clear()
+        self._streams.clear()
+        self._ctrl.clear()
+        for op in mine:
+            op.finish(_S.LLM_LINK_FAILED)
+        for peer_op in theirs:
+            if peer_op.task is not None and peer_op.state is State.GRANTING:
+                peer_op.task.cancel()
+            peer_op.finish(False)
+        current = asyncio.current_task()
+        for task in (self._reader, self._writer):
+            if task is not current:
+                task.cancel()
+        self._t._link_lost(self)
+
+    async def _join(self) -> None:
+        """Wait until every task of this link has finished."""
+        current = asyncio.current_task()
+        tasks = [t for t in self._tasks if t is not current]
+        if tasks:
+            await asyncio.wait(tasks)

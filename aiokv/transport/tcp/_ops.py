@@ -1,0 +1,210 @@
+"""Request state of a TCP link: our requests (:class:`MyOp`), the peer's
+(:class:`PeerOp`), payload streams and the cursor that cuts them into chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..._enums import LLMStatusCode
+from ..._errors import LLMException
+from .. import _wire as wire
+
+if TYPE_CHECKING:
+    from ._link import TcpLink
+
+__all__ = ["Bufs", "Cursor", "MyOp", "PeerOp", "State", "Stream", "code_of", "flatten"]
+
+_log = logging.getLogger("aiokv.transport.tcp")
+_S = LLMStatusCode
+_F = wire.FrameType
+
+Bufs = list[bytes | memoryview]
+
+
+def code_of(value: int) -> LLMStatusCode:
+    """A status received from a peer; unknown values become ``LLM_FAILED``."""
+    try:
+        return LLMStatusCode(value)
+    except ValueError:
+        return _S.LLM_FAILED
+
+
+def flatten(op: str, views: Sequence[Any], *, writable: bool) -> tuple[list[memoryview], int]:
+    """Flat, non-empty ``'B'`` views over ``views`` and their total length.
+
+    Raises:
+        TypeError: ``views`` is not a sequence of buffers.
+        LLMException: ``LLM_PARAM_INVALID`` for a non-contiguous buffer, or a read-only
+            one where bytes must be written.
+    """
+    if isinstance(views, bytes | bytearray | memoryview) or not isinstance(views, Sequence):
+        raise TypeError(f"{op}: expected a sequence of memoryviews, got {type(views).__name__}")
+    out: list[memoryview] = []
+    total = 0
+    for i, v in enumerate(views):
+        mv = v if isinstance(v, memoryview) else memoryview(v)  # TypeError if not a buffer
+        if not mv.c_contiguous:
+            raise LLMException(f"{op}: buffer {i} is not contiguous", _S.LLM_PARAM_INVALID)
+        if writable and mv.readonly:
+            raise LLMException(f"{op}: buffer {i} is read-only", _S.LLM_PARAM_INVALID)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        if mv.nbytes:
+            out.append(mv)
+            total += mv.nbytes
+    return out, total
+
+
+class Cursor:
+    """A position in a list of flat views; hands out the views covering the next bytes."""
+
+    __slots__ = ("_i", "_off", "_views", "remaining")
+
+    def __init__(self, views: list[memoryview], total: int) -> None:
+        self._views = views
+        self._i = 0
+        self._off = 0
+        self.remaining = total
+
+    def take(self, n: int) -> list[memoryview]:
+        """Views covering the next ``n <= remaining`` bytes; advances past them."""
+        out: list[memoryview] = []
+        views, i, off = self._views, self._i, self._off
+        self.remaining -= n
+        while n:
+            v = views[i]
+            avail = len(v) - off
+            if avail <= n:
+                out.append(v[off:] if off else v)
+                n -= avail
+                i += 1
+                off = 0
+            else:
+                out.append(v[off : off + n])
+                off += n
+                n = 0
+        self._i, self._off = i, off
+        return out
+
+
+class Stream:
+    """A payload queued on the writer: DATA frames of request ``rid`` from ``cursor``."""
+
+    __slots__ = ("aborted", "cursor", "rid", "sent")
+
+    def __init__(self, rid: int, views: list[memoryview], total: int) -> None:
+        self.rid = rid
+        self.cursor = Cursor(views, total)
+        self.sent = False  # every byte handed to the kernel
+        self.aborted = False  # withdrawn; its memory is no longer read
+
+
+class State(enum.Enum):
+    WAIT_REPLY = enum.auto()  # ours: READ_REQ / WRITE_REQ posted
+    GRANTING = enum.auto()  # theirs: the handler is deciding
+    RECEIVING = enum.auto()  # payload flows into our buffers
+    SENDING = enum.auto()  # payload flows from our buffers
+    OVER = enum.auto()  # finished, failed or cancelled: buffers are off limits
+
+
+class MyOp:
+    """A request this side started (``read`` or ``write``).
+
+    Outcomes are plain fields, set by the reader or by a link failure; the caller waits
+    on a throw-away future, because a future awaited directly would be cancelled along
+    with the caller and lose the outcome that the clean-up still needs.
+    """
+
+    __slots__ = (
+        "_loop",
+        "_wake",
+        "cursor",
+        "granted",
+        "is_read",
+        "result",
+        "rid",
+        "state",
+        "stream",
+        "total",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, rid: int, is_read: bool) -> None:
+        self._loop = loop
+        self._wake: asyncio.Future[None] | None = None
+        self.rid = rid
+        self.is_read = is_read
+        self.state = State.WAIT_REPLY
+        self.cursor: Cursor | None = None
+        self.stream: Stream | None = None
+        self.total = 0
+        self.granted = False  # a write's WRITE_GRANT said yes
+        self.result: LLMStatusCode | None = None  # final outcome
+
+    def grant(self) -> None:
+        self.granted = True
+        self.state = State.SENDING
+        self._notify()
+
+    def finish(self, status: LLMStatusCode) -> None:
+        """Record the outcome (the first one wins) and stop all I/O on our buffers."""
+        self.state = State.OVER
+        if self.result is None:
+            self.result = status
+        self._notify()
+
+    def outcome(self) -> LLMStatusCode:
+        return _S.LLM_FAILED if self.result is None else self.result
+
+    def _notify(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def until_granted_or_over(self) -> None:
+        while not self.granted and self.result is None:
+            self._wake = self._loop.create_future()
+            await self._wake
+
+    async def until_over(self) -> None:
+        while self.result is None:
+            self._wake = self._loop.create_future()
+            await self._wake
+
+    def on_filled(self, link: TcpLink) -> None:
+        self.finish(_S.LLM_SUCCESS)
+
+
+class PeerOp:
+    """A request the peer started, which this side serves."""
+
+    __slots__ = ("_done", "cursor", "is_read", "rid", "state", "stream", "task")
+
+    def __init__(self, rid: int, is_read: bool) -> None:
+        self.rid = rid
+        self.is_read = is_read
+        self.state = State.GRANTING
+        self.task: asyncio.Task[None] | None = None
+        self.cursor: Cursor | None = None
+        self.stream: Stream | None = None
+        self._done: Callable[[bool], None] | None = None
+
+    def bind(self, done: Callable[[bool], None] | None) -> None:
+        self._done = done
+
+    def finish(self, ok: bool) -> None:
+        """End the op; the grant's ``done`` runs here, exactly once."""
+        self.state = State.OVER
+        done, self._done = self._done, None
+        if done is not None:
+            try:
+                done(ok)
+            except Exception:
+                _log.exception("Grant.done callback failed")
+
+    def on_filled(self, link: TcpLink) -> None:
+        link._theirs.pop(self.rid, None)
+        self.finish(True)
+        link._post(wire.encode_frame(_F.WRITE_DONE, self.rid, status=_S.LLM_SUCCESS))

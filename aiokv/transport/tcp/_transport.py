@@ -1,0 +1,252 @@
+"""TcpTransport: listens, connects, runs handshakes and owns every link and task."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Coroutine
+from typing import Any, Final
+
+from ..._enums import LLMStatusCode
+from ..._errors import LLMException
+from .. import _wire as wire
+from .._base import Link, LinkCallback, PeerInfo, RequestHandler, Transport
+from ._handshake import HandshakeError, client_handshake, server_handshake
+from ._io import SockIO
+from ._link import TcpLink
+
+__all__ = ["TcpTransport"]
+
+_log = logging.getLogger("aiokv.transport.tcp")
+_S = LLMStatusCode
+_SCRATCH_BYTES: Final = 256 << 10
+
+
+class TcpTransport(Transport):
+    """The built-in transport: links over TCP, zero-copy scatter/gather on both ends.
+
+    Args (beyond :class:`Transport`'s):
+        chunk_bytes: largest DATA frame this side sends (at most
+            :data:`~aiokv.transport._wire.MAX_CHUNK`); smaller chunks interleave
+            concurrent transfers more finely.
+        handshake_timeout: seconds an incoming connection gets to complete the
+            handshake before it is dropped.
+        sock_buf_bytes: ``SO_SNDBUF`` / ``SO_RCVBUF`` for every socket; ``None`` keeps
+            the kernel's auto-tuning.
+    """
+
+    def __init__(
+        self,
+        local_cluster_id: int,
+        handler: RequestHandler,
+        *,
+        secret: bytes | None = None,
+        max_meta_bytes: int = 1 << 20,
+        on_link: LinkCallback | None = None,
+        on_link_lost: LinkCallback | None = None,
+        chunk_bytes: int = wire.MAX_CHUNK,
+        handshake_timeout: float = 10.0,
+        sock_buf_bytes: int | None = None,
+    ) -> None:
+        super().__init__(
+            local_cluster_id,
+            handler,
+            secret=secret,
+            max_meta_bytes=max_meta_bytes,
+            on_link=on_link,
+            on_link_lost=on_link_lost,
+        )
+        if not 1 <= chunk_bytes <= wire.MAX_CHUNK:
+            raise ValueError(f"chunk_bytes={chunk_bytes} is out of range [1, {wire.MAX_CHUNK}]")
+        if not handshake_timeout > 0:
+            raise ValueError("handshake_timeout must be > 0")
+        self.chunk_bytes = chunk_bytes
+        self.handshake_timeout = handshake_timeout
+        self.sock_buf_bytes = sock_buf_bytes
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._listeners: list[socket.socket] = []
+        self._handshaking: set[SockIO] = set()
+        self._links: dict[TcpLink, None] = {}  # insertion-ordered set
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._scratch = bytearray(_SCRATCH_BYTES)  # sink for data nobody wants
+
+    # ----------------------------------------------------------------------- public API
+
+    async def listen(self, host: str, port: int) -> tuple[str, int]:
+        loop = self._bind_loop("listen")
+        try:
+            infos = await loop.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )
+            family, type_, proto, _, addr = infos[0]
+            sock = socket.socket(family, type_, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(addr)
+                sock.listen(128)
+                sock.setblocking(False)
+            except BaseException:
+                sock.close()
+                raise
+        except OSError as exc:
+            raise LLMException(f"listen on {host}:{port}: {exc}", _S.LLM_LINK_FAILED) from exc
+        self._listeners.append(sock)
+        self._spawn(self._accept_loop(sock), "aiokv-tcp-accept")
+        bound = sock.getsockname()
+        return str(bound[0]), int(bound[1])
+
+    async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
+        loop = self._bind_loop("connect")
+        where = f"connect to {host}:{port}"
+        io: SockIO | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                sock = await self._open(loop, host, port)
+                io = SockIO(loop, sock)
+                self._handshaking.add(io)
+                peer_id = await client_handshake(io, self.local_cluster_id, self.secret)
+                address = sock.getpeername()
+        except TimeoutError:
+            self._drop(io)
+            raise LLMException(
+                f"{where}: timed out after {timeout:.3g} s", _S.LLM_TIMEOUT
+            ) from None
+        except (OSError, wire.WireError, wire.MetaError, HandshakeError) as exc:
+            self._drop(io)
+            raise LLMException(f"{where}: {exc}", _S.LLM_LINK_FAILED) from exc
+        except BaseException:
+            self._drop(io)
+            raise
+        self._handshaking.discard(io)
+        if self._closed:
+            io.close()
+            raise LLMException(f"{where}: transport closed", _S.LLM_LINK_FAILED)
+        return self._adopt(
+            io, PeerInfo(peer_id, (str(address[0]), int(address[1]))), initiator=True
+        )
+
+    def links(self) -> list[Link]:
+        return list(self._links)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for io in list(self._handshaking):
+            io.close()
+        self._handshaking.clear()
+        for link in list(self._links):
+            link._break("transport closed")
+        for task in self._tasks:
+            task.cancel()
+        # Accept tasks unregister their listener from the loop as they unwind, so the
+        # listeners are closed only after every task has finished.
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+        for sock in self._listeners:
+            sock.close()
+        self._listeners.clear()
+
+    # ------------------------------------------------------------------------ internals
+
+    def _bind_loop(self, op: str) -> asyncio.AbstractEventLoop:
+        if self._closed:
+            raise LLMException(f"{op}: transport is closed", _S.LLM_LINK_FAILED)
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError(f"{op}: transport is bound to another event loop")
+        return loop
+
+    def _loop_or_raise(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("transport has no event loop yet")
+        return self._loop
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = self._loop_or_raise().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            _log.error("transport task %s failed", task.get_name(), exc_info=exc)
+
+    def _configure(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.sock_buf_bytes:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.sock_buf_bytes)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.sock_buf_bytes)
+
+    async def _open(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        error: OSError = OSError(f"no address for {host}:{port}")
+        for family, type_, proto, _, addr in infos:
+            sock = socket.socket(family, type_, proto)
+            try:
+                self._configure(sock)
+                await loop.sock_connect(sock, addr)
+                return sock
+            except OSError as exc:
+                sock.close()
+                error = exc
+            except BaseException:
+                sock.close()
+                raise
+        raise error
+
+    def _drop(self, io: SockIO | None) -> None:
+        if io is not None:
+            self._handshaking.discard(io)
+            io.close()
+
+    def _adopt(self, io: SockIO, peer: PeerInfo, *, initiator: bool) -> TcpLink:
+        link = TcpLink(self, io, peer, initiator=initiator)
+        self._links[link] = None
+        self._notify(self.on_link, link)
+        return link
+
+    def _link_lost(self, link: TcpLink) -> None:
+        if self._links.pop(link, False) is None:
+            self._notify(self.on_link_lost, link)
+
+    async def _accept_loop(self, lsock: socket.socket) -> None:
+        loop = self._loop_or_raise()
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(lsock)
+            except OSError as exc:
+                # EMFILE and friends: back off instead of spinning; the listener stays.
+                _log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                self._configure(sock)
+            except OSError:
+                sock.close()
+                continue
+            io = SockIO(loop, sock)
+            self._handshaking.add(io)
+            self._spawn(self._accept_one(io, addr), "aiokv-tcp-handshake")
+
+    async def _accept_one(self, io: SockIO, addr: Any) -> None:
+        try:
+            async with asyncio.timeout(self.handshake_timeout):
+                peer_id = await server_handshake(io, self.local_cluster_id, self.secret)
+        except (OSError, TimeoutError, wire.WireError, wire.MetaError, HandshakeError) as exc:
+            _log.info("handshake with %s failed: %s", addr, exc)
+            self._drop(io)
+            return
+        except BaseException:
+            self._drop(io)
+            raise
+        self._handshaking.discard(io)
+        if self._closed:
+            io.close()
+            return
+        self._adopt(io, PeerInfo(peer_id, (str(addr[0]), int(addr[1]))), initiator=False)
