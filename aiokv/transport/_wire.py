@@ -1,19 +1,20 @@
-"""Wire format of the TCP transport: a fixed binary header, optional JSON meta, raw payload.
+"""Wire format of the TCP transport: a fixed binary header, optional meta, raw payload.
 
-Every frame starts with one 32-byte little-endian header::
+Every frame starts with one 30-byte little-endian header::
 
     offset  size  field
     0       4     magic      b"AIKV"
-    4       1     version    1
+    4       1     version    2
     5       1     type       FrameType
-    6       2     flags      reserved, must be 0
-    8       4     status     LLMStatusCode of a reply (0 elsewhere)
-    12      4     meta_len   bytes of UTF-8 JSON meta that follow the header
-    16      8     req_id     request id (0 for link-level frames)
-    24      8     size       see below
+    6       4     status     LLMStatusCode of a reply (0 elsewhere)
+    10      4     meta_len   bytes of meta that follow the header
+    14      8     req_id     request id (0 for link-level frames)
+    22      8     size       see below
 
-followed by ``meta_len`` bytes of JSON and, for ``DATA`` frames only, ``size`` bytes of
-payload. ``size`` is the payload length of a ``DATA`` frame, the total number of bytes
+followed by ``meta_len`` bytes of meta and, for ``DATA`` frames only, ``size`` bytes of
+payload. Handshake and ``ERROR`` meta is a UTF-8 JSON object (:func:`encode_meta`);
+request meta is the layer above's opaque bytes, which the transport only caps.
+``size`` is the payload length of a ``DATA`` frame, the total number of bytes
 of a transfer in ``READ_REQ`` (bytes the reader expects), ``READ_RESP`` (bytes granted)
 and ``WRITE_REQ`` (bytes to push), and 0 elsewhere.
 
@@ -22,10 +23,11 @@ requests 0, 2, 4, ..., the accepting side 1, 3, 5, ...; ids are never reused on 
 so late frames of a finished request can always be told apart and dropped.
 
 Violations come in two kinds. A header that cannot be trusted to find the next frame
-(bad magic, version, type or flags, a ``DATA`` chunk over :data:`MAX_CHUNK`, meta on a
+(bad magic, version or type, a ``DATA`` chunk over :data:`MAX_CHUNK`, meta on a
 frame type that carries none) raises :class:`WireError`: the connection must be closed.
-A well-framed request with a bad meta (too long, not JSON, not an object) raises
-:class:`MetaError`: that request alone is answered with ``LLM_PARAM_INVALID``.
+A request whose meta exceeds the receiver's cap is answered ``LLM_PARAM_INVALID`` by the
+link (its meta is skipped, not read). Handshake meta that is not a JSON object raises
+:class:`MetaError`: the handshake fails.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ __all__ = [
 ]
 
 MAGIC = b"AIKV"
-VERSION = 1
-HEADER = struct.Struct("<4sBBHIIQQ")
+VERSION = 2
+HEADER = struct.Struct("<4sBBIIQQ")
 HEADER_SIZE = HEADER.size
 #: Protocol cap on one DATA frame's payload. Big transfers are cut into chunks no larger,
 #: so one huge transfer cannot hold a connection for long and the reader never has to
@@ -128,7 +130,7 @@ def encode_header(
     Raises:
         struct.error: a field does not fit its width (a bug on the sending side).
     """
-    return HEADER.pack(MAGIC, VERSION, type, 0, status, meta_len, req_id, size)
+    return HEADER.pack(MAGIC, VERSION, type, status, meta_len, req_id, size)
 
 
 def decode_header(buf: bytes | bytearray | memoryview) -> Header:
@@ -142,7 +144,7 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
     """
     if len(buf) != HEADER_SIZE:
         raise WireError(f"header of {len(buf)} bytes, expected {HEADER_SIZE}")
-    magic, version, ftype, flags, status, meta_len, req_id, size = HEADER.unpack(buf)
+    magic, version, ftype, status, meta_len, req_id, size = HEADER.unpack(buf)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}")
     if version != VERSION:
@@ -151,8 +153,6 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
         kind = FrameType(ftype)
     except ValueError:
         raise WireError(f"unknown frame type {ftype}") from None
-    if flags:
-        raise WireError(f"reserved flags set: {flags:#x}")
     if kind not in _META_TYPES and meta_len:
         raise WireError(f"{kind.name} frame with {meta_len} bytes of meta")
     cap = _META_TYPES.get(kind)

@@ -102,17 +102,15 @@ def raw(
     size: int = 0,
     meta_len: int | None = None,
     version: int = wire.VERSION,
-    flags: int = 0,
     magic: bytes = wire.MAGIC,
 ) -> bytes:
     """A frame with any field values, valid or not."""
     return (
         struct.pack(
-            "<4sBBHIIQQ",
+            "<4sBBIIQQ",
             magic,
             version,
             ftype,
-            flags,
             status,
             len(meta) if meta_len is None else meta_len,
             rid,
@@ -266,11 +264,9 @@ class Fuzzer:
                 )
             elif k == 11:  # handshake frames after the handshake
                 out.append(raw(rng.choice([F.HELLO, F.AUTH]), meta=js({"cluster_id": 1})))
-            elif k == 12:  # bad version, magic or flags
+            elif k == 12:  # bad version or magic
                 out.append(
-                    rng.choice(
-                        [raw(F.DATA, version=9), raw(F.DATA, magic=b"GET "), raw(F.DATA, flags=4)]
-                    )
+                    rng.choice([raw(F.DATA, version=9), raw(F.DATA, magic=b"GET "), raw(0xEE)])
                 )
             elif k == 13:  # truncated: a frame cut short, then the end of the connection
                 whole = raw(F.WRITE_REQ, self.next_id(), meta=js({"spans": spans(rng)}), size=99)

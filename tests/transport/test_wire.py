@@ -21,17 +21,16 @@ def raw_header(
     magic: bytes = wire.MAGIC,
     version: int = wire.VERSION,
     ftype: int = FrameType.DATA,
-    flags: int = 0,
     status: int = 0,
     meta_len: int = 0,
     req_id: int = 0,
     size: int = 0,
 ) -> bytes:
-    return wire.HEADER.pack(magic, version, ftype, flags, status, meta_len, req_id, size)
+    return wire.HEADER.pack(magic, version, ftype, status, meta_len, req_id, size)
 
 
-def test_header_is_32_bytes() -> None:
-    assert wire.HEADER_SIZE == 32
+def test_header_is_30_bytes() -> None:
+    assert wire.HEADER_SIZE == 30
 
 
 @given(ftype=st.sampled_from(list(FrameType)), req_id=U64, status=st.integers(0, 2**32 - 1))
@@ -58,10 +57,10 @@ def test_reply_status_travels() -> None:
     ("fields", "match"),
     [
         ({"magic": b"HTTP"}, "magic"),
-        ({"version": 2}, "version"),
+        ({"version": 1}, "version"),
+        ({"version": 3}, "version"),
         ({"ftype": 0}, "frame type"),
         ({"ftype": 200}, "frame type"),
-        ({"flags": 1}, "flags"),
         ({"ftype": FrameType.DATA, "size": wire.MAX_CHUNK + 1}, "exceeds"),
         ({"ftype": FrameType.DATA, "meta_len": 1}, "meta"),
         ({"ftype": FrameType.READ_RESP, "meta_len": 5}, "meta"),
