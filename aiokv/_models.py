@@ -89,6 +89,16 @@ def _u64(v: int) -> int:
     return v
 
 
+def _take_alias(cls: type, data: Any, alias: str, name: str) -> Any:
+    """Accept ``alias`` for the field ``name`` (llm_datadist spells both); not both."""
+    if isinstance(data, dict) and alias in data:
+        if name in data:
+            raise TypeError(f"{cls.__name__}: give {name} or {alias}, not both")
+        data = dict(data)
+        data[name] = data.pop(alias)
+    return data
+
+
 class CacheDesc(Model):
     """Describes a cache: ``num_tensors`` tensors, each of ``shape`` and ``data_type``.
 
@@ -198,12 +208,7 @@ class CacheKey(Model):
     @model_validator(mode="before")
     @classmethod
     def _alias(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "cluster_id" in data:
-            if "prompt_cluster_id" in data:
-                raise TypeError("CacheKey: give prompt_cluster_id or cluster_id, not both")
-            data = dict(data)
-            data["prompt_cluster_id"] = data.pop("cluster_id")
-        return data
+        return _take_alias(cls, data, "cluster_id", "prompt_cluster_id")
 
     _ranges = field_validator("prompt_cluster_id", "req_id", "model_id", "prefix_id")(
         classmethod(lambda cls, v: _u64(v))
@@ -234,12 +239,7 @@ class BlocksCacheKey(Model):
     @model_validator(mode="before")
     @classmethod
     def _alias(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "prompt_cluster_id" in data:
-            if "cluster_id" in data:
-                raise TypeError("BlocksCacheKey: give cluster_id or prompt_cluster_id, not both")
-            data = dict(data)
-            data["cluster_id"] = data.pop("prompt_cluster_id")
-        return data
+        return _take_alias(cls, data, "prompt_cluster_id", "cluster_id")
 
     _ranges = field_validator("cluster_id", "model_id")(classmethod(lambda cls, v: _u64(v)))
 

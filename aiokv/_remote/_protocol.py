@@ -114,21 +114,24 @@ class BlocksReq(msgspec.Struct, frozen=True, tag="blocks"):
     release: bool = False
 
 
-class ChunksReq(msgspec.Struct, frozen=True, tag="chunks"):
-    """Chunks ``chunks`` (int64 LE) of ``chunk_bytes`` each of one batch slot."""
+class _OfSlot(msgspec.Struct, frozen=True):
+    """What every request into one batch slot names first: the slot and its tensors."""
 
     key: KeyByReq | KeyById
     tensors: Tensors
+
+
+class ChunksReq(_OfSlot, frozen=True, tag="chunks"):
+    """Chunks ``chunks`` (int64 LE) of ``chunk_bytes`` each of one batch slot."""
+
     chunks: BlockBytes
     chunk_bytes: Count
     release: bool = False
 
 
-class SlotReq(msgspec.Struct, frozen=True, tag="slot"):
+class SlotReq(_OfSlot, frozen=True, tag="slot"):
     """The first ``size`` bytes of one batch slot; ``exact``: the slots must be equal."""
 
-    key: KeyByReq | KeyById
-    tensors: Tensors
     size: Count
     exact: bool
     release: bool = False

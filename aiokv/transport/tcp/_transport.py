@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any, Final
 
 from ..._enums import LLMStatusCode
@@ -21,6 +22,8 @@ __all__ = ["TcpTransport"]
 _log = logging.getLogger("aiokv.transport.tcp")
 _S = LLMStatusCode
 _SCRATCH_BYTES: Final = 256 << 10
+# What a failed handshake raises (besides TimeoutError).
+_HANDSHAKE_ERRORS = (OSError, wire.WireError, wire.MetaError, HandshakeError)
 
 
 class TcpTransport(Transport):
@@ -100,26 +103,19 @@ class TcpTransport(Transport):
     async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
         loop = self._bind_loop("connect")
         where = f"connect to {host}:{port}"
-        io: SockIO | None = None
         try:
             async with asyncio.timeout(timeout):
-                sock = await self._open(loop, host, port)
+                sock = await self._open(loop, host, port)  # closes the socket if it fails
                 io = SockIO(loop, sock)
-                self._handshaking.add(io)
-                peer_id = await client_handshake(io, self.local_cluster_id, self.secret)
-                address = sock.getpeername()
+                with self._handshaking_on(io):
+                    peer_id = await client_handshake(io, self.local_cluster_id, self.secret)
+                    address = sock.getpeername()
         except TimeoutError:
-            self._drop(io)
             raise LLMException(
                 f"{where}: timed out after {timeout:.3g} s", _S.LLM_TIMEOUT
             ) from None
-        except (OSError, wire.WireError, wire.MetaError, HandshakeError) as exc:
-            self._drop(io)
+        except _HANDSHAKE_ERRORS as exc:
             raise LLMException(f"{where}: {exc}", _S.LLM_LINK_FAILED) from exc
-        except BaseException:
-            self._drop(io)
-            raise
-        self._handshaking.discard(io)
         if self._closed:
             io.close()
             raise LLMException(f"{where}: transport closed", _S.LLM_LINK_FAILED)
@@ -200,10 +196,18 @@ class TcpTransport(Transport):
                 raise
         raise error
 
-    def _drop(self, io: SockIO | None) -> None:
-        if io is not None:
-            self._handshaking.discard(io)
+    @contextlib.contextmanager
+    def _handshaking_on(self, io: SockIO) -> Iterator[None]:
+        """Track ``io`` while its handshake runs: closed if it fails or is cancelled
+        (or by :meth:`aclose`), handed over to the caller if it succeeds."""
+        self._handshaking.add(io)
+        try:
+            yield
+        except BaseException:
             io.close()
+            raise
+        finally:
+            self._handshaking.discard(io)
 
     def _adopt(self, io: SockIO, peer: PeerInfo, *, initiator: bool) -> TcpLink:
         link = TcpLink(self, io, peer, initiator=initiator)
@@ -231,21 +235,17 @@ class TcpTransport(Transport):
                 sock.close()
                 continue
             io = SockIO(loop, sock)
-            self._handshaking.add(io)
+            self._handshaking.add(io)  # from now on: aclose closes it, even before the task runs
             self._spawn(self._accept_one(io, addr), "aiokv-tcp-handshake")
 
     async def _accept_one(self, io: SockIO, addr: Any) -> None:
         try:
-            async with asyncio.timeout(self.handshake_timeout):
-                peer_id = await server_handshake(io, self.local_cluster_id, self.secret)
-        except (OSError, TimeoutError, wire.WireError, wire.MetaError, HandshakeError) as exc:
+            with self._handshaking_on(io):
+                async with asyncio.timeout(self.handshake_timeout):
+                    peer_id = await server_handshake(io, self.local_cluster_id, self.secret)
+        except (TimeoutError, *_HANDSHAKE_ERRORS) as exc:
             _log.info("handshake with %s failed: %s", addr, exc)
-            self._drop(io)
             return
-        except BaseException:
-            self._drop(io)
-            raise
-        self._handshaking.discard(io)
         if self._closed:
             io.close()
             return
