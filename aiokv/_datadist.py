@@ -1,15 +1,20 @@
 """``LLMDataDist``: one participant of a disaggregated deployment (SPEC §1.6).
 
-The composition root: ``init`` builds the device, pools, copy scheduler, registry, link
-table, remote client, peer service, transport and cache manager, and wires them
-together; ``finalize`` takes them down in reverse order. It also owns linking.
+The composition root: ``init`` starts the engine thread, then (on it) builds the device,
+pools, copy scheduler, registry, link table, remote client, peer service, transport and
+cache manager, and wires them together; ``finalize`` takes them down in reverse order
+and joins the engine. It also owns linking, which runs on the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
+import threading
 import time
+import warnings
+import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -25,6 +30,7 @@ from ._copy import (
     resolve_device,
     supports_pinning,
 )
+from ._engine import Engine
 from ._enums import LLMRole, LLMStatusCode
 from ._errors import LLMException, map_errors, status_of
 from ._manager import CacheManager, KvCacheManager
@@ -67,6 +73,8 @@ class LLMDataDist:
         self._transport: Transport | None = None
         self._links = LinkTable()
         self._listen: tuple[str, int] | None = None
+        self._engine: Engine | None = None
+        self._teardown: asyncio.Task[None] | None = None
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -150,7 +158,7 @@ class LLMDataDist:
             RuntimeError: already initialized.
         """
         op = "init"
-        if self._manager is not None:
+        if self._engine is not None:
             raise RuntimeError(f"{op}: LLMDataDist is already initialized")
         check_instance(op, "options", options, (LLMConfig, dict))
         config = (
@@ -158,6 +166,22 @@ class LLMDataDist:
             if isinstance(options, LLMConfig)
             else LLMConfig.from_options(options)
         )
+        engine = Engine(f"aiokv-engine-{self._cluster_id}")
+        self._engine = engine  # taken now: a concurrent init fails instead of racing
+        try:
+            await engine.run(self._build, config, engine)
+        except BaseException:
+            self._engine = None
+            await engine.aclose()
+            raise
+        _live.add(self)
+        log.info(
+            "LLMDataDist %d (%s) initialized on %s", self._cluster_id, self._role.name, self._device
+        )
+
+    async def _build(self, config: LLMConfig, engine: Engine) -> None:
+        """On the engine: everything ``init`` promises, or nothing."""
+        op = "init"
         device = resolve_device(config.device_type, config.device_id)
         scheduler = CopyScheduler(
             device,
@@ -181,6 +205,7 @@ class LLMDataDist:
             scheduler=scheduler,
             registry=registry,
             client=RemoteClient(links, config),
+            engine=engine,
             device_pool=device_pool,
             host_pool=host_pool,
         )
@@ -205,7 +230,8 @@ class LLMDataDist:
         self._config = config
         self._scheduler = scheduler
         self._transport = transport
-        log.info("LLMDataDist %d (%s) initialized on %s", self._cluster_id, self._role.name, device)
+        self._device = device
+        self._teardown = None
 
     @staticmethod
     async def _make_pool(
@@ -232,21 +258,57 @@ class LLMDataDist:
         return MemPool(region, cfg.page_shift, name)
 
     async def finalize(self) -> None:
-        """Stop links, listener and worker threads; release the pools.
+        """Stop links, listener and worker threads; release the pools; join the engine.
 
-        Idempotent. Caches handed out before become unusable.
+        Idempotent. Caches handed out before become unusable. Cancelled, it can be
+        called again and completes what the first call started.
         """
-        mgr, sched, transport = self._manager, self._scheduler, self._transport
-        if mgr is None or sched is None or transport is None:
+        engine = self._engine
+        if engine is None:
             return
+        await engine.run(self._tear_down)
+        await engine.aclose()
+        self._engine = None
+        _live.discard(self)
+        log.info("LLMDataDist %d finalized", self._cluster_id)
+
+    async def _tear_down(self) -> None:
+        """On the engine: one teardown, shielded, however many callers wait for it."""
+        if self._teardown is None:
+            self._teardown = asyncio.get_running_loop().create_task(self._tear_down_once())
+        await asyncio.shield(self._teardown)
+
+    async def _tear_down_once(self) -> None:
+        mgr, sched, transport = self._manager, self._scheduler, self._transport
         self._manager = None
+        self._listen = None
+        if mgr is not None:
+            await mgr._close()
+        if transport is not None:
+            await transport.aclose()  # fails in-flight transfers, closes links and listener
+        if sched is not None:
+            await sched.aclose()
         self._scheduler = None
         self._transport = None
-        self._listen = None
-        await mgr._close()
-        await transport.aclose()  # fails in-flight transfers, closes links and listener
-        await sched.aclose()
-        log.info("LLMDataDist %d finalized", self._cluster_id)
+
+    def _finalize_blocking(self) -> None:
+        """Finalize from a plain thread (``aiokv.sync``, the exit hook)."""
+        engine = self._engine
+        if engine is None:
+            return
+        if engine.on_engine():
+            raise RuntimeError("finalize: called on the engine thread")
+        engine.call(self._tear_down)
+        engine.stop()
+        self._engine = None
+        _live.discard(self)
+
+    def __del__(self) -> None:
+        if getattr(self, "_engine", None) is None:
+            return
+        warnings.warn(f"{self!r} was dropped without finalize()", ResourceWarning, stacklevel=2)
+        # Not here: a collection may run on any thread, even one the teardown waits for.
+        threading.Thread(target=self._finalize_blocking, name="aiokv-finalize", daemon=True).start()
 
     # ---- links --------------------------------------------------------------------------
     @staticmethod
@@ -279,6 +341,12 @@ class LLMDataDist:
         if len(infos) > 16:
             code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
             return code, [code] * len(infos)
+        assert self._engine is not None
+        return await self._engine.run(self._link_all, infos, timeout)
+
+    async def _link_all(
+        self, infos: list[LLMClusterInfo], timeout: int
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(self._link_one(c, timeout)) for c in infos]
         codes = [t.result() for t in tasks]
@@ -334,6 +402,12 @@ class LLMDataDist:
         self._require(op)
         infos = self._check_clusters(op, clusters, timeout)
         check_instance(op, "force", force, bool)
+        assert self._engine is not None
+        return await self._engine.run(self._unlink_all, infos, timeout)
+
+    async def _unlink_all(
+        self, infos: list[LLMClusterInfo], timeout: int
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         codes: list[LLMStatusCode] = []
         for info in infos:
             link = self._links.pop(info.remote_cluster_id)
@@ -370,3 +444,16 @@ class LLMDataDist:
     def __repr__(self) -> str:
         state = "initialized" if self.initialized else "not initialized"
         return f"LLMDataDist(role={self._role.name}, cluster_id={self._cluster_id}, {state})"
+
+
+#: instances initialized and not yet finalized, finalized at interpreter exit
+_live: weakref.WeakSet[LLMDataDist] = weakref.WeakSet()
+
+
+@atexit.register
+def _finalize_forgotten() -> None:
+    for dd in list(_live):
+        try:
+            dd._finalize_blocking()
+        except Exception:  # exit goes on; say what could not be released
+            log.exception("finalizing %r at exit failed", dd)

@@ -13,6 +13,7 @@ for layer i + 1 while they run. Each destination gets one result code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Generator
@@ -21,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._cache import Cache
 from ._checks import Blocks, check_index, param_invalid
+from ._engine import Engine, Portal
 from ._enums import LLMStatusCode
 from ._errors import status_of
 from ._layout import ByteLayout, tensor_bytes
@@ -55,10 +57,15 @@ class LayerSynchronizer(Protocol):
     """Tells a layer-wise transfer when layer ``layer_index`` may be sent.
 
     Implement ``async def synchronize_layer(self, layer_index, timeout_in_millis) -> bool``
-    (a plain ``def`` returning ``bool`` is accepted too). Return ``True`` once the layer's
-    KV is complete; ``False`` fails the destinations that need that layer with
+    or a plain blocking ``def`` returning ``bool``. Return ``True`` once the layer's KV is
+    complete; ``False`` fails the destinations that need that layer with
     ``LLM_PARAM_INVALID``. Taking longer than ``timeout_in_millis`` fails them with
     ``LLM_TIMEOUT``.
+
+    Where it runs: an ``async def`` on the loop that called ``transfer_cache_async`` (so
+    it may wait on that loop's events; from ``aiokv.sync``, on the engine loop); a
+    ``def`` on a worker thread, never on any event loop, so it may block (e.g. on a
+    device event).
     """
 
     def synchronize_layer(
@@ -167,12 +174,18 @@ def plan(
     return LayerPlan(layers, send)
 
 
-async def _sync(sync: LayerSynchronizer, layer: int, timeout_ms: int) -> LLMStatusCode:
+async def _sync(
+    sync: LayerSynchronizer, portal: Portal, layer: int, timeout_ms: int
+) -> LLMStatusCode:
+    fn: Any = sync.synchronize_layer
     try:
         async with asyncio.timeout(timeout_ms / 1000):
-            got: Any = sync.synchronize_layer(layer, timeout_ms)
-            if inspect.isawaitable(got):
-                got = await got
+            if inspect.iscoroutinefunction(fn):
+                got = await portal.run(fn, layer, timeout_ms)
+            else:
+                got = await asyncio.to_thread(fn, layer, timeout_ms)
+                if inspect.isawaitable(got):  # a def returning an awaitable: the caller's
+                    got = await portal.run(_awaited, got)
     except TimeoutError:
         return Code.LLM_TIMEOUT
     except Exception as exc:
@@ -180,8 +193,16 @@ async def _sync(sync: LayerSynchronizer, layer: int, timeout_ms: int) -> LLMStat
     return Code.LLM_SUCCESS if got is True else Code.LLM_PARAM_INVALID
 
 
+async def _awaited(aw: Awaitable[Any]) -> Any:
+    return await aw
+
+
 async def run_layers(
-    sync: LayerSynchronizer, plans: list[LayerPlan], timeout_ms: int, results: list[Code | None]
+    sync: LayerSynchronizer,
+    portal: Portal,
+    plans: list[LayerPlan],
+    timeout_ms: int,
+    results: list[Code | None],
 ) -> None:
     """Walk the layers in order, overlapping each layer's sends with the next wait.
 
@@ -204,7 +225,7 @@ async def run_layers(
             wanting = [j for j, p in enumerate(plans) if layer in p.layers and results[j] is None]
             if not wanting:
                 continue
-            code = await _sync(sync, layer, timeout_ms)
+            code = await _sync(sync, portal, layer, timeout_ms)
             for j in wanting:
                 if code != Code.LLM_SUCCESS:
                     results[j] = code
@@ -218,13 +239,18 @@ async def run_layers(
 class CacheTask:
     """A running layer-wise transfer (``transfer_cache_async``'s result).
 
-    ``await task`` yields the per-destination results. ``synchronize`` and
-    ``get_results`` take an optional timeout in ms; a timeout returns ``LLM_TIMEOUT``
-    (per unfinished destination for ``get_results``) and does NOT cancel the transfer.
-    ``cancel()`` cancels it; destinations not finished then report ``None``.
+    The transfer runs on the engine; this handle may be awaited from any loop or thread
+    (``aiokv.sync`` blocks on the same handle). ``await task`` yields the
+    per-destination results. ``synchronize`` and ``get_results`` take an optional
+    timeout in ms; a timeout returns ``LLM_TIMEOUT`` (per unfinished destination for
+    ``get_results``) and does NOT cancel the transfer. ``cancel()`` cancels it;
+    destinations not finished then report ``None``.
     """
 
-    def __init__(self, task: asyncio.Task[None], results: list[Code | None]) -> None:
+    def __init__(
+        self, engine: Engine, task: asyncio.Task[None], results: list[Code | None]
+    ) -> None:
+        self._engine = engine
         self._task = task
         self._results = results
 
@@ -235,9 +261,15 @@ class CacheTask:
             raise TypeError("timeout_in_millis must be int or None")
         if timeout_in_millis is not None and timeout_in_millis < 0:
             raise ValueError("timeout_in_millis must be >= 0")
+        if self._task.done():
+            return True
         timeout = None if timeout_in_millis is None else timeout_in_millis / 1000
-        done, _ = await asyncio.wait({self._task}, timeout=timeout)
-        return bool(done)
+
+        async def wait() -> bool:  # on the engine, which owns the task
+            done, _ = await asyncio.wait({self._task}, timeout=timeout)
+            return bool(done)
+
+        return await self._engine.run(wait)
 
     async def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
         """Wait for the transfer: ``LLM_SUCCESS`` if every destination succeeded, else the
@@ -258,8 +290,14 @@ class CacheTask:
         return [Code.LLM_TIMEOUT if r is None else r for r in self._results]
 
     def cancel(self) -> None:
-        """Stop the transfer; in-flight sends are cancelled, the links stay usable."""
-        self._task.cancel()
+        """Stop the transfer; in-flight sends are cancelled, the links stay usable.
+
+        Returns at once (from any thread); :meth:`synchronize` waits for the end."""
+        if self._engine.on_engine():
+            self._task.cancel()
+        else:
+            with contextlib.suppress(RuntimeError):  # the engine has stopped: it is over
+                self._engine.loop.call_soon_threadsafe(self._task.cancel)
 
     def done(self) -> bool:
         """Whether the transfer finished (or was cancelled)."""

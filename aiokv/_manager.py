@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from ._checks import (
 )
 from ._config import LLMConfig
 from ._copy import CopyScheduler
+from ._engine import Engine, Portal, on_asyncio
 from ._enums import LLMRole, LLMStatusCode, Placement
 from ._errors import LLMException, map_errors
 from ._layerwise import CacheTask, LayerSynchronizer, Source, plan, run_layers
@@ -65,6 +66,9 @@ from ._remote._protocol import (
 
 __all__ = ["CacheManager", "KvCacheManager"]
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 _PULL_ROLES = (LLMRole.DECODER, LLMRole.MIX)
 _PROMPT_ROLES = (LLMRole.PROMPT, LLMRole.MIX)
 
@@ -89,10 +93,12 @@ class CacheManager:
         scheduler: CopyScheduler,
         registry: CacheRegistry,
         client: RemoteClient,
+        engine: Engine,
         device_pool: MemPool | None,
         host_pool: MemPool | None,
     ) -> None:
         self._role = role
+        self._engine = engine
         self._config = config
         self._device = device
         self._scheduler = scheduler
@@ -112,7 +118,10 @@ class CacheManager:
         """Statistics of the device or host pool; ``None`` if that pool is not configured."""
         check_instance("get_pool_stats", "placement", placement, Placement)
         pool = self._pools[placement]
-        return None if pool is None else pool.stats()
+        if pool is None:
+            return None
+        with self._registry.lock:
+            return pool.stats()
 
     def statistics(self) -> RegistryStats:
         """A snapshot of the caches, keys and pins this manager tracks."""
@@ -178,14 +187,16 @@ class CacheManager:
             remote = self._config.enable_remote_cache_accessible
         else:
             remote = check_instance(op, "remote_accessible", remote_accessible, bool)
-        if memory is None:
-            tensors, spans = self._allocate(op, desc)
-        else:
-            tensors, spans = wrap_memory(op, desc, memory, self._device), []
-        cache = Cache(desc, tensors, is_blocks_cache=blocks)
-        self._registry.add(
-            cache, spans, remote_accessible=remote, keys=key_list, blocks_key=blocks_key
-        )
+        spans: list[tuple[MemPool, Span]] = []
+        if memory is not None:
+            tensors = wrap_memory(op, desc, memory, self._device)
+        with self._registry.lock:  # pools are freed under it, from any thread
+            if memory is None:
+                tensors, spans = self._allocate(op, desc)
+            cache = Cache(desc, tensors, is_blocks_cache=blocks)
+            self._registry.add(
+                cache, spans, remote_accessible=remote, keys=key_list, blocks_key=blocks_key
+            )
         return cache
 
     async def allocate_cache(
@@ -282,15 +293,20 @@ class CacheManager:
             if cache._owner is None:
                 param_invalid(op, f"cache {cache.cache_id} was not allocated by this manager")
             param_invalid(op, f"cache {cache.cache_id} belongs to another LLMDataDist")
-        entry = self._registry.by_id(cache.cache_id)
-        if entry is None:
-            return  # already released: a no-op, as llm_datadist
-        if not entry.owned:
-            param_invalid(op, f"cache {cache.cache_id} is registered memory; use unregister_cache")
-        if entry.cache.is_blocks_cache != blocks:
-            other = "deallocate_blocks_cache" if entry.cache.is_blocks_cache else "deallocate_cache"
-            param_invalid(op, f"cache {cache.cache_id} must be released with {other}")
-        self._registry.release_id(entry)
+        with self._registry.lock:
+            entry = self._registry.by_id(cache.cache_id)
+            if entry is None:
+                return  # already released: a no-op, as llm_datadist
+            if not entry.owned:
+                param_invalid(
+                    op, f"cache {cache.cache_id} is registered memory; use unregister_cache"
+                )
+            if entry.cache.is_blocks_cache != blocks:
+                other = (
+                    "deallocate_blocks_cache" if entry.cache.is_blocks_cache else "deallocate_cache"
+                )
+                param_invalid(op, f"cache {cache.cache_id} must be released with {other}")
+            self._registry.release_id(entry)
 
     async def deallocate_cache(self, cache: Cache) -> None:
         """Release the cache id reference; memory returns once no key references it either.
@@ -318,12 +334,13 @@ class CacheManager:
         """
         op = "unregister_cache"
         check_int(op, "cache_id", cache_id, 0, UINT64_MAX)
-        entry = self._registry.by_id(cache_id)
-        if entry is None:
-            return
-        if entry.owned:
-            param_invalid(op, f"cache {cache_id} was allocated from a pool; deallocate it")
-        self._registry.release_id(entry)
+        with self._registry.lock:
+            entry = self._registry.by_id(cache_id)
+            if entry is None:
+                return
+            if entry.owned:
+                param_invalid(op, f"cache {cache_id} was allocated from a pool; deallocate it")
+            self._registry.release_id(entry)
 
     # ---- local copies -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -403,7 +420,7 @@ class CacheManager:
             else:
                 param_invalid(op, "offset/size need batch_dim_index 0")
         with self._pinned(de, se), map_errors(op):
-            await self._scheduler.copy_many(pairs)
+            await self._copy(self._scheduler.copy_many, pairs)
 
     async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, Sequence[int]]) -> None:
         """Copy blocks within one blocks cache, one source to many destinations
@@ -433,7 +450,7 @@ class CacheManager:
             return
         rows = cache.rows()
         with self._pinned(entry), map_errors(op):
-            await self._scheduler.copy_blocks(rows, rows, pairs)
+            await self._copy(self._scheduler.copy_blocks, rows, rows, pairs)
 
     async def copy_kv_blocks(
         self,
@@ -477,7 +494,7 @@ class CacheManager:
         if not pairs:
             return
         with self._pinned(se, de), map_errors(op):
-            await self._scheduler.copy_blocks(src_cache.rows(), dst_cache.rows(), pairs)
+            await self._copy(self._scheduler.copy_blocks, src_cache.rows(), dst_cache.rows(), pairs)
 
     async def swap_blocks(self, src: Cache, dst: Cache, src_to_dst: Mapping[int, int]) -> None:
         """Swap blocks between a host and a device blocks cache: host→device is "swap in",
@@ -509,7 +526,14 @@ class CacheManager:
         if not pairs:
             return
         with self._pinned(se, de), map_errors(op):
-            await self._scheduler.copy_blocks(src.rows(), dst.rows(), pairs)
+            await self._copy(self._scheduler.copy_blocks, src.rows(), dst.rows(), pairs)
+
+    async def _copy(self, fn: Callable[P, Awaitable[R]], *args: P.args, **kwargs: P.kwargs) -> R:
+        """Await a copy job: straight from the caller's asyncio loop to the copy workers;
+        from trio (whose loop the workers cannot wake), through the engine loop."""
+        if on_asyncio():
+            return await fn(*args, **kwargs)
+        return await self._engine.run(fn, *args, **kwargs)
 
     # ---- remote -------------------------------------------------------------------------
     @staticmethod
@@ -547,7 +571,9 @@ class CacheManager:
         link = self._client.link(op, key.cluster_id)
         views = layout.views([tensor_bytes(cache.tensors[t]) for t in tensors])
         with self._pinned(entry):
-            await self._client.transfer(op, link, request, views, write=write, about={"key": key})
+            await self._engine.run(
+                self._client.transfer, op, link, request, views, write=write, about={"key": key}
+            )
 
     def _slot(
         self,
@@ -805,20 +831,31 @@ class CacheManager:
         plans = [plan(op, self._client, source, cfg) for cfg in configs]
         results: list[LLMStatusCode | None] = [None] * len(plans)
         live = [entry] if entry is not None else []
+        portal = Portal()  # an async synchronizer runs on the caller's loop
+        timeout_ms = self._config.sync_kv_timeout
+
+        async def start() -> asyncio.Task[None]:  # on the engine, which owns the task
+            task = asyncio.get_running_loop().create_task(
+                run_layers(sync, portal, plans, timeout_ms, results),
+                name=f"aiokv-{op}-{src_cache.cache_id}",
+            )
+            self._tasks.add(task)
+
+            def finished(t: asyncio.Task[None]) -> None:
+                # a done callback, not a finally: it also runs for a task cancelled unstarted
+                self._tasks.discard(t)
+                self._registry.unpin(*live)
+
+            task.add_done_callback(finished)
+            return task
+
         self._registry.pin(*live)  # now: the caller may deallocate before the task runs
-        task = asyncio.create_task(
-            run_layers(sync, plans, self._config.sync_kv_timeout, results),
-            name=f"aiokv-{op}-{src_cache.cache_id}",
-        )
-        self._tasks.add(task)
-
-        def finished(t: asyncio.Task[None]) -> None:
-            # a done callback, not a finally: it also runs for a task cancelled unstarted
-            self._tasks.discard(t)
+        try:
+            task = await self._engine.run(start)
+        except BaseException:
             self._registry.unpin(*live)
-
-        task.add_done_callback(finished)
-        return CacheTask(task, results)
+            raise
+        return CacheTask(self._engine, task, results)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def _close(self) -> None:

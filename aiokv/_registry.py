@@ -3,14 +3,21 @@
 Memory goes back to its pool when the id reference is dropped, no key is bound and no
 operation pins it. Everything here is synchronous bookkeeping: no method awaits, so a
 cancelled caller can never leave it half-updated (STYLE convention 3).
+
+Thread-safe: callers' threads (allocation, local copies) and the engine thread (the
+peer service) share one registry. Every method runs under :attr:`CacheRegistry.lock`
+(re-entrant), which also guards the pools' allocate/free; a caller that needs several
+steps to be one (look up, then pin) holds it around them.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from sortedcontainers import SortedDict
 
@@ -24,6 +31,20 @@ from ._pool import MemPool, Span
 __all__ = ["CacheRegistry", "Entry", "RegistryStats"]
 
 log = logging.getLogger("aiokv")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _locked(
+    fn: Callable[Concatenate[CacheRegistry, P], R],
+) -> Callable[Concatenate[CacheRegistry, P], R]:
+    def locked(self: CacheRegistry, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.lock:
+            return fn(self, *args, **kwargs)
+
+    functools.update_wrapper(locked, fn)
+    return locked
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +101,10 @@ class CacheRegistry:
         self.keys: dict[CacheKey, tuple[int, int]] = {}  # key -> (cache_id, batch_index)
         self.blocks_keys: dict[BlocksCacheKey, int] = {}
         self._regions: SortedDict[int, tuple[int, int, int]] = SortedDict()
+        self.lock = threading.RLock()
 
     # ---- adding -------------------------------------------------------------------------
+    @_locked
     def add(
         self,
         cache: Cache,
@@ -121,6 +144,7 @@ class CacheRegistry:
         entry.keys.add(key)
 
     # ---- lookups ------------------------------------------------------------------------
+    @_locked
     def entry(self, op: str, cache: Any, name: str = "cache") -> Entry | None:
         """The live entry of ``cache``; ``None`` for a user-owned ``create_cpu_cache`` cache.
 
@@ -142,21 +166,25 @@ class CacheRegistry:
             )
         return e
 
+    @_locked
     def by_key(self, key: CacheKey) -> tuple[Entry, int] | None:
         """``(entry, batch_index)`` bound to ``key``, or ``None``."""
         hit = self.keys.get(key)
         return None if hit is None else (self.entries[hit[0]], hit[1])
 
+    @_locked
     def by_blocks_key(self, key: BlocksCacheKey) -> Entry | None:
         """The entry registered under ``key``, or ``None``."""
         cid = self.blocks_keys.get(key)
         return None if cid is None else self.entries[cid]
 
+    @_locked
     def by_id(self, cache_id: int) -> Entry | None:
         """The entry of a cache whose id reference is still held, or ``None``."""
         e = self.entries.get(cache_id)
         return e if e is not None and e.id_held else None
 
+    @_locked
     def find_region(self, addr: int, nbytes: int) -> tuple[Entry, int, int] | None:
         """The ``(entry, tensor_index, byte_offset)`` whose tensor holds ``[addr, addr+nbytes)``
         entirely, or ``None`` — how raw addresses from a peer are checked."""
@@ -172,6 +200,7 @@ class CacheRegistry:
         return e, ti, addr - start
 
     # ---- releasing ----------------------------------------------------------------------
+    @_locked
     def release_id(self, entry: Entry) -> None:
         """Drop the id reference (``deallocate_cache`` / ``unregister_cache``)."""
         if entry.blocks_key is not None:
@@ -185,6 +214,7 @@ class CacheRegistry:
         entry.id_held = False
         self._maybe_free(entry)
 
+    @_locked
     def release_key(self, key: CacheKey) -> bool:
         """Unbind ``key``; ``False`` if it was not bound (a no-op, as llm_datadist)."""
         hit = self.keys.pop(key, None)
@@ -195,11 +225,24 @@ class CacheRegistry:
         self._maybe_free(entry)
         return True
 
+    @_locked
     def pin(self, *entries: Entry) -> None:
-        """Keep memory alive while an operation uses it."""
+        """Keep memory alive while an operation uses it.
+
+        Raises:
+            LLMException: ``LLM_KV_CACHE_NOT_EXIST`` if one was freed meanwhile (another
+                thread dropped its last reference after it was looked up); none is pinned.
+        """
+        for e in entries:
+            if e.freed:
+                raise LLMException(
+                    f"cache {e.cache.cache_id} was released meanwhile",
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                )
         for e in entries:
             e.pins += 1
 
+    @_locked
     def unpin(self, *entries: Entry) -> None:
         """End a :meth:`pin`; frees memory whose last reference went meanwhile."""
         for e in entries:
@@ -218,6 +261,7 @@ class CacheRegistry:
             pool.free(span)
         del self.entries[e.cache.cache_id]
 
+    @_locked
     def statistics(self) -> RegistryStats:
         """A consistent snapshot of the bookkeeping (see :class:`RegistryStats`)."""
         live = list(self.entries.values())

@@ -3,6 +3,10 @@
 Owned by ``LLMDataDist`` (which links and unlinks) and read by the remote client (which
 needs the link of a cluster). Incoming links are filed as the transport reports them;
 a link that breaks is dropped, so the cluster can be linked again.
+
+Threads: only the engine thread changes the table (linking, unlinking and the
+transport's callbacks all run there); other threads only read it, and every read is
+one atomic dict operation (a copy, for :meth:`LinkTable.clusters`).
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ class LinkTable:
 
     def clusters(self) -> list[int]:
         """Cluster ids with a live link, sorted."""
-        return sorted(cid for cid, link in self._links.items() if not link.broken)
+        return sorted(cid for cid, link in list(self._links.items()) if not link.broken)
 
     def begin(self, cluster_id: int) -> bool:
         """Mark ``cluster_id`` as being linked; False if a link attempt is already running."""

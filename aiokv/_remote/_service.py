@@ -92,6 +92,10 @@ class PeerService:
 
     # ---- requests -----------------------------------------------------------------------
     def _grant(self, peer: PeerInfo, meta: bytes, *, write: bool) -> Grant:
+        with self._registry.lock:  # look up and pin as one step (callers free concurrently)
+            return self._grant_locked(peer, meta, write=write)
+
+    def _grant_locked(self, peer: PeerInfo, meta: bytes, *, write: bool) -> Grant:
         try:
             try:
                 req = decode(meta)

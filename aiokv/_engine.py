@@ -1,0 +1,363 @@
+"""The engine: one thread per ``LLMDataDist`` running an event loop of its own.
+
+It owns what must progress whatever the caller's thread is doing: the transport
+(listener, links, the peer service), remote transfers, layer-wise sends and their
+timers. A caller blocked in a model forward, ``time.sleep`` or a blocking synchronizer
+stalls nobody else.
+
+Callers reach it from any thread and any async backend:
+
+* ``await engine.run(fn, *args)`` from a coroutine on any asyncio loop (uvloop and a
+  notebook's included) or on trio (through anyio): ``fn(*args)`` runs as a task on the
+  engine loop, and the caller's loop is woken once, thread-safely, when it ends.
+  Cancelling the caller's await cancels the engine task and waits (shielded) until it
+  has really ended: a cancelled operation is never still running once the caller sees
+  its cancellation.
+* ``engine.call(fn, *args)`` blocks a plain thread the same way (``aiokv.sync``).
+* On the engine thread itself, ``run`` awaits ``fn(*args)`` directly.
+
+``Portal`` is the way back: the engine runs a coroutine function on the loop of the
+caller that captured it (an ``async def`` layer synchronizer waits on the caller's
+events, which belong to the caller's loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import anyio
+import sniffio
+
+from ._enums import LLMStatusCode
+from ._errors import LLMException
+
+__all__ = ["Engine", "Portal", "on_asyncio"]
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+
+def on_asyncio() -> bool:
+    """Whether the running coroutine is on an asyncio loop (False: trio, or no loop)."""
+    try:
+        return sniffio.current_async_library() == "asyncio"
+    except sniffio.AsyncLibraryNotFoundError:
+        return False
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    return loop
+
+
+class _Call(Generic[T]):
+    """One coroutine run on the engine loop for a caller on another thread.
+
+    ``notify`` is called exactly once (from the engine thread) when the task has ended,
+    whether it finished, failed or was cancelled; ``outcome`` is set before.
+    """
+
+    __slots__ = ("_args", "_cancelled", "_fn", "_loop", "_notify", "_task", "outcome")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fn: Callable[..., Awaitable[T]],
+        args: tuple[Any, ...],
+        notify: Callable[[], None],
+    ) -> None:
+        self._loop = loop
+        self._fn = fn
+        self._args = args
+        self._notify = notify
+        self._task: asyncio.Task[T] | None = None
+        self._cancelled = False
+        self.outcome: tuple[T] | BaseException | None = None
+        try:
+            loop.call_soon_threadsafe(self._start)
+        except RuntimeError:  # the engine loop is closed
+            raise _stopped() from None
+
+    def _start(self) -> None:
+        if self._cancelled:
+            self._end(asyncio.CancelledError())
+            return
+        try:
+            coro = self._fn(*self._args)
+            self._task = self._loop.create_task(_as_coroutine(coro))
+        except BaseException as exc:  # fn itself raised before returning an awaitable
+            self._end(exc)
+            return
+        self._task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[T]) -> None:
+        if task.cancelled():
+            self._end(asyncio.CancelledError())
+        elif (exc := task.exception()) is not None:
+            self._end(exc)
+        else:
+            self._end((task.result(),))
+
+    def _end(self, outcome: tuple[T] | BaseException) -> None:
+        self.outcome = outcome
+        self._fn = self._args = None  # type: ignore[assignment]  # drop references
+        self._notify()
+
+    def cancel(self) -> None:
+        """Any thread: cancel the engine task (or keep it from starting)."""
+        with contextlib.suppress(RuntimeError):  # loop closed: the call has ended
+            self._loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        self._cancelled = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def result(self) -> T:
+        """The task's result; its exception re-raised (cancellation by the engine's own
+        shutdown as ``LLMException(LLM_FAILED)``)."""
+        outcome = self.outcome
+        if isinstance(outcome, asyncio.CancelledError):
+            raise _stopped()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        assert outcome is not None
+        return outcome[0]
+
+
+async def _as_coroutine(aw: Awaitable[T]) -> T:
+    return await aw
+
+
+def _stopped() -> LLMException:
+    return LLMException("the LLMDataDist was finalized while this ran", LLMStatusCode.LLM_FAILED)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+class Engine:
+    """An event loop on a thread of its own (uvloop when installed).
+
+    Args:
+        name: the thread's name.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._loop = _new_loop()
+        self._on_exit: list[Callable[[], None]] = []  # called by the thread as it ends
+        self._exit_lock = threading.Lock()
+        self._exited = False
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            # Whatever still runs was abandoned by its caller: cancel it and let it unwind.
+            tasks = asyncio.all_tasks(self._loop)
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                self._loop.run_until_complete(asyncio.wait(tasks))
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+            with self._exit_lock:
+                self._exited = True
+            for notify in self._on_exit:
+                notify()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The engine's loop (only ever run on the engine thread)."""
+        return self._loop
+
+    @property
+    def thread(self) -> threading.Thread:
+        """The engine thread."""
+        return self._thread
+
+    def on_engine(self) -> bool:
+        """Whether the calling thread is the engine thread."""
+        return threading.get_ident() == self._thread.ident
+
+    async def run(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Await ``fn(*args, **kwargs)`` run on the engine loop, from any async backend.
+
+        Raises what ``fn`` raises. Cancelled, it cancels the engine task and returns (by
+        raising the cancellation) only once that task has ended.
+        """
+        if kwargs:
+            return await self._run(_with_kwargs(fn, kwargs), args)
+        return await self._run(fn, args)
+
+    async def _run(self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
+        if self.on_engine():
+            return await fn(*args)
+        calls: list[_Call[T]] = []
+
+        def start(notify: Callable[[], None]) -> None:
+            calls.append(_Call(self._loop, fn, args, notify))
+
+        await _until_notified(start, lambda: calls[0].cancel())
+        return calls[0].result()
+
+    def call(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Block the calling thread on ``fn(*args, **kwargs)`` run on the engine loop.
+
+        An interrupt (``KeyboardInterrupt``) cancels the engine task and waits for it.
+
+        Raises:
+            RuntimeError: called on the engine thread (it would wait for itself).
+        """
+        if self.on_engine():
+            raise RuntimeError("a blocking aiokv call on the engine thread would deadlock")
+        ended = threading.Event()
+        call = _Call(self._loop, _with_kwargs(fn, kwargs) if kwargs else fn, args, ended.set)
+        try:
+            ended.wait()
+        except BaseException:
+            call.cancel()
+            ended.wait()
+            raise
+        return call.result()
+
+    def stop(self) -> None:
+        """Stop the loop (cancelling what still runs on it) and join the thread.
+
+        Blocks the calling thread (any but the engine's) until then; idempotent.
+        """
+        if self.on_engine():
+            raise RuntimeError("Engine.stop: called on the engine thread")
+        with contextlib.suppress(RuntimeError):  # already closed
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+    async def aclose(self) -> None:
+        """:meth:`stop` from a coroutine on any backend, without blocking its loop (and
+        without a helper thread: the engine thread reports its own end). Not
+        cancellable: a cancelled caller still waits for the thread to end."""
+        if self.on_engine():
+            raise RuntimeError("Engine.aclose: called on the engine thread")
+        if self._thread.is_alive():
+
+            def start(notify: Callable[[], None]) -> None:
+                with self._exit_lock:
+                    if self._exited:
+                        notify()
+                        return
+                    self._on_exit.append(notify)
+                with contextlib.suppress(RuntimeError):  # already stopping
+                    self._loop.call_soon_threadsafe(self._loop.stop)
+
+            await _until_notified(start, lambda: None)
+        self._thread.join()
+
+
+async def _until_notified(
+    start: Callable[[Callable[[], None]], None], cancel: Callable[[], None]
+) -> None:
+    """Start something that calls ``notify()`` once, from any thread, when it has ended;
+    wait for that without blocking the running loop (asyncio or trio). Cancelled, call
+    ``cancel()`` and still wait (shielded) for the end, then re-raise."""
+    if on_asyncio():
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+
+        def notify() -> None:
+            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
+                loop.call_soon_threadsafe(_resolve, ended)
+
+        start(notify)
+        try:
+            await asyncio.shield(ended)
+        except asyncio.CancelledError:
+            cancel()
+            while not ended.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(ended)
+            raise
+        return
+    event = anyio.Event()
+    wake = _threadsafe_caller()
+    start(lambda: wake(event.set))
+    try:
+        await event.wait()
+    except anyio.get_cancelled_exc_class():
+        cancel()
+        with anyio.CancelScope(shield=True):
+            await event.wait()
+        raise
+
+
+def _with_kwargs(
+    fn: Callable[..., Awaitable[T]], kwargs: dict[str, Any]
+) -> Callable[..., Awaitable[T]]:
+    def bound(*args: Any) -> Awaitable[T]:
+        return fn(*args, **kwargs)
+
+    return bound
+
+
+def _threadsafe_caller() -> Callable[[Callable[[], None]], None]:
+    """A function that schedules a callback on the CURRENT loop from any thread."""
+    lib = sniffio.current_async_library()
+    if lib == "trio":
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+
+        def on_trio(fn: Callable[[], None]) -> None:
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(fn)
+
+        return on_trio
+    raise RuntimeError(f"aiokv supports asyncio and trio, not {lib}")
+
+
+class Portal:
+    """Runs coroutine functions, from the engine, on the loop that created this portal.
+
+    Created on the caller's side (an asyncio loop or trio); without a running loop (a
+    blocking ``aiokv.sync`` caller) coroutines run on the engine loop itself.
+    """
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._trio: Any = None
+        try:
+            lib = sniffio.current_async_library()
+        except sniffio.AsyncLibraryNotFoundError:
+            return
+        if lib == "asyncio":
+            self._loop = asyncio.get_running_loop()
+        elif lib == "trio":
+            import trio
+
+            self._trio = trio.lowlevel.current_trio_token()
+
+    async def run(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+        """On the engine loop: await ``fn(*args)`` run on the portal's loop."""
+        if self._loop is not None:
+            if self._loop is asyncio.get_running_loop():
+                return await fn(*args)
+            return await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(fn(*args), self._loop)
+            )
+        if self._trio is not None:
+            import trio
+
+            return await asyncio.to_thread(trio.from_thread.run, fn, *args, trio_token=self._trio)
+        return await fn(*args)
