@@ -157,6 +157,28 @@ class LLMDataDist:
                 ``LLM_DEVICE_OUT_OF_MEMORY`` / ``LLM_OUT_OF_MEMORY`` (pool reservation).
             RuntimeError: already initialized.
         """
+        config, engine = self._start(options)
+        try:
+            await engine.run(self._build, config, engine)
+        except BaseException:
+            self._engine = None
+            await engine.aclose()
+            raise
+        self._started()
+
+    def _init_blocking(self, options: LLMConfig | dict[str, str]) -> None:
+        """``init`` from a plain thread (``aiokv.sync``)."""
+        config, engine = self._start(options)
+        try:
+            engine.call(self._build, config, engine)
+        except BaseException:
+            self._engine = None
+            engine.stop()
+            raise
+        self._started()
+
+    def _start(self, options: Any) -> tuple[LLMConfig, Engine]:
+        """Check ``options`` and start the engine thread (the synchronous half of init)."""
         op = "init"
         if self._engine is not None:
             raise RuntimeError(f"{op}: LLMDataDist is already initialized")
@@ -168,12 +190,9 @@ class LLMDataDist:
         )
         engine = Engine(f"aiokv-engine-{self._cluster_id}")
         self._engine = engine  # taken now: a concurrent init fails instead of racing
-        try:
-            await engine.run(self._build, config, engine)
-        except BaseException:
-            self._engine = None
-            await engine.aclose()
-            raise
+        return config, engine
+
+    def _started(self) -> None:
         _live.add(self)
         log.info(
             "LLMDataDist %d (%s) initialized on %s", self._cluster_id, self._role.name, self._device

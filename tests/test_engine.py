@@ -1,0 +1,324 @@
+"""The engine thread (issue #7): serving whatever the caller's thread does, any backend.
+
+- ``Engine`` itself: results, errors, cancellation that waits, blocking calls, stop;
+- a prompt process whose loop thread sleeps still serves pulls;
+- the core flows under trio (anyio), including ``fail_after`` mid-pull;
+- a blocking ``def`` synchronizer runs off every loop and layers still overlap;
+- lifecycle: threads joined by ``finalize``, a cancelled ``finalize`` completes when
+  called again, a dropped instance warns and releases its engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import multiprocessing as mp
+import threading
+import time
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from aiokv import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    TransferWithCacheKeyConfig,
+)
+from aiokv._engine import Engine
+
+CODE = LLMStatusCode
+BLOCKS = 64
+DESC = CacheDesc(4, [BLOCKS, 4096], DataType.DT_UINT8, Placement.HOST)
+
+
+def config(**kw: Any) -> LLMConfig:
+    base: dict[str, Any] = {
+        "device_type": "cpu",
+        "enable_cache_manager": True,
+        "listen_ip_info": "127.0.0.1:0",
+        "host_mem_pool_cfg": '{"memory_size": 16777216, "page_shift": 12}',
+        "mem_pool_cfg": '{"memory_size": 16777216, "page_shift": 12}',
+        "enable_remote_cache_accessible": True,
+        "sync_kv_timeout": 5000,
+    }
+    base.update(kw)
+    return LLMConfig(**base)
+
+
+def pattern(cluster_id: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(cluster_id)
+    return [torch.randint(0, 256, (BLOCKS, 4096), generator=g, dtype=torch.uint8) for _ in range(4)]
+
+
+def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
+    assert address is not None
+    return LLMClusterInfo(remote_cluster_id=cluster_id, remote_ip_info=[address])
+
+
+def engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("aiokv")]
+
+
+# ------------------------------------------------------------------------------ Engine
+
+
+@pytest.fixture
+def engine() -> Any:
+    e = Engine("aiokv-engine-test")
+    yield e
+    e.stop()
+    assert not e.thread.is_alive()
+
+
+async def test_run_returns_raises_and_runs_on_the_engine(engine: Engine) -> None:
+    async def where(x: int) -> tuple[int, bool]:
+        return x + 1, engine.on_engine()
+
+    assert await engine.run(where, 1) == (2, True)
+    assert not engine.on_engine()
+
+    async def boom() -> None:
+        raise KeyError("bug")
+
+    with pytest.raises(KeyError, match="bug"):
+        await engine.run(boom)
+
+
+async def test_cancelling_the_caller_waits_for_the_engine_task(engine: Engine) -> None:
+    started, cleaned = threading.Event(), threading.Event()
+
+    async def slow() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        finally:
+            await asyncio.sleep(0.05)  # clean-up that takes a while
+            cleaned.set()
+
+    task = asyncio.create_task(engine.run(slow))
+    assert await asyncio.to_thread(started.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleaned.is_set()  # the engine side had ended before the caller saw it
+
+
+def test_blocking_call_from_threads(engine: Engine) -> None:
+    async def square(x: int) -> int:
+        await asyncio.sleep(0)
+        return x * x
+
+    out: list[int] = []
+    threads = [
+        threading.Thread(target=lambda i=i: out.append(engine.call(square, i))) for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(out) == [i * i for i in range(8)]
+
+    async def nested() -> int:
+        return engine.call(square, 2)  # would wait for itself
+
+    with pytest.raises(RuntimeError, match="deadlock"):
+        engine.call(nested)
+
+
+def test_trio_caller_and_its_cancellation(engine: Engine) -> None:
+    cleaned = threading.Event()
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            cleaned.set()
+
+    async def main() -> int:
+        with anyio.move_on_after(0.1):
+            await engine.run(slow)
+        assert cleaned.is_set()
+
+        async def seven() -> int:
+            return 7
+
+        return await engine.run(seven)
+
+    assert anyio.run(main, backend="trio") == 7
+
+
+# ---------------------------------------------------------------- a blocked prompt side
+
+
+def _sleepy_prompt(conn: Any) -> None:
+    """A prompt process whose loop thread blocks in time.sleep while a peer pulls."""
+
+    async def main() -> None:
+        async with LLMDataDist(LLMRole.PROMPT, 1, config()) as p:
+            cache = await p.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 0))
+            for t, want in zip(cache.tensors, pattern(1), strict=True):
+                t.copy_(want)
+            conn.send(p.listen_address)
+            conn.recv()  # the decoder has linked
+            time.sleep(5)  # noqa: ASYNC251  # the loop thread is busy: a model forward...
+            conn.send("woke")
+            conn.recv()
+
+    asyncio.run(main())
+
+
+async def test_blocked_caller_thread_keeps_serving_peers() -> None:
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_sleepy_prompt, args=(there,), daemon=True)
+    proc.start()
+    try:
+        assert await asyncio.to_thread(here.poll, 60)
+        address = here.recv()
+        async with LLMDataDist(LLMRole.DECODER, 2, config()) as d:
+            code, _ = await d.link_clusters([info(1, address)])
+            assert code == CODE.LLM_SUCCESS
+            here.send("linked")
+            await asyncio.sleep(0.2)  # the prompt's loop is now asleep
+            dst = await d.cache_manager.allocate_blocks_cache(DESC)
+            blocks = list(range(BLOCKS))
+            start = time.perf_counter()
+            await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks)
+            took = time.perf_counter() - start
+            assert not here.poll()  # it is still asleep
+            assert took < 1.0, f"the pull took {took:.2f} s"
+            for got, want in zip(dst.tensors, pattern(1), strict=True):
+                assert torch.equal(got, want)
+        assert await asyncio.to_thread(here.poll, 10)
+        here.send("done")
+        await asyncio.to_thread(proc.join, 30)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+# ------------------------------------------------------------------------------- trio
+
+
+def test_core_flows_under_trio() -> None:
+    async def main() -> None:
+        async with (
+            LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
+            LLMDataDist(LLMRole.DECODER, 2, config()) as d,
+        ):
+            code, _ = await d.link_clusters([info(1, p.listen_address)])
+            assert code == CODE.LLM_SUCCESS
+            src = await p.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 0))
+            for t, want in zip(src.tensors, pattern(1), strict=True):
+                t.copy_(want)
+            # a local copy (the workers wake trio through the engine)
+            on_device = CacheDesc(4, [BLOCKS, 4096], DataType.DT_UINT8, Placement.DEVICE)
+            other = await p.cache_manager.allocate_blocks_cache(on_device)
+            await p.cache_manager.swap_blocks(src, other, {i: i for i in range(BLOCKS)})
+            assert all(torch.equal(a, b) for a, b in zip(other.tensors, src.tensors, strict=True))
+            # a remote pull
+            dst = await d.cache_manager.allocate_blocks_cache(DESC)
+            blocks = list(range(BLOCKS))
+            await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks)
+            assert all(torch.equal(a, b) for a, b in zip(dst.tensors, src.tensors, strict=True))
+            # cancelled mid-pull: nothing half-reported, no pin left, the link still works
+            before = d.cache_manager.statistics()
+            with anyio.move_on_after(0.0005):
+                for _ in range(50):
+                    await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks)
+            assert d.cache_manager.statistics() == before
+            await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks)
+            assert all(torch.equal(a, b) for a, b in zip(dst.tensors, src.tensors, strict=True))
+
+    anyio.run(main, backend="trio")
+    assert engine_threads() == []
+
+
+# ---------------------------------------------------------------------- synchronizers
+
+
+async def test_blocking_def_synchronizer_runs_off_the_loops_and_overlaps() -> None:
+    layers, compute_s = 8, 0.05
+    loop_thread = threading.current_thread()
+    seen: list[threading.Thread] = []
+
+    class Blocking:
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            seen.append(threading.current_thread())
+            time.sleep(compute_s)  # e.g. waiting on a device event
+            return True
+
+    desc = CacheDesc(2 * layers, [BLOCKS, 4096], DataType.DT_UINT8, Placement.HOST)
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
+    ):
+        await d.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
+        code, _ = await p.link_clusters([info(2, d.listen_address)])
+        assert code == CODE.LLM_SUCCESS
+        src = await p.cache_manager.allocate_blocks_cache(desc)
+        blocks = list(range(BLOCKS))
+        cfg = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))
+        ticks = 0
+
+        async def ticker() -> None:  # the caller's loop stays free meanwhile
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        tick = asyncio.create_task(ticker())
+        start = time.perf_counter()
+        task = await p.cache_manager.transfer_cache_async(src, Blocking(), [cfg], blocks, blocks)
+        assert await task.synchronize() == CODE.LLM_SUCCESS
+        took = time.perf_counter() - start
+        tick.cancel()
+    assert len(seen) == layers
+    assert loop_thread not in seen and all(not t.name.startswith("aiokv-engine") for t in seen)
+    assert ticks >= 20  # ~80 ticks of 5 ms fit in 0.4 s of synchronizer sleeps
+    # layers overlap with the sends: total ~ the synchronizer's time, not their sum
+    assert took < layers * compute_s + 0.5, f"{took:.2f} s"
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+async def test_finalize_joins_every_thread_and_a_cancelled_one_completes() -> None:
+    dd = LLMDataDist(LLMRole.PROMPT, 7, config())
+    await dd.init(config())
+    assert engine_threads()
+    task = asyncio.create_task(dd.finalize())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await dd.finalize()  # completes what the first call started
+    assert not dd.initialized
+    assert engine_threads() == []
+    await dd.init(config())  # and the instance can be used again
+    await dd.finalize()
+    assert engine_threads() == []
+
+
+def test_dropped_instance_warns_and_releases_its_engine() -> None:
+    async def make() -> None:
+        dd = LLMDataDist(LLMRole.PROMPT, 8, config())
+        await dd.init(config())
+
+    asyncio.run(make())
+    with pytest.warns(ResourceWarning, match="without finalize"):
+        gc.collect()
+    deadline = time.monotonic() + 10
+    while engine_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine_threads() == []
