@@ -21,6 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from spans import (
+    KIB,
+    ManyOps,
+    Scatter,
+    gather_spans,
+    js,
+    make_many_ops,
+    make_scatter,
+    outside_spans,
+    views_of,
+)
 
 from aiokv import LLMConfig
 from aiokv._enums import LLMStatusCode as Code
@@ -28,13 +39,7 @@ from aiokv._errors import LLMException
 from aiokv.transport import Grant, Link, PeerInfo, Transport, get_transport, transport_names
 
 HOST = "127.0.0.1"
-KIB = 1 << 10
 MIB = 1 << 20
-
-
-def js(obj: Any) -> bytes:
-    """The fake cache layer's request encoding (transports carry opaque bytes)."""
-    return json.dumps(obj).encode()
 
 
 @dataclass
@@ -113,34 +118,14 @@ class FakeHandler:
         return await asyncio.wait_for(asyncio.shield(fut), 5)
 
 
-def layout(rng: random.Random, n: int, max_size: int, gap: int = 3) -> tuple[list[list[int]], int]:
-    """``n`` spans of random sizes with guard gaps between them, in shuffled order."""
-    spans, pos = [], gap
-    for _ in range(n):
-        size = rng.randint(1, max_size)
-        spans.append([pos, size])
-        pos += size + gap
-    rng.shuffle(spans)
-    return spans, pos
+@pytest.fixture(scope="module")
+def scatter() -> Scatter:
+    return make_scatter()
 
 
-def views_of(buf: bytearray, spans: list[list[int]]) -> list[memoryview]:
-    mv = memoryview(buf)
-    return [mv[off : off + n] for off, n in spans]
-
-
-def gather_spans(buf: bytes | bytearray, spans: list[list[int]]) -> bytes:
-    return b"".join(bytes(buf[off : off + n]) for off, n in spans)
-
-
-def outside_spans(buf: bytes | bytearray, spans: list[list[int]]) -> bytes:
-    """Every byte not covered by ``spans`` (which must not overlap)."""
-    out, pos = [], 0
-    for off, n in sorted(spans):
-        out.append(bytes(buf[pos:off]))
-        pos = off + n
-    out.append(bytes(buf[pos:]))
-    return b"".join(out)
+@pytest.fixture
+def many_ops() -> ManyOps:
+    return make_many_ops()
 
 
 async def eventually(check: Callable[[], bool], seconds: float = 5) -> None:
@@ -315,32 +300,6 @@ async def test_secret_mismatch_is_refused(
 # ---------------------------------------------------------------------- data integrity
 
 
-@dataclass
-class Scatter:
-    src: bytearray
-    src_spans: list[list[int]]
-    dst_len: int
-    dst_spans: list[list[int]]
-
-
-@pytest.fixture(scope="module")
-def scatter() -> Scatter:
-    """1500 source buffers and 1100 destination buffers over ~6 MiB, split differently.
-
-    Made outside the event loop: generating it would block the loop for a while.
-    """
-    rng = random.Random(1)
-    src_spans, src_len = layout(rng, 1500, 8 * KIB)
-    total = sum(n for _, n in src_spans)
-    sizes = [total // 1100] * 1099 + [total - (total // 1100) * 1099]
-    dst_spans, pos = [], 5
-    for n in sizes:
-        dst_spans.append([pos, n])
-        pos += n + 5
-    rng.shuffle(dst_spans)
-    return Scatter(bytearray(rng.randbytes(src_len)), src_spans, pos, dst_spans)
-
-
 async def test_read_scatter_gather_exact(pair: Pair, scatter: Scatter) -> None:
     src, src_spans, dst_spans = scatter.src, scatter.src_spans, scatter.dst_spans
     dst = bytearray(b"\x77") * scatter.dst_len
@@ -426,32 +385,6 @@ async def test_big_transfer_lets_the_loop_run(pair: Pair, op: str) -> None:
     finally:
         tick.cancel()
     assert during >= 8
-
-
-@dataclass
-class ManyOps:
-    sizes: list[int]
-    offsets: list[int]
-    remote: bytearray
-    locals_: list[bytearray]
-    pushes: list[bytearray]
-
-
-@pytest.fixture
-def many_ops() -> ManyOps:
-    """Distinct random data for 200 ops, made outside the event loop."""
-    rng = random.Random(4)
-    sizes = [rng.randint(1, 120 * KIB) for _ in range(200)]
-    offsets = [0]
-    for s in sizes[:-1]:
-        offsets.append(offsets[-1] + s)
-    return ManyOps(
-        sizes,
-        offsets,
-        bytearray(rng.randbytes(sum(sizes))),
-        [bytearray(s) for s in sizes],
-        [bytearray(rng.randbytes(s)) for s in sizes],
-    )
 
 
 async def test_200_concurrent_ops_do_not_mix(pair: Pair, many_ops: ManyOps) -> None:
