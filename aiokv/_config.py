@@ -130,7 +130,8 @@ class LLMConfig(Model):
         enable_remote_cache_accessible: allow peers to push into and read by id from us.
         link_total_time: seconds a link attempt may take in total (0: the call's timeout).
         link_retry_count: connection attempts per link, 1..100.
-        transfer_backend: ``"tcp"`` (built in) or ``"nixl"``.
+        transfer_backend: ``"tcp"`` (between processes) or ``"local"`` (in memory: links
+            only ``LLMDataDist`` instances of one process and event loop).
         link_secret: shared secret; when set, links need mutual challenge-response auth.
         swap_out_threads: worker threads for device→host swaps.
         swap_in_buffers: block-sized staging buffers for host→device swaps.
@@ -151,7 +152,7 @@ class LLMConfig(Model):
             enable_remote_cache_accessible: bool = ...,
             link_total_time: int = ...,
             link_retry_count: int = ...,
-            transfer_backend: Literal["tcp", "nixl"] = ...,
+            transfer_backend: Literal["tcp", "local"] = ...,
             link_secret: str | None = ...,
             swap_out_threads: int = ...,
             swap_in_buffers: int = ...,
@@ -168,7 +169,7 @@ class LLMConfig(Model):
     enable_remote_cache_accessible: bool = False
     link_total_time: int = Field(default=0, ge=0, le=3600)
     link_retry_count: int = Field(default=1, ge=1, le=100)
-    transfer_backend: Literal["tcp", "nixl"] = "tcp"
+    transfer_backend: Literal["tcp", "local"] = "tcp"
     link_secret: str | None = Field(default=None, min_length=1, max_length=4096)
     swap_out_threads: int = Field(default=4, ge=1, le=64)
     swap_in_buffers: int = Field(default=4, ge=1, le=64)

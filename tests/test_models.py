@@ -126,6 +126,7 @@ def test_llm_config_assignment_validates_at_once() -> None:
     cfg.sync_kv_timeout = 5000
     cfg.mem_pool_cfg = '{"memory_size": 1048576, "page_shift": 12}'  # type: ignore[assignment]
     cfg.listen_ip_info = "127.0.0.1:0"
+    cfg.transfer_backend = "local"
     assert isinstance(cfg.mem_pool_cfg, MemPoolConfig) and cfg.listen_address == ("127.0.0.1", 0)
     for field, value, exc in [
         ("sync_kv_timeout", "5", TypeError),
@@ -137,6 +138,7 @@ def test_llm_config_assignment_validates_at_once() -> None:
         ("link_retry_count", 101, ValueError),
         ("device_type", "tpu", ValueError),
         ("transfer_backend", "rdma", ValueError),
+        ("transfer_backend", "nixl", ValueError),  # not a registered transport
         ("enable_cache_manager", 1, TypeError),
         ("no_such_field", 1, AttributeError),
     ]:

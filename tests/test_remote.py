@@ -41,10 +41,11 @@ from aiokv import (
 )
 from aiokv._layout import ByteLayout, tensor_bytes
 from aiokv._remote import _protocol as protocol
-from aiokv.transport import Grant, PeerInfo, get_transport
+from aiokv.transport import Grant, PeerInfo, get_transport, transport_names
 
 CODE = LLMStatusCode
-BACKENDS = ["tcp"]  # the NIXL transport joins this list when it lands
+BACKENDS = ["local", "tcp"]  # every registered transport
+CROSS_PROCESS = ["tcp"]  # the transports that link separate processes
 
 
 def config(backend: str, **kw: Any) -> LLMConfig:
@@ -125,6 +126,11 @@ async def raises(code: LLMStatusCode, coro: Any) -> LLMException:
 
 
 # ---- links ------------------------------------------------------------------------------------
+def test_every_transport_is_covered() -> None:
+    assert sorted(BACKENDS) == transport_names()
+    assert set(CROSS_PROCESS) <= set(BACKENDS)
+
+
 async def test_link_codes(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
     p, d = pair
     assert d.linked_clusters() == [1] and p.linked_clusters() == [2]  # both directions
@@ -147,25 +153,25 @@ async def test_link_codes(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
         await d.link_clusters([], timeout=0)
 
 
-async def test_link_to_nobody_fails_fast() -> None:
-    import socket
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there now
-    async with LLMDataDist(LLMRole.DECODER, 2, config("tcp", link_retry_count=3)) as d:
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_link_to_nobody_fails_fast(backend: str) -> None:
+    async with LLMDataDist(LLMRole.PROMPT, 1, config(backend)) as gone:
+        assert gone.listen_address is not None
+        port = gone.listen_address[1]
+    # nothing listens there now
+    async with LLMDataDist(LLMRole.DECODER, 2, config(backend, link_retry_count=3)) as d:
         t0 = time.monotonic()
         _, codes = await d.link_clusters([info(1, ("127.0.0.1", port))], timeout=2000)
         assert codes == [CODE.LLM_LINK_FAILED] and time.monotonic() - t0 < 2.5
 
 
-async def test_link_secret() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_link_secret(backend: str) -> None:
     async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config("tcp", link_secret="right")) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config("tcp", link_secret="wrong")) as bad,
-        LLMDataDist(LLMRole.DECODER, 3, config("tcp")) as none,
-        LLMDataDist(LLMRole.DECODER, 4, config("tcp", link_secret="right")) as good,
+        LLMDataDist(LLMRole.PROMPT, 1, config(backend, link_secret="right")) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config(backend, link_secret="wrong")) as bad,
+        LLMDataDist(LLMRole.DECODER, 3, config(backend)) as none,
+        LLMDataDist(LLMRole.DECODER, 4, config(backend, link_secret="right")) as good,
     ):
         assert (await bad.link_clusters([info(1, p.listen_address)]))[1] == [CODE.LLM_LINK_FAILED]
         assert (await none.link_clusters([info(1, p.listen_address)]))[1] == [CODE.LLM_LINK_FAILED]
@@ -231,10 +237,11 @@ async def test_two_models_and_push_blocks(pair: tuple[LLMDataDist, LLMDataDist])
         assert torch.equal(td[20:23], ts[10:13])
 
 
-async def test_push_needs_remote_access() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_push_needs_remote_access(backend: str) -> None:
     async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config("tcp", enable_remote_cache_accessible=False)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config("tcp")) as d,
+        LLMDataDist(LLMRole.PROMPT, 1, config(backend, enable_remote_cache_accessible=False)) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config(backend)) as d,
     ):
         await d.link_clusters([info(1, p.listen_address)])
         tgt = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
@@ -610,7 +617,7 @@ async def ask(conn: Any, cmd: str) -> Any:
     return await asyncio.to_thread(conn.recv)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CROSS_PROCESS)
 async def test_two_processes_serving_flow(backend: str) -> None:
     proc, conn, port = await asyncio.to_thread(start_peer, 11, "s")
     try:
@@ -674,11 +681,12 @@ async def test_two_processes_serving_flow(backend: str) -> None:
             proc.kill()
 
 
-async def test_killed_peer_fails_fast_and_relinks() -> None:
+@pytest.mark.parametrize("backend", CROSS_PROCESS)
+async def test_killed_peer_fails_fast_and_relinks(backend: str) -> None:
     proc, _conn, port = await asyncio.to_thread(start_peer, 11)
     proc2 = None
     try:
-        async with LLMDataDist(LLMRole.DECODER, 22, config("tcp", sync_kv_timeout=2000)) as d:
+        async with LLMDataDist(LLMRole.DECODER, 22, config(backend, sync_kv_timeout=2000)) as d:
             await d.link_clusters([info(11, ("127.0.0.1", port))])
             cm = d.cache_manager
             dst = await cm.allocate_blocks_cache(

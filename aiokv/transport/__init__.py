@@ -2,7 +2,8 @@
 
 The interface lives in :mod:`aiokv.transport._base`; implementations are found by name
 with :func:`get_transport` and imported only when asked for, so an optional backend
-(``nixl``) costs nothing where it is not installed.
+costs nothing where it is not installed. ``tcp`` links processes; ``local`` links
+transports of one process and event loop (tests, single-process set-ups).
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ __all__ = [
 
 # name -> "module:class", imported lazily. Add a backend by adding a line here.
 _REGISTRY: dict[str, str] = {
+    "local": "aiokv.transport._local:LocalTransport",
     "tcp": "aiokv.transport.tcp:TcpTransport",
-    "nixl": "aiokv.transport._nixl:NixlTransport",
 }
 
 

@@ -16,9 +16,10 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 
 from .._enums import LLMStatusCode
+from .._errors import LLMException
 
 __all__ = [
     "Grant",
@@ -143,7 +144,9 @@ class Link(abc.ABC):
 
         Two-phase: no payload is sent before the peer grants the request. Returns once
         the peer confirms that every byte landed. Once this returns or raises, ``src`` is
-        no longer read.
+        no longer read. A write that raises may still have landed whole (the peer's
+        ``done(True)``) when its deadline or the link ran out just as the confirmation
+        was on its way (a read's grant, by contrast, gets ``done(True)`` only if it returned).
         """
 
     @abc.abstractmethod
@@ -236,3 +239,76 @@ class Transport(abc.ABC):
             callback(link)
         except Exception:
             _log.exception("link callback %r failed", callback)
+
+
+# ---------------------------------------------------------- shared by the implementations
+
+
+def flatten_views(op: str, views: Sequence[Any], *, writable: bool) -> tuple[list[memoryview], int]:
+    """Flat, non-empty ``'B'`` views over ``views`` and their total length.
+
+    The argument check of every transport's ``read`` / ``write`` buffers and of grants.
+
+    Raises:
+        TypeError: ``views`` is not a sequence of buffers.
+        LLMException: ``LLM_PARAM_INVALID`` for a non-contiguous buffer, or a read-only
+            one where bytes must be written.
+    """
+    if isinstance(views, bytes | bytearray | memoryview) or not isinstance(views, Sequence):
+        raise TypeError(f"{op}: expected a sequence of memoryviews, got {type(views).__name__}")
+    out: list[memoryview] = []
+    for i, v in enumerate(views):
+        mv = v if isinstance(v, memoryview) else memoryview(v)  # TypeError if not a buffer
+        if not mv.c_contiguous:
+            raise LLMException(
+                f"{op}: buffer {i} is not contiguous", LLMStatusCode.LLM_PARAM_INVALID
+            )
+        if writable and mv.readonly:
+            raise LLMException(f"{op}: buffer {i} is read-only", LLMStatusCode.LLM_PARAM_INVALID)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        if mv.nbytes:
+            out.append(mv)
+    return out, sum(len(v) for v in out)
+
+
+def check_request(op: str, meta: bytes, timeout: float, max_meta_bytes: int) -> None:
+    """The argument check of every transport's ``read`` / ``write``, besides the buffers.
+
+    Raises:
+        TypeError / ValueError: ``timeout`` is not a number > 0; ``meta`` is not bytes.
+        LLMException: ``LLM_PARAM_INVALID`` for ``meta`` over ``max_meta_bytes``.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"{op}: timeout must be a number of seconds")
+    if not timeout > 0:  # also NaN
+        raise ValueError(f"{op}: timeout={timeout} must be > 0")
+    if not isinstance(meta, bytes):
+        raise TypeError(f"{op}: meta must be bytes, got {type(meta).__name__}")
+    if len(meta) > max_meta_bytes:
+        raise LLMException(
+            f"{op}: meta of {len(meta)} bytes exceeds the cap of {max_meta_bytes}",
+            LLMStatusCode.LLM_PARAM_INVALID,
+        )
+
+
+def check_grant(
+    grant: object, name: str, *, writable: bool
+) -> tuple[LLMStatusCode, list[memoryview], int]:
+    """A handler's answer as ``(status, flat buffers, total)``.
+
+    Anything unusable (not a :class:`Grant`, an unknown status, buffers that are not flat
+    byte buffers, read-only buffers for a write) is logged and becomes ``LLM_FAILED``.
+    """
+    if not isinstance(grant, Grant):
+        _log.error("handler %s returned %r, not a Grant", name, type(grant).__name__)
+        return LLMStatusCode.LLM_FAILED, [], 0
+    try:
+        status = LLMStatusCode(grant.status)
+        if status is not LLMStatusCode.LLM_SUCCESS:
+            return status, [], 0
+        views, total = flatten_views(name, grant.buffers, writable=writable)
+    except (ValueError, TypeError, LLMException) as exc:
+        _log.error("handler %s granted unusable buffers: %s", name, exc)
+        return LLMStatusCode.LLM_FAILED, [], 0
+    return status, views, total

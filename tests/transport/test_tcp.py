@@ -17,6 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from spans import (
+    KIB,
+    ManyOps,
+    Scatter,
+    gather_spans,
+    js,
+    layout,
+    make_many_ops,
+    make_scatter,
+    outside_spans,
+    views_of,
+)
 
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
@@ -26,13 +38,7 @@ from aiokv.transport._wire import FrameType
 from aiokv.transport.tcp import TcpTransport, _link
 
 HOST = "127.0.0.1"
-KIB = 1 << 10
 MIB = 1 << 20
-
-
-def js(obj: Any) -> bytes:
-    """The test cache layer's request encoding (the transport carries opaque bytes)."""
-    return json.dumps(obj).encode()
 
 
 # ------------------------------------------------------------------------------ fakes
@@ -89,34 +95,14 @@ class FakeHandler:
         return await self._grant(meta)
 
 
-def layout(rng: random.Random, n: int, max_size: int, gap: int = 3) -> tuple[list[list[int]], int]:
-    """``n`` spans of random sizes with guard gaps between them, in shuffled wire order."""
-    spans, pos = [], gap
-    for _ in range(n):
-        size = rng.randint(1, max_size)
-        spans.append([pos, size])
-        pos += size + gap
-    rng.shuffle(spans)
-    return spans, pos
+@pytest.fixture(scope="module")
+def scatter() -> Scatter:
+    return make_scatter()
 
 
-def views_of(buf: bytearray, spans: list[list[int]]) -> list[memoryview]:
-    mv = memoryview(buf)
-    return [mv[off : off + n] for off, n in spans]
-
-
-def gather_spans(buf: bytes | bytearray, spans: list[list[int]]) -> bytes:
-    return b"".join(bytes(buf[off : off + n]) for off, n in spans)
-
-
-def outside_spans(buf: bytes | bytearray, spans: list[list[int]]) -> bytes:
-    """Every byte not covered by ``spans`` (which must not overlap): must never change."""
-    out, pos = [], 0
-    for off, n in sorted(spans):
-        out.append(bytes(buf[pos:off]))
-        pos = off + n
-    out.append(bytes(buf[pos:]))
-    return b"".join(out)
+@pytest.fixture
+def many_ops() -> ManyOps:
+    return make_many_ops()
 
 
 @dataclass
@@ -181,36 +167,11 @@ async def test_link_ends_know_each_other(pair: Pair) -> None:
     assert not pair.link_b.broken
 
 
-@dataclass
-class Scatter:
-    src: bytearray
-    src_spans: list[list[int]]
-    dst: bytearray
-    dst_spans: list[list[int]]
-
-
-@pytest.fixture(scope="module")
-def scatter() -> Scatter:
-    """> IOV_MAX buffers and > 4 MiB on each side, in two different scatter patterns.
-
-    Made outside the event loop: generating it would block the loop for a while.
-    """
-    rng = random.Random(1)
-    src_spans, src_len = layout(rng, 1500, 8 * KIB)
-    total = sum(n for _, n in src_spans)
-    dst_spans, pos = [], 5
-    for n in [total // 1100] * 1099 + [total - (total // 1100) * 1099]:
-        dst_spans.append([pos, n])
-        pos += n + 5
-    rng.shuffle(dst_spans)
-    return Scatter(bytearray(rng.randbytes(src_len)), src_spans, bytearray(pos), dst_spans)
-
-
 @pytest.mark.parametrize("chunk_bytes", [64 * KIB, wire.MAX_CHUNK])
 async def test_read_many_scatter_buffers_exact(chunk_bytes: int, scatter: Scatter) -> None:
     src, src_spans, dst_spans = scatter.src, scatter.src_spans, scatter.dst_spans
     assert sum(n for _, n in src_spans) > wire.MAX_CHUNK
-    dst = bytearray(b"\x77") * len(scatter.dst)
+    dst = bytearray(b"\x77") * scatter.dst_len
     async with make_pair(chunk_bytes=chunk_bytes) as p:
         p.hb.regions["r"] = src
         await p.link_a.read(
@@ -262,32 +223,6 @@ async def test_both_directions_on_one_link(pair: Pair) -> None:
     )
     assert gather_spans(pair.hb.regions["y"], spans) == push_a
     assert gather_spans(pair.ha.regions["x"], spans) == push_b
-
-
-@dataclass
-class ManyOps:
-    sizes: list[int]
-    offsets: list[int]
-    remote: bytearray
-    locals_: list[bytearray]
-    pushes: list[bytearray]
-
-
-@pytest.fixture
-def many_ops() -> ManyOps:
-    """Distinct random data for 200 ops, made outside the event loop (it takes a while)."""
-    rng = random.Random(4)
-    sizes = [rng.randint(1, 120 * KIB) for _ in range(200)]  # up to two 64 KiB chunks
-    offsets = [0]
-    for s in sizes[:-1]:
-        offsets.append(offsets[-1] + s)
-    return ManyOps(
-        sizes,
-        offsets,
-        bytearray(rng.randbytes(sum(sizes))),
-        [bytearray(s) for s in sizes],
-        [bytearray(rng.randbytes(s)) for s in sizes],
-    )
 
 
 async def test_200_concurrent_ops_do_not_mix(pair: Pair, many_ops: ManyOps) -> None:
@@ -880,7 +815,7 @@ async def test_version_mismatch_is_refused() -> None:
 # --------------------------------------------------------------------------- registry
 
 
-def test_registry() -> None:
+def test_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     assert get_transport("tcp") is TcpTransport
     assert issubclass(TcpTransport, Transport)
     assert "tcp" in transport_names()
@@ -889,14 +824,13 @@ def test_registry() -> None:
     assert info.value.status_code == Code.LLM_PARAM_INVALID
     with pytest.raises(TypeError):
         get_transport(None)  # type: ignore[arg-type]
-    try:  # present or not, never a raw ImportError
-        nixl: type[Transport] | LLMException = get_transport("nixl")
-    except LLMException as exc:
-        nixl = exc
-    if isinstance(nixl, LLMException):
-        assert nixl.status_code == Code.LLM_FEATURE_NOT_ENABLED
-    else:
-        assert issubclass(nixl, Transport)
+    # a backend whose module is missing: never a raw ImportError
+    from aiokv import transport
+
+    monkeypatch.setitem(transport._REGISTRY, "pigeon", "aiokv.transport._pigeon:PigeonTransport")
+    with pytest.raises(LLMException) as info:
+        get_transport("pigeon")
+    assert info.value.status_code == Code.LLM_FEATURE_NOT_ENABLED
 
 
 def test_constructor_checks() -> None:

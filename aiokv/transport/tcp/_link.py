@@ -9,7 +9,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import math
 import os
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Final
@@ -17,9 +16,9 @@ from typing import TYPE_CHECKING, Any, Final
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from .. import _wire as wire
-from .._base import Grant, Link, PeerInfo
+from .._base import Grant, Link, PeerInfo, check_grant, check_request, flatten_views
 from ._io import SockIO, wake
-from ._ops import Bufs, Cursor, MyOp, PeerOp, State, Stream, code_of, flatten
+from ._ops import Bufs, Cursor, MyOp, PeerOp, State, Stream, code_of
 
 if TYPE_CHECKING:
     from ._transport import TcpTransport
@@ -98,7 +97,7 @@ class TcpLink(Link):
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        views, total = flatten("Link.read", into, writable=True)
+        views, total = flatten_views("Link.read", into, writable=True)
         frame_meta = self._prepare("Link.read", meta, timeout)
         op = self._start(is_read=True, total=total)
         op.cursor = Cursor(views, total)
@@ -126,7 +125,7 @@ class TcpLink(Link):
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        views, total = flatten("Link.write", src, writable=False)
+        views, total = flatten_views("Link.write", src, writable=False)
         frame_meta = self._prepare("Link.write", meta, timeout)
         op = self._start(is_read=False, total=total)
         ok = False
@@ -161,17 +160,7 @@ class TcpLink(Link):
     # ----------------------------------------------------------------- op bookkeeping
 
     def _prepare(self, op: str, meta: bytes, timeout: float) -> bytes:
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise TypeError(f"{op}: timeout must be a number of seconds")
-        if not timeout > 0 or math.isnan(timeout):
-            raise ValueError(f"{op}: timeout={timeout} must be > 0")
-        if not isinstance(meta, bytes):
-            raise TypeError(f"{op}: meta must be bytes, got {type(meta).__name__}")
-        if len(meta) > self._t.max_meta_bytes:
-            raise LLMException(
-                f"{op}: meta of {len(meta)} bytes exceeds the cap of {self._t.max_meta_bytes}",
-                _S.LLM_PARAM_INVALID,
-            )
+        check_request(op, meta, timeout, self._t.max_meta_bytes)
         if self._broken:
             raise LLMException(
                 f"{op}: link to cluster {self.peer.cluster_id} is broken", _S.LLM_LINK_FAILED
@@ -508,7 +497,7 @@ class TcpLink(Link):
         except Exception:
             _log.exception("%r: handler %s failed", self, name)
             grant = Grant(_S.LLM_FAILED)
-        status, views, total = self._check_grant(grant, name, writable=not op.is_read)
+        status, views, total = check_grant(grant, name, writable=not op.is_read)
         if isinstance(grant, Grant):
             op.bind(grant.done)
         if self._theirs.get(op.rid) is not op or self._broken:
@@ -533,27 +522,6 @@ class TcpLink(Link):
             self._post(wire.encode_frame(reply, op.rid, status=status))
             if not total:
                 op.on_filled(self)
-
-    @staticmethod
-    def _check_grant(
-        grant: Any, name: str, *, writable: bool
-    ) -> tuple[LLMStatusCode, list[memoryview], int]:
-        if not isinstance(grant, Grant):
-            _log.error("handler %s returned %r, not a Grant", name, type(grant).__name__)
-            return _S.LLM_FAILED, [], 0
-        try:
-            status = LLMStatusCode(grant.status)
-        except ValueError:
-            _log.error("handler %s returned unknown status %r", name, grant.status)
-            return _S.LLM_FAILED, [], 0
-        if status is not _S.LLM_SUCCESS:
-            return status, [], 0
-        try:
-            views, total = flatten(name, grant.buffers, writable=writable)
-        except (TypeError, LLMException) as exc:
-            _log.error("handler %s granted unusable buffers: %s", name, exc)
-            return _S.LLM_FAILED, [], 0
-        return status, views, total
 
     # ------------------------------------------------------------------------ lifecycle
 

@@ -6,17 +6,16 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..._enums import LLMStatusCode
-from ..._errors import LLMException
 from .. import _wire as wire
 
 if TYPE_CHECKING:
     from ._link import TcpLink
 
-__all__ = ["Bufs", "Cursor", "MyOp", "PeerOp", "State", "Stream", "code_of", "flatten"]
+__all__ = ["Bufs", "Cursor", "MyOp", "PeerOp", "State", "Stream", "code_of"]
 
 _log = logging.getLogger("aiokv.transport.tcp")
 _S = LLMStatusCode
@@ -31,32 +30,6 @@ def code_of(value: int) -> LLMStatusCode:
         return LLMStatusCode(value)
     except ValueError:
         return _S.LLM_FAILED
-
-
-def flatten(op: str, views: Sequence[Any], *, writable: bool) -> tuple[list[memoryview], int]:
-    """Flat, non-empty ``'B'`` views over ``views`` and their total length.
-
-    Raises:
-        TypeError: ``views`` is not a sequence of buffers.
-        LLMException: ``LLM_PARAM_INVALID`` for a non-contiguous buffer, or a read-only
-            one where bytes must be written.
-    """
-    if isinstance(views, bytes | bytearray | memoryview) or not isinstance(views, Sequence):
-        raise TypeError(f"{op}: expected a sequence of memoryviews, got {type(views).__name__}")
-    out: list[memoryview] = []
-    total = 0
-    for i, v in enumerate(views):
-        mv = v if isinstance(v, memoryview) else memoryview(v)  # TypeError if not a buffer
-        if not mv.c_contiguous:
-            raise LLMException(f"{op}: buffer {i} is not contiguous", _S.LLM_PARAM_INVALID)
-        if writable and mv.readonly:
-            raise LLMException(f"{op}: buffer {i} is read-only", _S.LLM_PARAM_INVALID)
-        if mv.format != "B" or mv.ndim != 1:
-            mv = mv.cast("B")
-        if mv.nbytes:
-            out.append(mv)
-            total += mv.nbytes
-    return out, total
 
 
 class Cursor:

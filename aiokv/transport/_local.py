@@ -1,0 +1,345 @@
+"""In-memory transport: links between transports of ONE process and event loop, no sockets.
+
+It keeps the contract of :mod:`aiokv.transport._base` (``tests/transport/test_contract.py``
+runs the same suite over it and TCP); it serves tests and single-process set-ups.
+
+* ``listen(host, port)`` files the transport in a process-wide table under exactly
+  ``(host, port)`` (no wildcard addresses); port 0 picks an unused one from the ephemeral
+  range. A taken address, or a ``connect`` to an address nobody listens on, is
+  ``LLM_LINK_FAILED``, as with sockets. Both ends must hold the same secret, or neither.
+* ``connect`` creates both ends of the link at once and reports them to the listener's
+  ``on_link``, then the connector's; it never waits (but ``timeout <= 0`` is
+  ``LLM_TIMEOUT``, as with TCP).
+* A request runs the peer's handler in a task owned by the PEER transport (its ``aclose``
+  ends it). Then the requester itself copies the bytes between its buffers and the granted
+  ones, at most :data:`_CHUNK_BYTES` per loop step: the loop is never blocked for long, and
+  a timeout, cancellation or broken link lands between two steps.
+* However a request ends, the grant's ``done`` runs exactly once, before ``read`` /
+  ``write`` returns or raises (a grant that arrives after the request was given up is
+  released on arrival), and no byte moves after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Final
+
+from .._enums import LLMStatusCode
+from .._errors import LLMException
+from ._base import (
+    Grant,
+    Link,
+    LinkCallback,
+    PeerInfo,
+    RequestHandler,
+    Transport,
+    check_grant,
+    check_request,
+    flatten_views,
+)
+
+__all__ = ["LocalTransport"]
+
+_log = logging.getLogger("aiokv.transport.local")
+_S = LLMStatusCode
+_CHUNK_BYTES: Final = 4 << 20  # copied per loop step
+_SLICE_COST: Final = _CHUNK_BYTES >> 12  # one slice costs this much: ≤ 4096 slices per step
+_EPHEMERAL: Final = range(49152, 65536)  # where port 0 picks from, round robin
+_ports = itertools.cycle(_EPHEMERAL)
+_listeners: dict[tuple[str, int], LocalTransport] = {}
+
+
+def _free_port(host: str) -> int:
+    """The next port of the ephemeral range that nobody listens on at ``host``."""
+    for port in itertools.islice(_ports, _EPHEMERAL.stop - _EPHEMERAL.start):
+        if (host, port) not in _listeners:
+            return port
+    raise LLMException(f"listen on {host}: no free port", _S.LLM_LINK_FAILED)
+
+
+def _same_secret(a: bytes | None, b: bytes | None) -> bool:
+    """Both ends hold the same secret, or neither holds one."""
+    if a is None or b is None:
+        return a is b
+    return hmac.compare_digest(a, b)
+
+
+class _Op:
+    """One request in flight: the task asking the peer's handler, the answer, the outcome."""
+
+    __slots__ = ("done", "failed", "over", "status", "task", "total", "views", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.waiter: asyncio.Future[None] = loop.create_future()
+        self.task: asyncio.Task[None] | None = None
+        self.status = _S.LLM_FAILED  # unless the handler answers
+        self.views: list[memoryview] = []
+        self.total = 0
+        self.done: Callable[[bool], None] | None = None
+        self.over = False  # given up, failed or finished: the grant is released
+        self.failed = False  # the link broke under it
+
+    def answer(self, grant: object, name: str, *, writable: bool) -> None:
+        """The peer's handler answered (called by the serving task)."""
+        self.status, self.views, self.total = check_grant(grant, name, writable=writable)
+        self.done = grant.done if isinstance(grant, Grant) else None
+        if self.over:
+            self._release(False)  # nobody waits for it any more
+        self.wake()
+
+    def wake(self, _: object = None) -> None:
+        if not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def end(self, ok: bool) -> None:
+        """Release the grant (``done(ok)``, once) and stop asking the handler. Idempotent."""
+        self.over = True
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+        self._release(ok)
+        self.wake()
+
+    def _release(self, ok: bool) -> None:
+        done, self.done, self.views = self.done, None, []
+        if done is not None:
+            try:
+                done(ok)
+            except Exception:
+                _log.exception("Grant.done callback failed")
+
+
+class _LocalLink(Link):
+    """One end of an in-memory link; ``_other`` is the peer's end."""
+
+    def __init__(self, transport: LocalTransport, peer: PeerInfo) -> None:
+        self.local_cluster_id = transport.local_cluster_id
+        self.peer = peer
+        self._t = transport
+        self._other = self
+        self._ops: set[_Op] = set()  # requests started at this end
+        self._broken = False
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else "up"
+        return f"<LocalLink {self.local_cluster_id}->{self.peer.cluster_id} {state}>"
+
+    @property
+    def broken(self) -> bool:
+        return self._broken
+
+    async def read(self, meta: bytes, into: Sequence[memoryview], *, timeout: float) -> None:  # noqa: ASYNC109
+        await self._request("Link.read", meta, into, timeout, is_read=True)
+
+    async def write(self, meta: bytes, src: Sequence[memoryview], *, timeout: float) -> None:  # noqa: ASYNC109
+        await self._request("Link.write", meta, src, timeout, is_read=False)
+
+    async def aclose(self) -> None:
+        tasks = [op.task for end in (self, self._other) for op in end._ops if op.task]
+        self._break("closed locally")
+        current = asyncio.current_task()
+        if pending := [t for t in tasks if t is not current and not t.done()]:
+            await asyncio.wait(pending)
+
+    async def _request(
+        self, name: str, meta: bytes, bufs: Sequence[memoryview], seconds: float, *, is_read: bool
+    ) -> None:
+        views, total = flatten_views(name, bufs, writable=is_read)
+        # Our cap, then the peer's (which would refuse it without asking its handler).
+        check_request(
+            name, meta, seconds, min(self._t.max_meta_bytes, self._other._t.max_meta_bytes)
+        )
+        if self._broken:
+            raise self._lost(name)
+        op = _Op(asyncio.get_running_loop())
+        other = self._other
+        op.task = other._t._spawn(other._serve(op, meta, total, is_read), "aiokv-local-serve")
+        op.task.add_done_callback(op.wake)  # even if serving failed without an answer
+        self._ops.add(op)
+        ok = False
+        try:
+            async with asyncio.timeout(seconds):
+                await op.waiter
+                status = op.status
+                if op.failed:
+                    raise self._lost(name)
+                if status is not _S.LLM_SUCCESS:
+                    raise LLMException(
+                        f"{name}: cluster {self.peer.cluster_id} answered {status.name}", status
+                    )
+                if op.total != total:
+                    raise LLMException(
+                        f"{name}: cluster {self.peer.cluster_id} granted {op.total} bytes, "
+                        f"not {total}",
+                        _S.LLM_PARAM_INVALID,
+                    )
+                await self._copy(name, op, *((op.views, views) if is_read else (views, op.views)))
+            ok = True
+        except TimeoutError:
+            raise LLMException(
+                f"{name}: not done by cluster {self.peer.cluster_id} within {seconds:.3g} s",
+                _S.LLM_TIMEOUT,
+            ) from None
+        finally:
+            self._ops.discard(op)
+            op.end(ok)
+
+    async def _copy(self, name: str, op: _Op, src: list[memoryview], dst: list[memoryview]) -> None:
+        """Copy ``src`` into ``dst`` (equal totals, any split), yielding between steps."""
+        si = so = di = do = 0
+        budget = _CHUNK_BYTES
+        while si < len(src):
+            s, d = src[si], dst[di]
+            n = min(len(s) - so, len(d) - do, budget)
+            d[do : do + n] = s[so : so + n]
+            so, do, budget = so + n, do + n, budget - n - _SLICE_COST
+            if so == len(s):
+                si, so = si + 1, 0
+            if do == len(d):
+                di, do = di + 1, 0
+            if budget <= 0 and si < len(src):
+                budget = _CHUNK_BYTES
+                await asyncio.sleep(0)
+                if op.failed:
+                    raise self._lost(name)
+
+    async def _serve(self, op: _Op, meta: bytes, size: int, is_read: bool) -> None:
+        """Ask our handler about the peer's request ``op``; runs in a task of our transport."""
+        name = "grant_read" if is_read else "grant_write"
+        handler = self._t.handler
+        grant: object
+        try:
+            if is_read:
+                grant = await handler.grant_read(self.peer, meta)
+            else:
+                grant = await handler.grant_write(self.peer, meta, size)
+        except LLMException as exc:
+            grant = Grant(exc.status_code)
+        except Exception:
+            _log.exception("%r: handler %s failed", self, name)
+            grant = Grant(_S.LLM_FAILED)
+        op.answer(grant, name, writable=not is_read)
+
+    def _lost(self, name: str) -> LLMException:
+        return LLMException(
+            f"{name}: link to cluster {self.peer.cluster_id} is broken", _S.LLM_LINK_FAILED
+        )
+
+    def _break(self, reason: str) -> None:
+        """Break both ends: pending requests fail at once; each transport hears of its end."""
+        if self._broken:
+            return
+        _log.debug("%r: %s", self, reason)
+        ends = (self, self._other)
+        for end in ends:
+            end._broken = True
+        for end in ends:
+            ops, end._ops = end._ops, set()
+            for op in ops:
+                op.failed = True
+                op.end(False)
+        for end in ends:
+            end._t._link_lost(end)
+
+
+class LocalTransport(Transport):
+    """Links to transports of the same process and event loop; see the module docstring."""
+
+    def __init__(
+        self,
+        local_cluster_id: int,
+        handler: RequestHandler,
+        *,
+        secret: bytes | None = None,
+        max_meta_bytes: int = 1 << 20,
+        on_link: LinkCallback | None = None,
+        on_link_lost: LinkCallback | None = None,
+    ) -> None:
+        super().__init__(
+            local_cluster_id,
+            handler,
+            secret=secret,
+            max_meta_bytes=max_meta_bytes,
+            on_link=on_link,
+            on_link_lost=on_link_lost,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._addresses: list[tuple[str, int]] = []
+        self._links: dict[_LocalLink, None] = {}  # insertion-ordered set
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def listen(self, host: str, port: int) -> tuple[str, int]:
+        self._bind_loop("listen")
+        if not 0 <= port < _EPHEMERAL.stop:
+            raise LLMException(f"listen on {host}:{port}: bad port", _S.LLM_LINK_FAILED)
+        address = (host, port or _free_port(host))
+        if address in _listeners:
+            raise LLMException(f"listen on {host}:{port}: address in use", _S.LLM_LINK_FAILED)
+        _listeners[address] = self
+        self._addresses.append(address)
+        return address
+
+    async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
+        loop = self._bind_loop("connect")
+        where = f"connect to {host}:{port}"
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(f"{where}: timeout must be a number of seconds")
+        if not timeout > 0:  # as TCP: no time left is a timeout, whoever listens
+            raise LLMException(f"{where}: timed out after {timeout:.3g} s", _S.LLM_TIMEOUT)
+        server = _listeners.get((host, port))
+        if server is None:
+            raise LLMException(f"{where}: connection refused", _S.LLM_LINK_FAILED)
+        if server._loop is not loop:
+            raise LLMException(f"{where}: listener is on another event loop", _S.LLM_LINK_FAILED)
+        if not _same_secret(self.secret, server.secret):
+            raise LLMException(f"{where}: authentication failed", _S.LLM_LINK_FAILED)
+        mine = _LocalLink(self, PeerInfo(server.local_cluster_id, (host, port)))
+        theirs = _LocalLink(server, PeerInfo(self.local_cluster_id, (host, _free_port(host))))
+        mine._other, theirs._other = theirs, mine
+        server._adopt(theirs)
+        self._adopt(mine)
+        return mine
+
+    def links(self) -> list[Link]:
+        return list(self._links)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        for address in self._addresses:
+            if _listeners.get(address) is self:
+                del _listeners[address]
+        self._addresses.clear()
+        for link in list(self._links):
+            link._break("transport closed")
+        for task in self._tasks:
+            task.cancel()
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+
+    def _bind_loop(self, op: str) -> asyncio.AbstractEventLoop:
+        if self._closed:
+            raise LLMException(f"{op}: transport is closed", _S.LLM_LINK_FAILED)
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError(f"{op}: transport is bound to another event loop")
+        return loop
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _adopt(self, link: _LocalLink) -> None:
+        self._links[link] = None
+        self._notify(self.on_link, link)
+
+    def _link_lost(self, link: _LocalLink) -> None:
+        if self._links.pop(link, False) is None:
+            self._notify(self.on_link_lost, link)
