@@ -315,8 +315,8 @@ def test_dropped_instance_warns_and_releases_its_engine() -> None:
         dd = LLMDataDist(LLMRole.PROMPT, 8, config())
         await dd.init(config())
 
-    asyncio.run(make())
     with pytest.warns(ResourceWarning, match="without finalize"):
+        asyncio.run(make())
         gc.collect()
     deadline = time.monotonic() + 10
     while engine_threads() and time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""In-memory transport: links between transports of ONE process and event loop, no sockets.
+"""In-memory transport: links between transports of ONE process, no sockets.
 
 It keeps the contract of :mod:`aiokv.transport._base` (``tests/transport/test_contract.py``
 runs the same suite over it and TCP); it serves tests and single-process set-ups.
@@ -14,17 +14,24 @@ runs the same suite over it and TCP); it serves tests and single-process set-ups
   ends it). Then the requester itself copies the bytes between its buffers and the granted
   ones, at most :data:`_CHUNK_BYTES` per loop step: the loop is never blocked for long, and
   a timeout, cancellation or broken link lands between two steps.
-* However a request ends, the grant's ``done`` runs exactly once, before ``read`` /
-  ``write`` returns or raises (a grant that arrives after the request was given up is
-  released on arrival), and no byte moves after that.
+* However a request ends, the grant's ``done`` runs exactly once, and no byte moves
+  after ``read`` / ``write`` returned or raised. On one event loop it runs before they
+  return (a grant that arrives after the request was given up is released on arrival).
+* The two ends may live on different event loops (each ``LLMDataDist`` has its own
+  engine loop): everything one end does to the other (serving, waking, ``done``,
+  ``on_link`` / ``on_link_lost``) is handed to the other end's loop thread-safely, so
+  each transport's handler and callbacks still run on its own loop; only the bytes are
+  copied by the requester's thread, between grant and ``done``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final
 
@@ -61,6 +68,27 @@ def _free_port(host: str) -> int:
     raise LLMException(f"listen on {host}: no free port", _S.LLM_LINK_FAILED)
 
 
+def _soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: Any) -> None:
+    """Run ``fn(*args)`` on ``loop``: now if it is the loop running here, else thread-safely
+    as soon as it can (not at all if it is closed: its transport is gone)."""
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is loop:
+        fn(*args)
+        return
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _release(done: Callable[[bool], None], ok: bool) -> None:
+    try:
+        done(ok)
+    except Exception:
+        _log.exception("Grant.done callback failed")
+
+
 def _same_secret(a: bytes | None, b: bytes | None) -> bool:
     """Both ends hold the same secret, or neither holds one."""
     if a is None or b is None:
@@ -69,11 +97,31 @@ def _same_secret(a: bytes | None, b: bytes | None) -> bool:
 
 
 class _Op:
-    """One request in flight: the task asking the peer's handler, the answer, the outcome."""
+    """One request in flight: the task asking the peer's handler, the answer, the outcome.
 
-    __slots__ = ("done", "failed", "over", "status", "task", "total", "views", "waiter")
+    ``loop`` is the requester's loop, ``peer_loop`` the server's; ``lock`` makes "the
+    answer arrives" and "the requester gives up" exclusive, so the grant is released
+    exactly once, on the server's loop.
+    """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    __slots__ = (
+        "done",
+        "failed",
+        "lock",
+        "loop",
+        "over",
+        "peer_loop",
+        "status",
+        "task",
+        "total",
+        "views",
+        "waiter",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, peer_loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.peer_loop = peer_loop
+        self.lock = threading.Lock()
         self.waiter: asyncio.Future[None] = loop.create_future()
         self.task: asyncio.Task[None] | None = None
         self.status = _S.LLM_FAILED  # unless the handler answers
@@ -84,32 +132,36 @@ class _Op:
         self.failed = False  # the link broke under it
 
     def answer(self, grant: object, name: str, *, writable: bool) -> None:
-        """The peer's handler answered (called by the serving task)."""
-        self.status, self.views, self.total = check_grant(grant, name, writable=writable)
-        self.done = grant.done if isinstance(grant, Grant) else None
-        if self.over:
-            self._release(False)  # nobody waits for it any more
+        """The peer's handler answered (called by the serving task, on ``peer_loop``)."""
+        status, views, total = check_grant(grant, name, writable=writable)
+        done = grant.done if isinstance(grant, Grant) else None
+        with self.lock:
+            late = self.over
+            if not late:
+                self.status, self.views, self.total, self.done = status, views, total, done
+        if late and done is not None:
+            _release(done, False)  # nobody waits for it any more
         self.wake()
 
     def wake(self, _: object = None) -> None:
+        """Wake the requester (from either loop)."""
+        _soon(self.loop, self._wake)
+
+    def _wake(self) -> None:
         if not self.waiter.done():
             self.waiter.set_result(None)
 
     def end(self, ok: bool) -> None:
-        """Release the grant (``done(ok)``, once) and stop asking the handler. Idempotent."""
-        self.over = True
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
-        self._release(ok)
-        self.wake()
-
-    def _release(self, ok: bool) -> None:
-        done, self.done, self.views = self.done, None, []
+        """Release the grant (``done(ok)``, once, on the server's loop) and stop asking the
+        handler. Idempotent."""
+        with self.lock:
+            self.over = True
+            done, self.done, self.views = self.done, None, []
+        if self.task is not None:
+            _soon(self.peer_loop, self.task.cancel)
         if done is not None:
-            try:
-                done(ok)
-            except Exception:
-                _log.exception("Grant.done callback failed")
+            _soon(self.peer_loop, _release, done, ok)
+        self.wake()
 
 
 class _LocalLink(Link):
@@ -141,8 +193,10 @@ class _LocalLink(Link):
         tasks = [op.task for end in (self, self._other) for op in end._ops if op.task]
         self._break("closed locally")
         current = asyncio.current_task()
-        if pending := [t for t in tasks if t is not current and not t.done()]:
-            await asyncio.wait(pending)
+        loop = asyncio.get_running_loop()  # the other end's tasks end on their own loop
+        mine = [t for t in tasks if t is not current and not t.done() and t.get_loop() is loop]
+        if mine:
+            await asyncio.wait(mine)
 
     async def _request(
         self, name: str, meta: bytes, bufs: Sequence[memoryview], seconds: float, *, is_read: bool
@@ -154,11 +208,17 @@ class _LocalLink(Link):
         )
         if self._broken:
             raise self._lost(name)
-        op = _Op(asyncio.get_running_loop())
         other = self._other
-        op.task = other._t._spawn(other._serve(op, meta, total, is_read), "aiokv-local-serve")
-        op.task.add_done_callback(op.wake)  # even if serving failed without an answer
+        op = _Op(asyncio.get_running_loop(), other._t._loop_or_raise())
+
+        def serve() -> None:  # on the server's loop
+            if op.over:
+                return
+            op.task = other._t._spawn(other._serve(op, meta, total, is_read), "aiokv-local-serve")
+            op.task.add_done_callback(op.wake)  # even if serving failed without an answer
+
         self._ops.add(op)
+        _soon(op.peer_loop, serve)
         ok = False
         try:
             async with asyncio.timeout(seconds):
@@ -242,11 +302,11 @@ class _LocalLink(Link):
                 op.failed = True
                 op.end(False)
         for end in ends:
-            end._t._link_lost(end)
+            _soon(end._t._loop_or_raise(), end._t._link_lost, end)
 
 
 class LocalTransport(Transport):
-    """Links to transports of the same process and event loop; see the module docstring."""
+    """Links to transports of the same process; see the module docstring."""
 
     def __init__(
         self,
@@ -284,7 +344,7 @@ class LocalTransport(Transport):
         return address
 
     async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
-        loop = self._bind_loop("connect")
+        self._bind_loop("connect")
         where = f"connect to {host}:{port}"
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             raise TypeError(f"{where}: timeout must be a number of seconds")
@@ -293,14 +353,12 @@ class LocalTransport(Transport):
         server = _listeners.get((host, port))
         if server is None:
             raise LLMException(f"{where}: connection refused", _S.LLM_LINK_FAILED)
-        if server._loop is not loop:
-            raise LLMException(f"{where}: listener is on another event loop", _S.LLM_LINK_FAILED)
         if not _same_secret(self.secret, server.secret):
             raise LLMException(f"{where}: authentication failed", _S.LLM_LINK_FAILED)
         mine = _LocalLink(self, PeerInfo(server.local_cluster_id, (host, port)))
         theirs = _LocalLink(server, PeerInfo(self.local_cluster_id, (host, _free_port(host))))
         mine._other, theirs._other = theirs, mine
-        server._adopt(theirs)
+        _soon(server._loop_or_raise(), server._adopt, theirs)  # on the listener's loop
         self._adopt(mine)
         return mine
 
@@ -329,6 +387,11 @@ class LocalTransport(Transport):
         elif self._loop is not loop:
             raise RuntimeError(f"{op}: transport is bound to another event loop")
         return loop
+
+    def _loop_or_raise(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("transport has no event loop yet")
+        return self._loop
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro, name=name)
