@@ -315,9 +315,12 @@ def test_dropped_instance_warns_and_releases_its_engine() -> None:
         dd = LLMDataDist(LLMRole.PROMPT, 8, config())
         await dd.init(config())
 
-    with pytest.warns(ResourceWarning, match="without finalize"):
-        asyncio.run(make())
+    def drop() -> None:
+        asyncio.run(make())  # the instance is dropped when make() returns
         gc.collect()
+
+    with pytest.warns(ResourceWarning, match="without finalize"):
+        drop()
     deadline = time.monotonic() + 10
     while engine_threads() and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -157,7 +157,11 @@ class WorkerPool:
             fut: asyncio.Future[None] = loop.create_future()
             exits.append(fut)
             self._queue.put(_Stop(functools.partial(_resolve_threadsafe, loop, fut)))
-        await asyncio.gather(*exits)
+        pending = set(exits)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=0.1)
+            if pending and not any(t.is_alive() for t in self.threads):
+                break  # stopped meanwhile by stop_nowait (interpreter exit): nobody reports
         for t in self.threads:
             t.join()  # each has already left its loop; this only reaps it
 
