@@ -1,4 +1,5 @@
-"""The ``aiokv`` command: ``aiokv demo`` and ``aiokv bench local|transfer|layerwise|raw``."""
+"""The ``aiokv`` command: ``aiokv demo`` and ``aiokv bench ...`` (local, transfer,
+layerwise, latency, raw)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,14 @@ def bench_layerwise(quick: Quick = False, as_json: Json = False) -> None:
     from ._bench.layerwise import run_layerwise_bench
 
     _emit(run_layerwise_bench(quick=quick), as_json)
+
+
+@bench_app.command("latency")
+def bench_latency(quick: Quick = False, as_json: Json = False) -> None:
+    """One-block pull_blocks (async and aiokv.sync) vs a raw socket request/response."""
+    from ._bench.latency import run_latency_bench
+
+    _emit(run_latency_bench(quick=quick), as_json)
 
 
 @bench_app.command("raw")

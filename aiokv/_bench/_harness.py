@@ -211,7 +211,7 @@ DECODER_ID = 2
 POOL_BYTES = 1 << 30
 
 
-def _config(pool_bytes: int) -> LLMConfig:
+def participant_config(pool_bytes: int) -> LLMConfig:
     """A CPU participant on loopback with a ``pool_bytes`` pool, remote accessible."""
     return LLMConfig(
         device_type="cpu",
@@ -246,7 +246,7 @@ def digest(cache: Cache, blocks: Sequence[int]) -> str:
 
 
 async def _prompt_main(conn: Connection, pool_bytes: int) -> None:
-    async with LLMDataDist(LLMRole.PROMPT, PEER_ID, _config(pool_bytes)) as dd:
+    async with LLMDataDist(LLMRole.PROMPT, PEER_ID, participant_config(pool_bytes)) as dd:
         cm = dd.cache_manager
         caches: list[Cache] = []
 
@@ -323,7 +323,7 @@ async def linked(peer: PromptPeer, cluster_id: int, pool_bytes: int) -> AsyncIte
     Raises:
         RuntimeError: the link failed (its status code in the message).
     """
-    async with LLMDataDist(LLMRole.DECODER, cluster_id, _config(pool_bytes)) as dd:
+    async with LLMDataDist(LLMRole.DECODER, cluster_id, participant_config(pool_bytes)) as dd:
         info = LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[("127.0.0.1", peer.port)])
         code, codes = await dd.link_clusters([info])
         if code != LLMStatusCode.LLM_SUCCESS:

@@ -1,0 +1,108 @@
+"""``aiokv bench latency``: what one small remote operation costs, and the engine hop.
+
+Against the spawned prompt peer, interleaved round by round (medians of each):
+
+* ``raw``: a raw socket request/response of the same bytes (9-byte request, blocking
+  ``recv_into``) — the floor;
+* ``pull``: a 1-block ``pull_blocks`` awaited from the caller's loop (through the
+  engine where there is one);
+* ``sync``: the same call by an ``aiokv.sync`` decoder from a plain thread, timed
+  there, after the interleaved rounds (skipped where ``aiokv.sync`` does not exist,
+  e.g. on a commit from before the engine).
+
+Run the same command on two commits to see what a change added per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import time
+from typing import Any
+
+from .. import BlocksCacheKey, CacheDesc, DataType, LLMDataDist
+from ._harness import (
+    DECODER_ID,
+    KIB,
+    PEER_ID,
+    PromptPeer,
+    Report,
+    interleave,
+    median,
+    participant_config,
+    run_remote,
+    spawned,
+)
+from .raw import RawStream
+
+__all__ = ["run_latency_bench"]
+
+BLOCKS = (4 * KIB, 64 * KIB)
+
+
+def _sync_pulls(port: int, block: int, rounds: int) -> list[float] | None:
+    """Seconds of each of ``rounds`` 1-block pulls by an ``aiokv.sync`` decoder of its
+    own, called from this (plain) thread; None where ``aiokv.sync`` does not exist."""
+    try:
+        sync: Any = importlib.import_module("aiokv.sync")
+    except ImportError:
+        return None
+    dd = sync.LLMDataDist(sync.LLMRole.DECODER, DECODER_ID + 1)
+    dd.init(participant_config(64 << 20))
+    try:
+        info = sync.LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[("127.0.0.1", port)])
+        code, codes = dd.link_clusters([info])
+        if code != sync.LLMStatusCode.LLM_SUCCESS:
+            raise RuntimeError(f"link to the prompt peer failed: {code.name} {codes}")
+        cm = dd.cache_manager
+        dst = cm.allocate_blocks_cache(CacheDesc(1, [4, block], DataType.DT_UINT8))
+        key = BlocksCacheKey(PEER_ID, 0)
+        times = []
+        for r in range(5 + rounds):
+            t0 = time.perf_counter()
+            cm.pull_blocks(key, dst, [1], [2])
+            if r >= 5:
+                times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        dd.finalize()
+
+
+def run_latency_bench(*, quick: bool = False) -> Report:
+    """``aiokv bench latency``: raw request/response vs 1-block pulls, async and blocking.
+
+    Args:
+        quick: 30 rounds instead of 300.
+    """
+    rounds = 30 if quick else 300
+    report = Report("latency", {"rounds": rounds})
+    rows = report.table(
+        "latency",
+        "one block: raw socket request/response vs pull_blocks (median µs; added = - raw)",
+    )
+
+    async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
+        cm = decoder.cache_manager
+        async with spawned(lambda: RawStream(max(BLOCKS))) as raw:
+            for block in BLOCKS:
+                desc = CacheDesc(1, [4, block], DataType.DT_UINT8)
+                await peer.cache(desc)
+                dst = await cm.allocate_blocks_cache(desc)
+                key = BlocksCacheKey(PEER_ID, 0)
+                contenders: dict[str, Any] = {
+                    "raw": lambda block=block: raw.receive(block),
+                    "pull": lambda dst=dst, key=key: cm.pull_blocks(key, dst, [1], [2]),
+                }
+                times = await interleave(contenders, rounds, warmup=5)
+                await cm.deallocate_blocks_cache(dst)
+                t = {k: median(v) * 1e6 for k, v in times.items()}
+                row = {"block_kib": block // KIB, "raw_us": t["raw"], "pull_us": t["pull"]}
+                row["pull_added_us"] = t["pull"] - t["raw"]
+                sync = await asyncio.to_thread(_sync_pulls, peer.port, block, rounds)
+                if sync is not None:
+                    row["sync_us"] = median(sync) * 1e6
+                    row["sync_over_async_us"] = row["sync_us"] - t["pull"]
+                rows.append(row)
+
+    run_remote(main)
+    return report
