@@ -551,6 +551,7 @@ async def test_transfer_cache_async_errors(pair: tuple[LLMDataDist, LLMDataDist]
     )
     assert await task.get_results() == [CODE.LLM_TIMEOUT]
     # addresses the decoder never registered as accessible memory
+    p.config.sync_kv_timeout = 5000  # nothing below may race a 100 ms limit
     sync = Releaser(2)
     for e in sync.ready:
         e.set()
@@ -559,7 +560,6 @@ async def test_transfer_cache_async_errors(pair: tuple[LLMDataDist, LLMDataDist]
     assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
 
     # a plain (sync) synchronizer is accepted; cancelling reports None
-    p.config.sync_kv_timeout = 5000  # the pushes below must not race a 100 ms limit
 
     class Plain:
         def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
