@@ -173,6 +173,8 @@ class Engine:
             if tasks:
                 self._loop.run_until_complete(asyncio.wait(tasks))
             self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            # worker threads of `def` synchronizers: joined, not left behind
+            self._loop.run_until_complete(self._loop.shutdown_default_executor())
             self._loop.close()
             with self._exit_lock:
                 self._exited = True
