@@ -92,7 +92,9 @@ class _Call(Generic[T]):
             return
         try:
             coro = self._fn(*self._args)
-            self._task = self._loop.create_task(_as_coroutine(coro))
+            self._task = self._loop.create_task(
+                coro if asyncio.iscoroutine(coro) else _as_coroutine(coro)
+            )
         except BaseException as exc:  # fn itself raised before returning an awaitable
             self._end(exc)
             return
