@@ -12,8 +12,9 @@ memory outside the granted buffers.
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, Self
@@ -195,6 +196,9 @@ class Transport(abc.ABC):
         self.max_meta_bytes = max_meta_bytes
         self.on_link = on_link
         self.on_link_lost = on_link_lost
+        self._loop: asyncio.AbstractEventLoop | None = None  # bound by the first listen/connect
+        self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()  # every task it started
 
     @abc.abstractmethod
     async def listen(self, host: str, port: int) -> tuple[str, int]:
@@ -230,6 +234,47 @@ class Transport(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
+
+    # ---- what every implementation needs: one loop, owned tasks --------------------------
+    def _bind_loop(self, op: str) -> asyncio.AbstractEventLoop:
+        """The running loop, which this transport is bound to from its first call on.
+
+        Raises:
+            LLMException: ``LLM_LINK_FAILED`` once closed.
+            RuntimeError: called from another loop.
+        """
+        if self._closed:
+            raise LLMException(f"{op}: transport is closed", LLMStatusCode.LLM_LINK_FAILED)
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError(f"{op}: transport is bound to another event loop")
+        return loop
+
+    def _loop_or_raise(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("transport has no event loop yet")
+        return self._loop
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Start a task on this transport's loop, owned (and ended by) :meth:`_end_tasks`."""
+        task = self._loop_or_raise().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            _log.error("transport task %s failed", task.get_name(), exc_info=exc)
+
+    async def _end_tasks(self) -> None:
+        """Cancel every task this transport started and wait until all have ended."""
+        for task in self._tasks:
+            task.cancel()
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
 
     def _notify(self, callback: LinkCallback | None, link: Link) -> None:
         """Run a user callback; its failure is logged, never propagated into the transport."""

@@ -32,7 +32,7 @@ import hmac
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from .._enums import LLMStatusCode
@@ -326,11 +326,8 @@ class LocalTransport(Transport):
             on_link=on_link,
             on_link_lost=on_link_lost,
         )
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
         self._addresses: list[tuple[str, int]] = []
         self._links: dict[_LocalLink, None] = {}  # insertion-ordered set
-        self._tasks: set[asyncio.Task[None]] = set()
 
     async def listen(self, host: str, port: int) -> tuple[str, int]:
         self._bind_loop("listen")
@@ -373,31 +370,7 @@ class LocalTransport(Transport):
         self._addresses.clear()
         for link in list(self._links):
             link._break("transport closed")
-        for task in self._tasks:
-            task.cancel()
-        while self._tasks:
-            await asyncio.wait(list(self._tasks))
-
-    def _bind_loop(self, op: str) -> asyncio.AbstractEventLoop:
-        if self._closed:
-            raise LLMException(f"{op}: transport is closed", _S.LLM_LINK_FAILED)
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
-        elif self._loop is not loop:
-            raise RuntimeError(f"{op}: transport is bound to another event loop")
-        return loop
-
-    def _loop_or_raise(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            raise RuntimeError("transport has no event loop yet")
-        return self._loop
-
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        await self._end_tasks()
 
     def _adopt(self, link: _LocalLink) -> None:
         self._links[link] = None

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from typing import Any, Final
 
 from ..._enums import LLMStatusCode
@@ -67,12 +67,9 @@ class TcpTransport(Transport):
         self.chunk_bytes = chunk_bytes
         self.handshake_timeout = handshake_timeout
         self.sock_buf_bytes = sock_buf_bytes
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closed = False
         self._listeners: list[socket.socket] = []
         self._handshaking: set[SockIO] = set()
         self._links: dict[TcpLink, None] = {}  # insertion-ordered set
-        self._tasks: set[asyncio.Task[None]] = set()
         self._scratch = bytearray(_SCRATCH_BYTES)  # sink for data nobody wants
 
     # ----------------------------------------------------------------------- public API
@@ -133,43 +130,14 @@ class TcpTransport(Transport):
         self._handshaking.clear()
         for link in list(self._links):
             link._break("transport closed")
-        for task in self._tasks:
-            task.cancel()
         # Accept tasks unregister their listener from the loop as they unwind, so the
         # listeners are closed only after every task has finished.
-        while self._tasks:
-            await asyncio.wait(list(self._tasks))
+        await self._end_tasks()
         for sock in self._listeners:
             sock.close()
         self._listeners.clear()
 
     # ------------------------------------------------------------------------ internals
-
-    def _bind_loop(self, op: str) -> asyncio.AbstractEventLoop:
-        if self._closed:
-            raise LLMException(f"{op}: transport is closed", _S.LLM_LINK_FAILED)
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
-        elif self._loop is not loop:
-            raise RuntimeError(f"{op}: transport is bound to another event loop")
-        return loop
-
-    def _loop_or_raise(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            raise RuntimeError("transport has no event loop yet")
-        return self._loop
-
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = self._loop_or_raise().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            _log.error("transport task %s failed", task.get_name(), exc_info=exc)
 
     def _configure(self, sock: socket.socket) -> None:
         sock.setblocking(False)
