@@ -8,7 +8,8 @@ each side merges its own consecutive memory into one run, and buffer boundaries 
 need to match. Pull, push, the serving side and layer-wise transfers all use this one
 definition.
 
-Runs are computed with numpy once per layout; turning a layout into buffers costs one
+Runs are computed once per layout (numpy for long block lists, plain Python for short
+ones); turning a layout into buffers costs one
 memoryview slice (~0.1 µs) per run per buffer, never a fresh view over raw memory.
 """
 
@@ -22,6 +23,9 @@ import numpy.typing as npt
 import torch
 
 __all__ = ["ByteLayout", "tensor_bytes"]
+
+#: block lists up to this long are laid out in plain Python (cheaper than numpy's setup)
+_SMALL = 32
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -50,11 +54,11 @@ class ByteLayout:
 
     __slots__ = ("_slices", "extent", "per_buffer", "runs")
 
-    def __init__(self, starts: npt.NDArray[np.int64], ends: npt.NDArray[np.int64]) -> None:
-        self._slices = [slice(a, b) for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+    def __init__(self, starts: Sequence[int], ends: Sequence[int]) -> None:
+        self._slices = [slice(a, b) for a, b in zip(starts, ends, strict=True)]
         self.runs = len(self._slices)
-        self.per_buffer = int((ends - starts).sum())
-        self.extent = int(ends.max()) if self.runs else 0
+        self.per_buffer = sum(ends) - sum(starts)
+        self.extent = max(ends) if self.runs else 0
 
     @classmethod
     def of_blocks(
@@ -73,22 +77,36 @@ class ByteLayout:
         """
         step = block_bytes if stride is None else stride
         b = np.asarray(blocks, dtype=np.int64)
-        if b.size == 0:
-            empty = np.empty(0, dtype=np.int64)
-            return cls(empty, empty)
+        if b.size <= _SMALL:  # numpy's fixed cost (~50 µs) would dominate a short list
+            return cls._of_few(b.tolist(), block_bytes, step, base)
         if step != block_bytes:  # gaps between blocks: every block is its own run
             starts = base + b * step
-            return cls(starts, starts + block_bytes)
+            return cls(starts.tolist(), (starts + block_bytes).tolist())
         breaks = np.flatnonzero(np.diff(b) != 1) + 1
         first = np.concatenate(([0], breaks))
         counts = np.diff(np.concatenate((first, [b.size])))
         starts = base + b[first] * step
-        return cls(starts, starts + counts * block_bytes)
+        return cls(starts.tolist(), (starts + counts * block_bytes).tolist())
+
+    @classmethod
+    def _of_few(cls, blocks: list[int], block_bytes: int, step: int, base: int) -> ByteLayout:
+        """:meth:`of_blocks` in plain Python, for a short list: the same runs."""
+        starts: list[int] = []
+        ends: list[int] = []
+        prev = None
+        for blk in blocks:
+            if step == block_bytes and prev is not None and blk == prev + 1:
+                ends[-1] += block_bytes
+            else:
+                starts.append(base + blk * step)
+                ends.append(base + blk * step + block_bytes)
+            prev = blk
+        return cls(starts, ends)
 
     @classmethod
     def of_span(cls, offset: int, nbytes: int) -> ByteLayout:
         """One run of ``nbytes`` bytes from byte ``offset`` of each buffer."""
-        return cls(np.array([offset], dtype=np.int64), np.array([offset + nbytes], np.int64))
+        return cls([offset], [offset + nbytes])
 
     def total(self, nbuffers: int) -> int:
         """Bytes a transfer over ``nbuffers`` buffers moves."""

@@ -62,3 +62,23 @@ def test_random_layouts_match_a_per_block_reference(seed: int) -> None:
     buf = rng.integers(0, 256, nblocks * bb, dtype=np.uint8).tobytes()
     want = b"".join(buf[b * bb : (b + 1) * bb] for b in blocks.tolist())
     assert _gather(ByteLayout.of_blocks(blocks, bb), [buf]) == want
+
+
+@pytest.mark.parametrize("stride", [None, 24])
+@pytest.mark.parametrize("seed", range(20))
+def test_short_and_long_lists_give_the_same_runs(seed: int, stride: int | None) -> None:
+    """Short lists take a plain-Python path, long ones numpy: the layouts must agree."""
+    rng = np.random.default_rng(seed)
+    runs = [rng.integers(0, 100, rng.integers(1, 6)) + rng.integers(0, 1000) for _ in range(8)]
+    blocks = np.concatenate([np.arange(r[0], r[0] + len(r)) for r in runs])
+    short = ByteLayout.of_blocks(blocks[:30], 16, stride=stride, base=7)
+    longer = np.concatenate([blocks[:30], np.arange(5000, 5040)])  # over the threshold
+    long_ = ByteLayout.of_blocks(longer, 16, stride=stride, base=7)
+    pattern = memoryview(bytes(i % 251 for i in range(200_000)))  # every offset tells
+    got = [bytes(v) for v in short.views([pattern])]
+    assert got == [bytes(v) for v in long_.views([pattern])[: short.runs]]
+    step = stride or 16
+    assert b"".join(got) == b"".join(
+        bytes(pattern[7 + b * step : 7 + b * step + 16]) for b in blocks[:30].tolist()
+    )
+    assert short.extent == max(7 + b * step + 16 for b in blocks[:30].tolist())
