@@ -27,6 +27,7 @@ runs the same suite over it and TCP); it serves tests and single-process set-ups
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import itertools
@@ -355,7 +356,25 @@ class LocalTransport(Transport):
         mine = _LocalLink(self, PeerInfo(server.local_cluster_id, (host, port)))
         theirs = _LocalLink(server, PeerInfo(self.local_cluster_id, (host, _free_port(host))))
         mine._other, theirs._other = theirs, mine
-        _soon(server._loop_or_raise(), server._adopt, theirs)  # on the listener's loop
+        server_loop = server._loop_or_raise()
+        if server_loop is asyncio.get_running_loop():
+            server._adopt(theirs)
+        else:  # the listener files its end on its own loop; like TCP, before we return
+            adopted: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+            def adopt() -> None:
+                server._adopt(theirs)
+                adopted.set_result(None)
+
+            _soon(server_loop, adopt)
+            try:
+                async with asyncio.timeout(timeout):
+                    await asyncio.wrap_future(adopted)
+            except TimeoutError:
+                mine._break("the listener did not file the link in time")
+                raise LLMException(
+                    f"{where}: timed out after {timeout:.3g} s", _S.LLM_TIMEOUT
+                ) from None
         self._adopt(mine)
         return mine
 
