@@ -65,7 +65,7 @@ class _Call(Generic[T]):
     whether it finished, failed or was cancelled; ``outcome`` is set before.
     """
 
-    __slots__ = ("_args", "_cancelled", "_fn", "_loop", "_notify", "_task", "outcome")
+    __slots__ = ("_args", "_cancelled", "_ended", "_fn", "_loop", "_notify", "_task", "outcome")
 
     def __init__(
         self,
@@ -78,8 +78,9 @@ class _Call(Generic[T]):
         self._fn = fn
         self._args = args
         self._notify = notify
-        self._task: asyncio.Task[T] | None = None
+        self._task: asyncio.Task[None] | None = None
         self._cancelled = False
+        self._ended = False
         self.outcome: tuple[T] | BaseException | None = None
         try:
             loop.call_soon_threadsafe(self._start)
@@ -90,25 +91,28 @@ class _Call(Generic[T]):
         if self._cancelled:
             self._end(asyncio.CancelledError())
             return
-        try:
-            coro = self._fn(*self._args)
-            self._task = self._loop.create_task(
-                coro if asyncio.iscoroutine(coro) else _as_coroutine(coro)
-            )
-        except BaseException as exc:  # fn itself raised before returning an awaitable
-            self._end(exc)
-            return
+        self._task = self._loop.create_task(self._body())
+        # The body reports its own end (no extra loop iteration for a done callback);
+        # this covers a task cancelled before its body ever ran.
         self._task.add_done_callback(self._done)
 
-    def _done(self, task: asyncio.Task[T]) -> None:
-        if task.cancelled():
+    async def _body(self) -> None:
+        outcome: tuple[T] | BaseException
+        try:
+            outcome = (await self._fn(*self._args),)
+        except asyncio.CancelledError:
             self._end(asyncio.CancelledError())
-        elif (exc := task.exception()) is not None:
-            self._end(exc)
-        else:
-            self._end((task.result(),))
+            raise
+        except BaseException as exc:  # handed to the caller, whatever it is
+            outcome = exc
+        self._end(outcome)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        if not self._ended:
+            self._end(asyncio.CancelledError())
 
     def _end(self, outcome: tuple[T] | BaseException) -> None:
+        self._ended = True
         self.outcome = outcome
         self._fn = self._args = None  # type: ignore[assignment]  # drop references
         self._notify()
@@ -135,17 +139,8 @@ class _Call(Generic[T]):
         return outcome[0]
 
 
-async def _as_coroutine(aw: Awaitable[T]) -> T:
-    return await aw
-
-
 def _stopped() -> LLMException:
     return LLMException("the LLMDataDist was finalized while this ran", LLMStatusCode.LLM_FAILED)
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class Engine:
@@ -278,25 +273,33 @@ async def _until_notified(
     ``cancel()`` and still wait (shielded) for the end, then re-raise."""
     if on_asyncio():
         loop = asyncio.get_running_loop()
-        ended = loop.create_future()
+        ended = False
+        waiter = loop.create_future()
+
+        def wake() -> None:  # on the caller's loop
+            nonlocal ended
+            ended = True
+            if not waiter.done():
+                waiter.set_result(None)
 
         def notify() -> None:
             with contextlib.suppress(RuntimeError):  # the caller's loop is gone
-                loop.call_soon_threadsafe(_resolve, ended)
+                loop.call_soon_threadsafe(wake)
 
         start(notify)
         try:
-            await asyncio.shield(ended)
+            await waiter
         except asyncio.CancelledError:
             cancel()
-            while not ended.done():
+            while not ended:  # shielded: wait for the real end, however often cancelled
+                waiter = loop.create_future()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.shield(ended)
+                    await waiter
             raise
         return
     event = anyio.Event()
-    wake = _threadsafe_caller()
-    start(lambda: wake(event.set))
+    soon = _threadsafe_caller()
+    start(lambda: soon(event.set))
     try:
         await event.wait()
     except anyio.get_cancelled_exc_class():
