@@ -44,6 +44,14 @@ P = ParamSpec("P")
 def on_asyncio() -> bool:
     """Whether the running coroutine is on an asyncio loop (False: trio, or no loop)."""
     try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    # A loop runs on this thread; sniffio's answer (the slower path) decides only when
+    # another library claims the thread (trio-asyncio and the like).
+    if sniffio.thread_local.name is None and sniffio.current_async_library_cvar.get() is None:
+        return True
+    try:
         return sniffio.current_async_library() == "asyncio"
     except sniffio.AsyncLibraryNotFoundError:
         return False
