@@ -142,7 +142,8 @@ class Linker:
                 log.warning("%s:%d is cluster %d, not %d", host, port, link.peer.cluster_id, cid)
                 await self._close([link])
                 return None
-            await asyncio.sleep(max(0.0, round_end - time.monotonic()))
+            if attempt + 1 < attempts:
+                await asyncio.sleep(max(0.0, round_end - time.monotonic()))
         return None
 
     async def unlink_all(
