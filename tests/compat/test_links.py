@@ -230,7 +230,7 @@ async def test_prompt_starting_late_links_through_retries() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cfg", "timeout", "low", "high"),
+    ("cfg", "timeout_ms", "low", "high"),
     [
         # n attempts spread over the budget: the last one starts at (n-1)/n of it
         ({"link_retry_count": 5}, 1000, 0.75, 1.5),
@@ -239,11 +239,11 @@ async def test_prompt_starting_late_links_through_retries() -> None:
         ({"link_retry_count": 3, "link_total_time": 1}, 5000, 0.6, 1.5),  # total time wins
     ],
 )
-async def test_link_budget(cfg: dict[str, Any], timeout: int, low: float, high: float) -> None:
+async def test_link_budget(cfg: dict[str, Any], timeout_ms: int, low: float, high: float) -> None:
     port = free_port()  # nobody listens there
     async with LLMDataDist(LLMRole.DECODER, 2, config(**cfg)) as d:
         t0 = time.monotonic()
-        code, codes = await d.link_clusters([info(1, ("127.0.0.1", port))], timeout=timeout)
+        code, codes = await d.link_clusters([info(1, ("127.0.0.1", port))], timeout=timeout_ms)
         assert (code, codes) == (CODE.LLM_LINK_FAILED, [CODE.LLM_LINK_FAILED])
         assert low < time.monotonic() - t0 < high
 
