@@ -94,8 +94,13 @@ class LinkTable:
         return sorted(cid for cid, link in list(self._links.items()) if not link.broken)
 
     def ours(self, cluster_id: int) -> bool:
-        """Whether this side linked ``cluster_id`` (rather than only the peer)."""
-        return cluster_id in self._ours and self.live(cluster_id) is not None
+        """Whether this side linked ``cluster_id`` (rather than only the peer), held
+        links (a two-sided ``link`` not yet ``OK``) excepted."""
+        return (
+            cluster_id in self._ours
+            and cluster_id not in self._held
+            and self.live(cluster_id) is not None
+        )
 
     def claim(self, cluster_ids: Iterable[int]) -> None:
         """Count the live links to ``cluster_ids`` as linked by this side."""
