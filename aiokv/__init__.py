@@ -7,7 +7,7 @@ awaitable. Everything public is importable from here; all other modules are priv
 from ._cache import Cache, KvCache
 from ._config import LLMConfig, MemPoolConfig
 from ._datadist import LLMDataDist
-from ._enums import DataType, LLMRole, LLMStatusCode, Placement
+from ._enums import DataType, LLMRole, LLMStatusCode, Placement, RegisterMemStatus
 from ._errors import LLMException, NoneArgumentError
 from ._layerwise import CacheTask, LayerSynchronizer
 from ._manager import CacheManager, KvCacheManager
@@ -46,6 +46,7 @@ __all__ = [
     "NoneArgumentError",
     "Placement",
     "PoolStats",
+    "RegisterMemStatus",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
     "__version__",

@@ -12,14 +12,13 @@ import asyncio
 import atexit
 import logging
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from ._checks import check_instance, check_int
+from ._checks import check_instance, check_int, param_invalid
 from ._config import LLMConfig, MemPoolConfig
 from ._copy import (
     CopyScheduler,
@@ -31,13 +30,13 @@ from ._copy import (
     supports_pinning,
 )
 from ._engine import Engine
-from ._enums import LLMRole, LLMStatusCode
-from ._errors import LLMException, map_errors, status_of
+from ._enums import LLMRole, LLMStatusCode, RegisterMemStatus
+from ._errors import LLMException, map_errors
 from ._manager import CacheManager, KvCacheManager
 from ._models import LLMClusterInfo
 from ._pool import MemPool
 from ._registry import CacheRegistry
-from ._remote import LinkTable, PeerService, RemoteClient
+from ._remote import Linker, LinkTable, PeerService, RemoteClient, parse_link
 from .transport import Transport, get_transport
 
 __all__ = ["LLMDataDist"]
@@ -71,6 +70,7 @@ class LLMDataDist:
         self._manager: CacheManager | None = None
         self._scheduler: CopyScheduler | None = None
         self._transport: Transport | None = None
+        self._linker: Linker | None = None
         self._links = LinkTable()
         self._listen: tuple[str, int] | None = None
         self._engine: Engine | None = None
@@ -233,7 +233,7 @@ class LLMDataDist:
             self._cluster_id,
             PeerService(self._cluster_id, registry, config),
             secret=secret,
-            on_link=lambda link: links.add(link, replace=False),
+            on_link=links.add,
             on_link_lost=links.lost,
         )
         try:
@@ -249,6 +249,7 @@ class LLMDataDist:
         self._config = config
         self._scheduler = scheduler
         self._transport = transport
+        self._linker = Linker(links, transport, config)
         self._device = device
         self._teardown = None
 
@@ -303,6 +304,9 @@ class LLMDataDist:
         self._listen = None
         if mgr is not None:
             await mgr._close()
+        if self._linker is not None:
+            await self._linker.aclose()
+            self._linker = None
         if transport is not None:
             await transport.aclose()  # fails in-flight transfers, closes links and listener
         if sched is not None:
@@ -329,123 +333,221 @@ class LLMDataDist:
         # Not here: a collection may run on any thread, even one the teardown waits for.
         threading.Thread(target=self._finalize_blocking, name="aiokv-finalize", daemon=True).start()
 
-    # ---- links --------------------------------------------------------------------------
+    # ---- links (the work runs on the engine, in ``_remote.Linker``) --------------------
     @staticmethod
     def _check_clusters(op: str, clusters: Any, timeout: Any) -> list[LLMClusterInfo]:
         check_instance(op, "clusters", clusters, (list, tuple))
         for i, c in enumerate(clusters):
             check_instance(op, f"clusters[{i}]", c, LLMClusterInfo)
-        check_int(op, "timeout", timeout, 1, 3_600_000)
+        if check_int(op, "timeout", timeout, -(2**31), 2**31 - 1) <= 0:
+            param_invalid(op, f"timeout must be > 0 ms, got {timeout}")
         return list(clusters)
+
+    def _linker_on(self, op: str) -> tuple[Engine, Linker]:
+        self._require(op)
+        assert self._engine is not None and self._linker is not None
+        return self._engine, self._linker
 
     async def link_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Link to each cluster, concurrently, within ``timeout`` milliseconds.
+        """Link to each cluster's listener, concurrently, within ``timeout`` milliseconds.
 
-        Returns ``(overall, per_cluster)``: ``LLM_SUCCESS`` per linked cluster,
-        ``LLM_ALREADY_LINK`` if already linked, ``LLM_PROCESSING_LINK`` while another call
-        links it, ``LLM_LINK_FAILED`` when the peer is unreachable, refuses, fails
-        authentication or is not the cluster named; ``overall`` is ``LLM_SUCCESS`` only if
-        every cluster is. More than 16 clusters: ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for all.
-        A failed peer never raises.
+        Returns ``(overall, per_cluster)``: ``LLM_SUCCESS`` per linked cluster (also when
+        the peer had already linked to us), ``LLM_ALREADY_LINK`` if this side already
+        linked it, ``LLM_PROCESSING_LINK`` while another call links it,
+        ``LLM_LINK_FAILED`` when the peer is unreachable, refuses, fails authentication
+        or is not the cluster named. ``overall`` is ``LLM_SUCCESS`` or the code of the
+        first cluster that failed; ``[]`` gives ``(LLM_PARAM_INVALID, [])``; more than 16
+        clusters give ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for all. ``link_retry_count``
+        attempts are spread over the call's time: ``timeout``, or ``link_total_time``
+        when set and shorter. A failed peer never raises.
 
         Raises:
-            TypeError / ValueError: bad arguments.
+            TypeError / ValueError: bad arguments (``timeout`` not an int32).
+            LLMException: ``LLM_PARAM_INVALID`` for ``timeout <= 0``.
             RuntimeError: not initialized.
         """
         op = "link_clusters"
-        self._require(op)
+        engine, linker = self._linker_on(op)
         infos = self._check_clusters(op, clusters, timeout)
+        if not infos:
+            return LLMStatusCode.LLM_PARAM_INVALID, []
         if len(infos) > 16:
             code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
             return code, [code] * len(infos)
-        assert self._engine is not None
-        return await self._engine.run(self._link_all, infos, timeout)
-
-    async def _link_all(
-        self, infos: list[LLMClusterInfo], timeout: int
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self._link_one(c, timeout)) for c in infos]
-        codes = [t.result() for t in tasks]
-        ok = all(c == LLMStatusCode.LLM_SUCCESS for c in codes)
-        return (LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED), codes
-
-    async def _link_one(self, info: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
-        """Link one cluster; every failure becomes its code (logged), never an exception."""
-        cid = info.remote_cluster_id
-        if self._links.get(cid) is not None:
-            return LLMStatusCode.LLM_ALREADY_LINK
-        if not info.remote_ip_info:
-            log.warning("link_clusters: cluster %d has no remote_ip_info", cid)
-            return LLMStatusCode.LLM_LINK_FAILED
-        if not self._links.begin(cid):
-            return LLMStatusCode.LLM_PROCESSING_LINK
-        assert self._config is not None and self._transport is not None
-        total = self._config.link_total_time or timeout_ms / 1000
-        deadline = time.monotonic() + total
-        try:
-            for attempt in range(self._config.link_retry_count):
-                for host, port in info.remote_ip_info:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return LLMStatusCode.LLM_LINK_FAILED
-                    try:
-                        link = await self._transport.connect(host, port, timeout=left)
-                    except LLMException as exc:
-                        status_of(exc, log, f"link to {cid} at {host}:{port}, try {attempt + 1}")
-                        continue
-                    if link.peer.cluster_id != cid:
-                        log.warning(
-                            "%s:%d is cluster %d, not %d", host, port, link.peer.cluster_id, cid
-                        )
-                        await link.aclose()
-                        return LLMStatusCode.LLM_LINK_FAILED
-                    self._links.add(link)
-                    return LLMStatusCode.LLM_SUCCESS
-            return LLMStatusCode.LLM_LINK_FAILED
-        finally:
-            self._links.end(cid)
+        return await engine.run(linker.link_all, infos, timeout)
 
     async def unlink_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Close the links to each cluster; in-flight transfers on them fail.
+        """Close every connection to each cluster; the peer sees its link end.
 
-        Returns ``(overall, per_cluster)`` with ``LLM_SUCCESS`` per closed link and
-        ``LLM_NOT_YET_LINK`` for a cluster that was not linked. ``force`` is accepted for
-        llm_datadist compatibility (closing never waits for the peer).
+        Returns ``(overall, per_cluster)``: ``LLM_SUCCESS`` per cluster now unlinked,
+        including one that was not (or no longer) linked, so both sides may unlink in
+        any order. Without ``force``, this side's transfers in flight to a cluster may
+        finish first; still running at ``timeout`` ms, they keep the cluster linked and
+        its code is ``LLM_UNLINK_FAILED``. With ``force`` they fail at once
+        (``LLM_LINK_FAILED``). ``overall`` and ``[]`` as ``link_clusters``.
+
+        Raises:
+            TypeError / ValueError / LLMException / RuntimeError: as ``link_clusters``.
         """
         op = "unlink_clusters"
-        self._require(op)
+        engine, linker = self._linker_on(op)
         infos = self._check_clusters(op, clusters, timeout)
         check_instance(op, "force", force, bool)
-        assert self._engine is not None
-        return await self._engine.run(self._unlink_all, infos, timeout)
-
-    async def _unlink_all(
-        self, infos: list[LLMClusterInfo], timeout: int
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        codes: list[LLMStatusCode] = []
-        for info in infos:
-            link = self._links.pop(info.remote_cluster_id)
-            if link is None:
-                codes.append(LLMStatusCode.LLM_NOT_YET_LINK)
-                continue
-            try:
-                async with asyncio.timeout(timeout / 1000):
-                    await link.aclose()
-                codes.append(LLMStatusCode.LLM_SUCCESS)
-            except TimeoutError:
-                codes.append(LLMStatusCode.LLM_UNLINK_FAILED)
-        ok = all(c == LLMStatusCode.LLM_SUCCESS for c in codes)
-        return (LLMStatusCode.LLM_SUCCESS if ok else LLMStatusCode.LLM_FAILED), codes
+        if not infos:
+            return LLMStatusCode.LLM_PARAM_INVALID, []
+        return await engine.run(linker.unlink_all, infos, timeout, force)
 
     def linked_clusters(self) -> list[int]:
         """Cluster ids with a live link (either direction)."""
         self._require("linked_clusters")
         return self._links.clusters()
+
+    async def check_link_status(self, remote_cluster_id: int) -> None:
+        """Return if the link to ``remote_cluster_id`` is up, as the transport knows it.
+
+        Raises:
+            LLMException: ``LLM_NOT_YET_LINK`` when there is no live link to it.
+            TypeError / ValueError: not a uint64.
+        """
+        op = "check_link_status"
+        engine, _ = self._linker_on(op)
+        cid = check_int(op, "remote_cluster_id", remote_cluster_id, 0, 2**64 - 1)
+
+        async def check() -> None:
+            self._links.require(op, cid)
+
+        await engine.run(check)
+
+    async def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
+        """Start linking with the other parties of a communicator; its ``comm_id``.
+
+        Every party calls ``link`` with the same arguments at about the same time. It
+        returns at once; poll ``query_register_mem_status(comm_id)`` until ``OK``
+        (transfers on these links fail with ``LLM_NOT_YET_LINK`` until then) or
+        ``FAILED`` (not completed within ``link_total_time``, 120 s when 0). Each party
+        opens one link to every party of lower rank, found at the ``device_ip`` /
+        ``device_port`` of that rank's entry in ``rank_table``; so every party but the
+        highest rank must listen (``listen_ip_info``).
+
+        Args:
+            comm_name: 1 to 127 characters.
+            cluster_rank_info: ``{cluster_id: rank}`` of 2 to 4 parties, this one
+                included, ranks ascending.
+            rank_table: the HCCL rank-table JSON (``server_list[].device[]`` with
+                ``rank_id``, ``device_ip``, ``device_port``).
+
+        Raises:
+            TypeError / ValueError: arguments of the wrong type or range.
+            LLMException: ``LLM_PARAM_INVALID`` (see above, or this side must listen
+                and does not), ``LLM_ALREADY_LINK`` / ``LLM_PROCESSING_LINK`` when a
+                party is linked or being linked already, ``LLM_FEATURE_NOT_ENABLED``
+                in legacy mode (``enable_cache_manager=False``).
+        """
+        op = "link"
+        engine, linker = self._linker_on(op)
+        self._cache_manager_mode(op)
+        parties = parse_link(op, comm_name, cluster_rank_info, rank_table, self._cluster_id)
+        if self._listen is None and any(p.address is None for p in parties):
+            param_invalid(op, "higher ranks connect to this side: set listen_ip_info")
+
+        async def start() -> int:
+            return linker.link(parties)
+
+        return await engine.run(start)
+
+    async def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        """``PREPARING``, ``OK`` or ``FAILED``: the state of ``link``'s communicator.
+
+        Raises:
+            LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
+                ``LLM_FEATURE_NOT_ENABLED`` in legacy mode.
+        """
+        op = "query_register_mem_status"
+        engine, linker = self._linker_on(op)
+        self._cache_manager_mode(op)
+        check_int(op, "comm_id", comm_id, 0, 2**64 - 1)
+
+        async def query() -> RegisterMemStatus:
+            return linker.status(comm_id)
+
+        return await engine.run(query)
+
+    async def unlink(self, comm_id: int) -> None:
+        """Close the links of ``link``'s communicator (or stop it linking) and forget it.
+
+        The other parties see their links end; each still calls ``unlink`` for its own
+        ``comm_id``, in any order.
+
+        Raises:
+            LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
+                ``LLM_FEATURE_NOT_ENABLED`` in legacy mode.
+        """
+        op = "unlink"
+        engine, linker = self._linker_on(op)
+        self._cache_manager_mode(op)
+        check_int(op, "comm_id", comm_id, 0, 2**64 - 1)
+        await engine.run(linker.unlink, comm_id)
+
+    def _cache_manager_mode(self, op: str) -> None:
+        if isinstance(self._manager, KvCacheManager):
+            raise LLMException(
+                f"{op}: needs enable_cache_manager=True", LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+            )
+
+    async def switch_role(
+        self, role: LLMRole, switch_options: dict[str, str] | None = None
+    ) -> None:
+        """Take ``role``, and start, move or stop the listener.
+
+        With ``"llm.listenIpInfo"`` in ``switch_options`` this side listens there (a
+        new listener first, then the old one closes; the same address keeps it);
+        without it, it stops listening. Other option keys are checked as by ``init``
+        and otherwise ignored (they are init-time options). Legacy mode
+        (``enable_cache_manager=False``) adds llm_datadist's rules: the role must
+        change, and ``PROMPT`` needs ``"llm.listenIpInfo"``; the role gates of
+        ``kv_cache_manager`` follow the new role.
+
+        Raises:
+            TypeError / ValueError: bad ``role`` or options.
+            LLMException: ``LLM_EXIST_LINK`` while any link is up or being made;
+                ``LLM_PARAM_INVALID`` for the legacy rules; ``LLM_LINK_FAILED`` when
+                the new address cannot be bound. Nothing changes on failure.
+        """
+        op = "switch_role"
+        engine, linker = self._linker_on(op)
+        check_instance(op, "role", role, LLMRole)
+        if switch_options is not None:
+            check_instance(op, "switch_options", switch_options, dict)
+        listen = LLMConfig.from_options(dict(switch_options or {})).listen_address
+        if isinstance(self._manager, KvCacheManager):
+            if role == self._role:
+                param_invalid(op, f"role not changed, role = {role.name}")
+            if role == LLMRole.PROMPT and listen is None:
+                param_invalid(op, 'switching to PROMPT needs "llm.listenIpInfo"')
+
+        async def switch() -> None:
+            assert self._transport is not None and self._manager is not None
+            if self._links.clusters() or linker.linking():
+                raise LLMException(
+                    f"{op}: unlink every cluster first ({self._links.clusters()} linked)",
+                    LLMStatusCode.LLM_EXIST_LINK,
+                )
+            old = self._listen
+            new = old if listen is None or listen == old else None
+            if listen is not None and new is None:
+                with map_errors(f"{op} (listen on {listen[0]}:{listen[1]})"):
+                    new = await self._transport.listen(*listen)
+            if old is not None and (listen is None or new != old):
+                await self._transport.unlisten(old)
+            self._listen = None if listen is None else new
+            self._manager._role = role
+            self._role = role
+
+        await engine.run(switch)
 
     async def __aenter__(self) -> LLMDataDist:
         if self._manager is None and self._pending_config is not None:

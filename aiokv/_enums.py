@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-__all__ = ["DataType", "LLMRole", "LLMStatusCode", "Placement"]
+__all__ = ["DataType", "LLMRole", "LLMStatusCode", "Placement", "RegisterMemStatus"]
 
 
 class DataType(enum.IntEnum):
@@ -115,3 +115,14 @@ class LLMStatusCode(enum.IntEnum):
     LLM_TIMEOUT = _BASE + 26
     LLM_LINK_BUSY = _BASE + 27
     LLM_OUT_OF_MEMORY = _BASE + 28
+
+
+class RegisterMemStatus(enum.Enum):
+    """State of a two-sided ``link`` (``LLMDataDist.query_register_mem_status``), with
+    llm_datadist's values: ``PREPARING`` while the parties connect, ``OK`` once every
+    link of the communicator is up (transfers may start), ``FAILED`` when it could not
+    be completed in time."""
+
+    OK = 0
+    PREPARING = 1
+    FAILED = 2

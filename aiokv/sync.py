@@ -27,7 +27,7 @@ from ._cache import Cache, KvCache
 from ._config import LLMConfig, MemPoolConfig
 from ._datadist import LLMDataDist as _AsyncDataDist
 from ._engine import Engine
-from ._enums import DataType, LLMRole, LLMStatusCode, Placement
+from ._enums import DataType, LLMRole, LLMStatusCode, Placement, RegisterMemStatus
 from ._errors import LLMException, NoneArgumentError
 from ._layerwise import LayerSynchronizer
 from ._models import (
@@ -64,6 +64,7 @@ __all__ = [
     "NoneArgumentError",
     "Placement",
     "PoolStats",
+    "RegisterMemStatus",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
 ]
@@ -250,6 +251,26 @@ class LLMDataDist:
     def linked_clusters(self) -> list[int]:
         """Cluster ids with a live link."""
         return self._async.linked_clusters()
+
+    def check_link_status(self, remote_cluster_id: int) -> None:
+        """Raise ``LLMException(LLM_NOT_YET_LINK)`` unless the cluster is linked."""
+        self._engine().call(self._async.check_link_status, remote_cluster_id)
+
+    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
+        """Start a two-sided link (see the async ``link``); its ``comm_id``."""
+        return self._engine().call(self._async.link, comm_name, cluster_rank_info, rank_table)
+
+    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
+        """``PREPARING``, ``OK`` or ``FAILED``: the state of ``link``'s communicator."""
+        return self._engine().call(self._async.query_register_mem_status, comm_id)
+
+    def unlink(self, comm_id: int) -> None:
+        """Close the links of ``link``'s communicator and forget it."""
+        self._engine().call(self._async.unlink, comm_id)
+
+    def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
+        """Take ``role``; start, move or stop the listener (see the async ``switch_role``)."""
+        self._engine().call(self._async.switch_role, role, switch_options)
 
     def __enter__(self) -> LLMDataDist:
         if not self.initialized and self._config_at_enter is not None:

@@ -2,12 +2,16 @@
 
 * :mod:`._protocol` — what a request carries (the single definition, with its caps).
 * :mod:`._links` — the live links of one ``LLMDataDist``.
+* :mod:`._linker` — opening and closing them: ``link_clusters``, two-sided ``link``.
+* :mod:`._ranktable` — the arguments of a two-sided ``link``.
 * :mod:`._client` — the local half of pulls and pushes.
 * :mod:`._service` — the serving half: answers peers against the registry.
 """
 
 from ._client import RemoteClient
+from ._linker import Linker
 from ._links import LinkTable
+from ._ranktable import Party, parse_link
 from ._service import PeerService
 
-__all__ = ["LinkTable", "PeerService", "RemoteClient"]
+__all__ = ["LinkTable", "Linker", "Party", "PeerService", "RemoteClient", "parse_link"]

@@ -69,7 +69,7 @@ class RemoteClient:
         meta = encode(request)
         timeout = self._config.sync_kv_timeout / 1000
         try:
-            with map_errors(op):
+            with self._links.request(link.peer.cluster_id), map_errors(op):
                 if write:
                     await link.write(meta, views, timeout=timeout)
                 else:

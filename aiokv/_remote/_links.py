@@ -4,14 +4,22 @@ Owned by ``LLMDataDist`` (which links and unlinks) and read by the remote client
 needs the link of a cluster). Incoming links are filed as the transport reports them;
 a link that breaks is dropped, so the cluster can be linked again.
 
-Threads: only the engine thread changes the table (linking, unlinking and the
-transport's callbacks all run there); other threads only read it, and every read is
-one atomic dict operation (a copy, for :meth:`LinkTable.clusters`).
+Besides the links it knows, per cluster: whether this side linked it (``link_clusters``
+or ``link``) or only the peer did; whether a link attempt is running; whether its link
+is *held* (a two-sided ``link`` not yet ``OK``: filed, but not handed out); and how many
+requests this side has in flight on it (a graceful unlink waits for them).
+
+Threads: only the engine thread changes the table (linking, unlinking, the transport's
+callbacks and the remote client's requests all run there); other threads only read it,
+and every read is one atomic dict or set operation (a copy, for :meth:`clusters`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import Iterable, Iterator
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException
@@ -23,16 +31,24 @@ log = logging.getLogger("aiokv.links")
 
 
 class LinkTable:
-    """Peer cluster id → live link; the clusters being linked right now."""
+    """Peer cluster id → live link; who linked it; attempts, holds and requests in flight."""
 
     def __init__(self) -> None:
         self._links: dict[int, Link] = {}
+        self._ours: set[int] = set()  # clusters this side linked, not only the peer
         self._linking: set[int] = set()
+        self._held: set[int] = set()
+        self._busy: dict[int, int] = {}  # cluster -> requests of ours in flight
+        self._changed: dict[int, asyncio.Event] = {}  # woken when a link is filed / a request ends
 
-    def get(self, cluster_id: int) -> Link | None:
-        """The live link to ``cluster_id``, or None (a broken link counts as none)."""
+    def live(self, cluster_id: int) -> Link | None:
+        """The live link filed for ``cluster_id``, held or not."""
         link = self._links.get(cluster_id)
         return None if link is None or link.broken else link
+
+    def get(self, cluster_id: int) -> Link | None:
+        """The live link to ``cluster_id`` for requests, or None (broken or held: none)."""
+        return None if cluster_id in self._held else self.live(cluster_id)
 
     def require(self, op: str, cluster_id: int) -> Link:
         """The live link to ``cluster_id``.
@@ -47,13 +63,17 @@ class LinkTable:
             )
         return link
 
-    def add(self, link: Link, *, replace: bool = True) -> None:
-        """File ``link`` under its peer's cluster id; with ``replace=False`` (an incoming
-        link) a live link already filed for that cluster is kept."""
+    def add(self, link: Link, *, ours: bool = False) -> None:
+        """File ``link`` under its peer's cluster id. An incoming link (``ours=False``)
+        never replaces a live link already filed; one this side opened (``ours=True``)
+        does, and marks the cluster as linked by this side."""
         cid = link.peer.cluster_id
-        if not replace and self.get(cid) is not None:
+        if not ours and self.live(cid) is not None:
             return
+        if ours:
+            self._ours.add(cid)
         self._links[cid] = link
+        self._wake(cid)
         log.info("link to cluster %d up (%s:%d)", cid, *link.peer.address)
 
     def lost(self, link: Link) -> None:
@@ -61,15 +81,30 @@ class LinkTable:
         cid = link.peer.cluster_id
         if self._links.get(cid) is link:
             del self._links[cid]
+            self._ours.discard(cid)
             log.info("link to cluster %d down", cid)
 
     def pop(self, cluster_id: int) -> Link | None:
         """Remove and return the link filed for ``cluster_id`` (live or not), if any."""
+        self._ours.discard(cluster_id)
         return self._links.pop(cluster_id, None)
 
     def clusters(self) -> list[int]:
         """Cluster ids with a live link, sorted."""
         return sorted(cid for cid, link in list(self._links.items()) if not link.broken)
+
+    def ours(self, cluster_id: int) -> bool:
+        """Whether this side linked ``cluster_id`` (rather than only the peer), held
+        links (a two-sided ``link`` not yet ``OK``) excepted."""
+        return (
+            cluster_id in self._ours
+            and cluster_id not in self._held
+            and self.live(cluster_id) is not None
+        )
+
+    def claim(self, cluster_ids: Iterable[int]) -> None:
+        """Count the live links to ``cluster_ids`` as linked by this side."""
+        self._ours.update(c for c in cluster_ids if self.live(c) is not None)
 
     def begin(self, cluster_id: int) -> bool:
         """Mark ``cluster_id`` as being linked; False if a link attempt is already running."""
@@ -81,3 +116,47 @@ class LinkTable:
     def end(self, cluster_id: int) -> None:
         """The link attempt for ``cluster_id`` is over."""
         self._linking.discard(cluster_id)
+
+    def hold(self, cluster_ids: Iterable[int]) -> None:
+        """Hand out no link to ``cluster_ids`` until :meth:`release`."""
+        self._held.update(cluster_ids)
+
+    def release(self, cluster_ids: Iterable[int]) -> None:
+        """Hand out the links to ``cluster_ids`` again."""
+        self._held.difference_update(cluster_ids)
+
+    async def wait_live(self, cluster_id: int) -> Link:
+        """Wait until a live link to ``cluster_id`` is filed (either side may open it)."""
+        while (link := self.live(cluster_id)) is None:
+            await self._event(cluster_id).wait()
+        return link
+
+    @contextlib.contextmanager
+    def request(self, cluster_id: int) -> Iterator[None]:
+        """Count one request of ours in flight to ``cluster_id`` for its duration."""
+        self._busy[cluster_id] = self._busy.get(cluster_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._busy[cluster_id] - 1
+            if left:
+                self._busy[cluster_id] = left
+            else:
+                del self._busy[cluster_id]
+                self._wake(cluster_id)
+
+    async def drained(self, cluster_id: int) -> None:
+        """Wait until no request of ours to ``cluster_id`` is in flight."""
+        while self._busy.get(cluster_id):
+            await self._event(cluster_id).wait()
+
+    def _event(self, cluster_id: int) -> asyncio.Event:
+        event = self._changed.get(cluster_id)
+        if event is None:
+            event = self._changed[cluster_id] = asyncio.Event()
+        return event
+
+    def _wake(self, cluster_id: int) -> None:
+        event = self._changed.pop(cluster_id, None)
+        if event is not None:
+            event.set()

@@ -205,6 +205,13 @@ class Transport(abc.ABC):
         """Accept links on ``host:port`` (port 0 picks a free one); returns the bound address."""
 
     @abc.abstractmethod
+    async def unlisten(self, address: tuple[str, int]) -> None:
+        """Stop accepting links on ``address`` (as :meth:`listen` returned it).
+
+        Links already made stay up. No-op when nothing listens there.
+        """
+
+    @abc.abstractmethod
     async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
         """Open a link to a listening transport, handshake included, within ``timeout`` s.
 

@@ -341,6 +341,12 @@ class LocalTransport(Transport):
         self._addresses.append(address)
         return address
 
+    async def unlisten(self, address: tuple[str, int]) -> None:
+        if address in self._addresses:
+            self._addresses.remove(address)
+            if _listeners.get(address) is self:
+                del _listeners[address]
+
     async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
         self._bind_loop("connect")
         where = f"connect to {host}:{port}"

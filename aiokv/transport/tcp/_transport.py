@@ -67,7 +67,7 @@ class TcpTransport(Transport):
         self.chunk_bytes = chunk_bytes
         self.handshake_timeout = handshake_timeout
         self.sock_buf_bytes = sock_buf_bytes
-        self._listeners: list[socket.socket] = []
+        self._listeners: dict[tuple[str, int], tuple[socket.socket, asyncio.Task[None]]] = {}
         self._handshaking: set[SockIO] = set()
         self._links: dict[TcpLink, None] = {}  # insertion-ordered set
         self._scratch = bytearray(_SCRATCH_BYTES)  # sink for data nobody wants
@@ -92,10 +92,19 @@ class TcpTransport(Transport):
                 raise
         except OSError as exc:
             raise LLMException(f"listen on {host}:{port}: {exc}", _S.LLM_LINK_FAILED) from exc
-        self._listeners.append(sock)
-        self._spawn(self._accept_loop(sock), "aiokv-tcp-accept")
         bound = sock.getsockname()
-        return str(bound[0]), int(bound[1])
+        address = (str(bound[0]), int(bound[1]))
+        self._listeners[address] = (sock, self._spawn(self._accept_loop(sock), "aiokv-tcp-accept"))
+        return address
+
+    async def unlisten(self, address: tuple[str, int]) -> None:
+        entry = self._listeners.pop(address, None)
+        if entry is None:
+            return
+        sock, task = entry
+        task.cancel()  # the accept task unregisters the socket from the loop as it unwinds
+        await asyncio.wait([task])
+        sock.close()
 
     async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
         loop = self._bind_loop("connect")
@@ -133,7 +142,7 @@ class TcpTransport(Transport):
         # Accept tasks unregister their listener from the loop as they unwind, so the
         # listeners are closed only after every task has finished.
         await self._end_tasks()
-        for sock in self._listeners:
+        for sock, _ in self._listeners.values():
             sock.close()
         self._listeners.clear()
 

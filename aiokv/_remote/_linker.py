@@ -1,0 +1,295 @@
+"""``Linker``: opening and closing the links of one ``LLMDataDist``, on its engine.
+
+Two ways to link, as llm_datadist:
+
+* ``link_clusters`` / ``unlink_clusters`` — this side connects to each named cluster's
+  listener. Attempts (``link_retry_count``) are spread evenly over the call's time
+  budget, so a peer that starts listening a little later is still found and a refused
+  connection never makes the call spin. The budget is the call's ``timeout``, cut to
+  ``link_total_time`` when that is set and shorter.
+* ``link`` / ``query_register_mem_status`` / ``unlink`` — every party of a communicator
+  calls ``link`` at about the same time; each opens one link to every party of lower
+  rank and waits for the links of the higher ranks (see :mod:`._ranktable`). ``link``
+  returns at once; the status is ``PREPARING`` until every link is up, then ``OK``.
+  Until ``OK`` the links of the communicator are held: requests on them fail with
+  ``LLM_NOT_YET_LINK``.
+
+A link the peer opened first counts as linked for this side too (no second connection
+is made). Unlinking closes every connection to the cluster, whoever opened it, so the
+peer sees the link end; unlinking a cluster that is not (or no longer) linked succeeds.
+
+Threads: every method runs on the engine loop (``LLMDataDist`` hops there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .._config import LLMConfig
+from .._enums import LLMStatusCode, RegisterMemStatus
+from .._errors import LLMException, status_of
+from .._models import LLMClusterInfo
+from ..transport import Link, Transport
+from ._links import LinkTable
+from ._ranktable import Party
+
+__all__ = ["Linker"]
+
+log = logging.getLogger("aiokv.links")
+
+Code = LLMStatusCode
+#: ``link`` waits this long for its parties when ``link_total_time`` is 0 (HCCL's default
+#: connect timeout)
+COMM_TIMEOUT_S = 120.0
+#: ``link`` retries a refused connection this often
+COMM_RETRY_S = 0.25
+
+
+@dataclass(slots=True)
+class _Comm:
+    parties: list[Party]
+    status: RegisterMemStatus = RegisterMemStatus.PREPARING
+    task: asyncio.Task[None] | None = None
+
+
+def _overall(codes: list[LLMStatusCode]) -> LLMStatusCode:
+    """``LLM_SUCCESS``, or the code of the first cluster that failed."""
+    return next((c for c in codes if c != Code.LLM_SUCCESS), Code.LLM_SUCCESS)
+
+
+class Linker:
+    """Links and unlinks for one ``LLMDataDist``; see the module docstring.
+
+    Args:
+        links: the link table it files links in.
+        transport: connects, and lists the connections to close.
+        config: ``link_retry_count`` and ``link_total_time``.
+    """
+
+    def __init__(self, links: LinkTable, transport: Transport, config: LLMConfig) -> None:
+        self._links = links
+        self._transport = transport
+        self._config = config
+        self._comms: dict[int, _Comm] = {}
+        self._ids = itertools.count(1)
+
+    # ---- link_clusters / unlink_clusters ------------------------------------------------
+    def budget(self, timeout_ms: int) -> float:
+        """Seconds a ``link_clusters`` call may take: its timeout, or less."""
+        total = self._config.link_total_time
+        return min(timeout_ms / 1000, total) if total > 0 else timeout_ms / 1000
+
+    async def link_all(
+        self, infos: list[LLMClusterInfo], timeout_ms: int
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Link each cluster concurrently within the budget: ``(overall, per_cluster)``."""
+        deadline = time.monotonic() + self.budget(timeout_ms)
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(self._link_one(c, deadline)) for c in infos]
+        codes = [t.result() for t in tasks]
+        return _overall(codes), codes
+
+    async def _link_one(self, info: LLMClusterInfo, deadline: float) -> LLMStatusCode:
+        """Link one cluster; every failure becomes its code (logged), never an exception."""
+        cid = info.remote_cluster_id
+        if self._links.ours(cid):
+            return Code.LLM_ALREADY_LINK
+        if not self._links.begin(cid):
+            return Code.LLM_PROCESSING_LINK
+        try:
+            if self._links.get(cid) is not None:  # the peer linked to us first: that is it
+                self._links.claim([cid])
+                return Code.LLM_SUCCESS
+            if not info.remote_ip_info:
+                log.warning("link_clusters: cluster %d has no remote_ip_info", cid)
+                return Code.LLM_LINK_FAILED
+            attempts = self._config.link_retry_count
+            link = await self._connect(cid, info.remote_ip_info, deadline, attempts)
+            if link is None:
+                return Code.LLM_LINK_FAILED
+            self._links.add(link, ours=True)
+            return Code.LLM_SUCCESS
+        finally:
+            self._links.end(cid)
+
+    async def _connect(
+        self, cid: int, addresses: Sequence[tuple[str, int]], deadline: float, attempts: int
+    ) -> Link | None:
+        """A link to cluster ``cid``: up to ``attempts`` rounds over ``addresses``, the
+        rounds spread evenly until ``deadline``. None when every round failed or an
+        address answered as another cluster."""
+        for attempt in range(attempts):
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            round_end = now + (deadline - now) / (attempts - attempt)
+            for host, port in addresses:
+                left = round_end - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    link = await self._transport.connect(host, port, timeout=left)
+                except LLMException as exc:
+                    status_of(exc, log, f"link to {cid} at {host}:{port}, try {attempt + 1}")
+                    continue
+                if link.peer.cluster_id == cid:
+                    return link
+                log.warning("%s:%d is cluster %d, not %d", host, port, link.peer.cluster_id, cid)
+                await self._close([link])
+                return None
+            if attempt + 1 < attempts:
+                await asyncio.sleep(max(0.0, round_end - time.monotonic()))
+        return None
+
+    async def unlink_all(
+        self, infos: list[LLMClusterInfo], timeout_ms: int, force: bool
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Unlink each cluster within ``timeout_ms``: ``(overall, per_cluster)``.
+
+        Without ``force`` this side's requests in flight to a cluster may end first; if
+        they do not within the timeout, that cluster stays linked (``LLM_UNLINK_FAILED``).
+        With ``force`` they fail at once.
+        """
+        deadline = time.monotonic() + timeout_ms / 1000
+        codes = []
+        for info in infos:
+            cid = info.remote_cluster_id
+            if not force:
+                try:
+                    async with asyncio.timeout_at(self._loop_time(deadline)):
+                        await self._links.drained(cid)
+                except TimeoutError:
+                    log.warning("unlink %d: requests still in flight after the timeout", cid)
+                    codes.append(Code.LLM_UNLINK_FAILED)
+                    continue
+            await self._unlink_cluster(cid)
+            codes.append(Code.LLM_SUCCESS)
+        return _overall(codes), codes
+
+    async def _unlink_cluster(self, cid: int) -> None:
+        """Close every connection to ``cid``, whoever opened it."""
+        filed = self._links.pop(cid)
+        links = [x for x in self._transport.links() if x.peer.cluster_id == cid]
+        if filed is not None and filed not in links:
+            links.append(filed)
+        await self._close(links)
+
+    @staticmethod
+    async def _close(links: list[Link]) -> None:
+        for link in links:
+            await link.aclose()
+
+    @staticmethod
+    def _loop_time(deadline: float) -> float:
+        """``time.monotonic()`` deadline → the running loop's clock."""
+        loop = asyncio.get_running_loop()
+        return loop.time() + (deadline - time.monotonic())
+
+    # ---- link / query_register_mem_status / unlink --------------------------------------
+    def link(self, parties: list[Party]) -> int:
+        """Start linking a communicator with ``parties``; its id.
+
+        Raises:
+            LLMException: ``LLM_ALREADY_LINK`` when this side already linked one of the
+                parties (or a communicator holds it), ``LLM_PROCESSING_LINK`` while a
+                ``link_clusters`` call links one.
+        """
+        op = "link"
+        cids = [p.cluster_id for p in parties]
+        for cid in cids:
+            if self._links.ours(cid) or any(
+                cid in (q.cluster_id for q in c.parties) for c in self._comms.values()
+            ):
+                raise LLMException(f"{op}: cluster {cid} is already linked", Code.LLM_ALREADY_LINK)
+        for i, cid in enumerate(cids):
+            if not self._links.begin(cid):
+                for done in cids[:i]:
+                    self._links.end(done)
+                raise LLMException(f"{op}: cluster {cid} is being linked", Code.LLM_PROCESSING_LINK)
+        self._links.hold(cids)
+        comm_id = next(self._ids)
+        comm = self._comms[comm_id] = _Comm(parties)
+        comm.task = asyncio.get_running_loop().create_task(
+            self._run_comm(comm_id, comm), name=f"aiokv-link-{comm_id}"
+        )
+        return comm_id
+
+    async def _run_comm(self, comm_id: int, comm: _Comm) -> None:
+        total = self._config.link_total_time or COMM_TIMEOUT_S
+        deadline = time.monotonic() + total
+        cids = [p.cluster_id for p in comm.parties]
+        try:
+            async with asyncio.timeout(total), asyncio.TaskGroup() as group:
+                for party in comm.parties:
+                    group.create_task(self._comm_party(party, deadline))
+        except* (TimeoutError, LLMException) as failed:
+            comm.status = RegisterMemStatus.FAILED
+            log.warning("link %d (%s) failed: %s", comm_id, cids, failed.exceptions)
+            for cid in cids:
+                await self._unlink_cluster(cid)
+        else:
+            comm.status = RegisterMemStatus.OK
+            self._links.claim(cids)
+            log.info("link %d with clusters %s is up", comm_id, cids)
+        finally:
+            self._links.release(cids)
+            for cid in cids:
+                self._links.end(cid)
+
+    async def _comm_party(self, party: Party, deadline: float) -> None:
+        """Up to ``deadline``: connect to a lower rank, or wait for a higher rank's link."""
+        cid = party.cluster_id
+        if party.address is None or self._links.live(cid) is not None:
+            await self._links.wait_live(cid)
+            return
+        attempts = max(1, round((deadline - time.monotonic()) / COMM_RETRY_S))
+        link = await self._connect(cid, [party.address], deadline, attempts)
+        if link is None:
+            raise LLMException(f"link: cluster {cid} was not reached", Code.LLM_LINK_FAILED)
+        self._links.add(link, ours=True)
+
+    def status(self, comm_id: int) -> RegisterMemStatus:
+        """The state of communicator ``comm_id``.
+
+        Raises:
+            LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``.
+        """
+        return self._comm("query_register_mem_status", comm_id).status
+
+    async def unlink(self, comm_id: int) -> None:
+        """Stop linking / close the links of communicator ``comm_id`` and forget it.
+
+        Raises:
+            LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``.
+        """
+        comm = self._comm("unlink", comm_id)
+        if comm.task is not None and not comm.task.done():
+            comm.task.cancel()
+            await asyncio.wait([comm.task])
+        del self._comms[comm_id]
+        for party in comm.parties:
+            await self._unlink_cluster(party.cluster_id)
+
+    def _comm(self, op: str, comm_id: int) -> _Comm:
+        comm = self._comms.get(comm_id)
+        if comm is None:
+            raise LLMException(f"{op}: no link with comm_id {comm_id}", Code.LLM_PARAM_INVALID)
+        return comm
+
+    async def aclose(self) -> None:
+        """Stop every communicator still linking (``finalize``)."""
+        tasks = [c.task for c in self._comms.values() if c.task is not None and not c.task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        self._comms.clear()
+
+    def linking(self) -> bool:
+        """Whether a communicator is still linking."""
+        return any(c.status is RegisterMemStatus.PREPARING for c in self._comms.values())
