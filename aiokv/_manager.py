@@ -769,7 +769,7 @@ class CacheManager:
         await self._move(op, dst_cache_key, src_cache, entry, tensors, layout, req, write=True)
 
     # ---- layer-wise ---------------------------------------------------------------------
-    async def transfer_cache_async(
+    def transfer_cache_async(
         self,
         src_cache: Cache,
         layer_synchronizer: LayerSynchronizer,
@@ -780,9 +780,15 @@ class CacheManager:
     ) -> CacheTask:
         """Start a layer-wise transfer of ``src_cache`` and return its ``CacheTask`` at once.
 
+        A plain method, as llm_datadist's (not a coroutine): call it from a coroutine on
+        any loop, from trio or from a plain thread; the transfer is already started on
+        the engine when it returns. Await the task (or its ``synchronize`` /
+        ``get_results``) for the outcome.
+
         For each layer in order (layer ``i`` = tensors ``2i, 2i+1``) the task awaits
-        ``layer_synchronizer.synchronize_layer(i, sync_kv_timeout)`` and then sends that
-        layer to every destination needing it, so layer i moves while layer i+1 computes.
+        ``layer_synchronizer.synchronize_layer(i, None)`` (for as long as it takes) and
+        then sends that layer to every destination needing it, each send bounded by
+        ``sync_kv_timeout``, so layer i moves while layer i+1 computes.
 
         Destinations: a ``TransferConfig`` names raw tensor addresses registered on the
         peer (``dst_addrs[j]`` for the j-th tensor of ``src_layer_range``), checked by the
@@ -790,7 +796,9 @@ class CacheManager:
         ``TransferWithCacheKeyConfig`` names a peer cache by ``CacheKeyByIdAndIndex``
         (contiguous) or ``BlocksCacheKey`` (paged). Both caches contiguous, or both paged
         (``src_block_indices[k]`` → ``dst_block_indices[k]``, destination blocks of
-        ``dst_block_memory_size`` bytes, default the source block size).
+        ``dst_block_memory_size`` bytes, default the source block size). A paged source
+        without block indices (both ``None`` or empty) sends every block ``k`` to block
+        ``k``.
 
         Raises (at once, before anything is sent):
             TypeError / NoneArgumentError: wrong argument types.
@@ -811,12 +819,15 @@ class CacheManager:
         if ntensors % 2:
             param_invalid(op, f"{ntensors} tensors is not a whole number of K/V layers")
         srcs = dsts = np.empty(0, dtype=np.int64)
-        if src_cache.is_blocks_cache:
-            if src_block_indices is None or dst_block_indices is None:
-                param_invalid(op, "a blocks cache needs src_block_indices and dst_block_indices")
+        no_src, no_dst = _no_blocks(src_block_indices), _no_blocks(dst_block_indices)
+        if src_cache.is_blocks_cache and no_src and no_dst:
+            srcs = dsts = np.arange(src_cache.num_blocks, dtype=np.int64)  # every block
+        elif src_cache.is_blocks_cache:
+            if no_src or no_dst:
+                param_invalid(op, "give both src_block_indices and dst_block_indices, or neither")
             srcs = check_blocks(op, "src_block_indices", src_block_indices, src_cache.num_blocks)
             dsts = check_blocks(op, "dst_block_indices", dst_block_indices, MAX_BLOCK_INDEX + 1)
-            if not srcs.size or srcs.size != dsts.size:
+            if srcs.size != dsts.size:
                 param_invalid(op, f"{srcs.size} src blocks for {dsts.size} dst blocks")
             check_unique(op, "a destination block", dsts)
         elif src_block_indices is not None or dst_block_indices is not None:
@@ -832,12 +843,14 @@ class CacheManager:
         results: list[LLMStatusCode | None] = [None] * len(plans)
         live = [entry] if entry is not None else []
         portal = Portal()  # an async synchronizer runs on the caller's loop
-        timeout_ms = self._config.sync_kv_timeout
+        name = f"aiokv-{op}-{src_cache.cache_id}"
 
-        async def start() -> asyncio.Task[None]:  # on the engine, which owns the task
+        def spawn() -> asyncio.Task[None] | None:  # on the engine, which owns the task
+            if self._closed:  # finalize got there first
+                self._registry.unpin(*live)
+                return None
             task = asyncio.get_running_loop().create_task(
-                run_layers(sync, portal, plans, timeout_ms, results),
-                name=f"aiokv-{op}-{src_cache.cache_id}",
+                run_layers(sync, portal, plans, results), name=name
             )
             self._tasks.add(task)
 
@@ -851,11 +864,10 @@ class CacheManager:
 
         self._registry.pin(*live)  # now: the caller may deallocate before the task runs
         try:
-            task = await self._engine.run(start)
+            return CacheTask(self._engine, spawn, results)
         except BaseException:
             self._registry.unpin(*live)
             raise
-        return CacheTask(self._engine, task, results)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def _close(self) -> None:
@@ -865,6 +877,11 @@ class CacheManager:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _no_blocks(indices: Sequence[int] | None) -> bool:
+    """Whether a block-index argument is absent (``None`` or an empty list/tuple)."""
+    return indices is None or (isinstance(indices, list | tuple) and not indices)
 
 
 class KvCacheManager(CacheManager):
