@@ -36,8 +36,8 @@ from ._checks import (
     tensor_range,
 )
 from ._config import LLMConfig
-from ._copy import CopyScheduler
-from ._engine import Engine, Portal, on_asyncio
+from ._copy import CopyScheduler, copy_rows, fits_inline
+from ._engine import Engine, Portal, checkpoint, on_asyncio
 from ._enums import LLMRole, LLMStatusCode, Placement
 from ._errors import LLMException, map_errors
 from ._layerwise import CacheTask, LayerSynchronizer, Source, plan, run_layers
@@ -448,9 +448,7 @@ class CacheManager:
             param_invalid(op, "a block is both a source and a destination")
         if not pairs:
             return
-        rows = cache.rows()
-        with self._pinned(entry), map_errors(op):
-            await self._copy(self._scheduler.copy_blocks, rows, rows, pairs)
+        await self._copy_blocks(op, cache, cache, pairs, entry)
 
     async def copy_kv_blocks(
         self,
@@ -493,8 +491,7 @@ class CacheManager:
             param_invalid(op, "a block is both a source and a destination")
         if not pairs:
             return
-        with self._pinned(se, de), map_errors(op):
-            await self._copy(self._scheduler.copy_blocks, src_cache.rows(), dst_cache.rows(), pairs)
+        await self._copy_blocks(op, src_cache, dst_cache, pairs, se, de)
 
     async def swap_blocks(self, src: Cache, dst: Cache, src_to_dst: Mapping[int, int]) -> None:
         """Swap blocks between a host and a device blocks cache: host→device is "swap in",
@@ -525,8 +522,43 @@ class CacheManager:
             param_invalid(op, "a destination block is written twice")
         if not pairs:
             return
-        with self._pinned(se, de), map_errors(op):
-            await self._copy(self._scheduler.copy_blocks, src.rows(), dst.rows(), pairs)
+        await self._copy_blocks(op, src, dst, pairs, se, de)
+
+    async def _copy_blocks(
+        self,
+        op: str,
+        src: Cache,
+        dst: Cache,
+        pairs: list[tuple[int, int]],
+        *entries: Entry | None,
+    ) -> None:
+        """``dst`` block ``d`` = ``src`` block ``s`` for every pair, in every tensor, with
+        ``entries`` pinned throughout.
+
+        A small copy between host tensors (:func:`~aiokv._copy.fits_inline`) runs right
+        here, after one checkpoint (cancelled there, nothing was copied): cheaper than
+        the hop to a worker. Anything else is one job on the copy workers.
+        """
+        live = [e for e in entries if e is not None]
+        self._registry.pin(*live)
+        try:
+            hs, hd = src.host_rows(), dst.host_rows()
+            if (
+                hs is not None
+                and hd is not None
+                and fits_inline(len(hs), len(pairs), hs[0].shape[1])
+            ):
+                await checkpoint()
+                try:
+                    copy_rows(hs, hd, pairs)
+                except Exception:
+                    with map_errors(op):  # the same codes as from a worker
+                        raise
+                return
+            with map_errors(op):
+                await self._copy(self._scheduler.copy_blocks, src.rows(), dst.rows(), pairs)
+        finally:
+            self._registry.unpin(*live)
 
     async def _copy(self, fn: Callable[P, Awaitable[R]], *args: P.args, **kwargs: P.kwargs) -> R:
         """Await a copy job: straight from the caller's asyncio loop to the copy workers;
