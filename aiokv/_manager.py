@@ -76,8 +76,10 @@ _PROMPT_ROLES = (LLMRole.PROMPT, LLMRole.MIX)
 class CacheManager:
     """Allocates, registers, copies, swaps and transfers caches of one ``LLMDataDist``.
 
-    Obtained from ``LLMDataDist.cache_manager`` after ``init``; every method is async and
-    never blocks the event loop. Errors follow SPEC §1.2.
+    Obtained from ``LLMDataDist.cache_manager`` after ``init``; every operation is async
+    (``transfer_cache_async`` returns its started ``CacheTask`` at once) and never blocks
+    the event loop beyond a small inline host copy (tens of µs, see
+    :mod:`aiokv._copy._inline`). Errors follow SPEC §1.2.
     """
 
     #: operation → roles allowed to call it (empty here; llm_datadist's legacy gates in
