@@ -12,6 +12,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from ._checks import UINT64_MAX, check_instance, param_invalid
@@ -37,7 +39,15 @@ class Cache:
         placement: ``HOST`` or ``DEVICE``.
     """
 
-    __slots__ = ("_owner", "cache_desc", "cache_id", "is_blocks_cache", "tensors")
+    __slots__ = (
+        "_host_rows",
+        "_owner",
+        "_rows",
+        "cache_desc",
+        "cache_id",
+        "is_blocks_cache",
+        "tensors",
+    )
 
     def __init__(
         self, cache_desc: CacheDesc, tensors: list[torch.Tensor], *, is_blocks_cache: bool
@@ -48,6 +58,8 @@ class Cache:
         self.is_blocks_cache = is_blocks_cache
         # the registry that tracks this cache; None for create_cpu_cache (user-owned)
         self._owner: object | None = None
+        self._rows: list[torch.Tensor] | None = None  # memoized views, see rows()
+        self._host_rows: list[npt.NDArray[np.uint8]] | None = None
 
     @property
     def placement(self) -> Placement:
@@ -86,8 +98,22 @@ class Cache:
         return not self.tensors or self.tensors[0].device.type == "cpu"
 
     def rows(self) -> list[torch.Tensor]:
-        """Each tensor as a ``[num_blocks, block_bytes]`` uint8 view (same memory)."""
-        return [t.view(torch.uint8).view(self.num_blocks, self.block_bytes) for t in self.tensors]
+        """Each tensor as a ``[num_blocks, block_bytes]`` uint8 view (same memory).
+
+        Built once per cache (the tensors never change); do not modify the list."""
+        rows = self._rows
+        if rows is None:
+            n, bb = self.num_blocks, self.block_bytes
+            rows = self._rows = [t.view(torch.uint8).view(n, bb) for t in self.tensors]
+        return rows
+
+    def host_rows(self) -> list[npt.NDArray[np.uint8]] | None:
+        """:meth:`rows` as numpy arrays (same memory) when the tensors are host memory,
+        else ``None``. Built once per cache; do not modify the list."""
+        rows = self._host_rows
+        if rows is None and self.on_host:
+            rows = self._host_rows = [r.numpy() for r in self.rows()]
+        return rows
 
     def __repr__(self) -> str:
         kind = "blocks" if self.is_blocks_cache else "contiguous"

@@ -35,7 +35,7 @@ import sniffio
 from ._enums import LLMStatusCode
 from ._errors import LLMException
 
-__all__ = ["Engine", "Portal", "on_asyncio"]
+__all__ = ["Engine", "Portal", "checkpoint", "on_asyncio"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -55,6 +55,15 @@ def on_asyncio() -> bool:
         return sniffio.current_async_library() == "asyncio"
     except sniffio.AsyncLibraryNotFoundError:
         return False
+
+
+async def checkpoint() -> None:
+    """Yield to the running loop once (asyncio or trio): a scheduling and cancellation
+    point for an operation that otherwise completes without suspending."""
+    if on_asyncio():
+        await asyncio.sleep(0)
+    else:
+        await anyio.lowlevel.checkpoint()
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:

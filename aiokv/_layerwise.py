@@ -5,9 +5,10 @@ destination into a :class:`LayerPlan` ONCE: validated block lists, the source
 :class:`~aiokv._layout.ByteLayout`, one memoryview per source tensor, the encoded block
 list and the link. Sending a layer then costs one request and one slice per run — no
 re-validation and no per-block objects. :func:`run_layers` walks the layers in order:
-it awaits ``layer_synchronizer.synchronize_layer(i, timeout)`` (the model saying
-"layer i is written"), starts layer i's sends in its task group, and goes on to wait
-for layer i + 1 while they run. Each destination gets one result code.
+it awaits ``layer_synchronizer.synchronize_layer(i, None)`` (the model saying "layer i
+is written"; waited for as long as it takes, as llm_datadist), starts layer i's sends in
+its task group, and goes on to wait for layer i + 1 while they run; each send is bounded
+by ``sync_kv_timeout``. Each destination gets one result code.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ._cache import Cache
 from ._checks import Blocks, check_index, param_invalid
 from ._engine import Engine, Portal
 from ._enums import LLMStatusCode
-from ._errors import status_of
+from ._errors import LLMException, status_of
 from ._layout import ByteLayout, tensor_bytes
 from ._models import (
     BlocksCacheKey,
@@ -59,8 +60,9 @@ class LayerSynchronizer(Protocol):
     Implement ``async def synchronize_layer(self, layer_index, timeout_in_millis) -> bool``
     or a plain blocking ``def`` returning ``bool``. Return ``True`` once the layer's KV is
     complete; ``False`` fails the destinations that need that layer with
-    ``LLM_PARAM_INVALID``. Taking longer than ``timeout_in_millis`` fails them with
-    ``LLM_TIMEOUT``.
+    ``LLM_PARAM_INVALID``. ``timeout_in_millis`` is ``None`` (as llm_datadist passes it):
+    the transfer waits for as long as the synchronizer takes; ``CacheTask.cancel()``
+    stops a wait that never ends.
 
     Where it runs: an ``async def`` on the loop that called ``transfer_cache_async`` (so
     it may wait on that loop's events; from ``aiokv.sync``, on the engine loop); a
@@ -174,20 +176,15 @@ def plan(
     return LayerPlan(layers, send)
 
 
-async def _sync(
-    sync: LayerSynchronizer, portal: Portal, layer: int, timeout_ms: int
-) -> LLMStatusCode:
+async def _sync(sync: LayerSynchronizer, portal: Portal, layer: int) -> LLMStatusCode:
     fn: Any = sync.synchronize_layer
     try:
-        async with asyncio.timeout(timeout_ms / 1000):
-            if inspect.iscoroutinefunction(fn):
-                got = await portal.run(fn, layer, timeout_ms)
-            else:
-                got = await asyncio.to_thread(fn, layer, timeout_ms)
-                if inspect.isawaitable(got):  # a def returning an awaitable: the caller's
-                    got = await portal.run(_awaited, got)
-    except TimeoutError:
-        return Code.LLM_TIMEOUT
+        if inspect.iscoroutinefunction(fn):
+            got = await portal.run(fn, layer, None)
+        else:
+            got = await asyncio.to_thread(fn, layer, None)
+            if inspect.isawaitable(got):  # a def returning an awaitable: the caller's
+                got = await portal.run(_awaited, got)
     except Exception as exc:
         return status_of(exc, log, f"synchronize_layer({layer})")
     return Code.LLM_SUCCESS if got is True else Code.LLM_PARAM_INVALID
@@ -201,7 +198,6 @@ async def run_layers(
     sync: LayerSynchronizer,
     portal: Portal,
     plans: list[LayerPlan],
-    timeout_ms: int,
     results: list[Code | None],
 ) -> None:
     """Walk the layers in order, overlapping each layer's sends with the next wait.
@@ -225,7 +221,7 @@ async def run_layers(
             wanting = [j for j, p in enumerate(plans) if layer in p.layers and results[j] is None]
             if not wanting:
                 continue
-            code = await _sync(sync, portal, layer, timeout_ms)
+            code = await _sync(sync, portal, layer)
             for j in wanting:
                 if code != Code.LLM_SUCCESS:
                     results[j] = code
@@ -239,20 +235,56 @@ async def run_layers(
 class CacheTask:
     """A running layer-wise transfer (``transfer_cache_async``'s result).
 
-    The transfer runs on the engine; this handle may be awaited from any loop or thread
-    (``aiokv.sync`` blocks on the same handle). ``await task`` yields the
-    per-destination results. ``synchronize`` and ``get_results`` take an optional
-    timeout in ms; a timeout returns ``LLM_TIMEOUT`` (per unfinished destination for
-    ``get_results``) and does NOT cancel the transfer. ``cancel()`` cancels it;
-    destinations not finished then report ``None``.
+    Created already started: ``spawn`` is called on the engine (at once when created
+    there, else as the engine's next callback) and returns the engine-owned task, or
+    ``None`` when the transfer may no longer start (the ``LLMDataDist`` is finalizing).
+    This handle may be awaited from any loop or thread (``aiokv.sync`` blocks on the
+    same handle). ``await task`` yields the per-destination results. ``synchronize``
+    and ``get_results`` take an optional timeout in ms; a timeout returns
+    ``LLM_TIMEOUT`` (per unfinished destination for ``get_results``) and does NOT
+    cancel the transfer. ``cancel()`` cancels it; destinations not finished then
+    report ``None``.
+
+    Raises (at creation):
+        LLMException: ``LLM_FAILED`` when the engine has stopped (``spawn`` not called).
     """
 
     def __init__(
-        self, engine: Engine, task: asyncio.Task[None], results: list[Code | None]
+        self,
+        engine: Engine,
+        spawn: Callable[[], asyncio.Task[None] | None],
+        results: list[Code | None],
     ) -> None:
         self._engine = engine
-        self._task = task
         self._results = results
+        self._task: asyncio.Task[None] | None = None
+        self._cancelled = False
+        self._ended = False  # set on the engine; read from any thread
+        self._spawn: Callable[[], asyncio.Task[None] | None] | None = spawn
+        if engine.on_engine():
+            self._start()
+        else:
+            try:
+                engine.loop.call_soon_threadsafe(self._start)
+            except RuntimeError:  # the engine loop is closed
+                raise LLMException(
+                    "transfer_cache_async: the LLMDataDist was finalized", Code.LLM_FAILED
+                ) from None
+
+    def _start(self) -> None:  # on the engine; runs before any later engine call
+        spawn, self._spawn = self._spawn, None
+        assert spawn is not None
+        task = spawn()
+        if task is None:
+            self._ended = True
+            return
+        self._task = task
+        task.add_done_callback(self._end)
+        if self._cancelled:
+            task.cancel()  # never started: its body does not run
+
+    def _end(self, task: asyncio.Task[None]) -> None:
+        self._ended = True
 
     async def _wait(self, timeout_in_millis: int | None) -> bool:
         if timeout_in_millis is not None and (
@@ -261,11 +293,13 @@ class CacheTask:
             raise TypeError("timeout_in_millis must be int or None")
         if timeout_in_millis is not None and timeout_in_millis < 0:
             raise ValueError("timeout_in_millis must be >= 0")
-        if self._task.done():
+        if self._ended:
             return True
         timeout = None if timeout_in_millis is None else timeout_in_millis / 1000
 
-        async def wait() -> bool:  # on the engine, which owns the task
+        async def wait() -> bool:  # on the engine, which owns the task (started by now)
+            if self._task is None:
+                return True
             done, _ = await asyncio.wait({self._task}, timeout=timeout)
             return bool(done)
 
@@ -294,14 +328,19 @@ class CacheTask:
 
         Returns at once (from any thread); :meth:`synchronize` waits for the end."""
         if self._engine.on_engine():
-            self._task.cancel()
+            self._cancel()
         else:
             with contextlib.suppress(RuntimeError):  # the engine has stopped: it is over
-                self._engine.loop.call_soon_threadsafe(self._task.cancel)
+                self._engine.loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        self._cancelled = True
+        if self._task is not None:
+            self._task.cancel()
 
     def done(self) -> bool:
         """Whether the transfer finished (or was cancelled)."""
-        return self._task.done()
+        return self._ended
 
     def __await__(self) -> Generator[Any, None, list[LLMStatusCode | None]]:
         return self.get_results().__await__()

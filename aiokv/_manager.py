@@ -36,8 +36,8 @@ from ._checks import (
     tensor_range,
 )
 from ._config import LLMConfig
-from ._copy import CopyScheduler
-from ._engine import Engine, Portal, on_asyncio
+from ._copy import CopyScheduler, copy_rows, fits_inline
+from ._engine import Engine, Portal, checkpoint, on_asyncio
 from ._enums import LLMRole, LLMStatusCode, Placement
 from ._errors import LLMException, map_errors
 from ._layerwise import CacheTask, LayerSynchronizer, Source, plan, run_layers
@@ -76,8 +76,10 @@ _PROMPT_ROLES = (LLMRole.PROMPT, LLMRole.MIX)
 class CacheManager:
     """Allocates, registers, copies, swaps and transfers caches of one ``LLMDataDist``.
 
-    Obtained from ``LLMDataDist.cache_manager`` after ``init``; every method is async and
-    never blocks the event loop. Errors follow SPEC §1.2.
+    Obtained from ``LLMDataDist.cache_manager`` after ``init``; every operation is async
+    (``transfer_cache_async`` returns its started ``CacheTask`` at once) and never blocks
+    the event loop beyond a small inline host copy (tens of µs, see
+    :mod:`aiokv._copy._inline`). Errors follow SPEC §1.2.
     """
 
     #: operation → roles allowed to call it (empty here; llm_datadist's legacy gates in
@@ -448,9 +450,7 @@ class CacheManager:
             param_invalid(op, "a block is both a source and a destination")
         if not pairs:
             return
-        rows = cache.rows()
-        with self._pinned(entry), map_errors(op):
-            await self._copy(self._scheduler.copy_blocks, rows, rows, pairs)
+        await self._copy_blocks(op, cache, cache, pairs, entry)
 
     async def copy_kv_blocks(
         self,
@@ -493,8 +493,7 @@ class CacheManager:
             param_invalid(op, "a block is both a source and a destination")
         if not pairs:
             return
-        with self._pinned(se, de), map_errors(op):
-            await self._copy(self._scheduler.copy_blocks, src_cache.rows(), dst_cache.rows(), pairs)
+        await self._copy_blocks(op, src_cache, dst_cache, pairs, se, de)
 
     async def swap_blocks(self, src: Cache, dst: Cache, src_to_dst: Mapping[int, int]) -> None:
         """Swap blocks between a host and a device blocks cache: host→device is "swap in",
@@ -525,8 +524,43 @@ class CacheManager:
             param_invalid(op, "a destination block is written twice")
         if not pairs:
             return
-        with self._pinned(se, de), map_errors(op):
-            await self._copy(self._scheduler.copy_blocks, src.rows(), dst.rows(), pairs)
+        await self._copy_blocks(op, src, dst, pairs, se, de)
+
+    async def _copy_blocks(
+        self,
+        op: str,
+        src: Cache,
+        dst: Cache,
+        pairs: list[tuple[int, int]],
+        *entries: Entry | None,
+    ) -> None:
+        """``dst`` block ``d`` = ``src`` block ``s`` for every pair, in every tensor, with
+        ``entries`` pinned throughout.
+
+        A small copy between host tensors (:func:`~aiokv._copy.fits_inline`) runs right
+        here, after one checkpoint (cancelled there, nothing was copied): cheaper than
+        the hop to a worker. Anything else is one job on the copy workers.
+        """
+        live = [e for e in entries if e is not None]
+        self._registry.pin(*live)
+        try:
+            hs, hd = src.host_rows(), dst.host_rows()
+            if (
+                hs is not None
+                and hd is not None
+                and fits_inline(len(hs), len(pairs), hs[0].shape[1])
+            ):
+                await checkpoint()
+                try:
+                    copy_rows(hs, hd, pairs)
+                except Exception:
+                    with map_errors(op):  # the same codes as from a worker
+                        raise
+                return
+            with map_errors(op):
+                await self._copy(self._scheduler.copy_blocks, src.rows(), dst.rows(), pairs)
+        finally:
+            self._registry.unpin(*live)
 
     async def _copy(self, fn: Callable[P, Awaitable[R]], *args: P.args, **kwargs: P.kwargs) -> R:
         """Await a copy job: straight from the caller's asyncio loop to the copy workers;
@@ -769,7 +803,7 @@ class CacheManager:
         await self._move(op, dst_cache_key, src_cache, entry, tensors, layout, req, write=True)
 
     # ---- layer-wise ---------------------------------------------------------------------
-    async def transfer_cache_async(
+    def transfer_cache_async(
         self,
         src_cache: Cache,
         layer_synchronizer: LayerSynchronizer,
@@ -780,9 +814,15 @@ class CacheManager:
     ) -> CacheTask:
         """Start a layer-wise transfer of ``src_cache`` and return its ``CacheTask`` at once.
 
+        A plain method, as llm_datadist's (not a coroutine): call it from a coroutine on
+        any loop, from trio or from a plain thread; the transfer is already started on
+        the engine when it returns. Await the task (or its ``synchronize`` /
+        ``get_results``) for the outcome.
+
         For each layer in order (layer ``i`` = tensors ``2i, 2i+1``) the task awaits
-        ``layer_synchronizer.synchronize_layer(i, sync_kv_timeout)`` and then sends that
-        layer to every destination needing it, so layer i moves while layer i+1 computes.
+        ``layer_synchronizer.synchronize_layer(i, None)`` (for as long as it takes) and
+        then sends that layer to every destination needing it, each send bounded by
+        ``sync_kv_timeout``, so layer i moves while layer i+1 computes.
 
         Destinations: a ``TransferConfig`` names raw tensor addresses registered on the
         peer (``dst_addrs[j]`` for the j-th tensor of ``src_layer_range``), checked by the
@@ -790,7 +830,9 @@ class CacheManager:
         ``TransferWithCacheKeyConfig`` names a peer cache by ``CacheKeyByIdAndIndex``
         (contiguous) or ``BlocksCacheKey`` (paged). Both caches contiguous, or both paged
         (``src_block_indices[k]`` → ``dst_block_indices[k]``, destination blocks of
-        ``dst_block_memory_size`` bytes, default the source block size).
+        ``dst_block_memory_size`` bytes, default the source block size). A paged source
+        without block indices (both ``None`` or empty) sends every block ``k`` to block
+        ``k``.
 
         Raises (at once, before anything is sent):
             TypeError / NoneArgumentError: wrong argument types.
@@ -811,12 +853,15 @@ class CacheManager:
         if ntensors % 2:
             param_invalid(op, f"{ntensors} tensors is not a whole number of K/V layers")
         srcs = dsts = np.empty(0, dtype=np.int64)
-        if src_cache.is_blocks_cache:
-            if src_block_indices is None or dst_block_indices is None:
-                param_invalid(op, "a blocks cache needs src_block_indices and dst_block_indices")
+        no_src, no_dst = _no_blocks(src_block_indices), _no_blocks(dst_block_indices)
+        if src_cache.is_blocks_cache and no_src and no_dst:
+            srcs = dsts = np.arange(src_cache.num_blocks, dtype=np.int64)  # every block
+        elif src_cache.is_blocks_cache:
+            if no_src or no_dst:
+                param_invalid(op, "give both src_block_indices and dst_block_indices, or neither")
             srcs = check_blocks(op, "src_block_indices", src_block_indices, src_cache.num_blocks)
             dsts = check_blocks(op, "dst_block_indices", dst_block_indices, MAX_BLOCK_INDEX + 1)
-            if not srcs.size or srcs.size != dsts.size:
+            if srcs.size != dsts.size:
                 param_invalid(op, f"{srcs.size} src blocks for {dsts.size} dst blocks")
             check_unique(op, "a destination block", dsts)
         elif src_block_indices is not None or dst_block_indices is not None:
@@ -832,12 +877,14 @@ class CacheManager:
         results: list[LLMStatusCode | None] = [None] * len(plans)
         live = [entry] if entry is not None else []
         portal = Portal()  # an async synchronizer runs on the caller's loop
-        timeout_ms = self._config.sync_kv_timeout
+        name = f"aiokv-{op}-{src_cache.cache_id}"
 
-        async def start() -> asyncio.Task[None]:  # on the engine, which owns the task
+        def spawn() -> asyncio.Task[None] | None:  # on the engine, which owns the task
+            if self._closed:  # finalize got there first
+                self._registry.unpin(*live)
+                return None
             task = asyncio.get_running_loop().create_task(
-                run_layers(sync, portal, plans, timeout_ms, results),
-                name=f"aiokv-{op}-{src_cache.cache_id}",
+                run_layers(sync, portal, plans, results), name=name
             )
             self._tasks.add(task)
 
@@ -851,11 +898,10 @@ class CacheManager:
 
         self._registry.pin(*live)  # now: the caller may deallocate before the task runs
         try:
-            task = await self._engine.run(start)
+            return CacheTask(self._engine, spawn, results)
         except BaseException:
             self._registry.unpin(*live)
             raise
-        return CacheTask(self._engine, task, results)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def _close(self) -> None:
@@ -865,6 +911,11 @@ class CacheManager:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _no_blocks(indices: Sequence[int] | None) -> bool:
+    """Whether a block-index argument is absent (``None`` or an empty list/tuple)."""
+    return indices is None or (isinstance(indices, list | tuple) and not indices)
 
 
 class KvCacheManager(CacheManager):

@@ -40,7 +40,10 @@ def bench_local(quick: Quick = False, as_json: Json = False) -> None:
     """swap_blocks of N paged blocks vs the best plain-torch method; small-op latency."""
     from ._bench.local import run_local_bench
 
-    _emit(run_local_bench(repeat=2, layers=8) if quick else run_local_bench(), as_json)
+    _emit(
+        run_local_bench(repeat=2, layers=8, small_rounds=300) if quick else run_local_bench(),
+        as_json,
+    )
 
 
 @bench_app.command("transfer")

@@ -155,8 +155,7 @@ class CacheManager(_Blocking):
     def transfer_cache_async(self, *args: Any, **kwargs: Any) -> CacheTask:
         """Start a layer-wise transfer (see the async ``transfer_cache_async``); returns
         a :class:`CacheTask` whose ``synchronize()`` blocks."""
-        task = self._engine.call(self._async.transfer_cache_async, *args, **kwargs)
-        return CacheTask(self._engine, task)
+        return CacheTask(self._engine, self._async.transfer_cache_async(*args, **kwargs))
 
 
 class KvCacheManager(CacheManager):

@@ -279,7 +279,7 @@ async def test_blocking_def_synchronizer_runs_off_the_loops_and_overlaps() -> No
 
         tick = asyncio.create_task(ticker())
         start = time.perf_counter()
-        task = await p.cache_manager.transfer_cache_async(src, Blocking(), [cfg], blocks, blocks)
+        task = p.cache_manager.transfer_cache_async(src, Blocking(), [cfg], blocks, blocks)
         assert await task.synchronize() == CODE.LLM_SUCCESS
         took = time.perf_counter() - start
         tick.cancel()

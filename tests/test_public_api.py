@@ -62,7 +62,8 @@ def test_public_methods_are_documented() -> None:
 
 
 def test_manager_operations_are_async() -> None:
-    sync = {"get_pool_stats", "statistics"}
+    # transfer_cache_async returns its CacheTask at once, as llm_datadist's (issue #8)
+    sync = {"get_pool_stats", "statistics", "transfer_cache_async"}
     for cls in (aiokv.CacheManager, aiokv.KvCacheManager):
         ops = [n for n, m in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")]
         assert len(ops) >= 17

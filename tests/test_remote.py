@@ -505,7 +505,7 @@ async def test_transfer_cache_async_layer_by_layer(pair: tuple[LLMDataDist, LLMD
     dst = await d.cache_manager.register_blocks_cache(paged(layers), dst_t, BlocksCacheKey(2, 0))
     sync = Releaser(layers)
     srcs, dsts = [1, 2, 3, 8], [4, 5, 6, 0]
-    task = await p.cache_manager.transfer_cache_async(
+    task = p.cache_manager.transfer_cache_async(
         src, sync, [TransferConfig(2, dst.tensor_addrs)], srcs, dsts
     )
     assert await task.synchronize(timeout_in_millis=20) == CODE.LLM_TIMEOUT  # not cancelled
@@ -523,7 +523,7 @@ async def test_transfer_cache_async_layer_by_layer(pair: tuple[LLMDataDist, LLMD
     sync2 = Releaser(layers, {2: False})
     for e in sync2.ready:
         e.set()
-    task2 = await p.cache_manager.transfer_cache_async(
+    task2 = p.cache_manager.transfer_cache_async(
         src,
         sync2,
         [
@@ -544,18 +544,21 @@ async def test_transfer_cache_async_errors(pair: tuple[LLMDataDist, LLMDataDist]
     src = await p.cache_manager.allocate_blocks_cache(paged(2))
     dst = await d.cache_manager.allocate_blocks_cache(paged(2))
     cm = p.cache_manager
-    # layer 0 never released: the synchronizer times out
-    task = await cm.transfer_cache_async(
+    # layer 0 never released: waited for past sync_kv_timeout (llm_datadist passes None)
+    task = cm.transfer_cache_async(
         src, Releaser(2), [TransferConfig(2, dst.tensor_addrs)], [0], [0]
     )
-    assert await task.get_results() == [CODE.LLM_TIMEOUT]
+    assert await task.get_results(timeout_in_millis=300) == [CODE.LLM_TIMEOUT]
+    assert not task.done()
+    task.cancel()
+    assert await task.get_results() == [None]
     # addresses the decoder never registered as accessible memory
     p.config.sync_kv_timeout = 5000  # nothing below may race a 100 ms limit
     sync = Releaser(2)
     for e in sync.ready:
         e.set()
     bogus = [a + (1 << 40) for a in dst.tensor_addrs]
-    task = await cm.transfer_cache_async(src, sync, [TransferConfig(2, bogus)], [0], [0])
+    task = cm.transfer_cache_async(src, sync, [TransferConfig(2, bogus)], [0], [0])
     assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
 
     # a plain (sync) synchronizer is accepted; cancelling reports None
@@ -564,11 +567,9 @@ async def test_transfer_cache_async_errors(pair: tuple[LLMDataDist, LLMDataDist]
         def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
             return True
 
-    task = await cm.transfer_cache_async(
-        src, Plain(), [TransferConfig(2, dst.tensor_addrs)], [2], [2]
-    )
+    task = cm.transfer_cache_async(src, Plain(), [TransferConfig(2, dst.tensor_addrs)], [2], [2])
     assert await task == [CODE.LLM_SUCCESS]
-    slow = await cm.transfer_cache_async(
+    slow = cm.transfer_cache_async(
         src, Releaser(2), [TransferConfig(2, dst.tensor_addrs)], [0], [0]
     )
     slow.cancel()
@@ -588,15 +589,15 @@ async def test_transfer_cache_async_errors(pair: tuple[LLMDataDist, LLMDataDist]
             src, Plain(), [TransferConfig(2, dst.tensor_addrs, range(0, 3))], [0], [0]
         ),
     ]:
-        await raises(CODE.LLM_PARAM_INVALID, call())
-    await raises(
-        CODE.LLM_NOT_YET_LINK,
-        cm.transfer_cache_async(src, Plain(), [TransferConfig(8, dst.tensor_addrs)], [0], [0]),
-    )
+        with pytest.raises(LLMException) as ei:
+            call()  # at once: a plain method
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+    with pytest.raises(LLMException) as ei:
+        cm.transfer_cache_async(src, Plain(), [TransferConfig(8, dst.tensor_addrs)], [0], [0])
+    assert ei.value.status_code == CODE.LLM_NOT_YET_LINK
     with pytest.raises(TypeError):
-        await cm.transfer_cache_async(
-            src, object(), [TransferConfig(2, dst.tensor_addrs)], [0], [0]
-        )  # type: ignore[arg-type]
+        cm.transfer_cache_async(src, object(), [TransferConfig(2, dst.tensor_addrs)], [0], [0])  # type: ignore[arg-type]
+    assert p.cache_manager.statistics().pins == 0  # refused calls pin nothing
 
 
 # ---- two real processes -----------------------------------------------------------------------

@@ -95,7 +95,7 @@ async def _layerwise(
     Raises:
         RuntimeError: a destination did not report success.
     """
-    task = await cm.transfer_cache_async(src, sync, configs, srcs, dsts)
+    task = cm.transfer_cache_async(src, sync, configs, srcs, dsts)
     codes = await task
     if codes != [LLMStatusCode.LLM_SUCCESS] * len(configs):
         raise RuntimeError(f"transfer_cache_async failed: {codes}")

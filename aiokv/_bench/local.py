@@ -4,8 +4,10 @@ For each block size and block count it times, on the same tensors, ``swap_blocks
 (device → host; the device is the CPU here, registered as user memory) and the fastest
 of several plain-torch ways to do the same copy, for random ``(src, dst)`` pairs and
 for one contiguous run, and reports GB/s, the ratio ``t_raw / t_aiokv`` and the
-framework overhead per block pair, ``(t_aiokv - t_raw) / N``. It also compares one
-awaited one-block ``swap_blocks`` with a bare ``loop.run_in_executor`` of the same copy.
+framework overhead per block pair, ``(t_aiokv - t_raw) / N``. A second table times
+small ops as a serving loop issues them (one op, then other awaits, repeatedly): a
+one-block ``swap_blocks`` and ``copy_blocks`` (4 tensors x 16 KiB) against a bare
+``loop.run_in_executor(None, noop)``, interleaved, with their ratio (target <= 0.5).
 
 Memory is bounded by two preallocated host buffers (``pool_bytes`` each, 1 GiB by
 default); every case carves its tensors out of them, using fewer than ``2 * layers``
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import torch
 
 from .. import Cache, CacheDesc, CacheManager, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
-from ._harness import Report, gbps, interleave, run_loop
+from ._harness import Report, gbps, interleave, median, run_loop
 
 __all__ = ["run_local_bench"]
 
@@ -120,28 +124,54 @@ async def _swap_case(
         await cm.unregister_cache(d_cache.cache_id)
 
 
-async def _small_op(cm: CacheManager, calls: int, rounds: int) -> tuple[float, float]:
-    """Mean µs of a one-block ``swap_blocks`` and of ``run_in_executor`` of the same copy."""
+async def _small_ops(cm: CacheManager, rounds: int) -> list[dict[str, Any]]:
+    """One small op at a time, as a serving loop issues them: a 1-block ``swap_blocks``
+    and ``copy_blocks`` (4 tensors x 16 KiB) and a bare ``run_in_executor(None, noop)``,
+    in turn, each followed by another await (``sleep(0)``) and timed alone; medians."""
     loop = asyncio.get_running_loop()
-    src, dst = torch.ones(2, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16)
-    s_cache = await _register(cm, [src], Placement.DEVICE)
-    d_cache = await _register(cm, [dst], Placement.HOST)
+    shape = (8, 8 << 10)  # 8 blocks of 16 KiB (bf16)
+    dev = [torch.ones(shape, dtype=torch.bfloat16) for _ in range(4)]
+    host = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(4)]
+    s_cache = await _register(cm, dev, Placement.DEVICE)
+    d_cache = await _register(cm, host, Placement.HOST)
 
-    def copy() -> None:
-        dst[1].copy_(src[0])
+    def noop() -> None:
+        return None
 
-    async def aiokv() -> None:
-        for _ in range(calls):
-            await cm.swap_blocks(s_cache, d_cache, {0: 1})
-
-    async def executor() -> None:
-        for _ in range(calls):
-            await loop.run_in_executor(None, copy)
-
-    best = {
-        k: min(v) for k, v in (await interleave({"aiokv": aiokv, "exec": executor}, rounds)).items()
+    ops: dict[str, Callable[[], Awaitable[object]]] = {
+        "run_in_executor(None, noop)": lambda: loop.run_in_executor(None, noop),
+        "swap_blocks (1 block)": lambda: cm.swap_blocks(s_cache, d_cache, {0: 1}),
+        "copy_blocks (1 block)": lambda: cm.copy_blocks(s_cache, {2: [3]}),
     }
-    return best["aiokv"] / calls * 1e6, best["exec"] / calls * 1e6
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    warmup = max(10, rounds // 10)
+    try:
+        for r in range(warmup + rounds):
+            for name, op in ops.items():
+                start = time.perf_counter()
+                await op()
+                took = time.perf_counter() - start
+                await asyncio.sleep(0)  # the serving loop's other awaits
+                if r >= warmup:
+                    times[name].append(took)
+    finally:
+        await cm.unregister_cache(s_cache.cache_id)
+        await cm.unregister_cache(d_cache.cache_id)
+    if not all(torch.equal(h[1], d[0]) for h, d in zip(host, dev, strict=True)):
+        raise RuntimeError("small swap_blocks left wrong bytes")
+    base = median(times["run_in_executor(None, noop)"])
+    rows = []
+    for name, ts in times.items():
+        ts.sort()
+        rows.append(
+            {
+                "op": name,
+                "median_us": median(ts) * 1e6,
+                "p90_us": ts[int(0.9 * (len(ts) - 1))] * 1e6,
+                "vs_executor": median(ts) / base,
+            }
+        )
+    return rows
 
 
 async def _bench(
@@ -152,6 +182,7 @@ async def _bench(
     repeat: int,
     pool_bytes: int,
     seed: int,
+    small_rounds: int,
 ) -> None:
     rows = report.table(
         "swap_blocks",
@@ -200,15 +231,12 @@ async def _bench(
                             "overhead_us_per_block": (t_aiokv - t_raw) / n * 1e6,
                         }
                     )
-        us_aiokv, us_exec = await _small_op(cm, calls=2000, rounds=5)
-    report.summary(
-        "small_op",
-        "one-block swap_blocks: aiokv {aiokv_us:.1f} µs vs run_in_executor "
-        "{run_in_executor_us:.1f} µs, ratio {ratio:.2f}",
-        aiokv_us=us_aiokv,
-        run_in_executor_us=us_exec,
-        ratio=us_aiokv / us_exec,
-    )
+        small = await _small_ops(cm, small_rounds)
+    report.table(
+        "small_ops",
+        "one small op, then another await, repeated (interleaved); vs_executor = "
+        "t_op / t_run_in_executor (target <= 0.5)",
+    ).extend(small)
 
 
 def run_local_bench(
@@ -219,8 +247,9 @@ def run_local_bench(
     pool_bytes: int = 1 << 30,
     seed: int = 0,
     use_uvloop: bool = False,
+    small_rounds: int = 3000,
 ) -> Report:
-    """Run the benchmark: a ``swap_blocks`` table and a ``small_op`` summary.
+    """Run the benchmark: a ``swap_blocks`` table and a ``small_ops`` table.
 
     Args:
         block_kib: block sizes in KiB (bf16 blocks).
@@ -230,6 +259,7 @@ def run_local_bench(
         pool_bytes: size of each of the two host buffers the tensors are carved from.
         seed: seed of the random pairs.
         use_uvloop: run on uvloop instead of the default asyncio loop.
+        small_rounds: timed rounds of the small-op comparison.
     """
     report = Report(
         "local",
@@ -241,7 +271,7 @@ def run_local_bench(
         },
     )
     run_loop(
-        lambda: _bench(report, block_kib, nblocks, layers, repeat, pool_bytes, seed),
+        lambda: _bench(report, block_kib, nblocks, layers, repeat, pool_bytes, seed, small_rounds),
         use_uvloop=use_uvloop,
     )
     return report

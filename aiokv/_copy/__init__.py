@@ -1,6 +1,7 @@
 """The copy engine: block-pair planning, copy kernels, worker pools and devices.
 
 Modules, one concept each: ``_plan`` (coalescing and the block-pair planner),
+``_inline`` (small host copies on the caller's thread, below a measured size),
 ``_kernels`` (copy job bodies and the pinned staging ring), ``_workers`` (worker thread
 pools, jobs resolved on the loop), ``_scheduler`` (:class:`CopyScheduler`, the façade
 the rest of the package awaits), ``_device`` (device resolution, pinning, streams).
@@ -16,16 +17,20 @@ from ._device import (
     resolve_device,
     supports_pinning,
 )
+from ._inline import INLINE_MAX_BYTES, copy_rows, fits_inline
 from ._plan import Run, coalesce
 from ._scheduler import CopyScheduler, SchedulerConfig
 
 __all__ = [
+    "INLINE_MAX_BYTES",
     "CopyScheduler",
     "DeviceContext",
     "Run",
     "SchedulerConfig",
     "coalesce",
+    "copy_rows",
     "device_empty",
+    "fits_inline",
     "host_empty",
     "is_accelerator",
     "npu_device_count",

@@ -95,7 +95,7 @@ async def main(layers: int = 16, blocks: int = 128, say: Callable[..., Any] = pr
         # layer-wise: prefill sends layer i while it computes layer i+1
         model = Model(layers, ms_per_layer=5)
         t0 = time.perf_counter()
-        task = await p.cache_manager.transfer_cache_async(
+        task = p.cache_manager.transfer_cache_async(
             p_cache,
             model,
             [TransferConfig(DECODER, d_cache.tensor_addrs)],

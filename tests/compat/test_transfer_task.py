@@ -1,0 +1,239 @@
+"""``transfer_cache_async`` as llm_datadist shapes it (issue #8 item 2).
+
+- a plain method returning the started ``CacheTask`` at once (aiokv, trio and aiokv.sync);
+- a blocks cache without block indices sends every block (bytes checked on the peer);
+- ``synchronize_layer`` gets ``timeout_in_millis=None`` and is waited for past
+  ``sync_kv_timeout``; argument errors raise at once and pin nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import aiokv
+import aiokv.sync
+from aiokv import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheTask,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+
+CODE = LLMStatusCode
+BLOCKS = 8
+DESC = CacheDesc(4, [BLOCKS, 256], DataType.DT_UINT8, Placement.HOST)  # 2 layers
+KEY = BlocksCacheKey(2, 0)
+
+
+def options(**kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "device_type": "cpu",
+        "enable_cache_manager": True,
+        "listen_ip_info": "127.0.0.1:0",
+        "host_mem_pool_cfg": '{"memory_size": 4194304, "page_shift": 12}',
+        "enable_remote_cache_accessible": True,
+        "transfer_backend": "local",
+        "sync_kv_timeout": 3000,
+    }
+    base.update(kw)
+    return base
+
+
+def info(address: tuple[str, int] | None) -> LLMClusterInfo:
+    assert address is not None
+    return LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[address])
+
+
+def pattern() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(1, 256, (BLOCKS, 256), generator=g, dtype=torch.uint8) for _ in range(4)]
+
+
+@pytest.fixture
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    """Prompt 1 with a filled blocks cache; decoder 2 with an empty one keyed ``KEY``."""
+    timeout = getattr(request, "param", 3000)
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, LLMConfig(**options(sync_kv_timeout=timeout))) as p,
+        LLMDataDist(LLMRole.DECODER, 2, LLMConfig(**options())) as d,
+    ):
+        code, _ = await d.link_clusters([info(p.listen_address)])
+        assert code == CODE.LLM_SUCCESS
+        await d.cache_manager.allocate_blocks_cache(DESC, KEY)
+        yield p, d
+
+
+class Recorder:
+    """A blocking synchronizer recording its calls (runs on a worker thread)."""
+
+    def __init__(self, hold_s: float = 0.0) -> None:
+        self.calls: list[tuple[int, Any]] = []
+        self.first = threading.Event()
+        self.hold_s = hold_s
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        self.calls.append((layer_index, timeout_in_millis))
+        self.first.set()
+        time.sleep(self.hold_s)
+        return True
+
+
+async def filled_source(p: LLMDataDist) -> aiokv.Cache:
+    src = await p.cache_manager.allocate_blocks_cache(DESC)
+    for t, want in zip(src.tensors, pattern(), strict=True):
+        t.copy_(want)
+    return src
+
+
+def peer_tensors(d: LLMDataDist) -> list[torch.Tensor]:
+    entry = next(e for e in d.cache_manager._registry.entries.values())
+    return list(entry.cache.tensors)
+
+
+def test_a_plain_method_on_both_apis() -> None:
+    assert not inspect.iscoroutinefunction(aiokv.CacheManager.transfer_cache_async)
+    assert not inspect.iscoroutinefunction(aiokv.sync.CacheManager.transfer_cache_async)
+
+
+async def test_returns_the_started_task_at_once(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
+    p, d = pair
+    src = await filled_source(p)
+    sync = Recorder()
+    task = p.cache_manager.transfer_cache_async(src, sync, [TransferWithCacheKeyConfig(KEY)])
+    assert isinstance(task, CacheTask) and not asyncio.iscoroutine(task)
+    # started on the engine without this loop awaiting anything of it
+    assert await asyncio.to_thread(sync.first.wait, 5)
+    assert await task == [CODE.LLM_SUCCESS]
+    assert task.done()
+    assert await task.synchronize() == CODE.LLM_SUCCESS
+    assert all(torch.equal(a, b) for a, b in zip(peer_tensors(d), pattern(), strict=True))
+    assert p.cache_manager.statistics().pins == 0
+
+
+async def test_blocks_cache_without_indices_sends_every_block(
+    pair: tuple[LLMDataDist, LLMDataDist],
+) -> None:
+    p, d = pair
+    src = await filled_source(p)
+    dst = peer_tensors(d)
+    task = p.cache_manager.transfer_cache_async(src, Recorder(), [TransferWithCacheKeyConfig(KEY)])
+    assert await task.synchronize() == CODE.LLM_SUCCESS
+    assert all(torch.equal(a, b) for a, b in zip(dst, pattern(), strict=True))
+    # empty lists are "no indices" too (llm_datadist passes [] for None); raw addresses
+    for t in dst:
+        t.zero_()
+    addrs = [t.data_ptr() for t in dst]
+    task = p.cache_manager.transfer_cache_async(src, Recorder(), [TransferConfig(2, addrs)], [], [])
+    assert await task == [CODE.LLM_SUCCESS]
+    assert all(torch.equal(a, b) for a, b in zip(dst, pattern(), strict=True))
+
+
+@pytest.mark.parametrize("pair", [100], indirect=True)  # sync_kv_timeout = 100 ms
+async def test_synchronizer_gets_none_and_may_take_longer_than_sync_kv_timeout(
+    pair: tuple[LLMDataDist, LLMDataDist],
+) -> None:
+    p, d = pair
+    src = await filled_source(p)
+    dst = peer_tensors(d)
+    blocking = Recorder(hold_s=0.3)  # 3x sync_kv_timeout per layer
+    task = p.cache_manager.transfer_cache_async(src, blocking, [TransferWithCacheKeyConfig(KEY)])
+    assert await task.get_results() == [CODE.LLM_SUCCESS]
+    assert blocking.calls == [(0, None), (1, None)]
+    assert all(torch.equal(a, b) for a, b in zip(dst, pattern(), strict=True))
+
+    seen: list[Any] = []
+
+    class Slow:
+        async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            seen.append(timeout_in_millis)
+            await asyncio.sleep(0.3)
+            return True
+
+    task = p.cache_manager.transfer_cache_async(src, Slow(), [TransferWithCacheKeyConfig(KEY)])
+    assert await task.synchronize() == CODE.LLM_SUCCESS
+    assert seen == [None, None]
+
+
+async def test_bad_arguments_raise_at_once_and_pin_nothing(
+    pair: tuple[LLMDataDist, LLMDataDist],
+) -> None:
+    p, _ = pair
+    src = await filled_source(p)
+    cm = p.cache_manager
+    cfg = [TransferWithCacheKeyConfig(KEY)]
+    for srcs, dsts in [([0], None), (None, [0]), ([0], []), ([0], [1, 2]), ([BLOCKS], [0])]:
+        with pytest.raises(LLMException) as ei:
+            cm.transfer_cache_async(src, Recorder(), cfg, srcs, dsts)
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID, (srcs, dsts)
+    with pytest.raises(LLMException) as ei:
+        cm.transfer_cache_async(src, Recorder(), [TransferWithCacheKeyConfig(BlocksCacheKey(9))])
+    assert ei.value.status_code == CODE.LLM_NOT_YET_LINK
+    assert cm.statistics().pins == 0
+
+
+def test_from_trio() -> None:
+    async def main() -> None:
+        async with (
+            LLMDataDist(LLMRole.PROMPT, 1, LLMConfig(**options())) as p,
+            LLMDataDist(LLMRole.DECODER, 2, LLMConfig(**options())) as d,
+        ):
+            assert (await d.link_clusters([info(p.listen_address)]))[0] == CODE.LLM_SUCCESS
+            await d.cache_manager.allocate_blocks_cache(DESC, KEY)
+            src = await filled_source(p)
+
+            class OnTrio:  # an async synchronizer runs on the caller's (trio) loop
+                async def synchronize_layer(self, layer: int, timeout_ms: int | None) -> bool:
+                    await anyio.sleep(0.01)
+                    return timeout_ms is None
+
+            task = p.cache_manager.transfer_cache_async(
+                src, OnTrio(), [TransferWithCacheKeyConfig(KEY)]
+            )
+            assert isinstance(task, CacheTask)
+            assert await task.synchronize() == CODE.LLM_SUCCESS
+            assert all(torch.equal(a, b) for a, b in zip(peer_tensors(d), pattern(), strict=True))
+
+    anyio.run(main, backend="trio")
+
+
+def test_blocking_api_returns_a_blocking_task() -> None:
+    with (
+        aiokv.sync.LLMDataDist(LLMRole.PROMPT, 1, LLMConfig(**options(sync_kv_timeout=100))) as p,
+        aiokv.sync.LLMDataDist(LLMRole.DECODER, 2, LLMConfig(**options())) as d,
+    ):
+        code, _ = d.link_clusters([info(p.listen_address)])
+        assert code == CODE.LLM_SUCCESS
+        dst = d.cache_manager.allocate_blocks_cache(DESC, KEY)
+        src = p.cache_manager.allocate_blocks_cache(DESC)
+        for t, want in zip(src.tensors, pattern(), strict=True):
+            t.copy_(want)
+        sync = Recorder(hold_s=0.15)  # longer than sync_kv_timeout
+        task = p.cache_manager.transfer_cache_async(src, sync, [TransferWithCacheKeyConfig(KEY)])
+        assert isinstance(task, aiokv.sync.CacheTask)
+        assert sync.first.wait(5)  # already running
+        assert task.synchronize() == CODE.LLM_SUCCESS
+        assert task.get_results() == [CODE.LLM_SUCCESS]
+        assert task.done()
+        assert sync.calls == [(0, None), (1, None)]
+        assert all(torch.equal(a, b) for a, b in zip(dst.tensors, pattern(), strict=True))
+        with pytest.raises(LLMException):
+            p.cache_manager.transfer_cache_async(src, sync, [TransferWithCacheKeyConfig(KEY)], [0])
+        assert p.cache_manager.statistics().pins == 0
