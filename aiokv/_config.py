@@ -304,6 +304,8 @@ class LLMConfig(Model):
     @field_validator("transfer_backend", mode="before")
     @classmethod
     def _backend(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, str):
+            raise TypeError(f"LLMConfig: transfer_backend must be str, got {type(v).__name__}")
         return _BACKEND_ALIASES.get(v, v) if isinstance(v, str) else v
 
     @field_validator("mem_utilization")
@@ -408,6 +410,10 @@ class LLMConfig(Model):
             if field in kwargs:
                 raise InvalidOptionError(f"{op}: {key} given twice (also as another key)", op)
             kwargs[field] = cls._parse(op, field, key, raw)
+            try:  # alone first: an error names the key
+                cls(**{field: kwargs[field]})
+            except InvalidOptionError as exc:
+                raise InvalidOptionError(f"{op}: {key}={raw!r}: {exc}", op) from None
         if passthrough:
             kwargs["ge_options"] = passthrough
         with _param_invalid(op):
