@@ -37,6 +37,9 @@ class InvalidOptionError(LLMException, ValueError):
     def __init__(self, message: str, op: str = "LLMConfig") -> None:
         super().__init__(message, LLMStatusCode.LLM_PARAM_INVALID, op=op)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.op or "LLMConfig"))
+
 
 @contextlib.contextmanager
 def _param_invalid(op: str) -> Iterator[None]:

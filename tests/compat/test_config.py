@@ -294,5 +294,10 @@ def test_sync_hixl_link_with_full_link_total_time_and_second_init() -> None:
     finally:
         decoder.finalize()
         prompt.finalize()
+    try:  # after finalize, init starts afresh
+        prompt.init(options(21))
+        assert prompt.initialized and prompt.listen_address is not None
+    finally:
+        prompt.finalize()
     names = [t.name for t in threading.enumerate()]
     assert not any(n in ("aiokv-engine-21", "aiokv-engine-22") for n in names), names
