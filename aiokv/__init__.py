@@ -5,7 +5,7 @@ awaitable. Everything public is importable from here; all other modules are priv
 """
 
 from ._cache import Cache, KvCache
-from ._config import LLMConfig, MemPoolConfig
+from ._config import LLMConfig, LlmConfig, MemPoolConfig
 from ._datadist import LLMDataDist
 from ._enums import DataType, LLMRole, LLMStatusCode, Placement, RegisterMemStatus
 from ._errors import LLMException, NoneArgumentError
@@ -42,6 +42,7 @@ __all__ = [
     "LLMRole",
     "LLMStatusCode",
     "LayerSynchronizer",
+    "LlmConfig",
     "MemPoolConfig",
     "NoneArgumentError",
     "Placement",

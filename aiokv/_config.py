@@ -1,25 +1,55 @@
 """Configuration values: ``MemPoolConfig``, ``LLMConfig`` and the option-key table.
 
 One definition per option: its field (type, range, default) on :class:`LLMConfig` and
-its llm_datadist option key in ``_OPTION_KEYS``, from which ``generate_options()`` and
-``LLMConfig.from_options`` are both derived. Validation follows SPEC §1.2 through the
-shared model base of :mod:`aiokv._models`.
+its option key in ``_OPTION_KEYS`` (llm_datadist's key where it has one), from which
+``generate_options()`` and ``LLMConfig.from_options`` are both derived. Validation
+follows SPEC §1.2 through the shared model base of :mod:`aiokv._models`; a value out of
+range is also what llm_datadist raises, ``LLMException(LLM_PARAM_INVALID)``
+(:class:`InvalidOptionError` is both).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
-from typing import TYPE_CHECKING, Any, Literal
+import math
+import re
+import types
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from ._errors import NoneArgumentError
+from ._enums import LLMStatusCode
+from ._errors import LLMException, NoneArgumentError
 from ._models import Model
 
-__all__ = ["HOST_POOL_LIMIT", "LLMConfig", "MemPoolConfig"]
+__all__ = ["HOST_POOL_LIMIT", "InvalidOptionError", "LLMConfig", "LlmConfig", "MemPoolConfig"]
 
 HOST_POOL_LIMIT = 20 << 30
+
+
+class InvalidOptionError(LLMException, ValueError):
+    """A configuration value out of its range: ``LLMException(LLM_PARAM_INVALID)``, as
+    llm_datadist raises, and a ``ValueError``, as SPEC §1.2 asks."""
+
+    def __init__(self, message: str, op: str = "LLMConfig") -> None:
+        super().__init__(message, LLMStatusCode.LLM_PARAM_INVALID, op=op)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.op or "LLMConfig"))
+
+
+@contextlib.contextmanager
+def _param_invalid(op: str) -> Iterator[None]:
+    """Re-raise a plain ``ValueError`` from the block as :class:`InvalidOptionError`."""
+    try:
+        yield
+    except InvalidOptionError:
+        raise
+    except ValueError as exc:
+        raise InvalidOptionError(str(exc), op) from None
 
 
 class MemPoolConfig(Model):
@@ -92,31 +122,76 @@ def _ip_port(value: str) -> tuple[str, int]:
     return host.strip("[]"), p
 
 
+_INT_RE = re.compile(r"-?[0-9]+")
+
+#: field -> its key in the ``dict[str, str]`` form (llm_datadist's key where it has one)
 _OPTION_KEYS: dict[str, str] = {
     "device_id": "ge.exec.deviceId",
-    "device_type": "aiokv.deviceType",
     "sync_kv_timeout": "llm.SyncKvCacheWaitTime",
+    "buf_pool_cfg": "llm.BufPoolCfg",
     "mem_pool_cfg": "llm.MemPoolConfig",
     "host_mem_pool_cfg": "llm.HostMemPoolConfig",
-    "listen_ip_info": "llm.listenIpInfo",
     "enable_cache_manager": "llm.EnableCacheManager",
     "enable_remote_cache_accessible": "llm.EnableRemoteCacheAccessible",
+    "listen_ip_info": "llm.listenIpInfo",
     "link_total_time": "llm.LinkTotalTime",
     "link_retry_count": "llm.LinkRetryCount",
-    "transfer_backend": "aiokv.transferBackend",
+    "rdma_traffic_class": "llm.RdmaTrafficClass",
+    "rdma_service_level": "llm.RdmaServiceLevel",
+    "local_comm_res": "llm.LocalCommRes",
+    "transfer_backend": "llm.TransferBackend",
+    "enable_switch_role": "llm.EnableSwitchRole",
+    "mem_utilization": "llm.MemoryUtilization",
+    "device_type": "aiokv.deviceType",
     "link_secret": "aiokv.linkSecret",
     "swap_out_threads": "aiokv.swapOutThreads",
     "swap_in_buffers": "aiokv.swapInBuffers",
 }
+#: earlier aiokv spellings, still read
+_OLD_KEYS: dict[str, str] = {"aiokv.transferBackend": "transfer_backend"}
+#: llm_datadist's keys with no field here (offline-mode and engine-internal ones): kept in
+#: ``ge_options`` like every ``ge.*`` key, passed through, not acted on
+_PASSTHROUGH_KEYS = frozenset(
+    {
+        "llm.ClusterInfo",
+        "llm.OutputMaxSize",
+        "llm.deployResPath",
+        "llm.GlobalResourceConfig",
+        "llm.Role",
+        "llm.ListenIp",
+        "llm.ListenPort",
+        "llm.kvTensorFormat",
+    }
+)
+#: fields stored and echoed by ``generate_options()`` that aiokv's transports do not use
+_IGNORED_FIELDS = (
+    "buf_pool_cfg",
+    "rdma_traffic_class",
+    "rdma_service_level",
+    "mem_utilization",
+    "enable_switch_role",
+    "local_comm_res",  # its content; setting it implies cache-manager mode (see LLMConfig)
+)
+#: llm_datadist's transfer-backend names -> the aiokv transport that stands in for them
+_BACKEND_ALIASES: dict[str, str] = {"hixl": "tcp"}  # tcp: the best backend between processes
+
+
+def _base_type(annotation: Any) -> Any:
+    """``int`` for ``int | None``; the annotation itself otherwise."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        return next(a for a in get_args(annotation) if a is not type(None))
+    return annotation
 
 
 class LLMConfig(Model):
     """Configuration of an ``LLMDataDist``, assignable attribute by attribute like llm_datadist.
 
-    Every assignment validates at once (``cfg.sync_kv_timeout = "x"`` raises ``TypeError``).
-    ``mem_pool_cfg`` / ``host_mem_pool_cfg`` accept the JSON string form.
-    ``generate_options()`` gives the ``dict[str, str]`` form; ``LLMConfig.from_options``
-    reads it back.
+    Every assignment validates at once and a failed one changes nothing: a wrong type
+    raises ``TypeError``; a value out of range raises :class:`InvalidOptionError`, which
+    is both ``LLMException(LLM_PARAM_INVALID)`` and ``ValueError``. ``mem_pool_cfg`` /
+    ``host_mem_pool_cfg`` accept the JSON string form, ``sync_kv_timeout`` a digit string.
+    ``generate_options()`` gives the ``dict[str, str]`` form of the options that were set;
+    ``LLMConfig.from_options`` reads it back. ``LlmConfig`` is the same class.
 
     Attributes:
         device_id: device ordinal.
@@ -127,11 +202,25 @@ class LLMConfig(Model):
         listen_ip_info: ``"ip:port"`` to accept links on (port 0 picks a free port).
         enable_cache_manager: ``True`` → ``LLMDataDist.cache_manager``; ``False`` (legacy,
             llm_datadist's default) → ``LLMDataDist.kv_cache_manager`` with role gates.
+            Unless set, it follows ``local_comm_res`` (set → ``True``).
         enable_remote_cache_accessible: allow peers to push into and read by id from us.
-        link_total_time: seconds a link attempt may take in total (0: the call's timeout).
+            Unless set, it follows ``local_comm_res`` (set → ``True``).
+        link_total_time: seconds a link attempt may take in total, 0..2**32-1 (0: the
+            call's timeout).
         link_retry_count: connection attempts per link, 1..100.
         transfer_backend: ``"tcp"`` (between processes) or ``"local"`` (in memory: links
-            only ``LLMDataDist`` instances of one process and event loop).
+            only ``LLMDataDist`` instances of one process and event loop); llm_datadist's
+            ``"hixl"`` is read as the best backend between processes (``"tcp"``).
+        local_comm_res: llm_datadist's local communication resources (a rank-table JSON).
+            Its content is not used; setting it implies ``enable_cache_manager`` and
+            ``enable_remote_cache_accessible`` where those are not set (setting it with
+            ``enable_cache_manager=False`` is invalid, as in llm_datadist).
+        ge_options: ``dict[str, str]`` of GE (``ge.*``) and other llm_datadist keys
+            aiokv does not act on: stored, passed through ``generate_options()``, logged
+            at debug by ``init``.
+        enable_switch_role, rdma_traffic_class, rdma_service_level (uint32), buf_pool_cfg,
+            mem_utilization (0..1): llm_datadist's, validated as there, stored and echoed;
+            no meaning on aiokv's transports (``init`` logs them at debug).
         link_secret: shared secret; when set, links need mutual challenge-response auth.
         swap_out_threads: worker threads for device→host swaps.
         swap_in_buffers: block-sized staging buffers for host→device swaps.
@@ -144,7 +233,7 @@ class LLMConfig(Model):
             *,
             device_id: int = ...,
             device_type: Literal["auto", "cpu", "cuda", "npu"] = ...,
-            sync_kv_timeout: int = ...,
+            sync_kv_timeout: int | str = ...,
             mem_pool_cfg: MemPoolConfig | str | None = ...,
             host_mem_pool_cfg: MemPoolConfig | str | None = ...,
             listen_ip_info: str | None = ...,
@@ -152,27 +241,82 @@ class LLMConfig(Model):
             enable_remote_cache_accessible: bool = ...,
             link_total_time: int = ...,
             link_retry_count: int = ...,
-            transfer_backend: Literal["tcp", "local"] = ...,
+            transfer_backend: Literal["tcp", "local", "hixl"] = ...,
+            local_comm_res: str | None = ...,
+            ge_options: dict[str, str] = ...,
+            enable_switch_role: bool = ...,
+            rdma_traffic_class: int | None = ...,
+            rdma_service_level: int | None = ...,
+            buf_pool_cfg: str | None = ...,
+            mem_utilization: float = ...,
             link_secret: str | None = ...,
             swap_out_threads: int = ...,
             swap_in_buffers: int = ...,
         ) -> None: ...
 
+    else:
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            with _param_invalid(type(self).__name__):
+                super().__init__(*args, **kwargs)
+
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     device_id: int = Field(default=0, ge=0, le=1 << 16)
     device_type: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    sync_kv_timeout: int = Field(default=1000, gt=0, le=1 << 31)
+    sync_kv_timeout: int = Field(default=1000, gt=0, le=2**31 - 1)
     mem_pool_cfg: MemPoolConfig | None = None
     host_mem_pool_cfg: MemPoolConfig | None = None
     listen_ip_info: str | None = None
     enable_cache_manager: bool = False
     enable_remote_cache_accessible: bool = False
-    link_total_time: int = Field(default=0, ge=0, le=3600)
+    link_total_time: int = Field(default=0, ge=0, le=2**32 - 1)
     link_retry_count: int = Field(default=1, ge=1, le=100)
     transfer_backend: Literal["tcp", "local"] = "tcp"
+    local_comm_res: str | None = None
+    ge_options: dict[str, str] = Field(default_factory=dict)
+    enable_switch_role: bool = False
+    rdma_traffic_class: int | None = Field(default=None, ge=0, le=2**32 - 1)
+    rdma_service_level: int | None = Field(default=None, ge=0, le=2**32 - 1)
+    buf_pool_cfg: str | None = None
+    mem_utilization: float = Field(default=0.95, ge=0.0, le=1.0)
     link_secret: str | None = Field(default=None, min_length=1, max_length=4096)
     swap_out_threads: int = Field(default=4, ge=1, le=64)
     swap_in_buffers: int = Field(default=4, ge=1, le=64)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # pydantic leaves a value that its model check refused in place: put it back
+        saved, fields_set = dict(self.__dict__), set(self.__pydantic_fields_set__)
+        try:
+            with _param_invalid(type(self).__name__):
+                super().__setattr__(name, value)
+        except BaseException:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            object.__setattr__(self, "__pydantic_fields_set__", fields_set)
+            raise
+
+    @field_validator("sync_kv_timeout", mode="before")
+    @classmethod
+    def _digits(cls, v: Any) -> Any:
+        if isinstance(v, str):  # llm_datadist accepts a digit string here
+            if not (v.isascii() and v.isdigit()):
+                raise ValueError(f"sync_kv_timeout must be digit, got {v!r}")
+            return int(v)
+        return v
+
+    @field_validator("transfer_backend", mode="before")
+    @classmethod
+    def _backend(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, str):
+            raise TypeError(f"LLMConfig: transfer_backend must be str, got {type(v).__name__}")
+        return _BACKEND_ALIASES.get(v, v) if isinstance(v, str) else v
+
+    @field_validator("mem_utilization")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError(f"mem_utilization must be in range [0,1], got {v}")
+        return v
 
     @field_validator("mem_pool_cfg", "host_mem_pool_cfg", mode="before")
     @classmethod
@@ -193,17 +337,30 @@ class LLMConfig(Model):
             _ip_port(v)
         return v
 
+    @model_validator(mode="after")
+    def _local_comm_res(self) -> LLMConfig:
+        """llm_datadist: ``local_comm_res`` implies cache-manager mode and remote access."""
+        implied = self.local_comm_res is not None
+        chosen = self.model_fields_set
+        if implied and "enable_cache_manager" in chosen and not self.enable_cache_manager:
+            raise ValueError("local_comm_res is not supported when enable_cache_manager is False")
+        for field in ("enable_cache_manager", "enable_remote_cache_accessible"):
+            if field not in chosen:
+                self.__dict__[field] = implied
+        return self
+
     @property
     def listen_address(self) -> tuple[str, int] | None:
         """``listen_ip_info`` as ``(host, port)``."""
         return None if self.listen_ip_info is None else _ip_port(self.listen_ip_info)
 
     def generate_options(self) -> dict[str, str]:
-        """The ``dict[str, str]`` form accepted by ``LLMDataDist.init`` (unset fields left out)."""
-        out: dict[str, str] = {}
+        """The ``dict[str, str]`` form accepted by ``LLMDataDist.init``: only the options
+        that were set (by keyword or assignment), ``ge_options`` first, as llm_datadist."""
+        out = dict(self.ge_options)
         for field, key in _OPTION_KEYS.items():
             value = getattr(self, field)
-            if value is None:
+            if field not in self.model_fields_set or value is None:
                 continue
             if isinstance(value, MemPoolConfig):
                 out[key] = value.to_json()
@@ -211,40 +368,83 @@ class LLMConfig(Model):
                 out[key] = "1" if value else "0"
             else:
                 out[key] = str(value)
+            if field == "device_id":
+                out["ge.session_device_id"] = out[key]
         return out
+
+    def ignored_options(self) -> dict[str, str]:
+        """The entries of ``generate_options()`` that were set and that aiokv accepts but
+        does not act on (``ge_options`` and llm_datadist's transport tuning)."""
+        keys = set(self.ge_options) | {_OPTION_KEYS[f] for f in _IGNORED_FIELDS}
+        return {k: v for k, v in self.generate_options().items() if k in keys}
 
     @classmethod
     def from_options(cls, options: dict[str, str]) -> LLMConfig:
-        """Parse the ``dict[str, str]`` form.
+        """Parse the ``dict[str, str]`` form: aiokv's keys, and llm_datadist's own (what its
+        ``generate_options()`` emits included). ``ge.*`` keys and llm_datadist keys with no
+        field here go to ``ge_options``; ``ge.session_device_id`` (derived from
+        ``ge.exec.deviceId``) is dropped. Numbers are digit strings, booleans ``0``/``1``.
 
         Raises:
             TypeError: not a ``dict[str, str]``.
-            ValueError: unknown key or bad value.
+            InvalidOptionError: unknown key, bad value (``LLM_PARAM_INVALID``, a ValueError).
         """
+        op = "LLMConfig.from_options"
         if options is None:
-            raise NoneArgumentError("LLMConfig.from_options: options must not be None")
+            raise NoneArgumentError(f"{op}: options must not be None")
         if not isinstance(options, dict):
-            raise TypeError(f"LLMConfig.from_options: expected dict, got {type(options).__name__}")
-        by_key = {v: k for k, v in _OPTION_KEYS.items()}
+            raise TypeError(f"{op}: expected dict, got {type(options).__name__}")
+        by_key = {v: k for k, v in _OPTION_KEYS.items()} | _OLD_KEYS
         kwargs: dict[str, Any] = {}
+        passthrough: dict[str, str] = {}
         for key, raw in options.items():
             if not isinstance(key, str) or not isinstance(raw, str):
-                raise TypeError("LLMConfig.from_options: keys and values must be str")
+                raise TypeError(f"{op}: keys and values must be str, got {key!r}: {raw!r}")
             field = by_key.get(key)
             if field is None:
-                raise ValueError(f"LLMConfig.from_options: unknown option {key!r}")
-            annotation = cls.model_fields[field].annotation
-            if annotation is bool:
-                if raw.lower() not in ("0", "1", "true", "false"):
-                    raise ValueError(f"LLMConfig.from_options: {key}={raw!r} is not a bool")
-                kwargs[field] = raw.lower() in ("1", "true")
-            elif annotation is int:
-                try:
-                    kwargs[field] = int(raw)
-                except ValueError:
-                    raise ValueError(
-                        f"LLMConfig.from_options: {key}={raw!r} is not an int"
-                    ) from None
-            else:
-                kwargs[field] = raw
-        return cls(**kwargs)
+                if key == "ge.session_device_id" and "ge.exec.deviceId" in options:
+                    continue
+                if not (key.startswith("ge.") or key in _PASSTHROUGH_KEYS):
+                    raise InvalidOptionError(f"{op}: unknown option {key!r}", op)
+                if key == "ge.flowGraphMemMaxSize" and not (raw.isascii() and raw.isdigit()):
+                    raise InvalidOptionError(f"{op}: {key} must be digit, got {raw!r}", op)
+                passthrough[key] = raw
+                continue
+            if field in kwargs:
+                raise InvalidOptionError(f"{op}: {key} given twice (also as another key)", op)
+            kwargs[field] = cls._parse(op, field, key, raw)
+            try:  # alone first: an error names the key
+                cls(**{field: kwargs[field]})
+            except InvalidOptionError as exc:
+                raise InvalidOptionError(f"{op}: {key}={raw!r}: {exc}", op) from None
+        if passthrough:
+            kwargs["ge_options"] = passthrough
+        with _param_invalid(op):
+            return cls(**kwargs)
+
+    @classmethod
+    def _parse(cls, op: str, field: str, key: str, raw: str) -> Any:
+        """One option's string value as its field's type."""
+        kind = _base_type(cls.model_fields[field].annotation)
+        if kind is bool:
+            if raw.lower() not in ("0", "1", "true", "false"):
+                raise InvalidOptionError(f"{op}: {key}={raw!r} is not a bool (0 or 1)", op)
+            return raw.lower() in ("1", "true")
+        if kind is int:
+            if field == "device_id" and ";" in raw:
+                raise InvalidOptionError(
+                    f"{op}: {key}={raw!r}: aiokv drives one device per LLMDataDist", op
+                )
+            if not _INT_RE.fullmatch(raw):
+                raise InvalidOptionError(f"{op}: {key}={raw!r} is not an integer", op)
+            return int(raw)
+        if kind is float:
+            try:
+                return float(raw)
+            except ValueError:
+                raise InvalidOptionError(f"{op}: {key}={raw!r} is not a number", op) from None
+        return raw
+
+
+#: llm_datadist's spelling of the class name
+LlmConfig = LLMConfig

@@ -147,17 +147,24 @@ class LLMDataDist:
         """Resolve the device, reserve the pools, start the worker threads (and the
         listener when ``listen_ip_info`` is set).
 
+        On an initialized instance it does nothing (as llm_datadist), whatever ``options``.
+
         Args:
-            options: an ``LLMConfig`` or its ``generate_options()`` dict form. The config is
-                copied: later changes to it do not affect this instance.
+            options: an ``LLMConfig`` or a ``dict[str, str]`` of option keys (its
+                ``generate_options()``, or llm_datadist's: see ``LLMConfig.from_options``).
+                The config is copied: later changes to it do not affect this instance.
+                Options aiokv accepts but does not act on are logged at debug.
 
         Raises:
-            TypeError / ValueError: bad options.
-            LLMException: ``LLM_PARAM_INVALID`` (device unavailable),
+            TypeError: bad options.
+            LLMException: ``LLM_PARAM_INVALID`` (bad option value, device unavailable),
                 ``LLM_DEVICE_OUT_OF_MEMORY`` / ``LLM_OUT_OF_MEMORY`` (pool reservation).
-            RuntimeError: already initialized.
+            RuntimeError: an ``init`` or ``finalize`` of this instance is under way.
         """
-        config, engine = self._start(options)
+        started = self._start(options)
+        if started is None:
+            return
+        config, engine = started
         try:
             await engine.run(self._build, config, engine)
         except BaseException:
@@ -168,7 +175,10 @@ class LLMDataDist:
 
     def _init_blocking(self, options: LLMConfig | dict[str, str]) -> None:
         """``init`` from a plain thread (``aiokv.sync``)."""
-        config, engine = self._start(options)
+        started = self._start(options)
+        if started is None:
+            return
+        config, engine = started
         try:
             engine.call(self._build, config, engine)
         except BaseException:
@@ -177,17 +187,22 @@ class LLMDataDist:
             raise
         self._started()
 
-    def _start(self, options: Any) -> tuple[LLMConfig, Engine]:
-        """Check ``options`` and start the engine thread (the synchronous half of init)."""
+    def _start(self, options: Any) -> tuple[LLMConfig, Engine] | None:
+        """Check ``options`` and start the engine thread (the synchronous half of init);
+        ``None`` when already initialized."""
         op = "init"
+        if self.initialized:
+            log.debug("LLMDataDist %d: already initialized, init ignored", self._cluster_id)
+            return None
         if self._engine is not None:
-            raise RuntimeError(f"{op}: LLMDataDist is already initialized")
+            raise RuntimeError(f"{op}: an init or finalize of this LLMDataDist is under way")
         check_instance(op, "options", options, (LLMConfig, dict))
-        config = (
-            options.model_copy()
-            if isinstance(options, LLMConfig)
-            else LLMConfig.from_options(options)
+        # through the dict form, as llm_datadist: ge_options' keys meet the fields there
+        config = LLMConfig.from_options(
+            options.generate_options() if isinstance(options, LLMConfig) else options
         )
+        for key, value in config.ignored_options().items():
+            log.debug("%s: option %s=%r accepted, not used by aiokv", op, key, value)
         engine = Engine(f"aiokv-engine-{self._cluster_id}")
         self._engine = engine  # taken now: a concurrent init fails instead of racing
         return config, engine

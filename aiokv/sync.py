@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from . import _layerwise, _manager
 from ._cache import Cache, KvCache
-from ._config import LLMConfig, MemPoolConfig
+from ._config import LLMConfig, LlmConfig, MemPoolConfig
 from ._datadist import LLMDataDist as _AsyncDataDist
 from ._engine import Engine
 from ._enums import DataType, LLMRole, LLMStatusCode, Placement, RegisterMemStatus
@@ -60,6 +60,7 @@ __all__ = [
     "LLMRole",
     "LLMStatusCode",
     "LayerSynchronizer",
+    "LlmConfig",
     "MemPoolConfig",
     "NoneArgumentError",
     "Placement",

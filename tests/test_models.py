@@ -129,7 +129,8 @@ def test_llm_config_assignment_validates_at_once() -> None:
     cfg.transfer_backend = "local"
     assert isinstance(cfg.mem_pool_cfg, MemPoolConfig) and cfg.listen_address == ("127.0.0.1", 0)
     for field, value, exc in [
-        ("sync_kv_timeout", "5", TypeError),
+        ("sync_kv_timeout", "5s", ValueError),  # a digit string is accepted, as llm_datadist
+        ("sync_kv_timeout", 5.0, TypeError),
         ("sync_kv_timeout", 0, ValueError),
         ("host_mem_pool_cfg", '{"memory_size": 22000000000}', ValueError),
         ("listen_ip_info", "nowhere", ValueError),
