@@ -47,7 +47,7 @@ Blocks = npt.NDArray[np.int64]
 
 def param_invalid(op: str, reason: str) -> NoReturn:
     """Raise ``LLMException(LLM_PARAM_INVALID)`` naming ``op`` and ``reason``."""
-    raise LLMException(f"{op}: {reason}", LLMStatusCode.LLM_PARAM_INVALID, op=op)
+    raise LLMException(f"{op}: {reason}", status_code=LLMStatusCode.LLM_PARAM_INVALID, op=op)
 
 
 def check_instance(op: str, name: str, value: Any, expected: type[T] | tuple[type, ...]) -> T:

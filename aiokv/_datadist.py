@@ -122,7 +122,7 @@ class LLMDataDist:
         if isinstance(mgr, KvCacheManager):
             raise LLMException(
                 "cache_manager: enable_cache_manager is False; use kv_cache_manager",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
             )
         return mgr
 
@@ -138,7 +138,7 @@ class LLMDataDist:
         if not isinstance(mgr, KvCacheManager):
             raise LLMException(
                 "kv_cache_manager: enable_cache_manager is True; use cache_manager",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
             )
         return mgr
 
@@ -495,7 +495,8 @@ class LLMDataDist:
     def _cache_manager_mode(self, op: str) -> None:
         if isinstance(self._manager, KvCacheManager):
             raise LLMException(
-                f"{op}: needs enable_cache_manager=True", LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+                f"{op}: needs enable_cache_manager=True",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
             )
 
     async def switch_role(
@@ -534,7 +535,7 @@ class LLMDataDist:
             if self._links.clusters() or linker.linking():
                 raise LLMException(
                     f"{op}: unlink every cluster first ({self._links.clusters()} linked)",
-                    LLMStatusCode.LLM_EXIST_LINK,
+                    status_code=LLMStatusCode.LLM_EXIST_LINK,
                 )
             old = self._listen
             new = old if listen is None or listen == old else None

@@ -135,7 +135,7 @@ class CacheManager:
         if roles is not None and self._role not in roles:
             raise LLMException(
                 f"{op}: not allowed for role {self._role.name}",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                 op=op,
             )
 
@@ -146,7 +146,7 @@ class CacheManager:
             which = "mem_pool_cfg" if desc.placement == Placement.DEVICE else "host_mem_pool_cfg"
             raise LLMException(
                 f"{op}: no {desc.placement.name.lower()} memory pool ({which} not set)",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                 op=op,
             )
         spans: list[Span] = []

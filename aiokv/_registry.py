@@ -162,7 +162,7 @@ class CacheRegistry:
         if e is None or not e.id_held:
             raise LLMException(
                 f"{op}: cache {cache.cache_id} is not allocated or registered here",
-                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
             )
         return e
 
@@ -237,7 +237,7 @@ class CacheRegistry:
             if e.freed:
                 raise LLMException(
                     f"cache {e.cache.cache_id} was released meanwhile",
-                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                 )
         for e in entries:
             e.pins += 1

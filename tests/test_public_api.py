@@ -83,7 +83,7 @@ def test_legacy_manager_keeps_the_signatures() -> None:
 
 def test_kv_cache_alias_and_exception_shape() -> None:
     assert aiokv.KvCache is aiokv.Cache
-    exc = aiokv.LLMException("op: why", aiokv.LLMStatusCode.LLM_TIMEOUT)
+    exc = aiokv.LLMException("op: why", status_code=aiokv.LLMStatusCode.LLM_TIMEOUT)
     assert isinstance(exc, RuntimeError) and exc.status_code == 0x5010B000 + 26
     assert issubclass(aiokv.NoneArgumentError, TypeError)
     assert issubclass(aiokv.NoneArgumentError, AttributeError)
