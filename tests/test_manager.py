@@ -99,7 +99,7 @@ async def test_lifecycle_and_modes() -> None:
     assert d.initialized and d.cache_manager.device.type == "cpu"
     with pytest.raises(LLMException) as ei:
         _ = d.kv_cache_manager
-    assert ei.value.status_code == CODE.LLM_FEATURE_NOT_ENABLED
+    assert ei.value.status_code == CODE.LLM_PARAM_INVALID  # the wrong manager
     with pytest.raises(RuntimeError):
         await d.init(config())
     await d.finalize()

@@ -97,6 +97,7 @@ class Linker:
     async def _link_one(self, info: LLMClusterInfo, deadline: float) -> LLMStatusCode:
         """Link one cluster; every failure becomes its code (logged), never an exception."""
         cid = info.remote_cluster_id
+        assert cid is not None  # LLMDataDist checked it
         if self._links.ours(cid):
             return Code.LLM_ALREADY_LINK
         if not self._links.begin(cid):
@@ -159,6 +160,7 @@ class Linker:
         codes = []
         for info in infos:
             cid = info.remote_cluster_id
+            assert cid is not None  # LLMDataDist checked it
             if not force:
                 try:
                     async with asyncio.timeout_at(self._loop_time(deadline)):
