@@ -7,8 +7,8 @@ awaitable. Everything public is importable from here; all other modules are priv
 from ._cache import Cache, KvCache
 from ._config import LLMConfig, LlmConfig, MemPoolConfig
 from ._datadist import LLMDataDist
-from ._enums import DataType, LLMRole, LLMStatusCode, Placement, RegisterMemStatus
-from ._errors import LLMException, NoneArgumentError
+from ._enums import DataType, LLMRole, LLMStatusCode, Memtype, Placement, RegisterMemStatus
+from ._errors import LLMException, NoneArgumentError, Status
 from ._layerwise import CacheTask, LayerSynchronizer
 from ._manager import CacheManager, KvCacheManager
 from ._models import (
@@ -17,6 +17,7 @@ from ._models import (
     CacheKey,
     CacheKeyByIdAndIndex,
     LLMClusterInfo,
+    MemInfo,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
@@ -43,11 +44,14 @@ __all__ = [
     "LLMStatusCode",
     "LayerSynchronizer",
     "LlmConfig",
+    "MemInfo",
     "MemPoolConfig",
+    "Memtype",
     "NoneArgumentError",
     "Placement",
     "PoolStats",
     "RegisterMemStatus",
+    "Status",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
     "__version__",

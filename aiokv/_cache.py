@@ -16,7 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ._checks import UINT64_MAX, check_instance, param_invalid
+from ._checks import UINT64_MAX, check_instance, param_invalid, renamed
 from ._enums import Placement
 from ._models import CacheDesc
 
@@ -32,7 +32,8 @@ class Cache:
 
     Attributes:
         cache_id: unique in the process.
-        cache_desc: its descriptor.
+        cache_desc: its descriptor (a copy of the one it was made with, whose dims
+            ``update_dim`` may no longer change).
         tensors: the tensors (views of a pool region, or of user memory).
         tensor_addrs: ``data_ptr()`` of each tensor.
         is_blocks_cache: a paged cache (dim 0 is the block index).
@@ -53,7 +54,7 @@ class Cache:
         self, cache_desc: CacheDesc, tensors: list[torch.Tensor], *, is_blocks_cache: bool
     ) -> None:
         self.cache_id = next(_ids)
-        self.cache_desc = cache_desc
+        self.cache_desc = cache_desc.locked_copy()
         self.tensors = tensors
         self.is_blocks_cache = is_blocks_cache
         # the registry that tracks this cache; None for create_cpu_cache (user-owned)
@@ -70,6 +71,12 @@ class Cache:
     def tensor_addrs(self) -> list[int]:
         """Address of each tensor's first byte."""
         return [t.data_ptr() for t in self.tensors]
+
+    @property
+    def per_device_tensor_addrs(self) -> list[list[int]]:
+        """llm_datadist's ``KvCache`` form of :attr:`tensor_addrs`: one list per device
+        (one device per ``LLMDataDist`` here)."""
+        return [self.tensor_addrs]
 
     @property
     def num_blocks(self) -> int:
@@ -124,10 +131,11 @@ class Cache:
         )
 
     @classmethod
+    @renamed(tensors_or_addrs="addrs")
     def create_cpu_cache(
         cls,
         cache_desc: CacheDesc,
-        tensors_or_addrs: Sequence[torch.Tensor] | Sequence[int],
+        addrs: Sequence[torch.Tensor] | Sequence[int] | Sequence[Sequence[int]],
         *,
         is_blocks_cache: bool = True,
     ) -> Cache:
@@ -135,9 +143,11 @@ class Cache:
 
         Args:
             cache_desc: describes the memory; its placement must be ``HOST``.
-            tensors_or_addrs: ``num_tensors`` CPU tensors (contiguous, of the described shape
-                and dtype) or ``num_tensors`` integer host addresses of ``cache_desc.size``
-                bytes each. The caller keeps that memory alive while the cache is used.
+            addrs: ``num_tensors`` CPU tensors (contiguous, of the described shape and
+                dtype) or ``num_tensors`` integer host addresses of ``cache_desc.size``
+                bytes each, or ``KvCache``'s per-device form ``[[addr, ...]]`` (one
+                device). The caller keeps that memory alive while the cache is used.
+                Today's keyword ``tensors_or_addrs`` also works.
             is_blocks_cache: whether dim 0 is a block index (llm_datadist uses these for
                 ``swap_blocks``).
 
@@ -149,7 +159,11 @@ class Cache:
         check_instance(op, "cache_desc", cache_desc, CacheDesc)
         if cache_desc.placement != Placement.HOST:
             param_invalid(op, "cache_desc.placement must be HOST")
-        tensors = wrap_memory(op, cache_desc, tensors_or_addrs, torch.device("cpu"))
+        if isinstance(addrs, list | tuple) and addrs and isinstance(addrs[0], list | tuple):
+            if len(addrs) != 1:
+                param_invalid(op, f"addresses for {len(addrs)} devices; aiokv drives one")
+            addrs = addrs[0]
+        tensors = wrap_memory(op, cache_desc, addrs, torch.device("cpu"))
         return cls(cache_desc, tensors, is_blocks_cache=is_blocks_cache)
 
 

@@ -10,8 +10,10 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, NoReturn, TypeVar
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -31,10 +33,12 @@ __all__ = [
     "check_list",
     "check_unique",
     "param_invalid",
+    "renamed",
     "tensor_range",
 ]
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 #: The largest uint64: ids, keys and addresses travel as uint64.
 UINT64_MAX = 2**64 - 1
@@ -47,7 +51,7 @@ Blocks = npt.NDArray[np.int64]
 
 def param_invalid(op: str, reason: str) -> NoReturn:
     """Raise ``LLMException(LLM_PARAM_INVALID)`` naming ``op`` and ``reason``."""
-    raise LLMException(f"{op}: {reason}", LLMStatusCode.LLM_PARAM_INVALID, op=op)
+    raise LLMException(f"{op}: {reason}", status_code=LLMStatusCode.LLM_PARAM_INVALID, op=op)
 
 
 def check_instance(op: str, name: str, value: Any, expected: type[T] | tuple[type, ...]) -> T:
@@ -178,3 +182,40 @@ def tensor_range(op: str, ntensors: int, layers: range | None, per_layer: int) -
     if layers.step != 1 or layers.start < 0 or layers.stop * per_layer > ntensors or not layers:
         param_invalid(op, f"layer range {layers} is outside 0..{ntensors // per_layer - 1}")
     return range(layers.start * per_layer, layers.stop * per_layer)
+
+
+def renamed(**old_to_new: str) -> Callable[[F], F]:
+    """Also accept each keyword ``old`` for the parameter ``new`` (today's names kept
+    working beside llm_datadist's): the same function, the keyword renamed on the way in.
+
+    Raises (from the decorated call):
+        TypeError: both spellings given.
+    """
+
+    def rename(name: str, kwargs: dict[str, Any]) -> None:
+        for old, new in old_to_new.items():
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"{name}: give {new} or {old}, not both")
+                kwargs[new] = kwargs.pop(old)
+
+    def decorate(fn: F) -> F:
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def coro(*args: Any, **kwargs: Any) -> Any:
+                if kwargs:
+                    rename(fn.__name__, kwargs)
+                return await fn(*args, **kwargs)
+
+            return cast(F, coro)
+
+        @functools.wraps(fn)
+        def plain(*args: Any, **kwargs: Any) -> Any:
+            if kwargs:
+                rename(fn.__name__, kwargs)
+            return fn(*args, **kwargs)
+
+        return cast(F, plain)
+
+    return decorate

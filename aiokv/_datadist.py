@@ -39,9 +39,13 @@ from ._registry import CacheRegistry
 from ._remote import Linker, LinkTable, PeerService, RemoteClient, parse_link
 from .transport import Transport, get_transport
 
-__all__ = ["LLMDataDist"]
+__all__ = ["LEGACY_POOL", "LLMDataDist"]
 
 log = logging.getLogger("aiokv")
+
+#: The device pool legacy mode (``enable_cache_manager=False``) reserves when
+#: ``mem_pool_cfg`` is not given: 1 GiB in 64 KiB pages, its pages committed on first use.
+LEGACY_POOL = MemPoolConfig(1 << 30)
 
 
 class LLMDataDist:
@@ -115,15 +119,12 @@ class LLMDataDist:
 
         Raises:
             RuntimeError: before ``init`` / after ``finalize``.
-            LLMException: ``LLM_FEATURE_NOT_ENABLED`` in legacy mode (use
-                ``kv_cache_manager``).
+            LLMException: ``LLM_PARAM_INVALID`` in legacy mode (use ``kv_cache_manager``),
+                as llm_datadist.
         """
         mgr = self._require("cache_manager")
         if isinstance(mgr, KvCacheManager):
-            raise LLMException(
-                "cache_manager: enable_cache_manager is False; use kv_cache_manager",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-            )
+            param_invalid("cache_manager", "enable_cache_manager is False; use kv_cache_manager")
         return mgr
 
     @property
@@ -132,14 +133,12 @@ class LLMDataDist:
 
         Raises:
             RuntimeError: before ``init`` / after ``finalize``.
-            LLMException: ``LLM_FEATURE_NOT_ENABLED`` when ``enable_cache_manager`` is True.
+            LLMException: ``LLM_PARAM_INVALID`` when ``enable_cache_manager`` is True, as
+                llm_datadist.
         """
         mgr = self._require("kv_cache_manager")
         if not isinstance(mgr, KvCacheManager):
-            raise LLMException(
-                "kv_cache_manager: enable_cache_manager is True; use cache_manager",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-            )
+            param_invalid("kv_cache_manager", "enable_cache_manager is True; use cache_manager")
         return mgr
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -223,8 +222,11 @@ class LLMDataDist:
                 swap_out_threads=config.swap_out_threads, swap_in_buffers=config.swap_in_buffers
             ),
         )
+        device_cfg, touch = config.mem_pool_cfg, True
+        if device_cfg is None and not config.enable_cache_manager:
+            device_cfg, touch = LEGACY_POOL, False  # legacy mode reserves one, as llm_datadist
         try:
-            device_pool = await self._make_pool(scheduler, config.mem_pool_cfg, device, True)
+            device_pool = await self._make_pool(scheduler, device_cfg, device, True, touch)
             host_pool = await self._make_pool(scheduler, config.host_mem_pool_cfg, device, False)
         except BaseException:
             await scheduler.aclose()
@@ -270,7 +272,11 @@ class LLMDataDist:
 
     @staticmethod
     async def _make_pool(
-        scheduler: CopyScheduler, cfg: MemPoolConfig | None, device: Any, on_device: bool
+        scheduler: CopyScheduler,
+        cfg: MemPoolConfig | None,
+        device: Any,
+        on_device: bool,
+        touch: bool = True,
     ) -> MemPool | None:
         if cfg is None:
             return None
@@ -286,7 +292,8 @@ class LLMDataDist:
                     if on_device
                     else host_empty(cfg.memory_size, device, pin=supports_pinning(device))
                 )
-                pre_touch(region)  # commit the pages now, not on the first transfer
+                if touch:
+                    pre_touch(region)  # commit the pages now, not on the first transfer
                 return region
 
             region = await scheduler.call(reserve)
@@ -354,6 +361,7 @@ class LLMDataDist:
         check_instance(op, "clusters", clusters, (list, tuple))
         for i, c in enumerate(clusters):
             check_instance(op, f"clusters[{i}]", c, LLMClusterInfo)
+            check_int(op, f"clusters[{i}].remote_cluster_id", c.remote_cluster_id, 0, 2**64 - 1)
         if check_int(op, "timeout", timeout, -(2**31), 2**31 - 1) <= 0:
             param_invalid(op, f"timeout must be > 0 ms, got {timeout}")
         return list(clusters)
@@ -510,7 +518,8 @@ class LLMDataDist:
     def _cache_manager_mode(self, op: str) -> None:
         if isinstance(self._manager, KvCacheManager):
             raise LLMException(
-                f"{op}: needs enable_cache_manager=True", LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+                f"{op}: needs enable_cache_manager=True",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
             )
 
     async def switch_role(
@@ -549,7 +558,7 @@ class LLMDataDist:
             if self._links.clusters() or linker.linking():
                 raise LLMException(
                     f"{op}: unlink every cluster first ({self._links.clusters()} linked)",
-                    LLMStatusCode.LLM_EXIST_LINK,
+                    status_code=LLMStatusCode.LLM_EXIST_LINK,
                 )
             old = self._listen
             new = old if listen is None or listen == old else None

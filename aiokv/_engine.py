@@ -157,7 +157,9 @@ class _Call(Generic[T]):
 
 
 def _stopped() -> LLMException:
-    return LLMException("the LLMDataDist was finalized while this ran", LLMStatusCode.LLM_FAILED)
+    return LLMException(
+        "the LLMDataDist was finalized while this ran", status_code=LLMStatusCode.LLM_FAILED
+    )
 
 
 class Engine:

@@ -23,11 +23,15 @@ from typing import Any
 
 from ._enums import LLMStatusCode
 
-__all__ = ["LLMException", "NoneArgumentError", "map_errors", "status_of"]
+__all__ = ["LLMException", "NoneArgumentError", "Status", "map_errors", "status_of"]
 
 
 class LLMException(RuntimeError):
     """An operation failed; ``status_code`` says why.
+
+    Constructed as llm_datadist's: ``LLMException(*args, status_code=...)``, the code
+    keyword-only and ``LLM_SUCCESS`` when not given (``LLMException("msg", code)`` makes
+    the code part of ``args``, as upstream).
 
     Attributes:
         status_code: the llm_datadist code.
@@ -38,13 +42,12 @@ class LLMException(RuntimeError):
 
     def __init__(
         self,
-        message: str,
-        status_code: LLMStatusCode = LLMStatusCode.LLM_FAILED,
-        *,
+        *args: object,
+        status_code: LLMStatusCode = LLMStatusCode.LLM_SUCCESS,
         op: str | None = None,
         context: Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(*args)
         self.status_code = LLMStatusCode(status_code)
         self.op = op
         self.context: Mapping[str, Any] = dict(context or {})
@@ -60,19 +63,46 @@ class LLMException(RuntimeError):
             return self
         about = ", ".join(f"{k}={v!r}" for k, v in context.items())
         prefix = f"{op} ({about})" if about else op
-        return LLMException(f"{prefix}: {self}", self.status_code, op=op, context=context)
+        return LLMException(
+            f"{prefix}: {self}", status_code=self.status_code, op=op, context=context
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild, (str(self), self.status_code, self.op, dict(self.context)))
 
     def __repr__(self) -> str:
-        return f"LLMException({str(self)!r}, {self.status_code.name})"
+        return f"LLMException({str(self)!r}, status_code={self.status_code})"
 
 
 def _rebuild(
     message: str, code: LLMStatusCode, op: str | None, context: dict[str, Any]
 ) -> LLMException:
-    return LLMException(message, code, op=op, context=context)
+    return LLMException(message, status_code=code, op=op, context=context)
+
+
+class Status:
+    """A status code as llm_datadist wraps it: ``Status(code).is_ok()``.
+
+    Attributes:
+        status_code: the wrapped code.
+    """
+
+    __slots__ = ("_status_code",)
+
+    def __init__(self, status: LLMStatusCode) -> None:
+        self._status_code = status
+
+    @property
+    def status_code(self) -> LLMStatusCode:
+        """The wrapped code."""
+        return self._status_code
+
+    def is_ok(self) -> bool:
+        """Whether the code is ``LLM_SUCCESS``."""
+        return bool(self._status_code == LLMStatusCode.LLM_SUCCESS)
+
+    def __repr__(self) -> str:
+        return f"Status({self._status_code})"
 
 
 class NoneArgumentError(TypeError, AttributeError):
@@ -114,20 +144,28 @@ def map_errors(op: str, default: LLMStatusCode = LLMStatusCode.LLM_FAILED) -> It
     except (LLMException, TypeError, ValueError):
         raise
     except TimeoutError as exc:
-        raise LLMException(f"{op}: timed out", LLMStatusCode.LLM_TIMEOUT, op=op) from exc
+        raise LLMException(
+            f"{op}: timed out", status_code=LLMStatusCode.LLM_TIMEOUT, op=op
+        ) from exc
     except MemoryError as exc:
-        raise LLMException(f"{op}: out of memory", LLMStatusCode.LLM_OUT_OF_MEMORY, op=op) from exc
+        raise LLMException(
+            f"{op}: out of memory", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY, op=op
+        ) from exc
     except OSError as exc:
         code = _OS_CODES.get(exc.errno or 0, default)
         if isinstance(exc, ConnectionError):
             code = LLMStatusCode.LLM_LINK_FAILED
-        raise LLMException(f"{op}: {exc}", code, op=op) from exc
+        raise LLMException(f"{op}: {exc}", status_code=code, op=op) from exc
     except Exception as exc:
         if _is_device_oom(exc):
             raise LLMException(
-                f"{op}: device out of memory", LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY, op=op
+                f"{op}: device out of memory",
+                status_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY,
+                op=op,
             ) from exc
-        raise LLMException(f"{op}: {type(exc).__name__}: {exc}", default, op=op) from exc
+        raise LLMException(
+            f"{op}: {type(exc).__name__}: {exc}", status_code=default, op=op
+        ) from exc
 
 
 def status_of(exc: BaseException, log: logging.Logger, what: str) -> LLMStatusCode:

@@ -268,7 +268,8 @@ class CacheTask:
                 engine.loop.call_soon_threadsafe(self._start)
             except RuntimeError:  # the engine loop is closed
                 raise LLMException(
-                    "transfer_cache_async: the LLMDataDist was finalized", Code.LLM_FAILED
+                    "transfer_cache_async: the LLMDataDist was finalized",
+                    status_code=Code.LLM_FAILED,
                 ) from None
 
     def _start(self) -> None:  # on the engine; runs before any later engine call

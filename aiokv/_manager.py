@@ -33,12 +33,13 @@ from ._checks import (
     check_list,
     check_unique,
     param_invalid,
+    renamed,
     tensor_range,
 )
 from ._config import LLMConfig
 from ._copy import CopyScheduler, copy_rows, fits_inline
 from ._engine import Engine, Portal, checkpoint, on_asyncio
-from ._enums import LLMRole, LLMStatusCode, Placement
+from ._enums import LLMRole, LLMStatusCode, Memtype, Placement
 from ._errors import LLMException, map_errors
 from ._layerwise import CacheTask, LayerSynchronizer, Source, plan, run_layers
 from ._layout import ByteLayout, tensor_bytes
@@ -47,11 +48,12 @@ from ._models import (
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
+    MemInfo,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
 from ._pool import MemPool, PoolStats, Span
-from ._registry import CacheRegistry, Entry, RegistryStats
+from ._registry import CacheRegistry, Entry, RegistryStats, is_placeholder
 from ._remote import RemoteClient
 from ._remote._protocol import (
     MAX_TENSORS,
@@ -129,6 +131,26 @@ class CacheManager:
         """A snapshot of the caches, keys and pins this manager tracks."""
         return self._registry.statistics()
 
+    @staticmethod
+    def check_cache_key(cache_key: CacheKey) -> None:
+        """Refuse a ``CacheKey`` naming neither or both of a request and a prefix, as
+        llm_datadist: exactly one of ``req_id`` / ``prefix_id`` must be below ``2**64-1``.
+
+        Raises:
+            TypeError / NoneArgumentError: not a ``CacheKey``.
+            LLMException: ``LLM_PARAM_INVALID`` otherwise.
+        """
+        op = "check_cache_key"
+        check_instance(op, "cache_key", cache_key, CacheKey)
+        req, prefix = cache_key.req_id != UINT64_MAX, cache_key.prefix_id != UINT64_MAX
+        if req == prefix:
+            which = "only one" if req else "one"
+            param_invalid(
+                op,
+                f"{which} of req id and prefix id should contain a valid value [0, 2**64-1), "
+                f"req id: {cache_key.req_id}, prefix id: {cache_key.prefix_id}",
+            )
+
     def _check_open(self, op: str) -> None:
         """Refuse calls after ``finalize`` and calls the role gates forbid."""
         if self._closed:
@@ -137,7 +159,7 @@ class CacheManager:
         if roles is not None and self._role not in roles:
             raise LLMException(
                 f"{op}: not allowed for role {self._role.name}",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                 op=op,
             )
 
@@ -148,7 +170,7 @@ class CacheManager:
             which = "mem_pool_cfg" if desc.placement == Placement.DEVICE else "host_mem_pool_cfg"
             raise LLMException(
                 f"{op}: no {desc.placement.name.lower()} memory pool ({which} not set)",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                 op=op,
             )
         spans: list[Span] = []
@@ -183,12 +205,17 @@ class CacheManager:
         key_list = check_list(op, "cache_keys", keys, CacheKey)
         if len(key_list) > desc.batch_size:
             param_invalid(op, f"{len(key_list)} cache_keys for batch size {desc.batch_size}")
+        for key in key_list:
+            if not is_placeholder(key):
+                self.check_cache_key(key)
         if blocks_key is not None:
             check_instance(op, "blocks_cache_key", blocks_key, BlocksCacheKey)
-        if remote_accessible is None:
-            remote = self._config.enable_remote_cache_accessible
-        else:
+        if remote_accessible is not None:
             remote = check_instance(op, "remote_accessible", remote_accessible, bool)
+        elif memory is None:  # pool memory: the LLMDataDist's setting
+            remote = self._config.enable_remote_cache_accessible
+        else:  # registered memory: llm_datadist's default by placement
+            remote = desc.placement == Placement.DEVICE
         spans: list[tuple[MemPool, Span]] = []
         if memory is not None:
             tensors = wrap_memory(op, desc, memory, self._device)
@@ -234,10 +261,11 @@ class CacheManager:
             "allocate_blocks_cache", cache_desc, None, blocks=True, blocks_key=blocks_cache_key
         )
 
+    @renamed(tensors_or_addrs="addrs")
     async def register_cache(
         self,
         cache_desc: CacheDesc,
-        tensors_or_addrs: Sequence[torch.Tensor] | Sequence[int],
+        addrs: Sequence[torch.Tensor] | Sequence[int],
         cache_keys: Sequence[CacheKey] = (),
         remote_accessible: bool | None = None,
     ) -> Cache:
@@ -245,11 +273,12 @@ class CacheManager:
 
         Args:
             cache_desc: describes each tensor.
-            tensors_or_addrs: ``num_tensors`` tensors (DEVICE placement: on this device)
-                or host addresses.
+            addrs: ``num_tensors`` tensors (DEVICE placement: on this device) or host
+                addresses (today's keyword ``tensors_or_addrs`` also works).
             cache_keys: key i names batch slot i, as in ``allocate_cache``.
-            remote_accessible: whether peers may push into / read by id from it
-                (default: ``enable_remote_cache_accessible``).
+            remote_accessible: whether peers may push into it / address it directly
+                (when this side also has ``enable_remote_cache_accessible``). ``None``,
+                as llm_datadist: ``True`` for DEVICE placement, ``False`` for HOST.
 
         Raises:
             TypeError / NoneArgumentError: wrong argument types.
@@ -259,22 +288,24 @@ class CacheManager:
         return self._add(
             "register_cache",
             cache_desc,
-            tensors_or_addrs,
+            addrs,
             blocks=False,
             keys=cache_keys,
             remote_accessible=remote_accessible,
         )
 
+    @renamed(tensors_or_addrs="addrs")
     async def register_blocks_cache(
         self,
         cache_desc: CacheDesc,
-        tensors_or_addrs: Sequence[torch.Tensor] | Sequence[int],
+        addrs: Sequence[torch.Tensor] | Sequence[int],
         blocks_cache_key: BlocksCacheKey | None = None,
         remote_accessible: bool | None = None,
     ) -> Cache:
         """Register user memory as a blocks cache (``shape[0]`` blocks), optionally keyed.
 
-        Registering a key already in use moves it here (the later wins; warned).
+        Arguments as :meth:`register_cache`. Registering a ``model_id`` already in use
+        moves it here (the later wins; warned).
 
         Raises:
             TypeError / NoneArgumentError: wrong argument types.
@@ -283,7 +314,7 @@ class CacheManager:
         return self._add(
             "register_blocks_cache",
             cache_desc,
-            tensors_or_addrs,
+            addrs,
             blocks=True,
             blocks_key=blocks_cache_key,
             remote_accessible=remote_accessible,
@@ -495,10 +526,13 @@ class CacheManager:
             return
         await self._copy_blocks(op, src_cache, dst_cache, pairs, se, de)
 
-    async def swap_blocks(self, src: Cache, dst: Cache, src_to_dst: Mapping[int, int]) -> None:
+    @renamed(src="src_cache", dst="dst_cache")
+    async def swap_blocks(
+        self, src_cache: Cache, dst_cache: Cache, src_to_dst: Mapping[int, int]
+    ) -> None:
         """Swap blocks between a host and a device blocks cache: host→device is "swap in",
         device→host "swap out". ``{src_block: dst_block}``; per-block size and tensor count
-        must match.
+        must match. (The legacy keywords ``src`` / ``dst`` also work.)
 
         Raises:
             TypeError / NoneArgumentError: wrong argument types (``None`` caches included).
@@ -507,6 +541,7 @@ class CacheManager:
         """
         op = "swap_blocks"
         self._check_open(op)
+        src, dst = src_cache, dst_cache
         se = self._blocks_entry(op, src, "src")
         de = self._blocks_entry(op, dst, "dst")
         check_instance(op, "src_to_dst", src_to_dst, dict)
@@ -664,6 +699,8 @@ class CacheManager:
         op = "pull_cache"
         self._check_open(op)
         check_instance(op, "cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
+        if isinstance(cache_key, CacheKey):
+            self.check_cache_key(cache_key)
         entry, tensors, wire, layout, n = self._slot(
             op,
             cache,
@@ -712,6 +749,8 @@ class CacheManager:
         check_instance(
             op, "src_cache_key", src_cache_key, (BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex)
         )
+        if isinstance(src_cache_key, CacheKey):
+            self.check_cache_key(src_cache_key)
         entry = self._blocks_entry(op, dst_cache, "dst_cache")
         dsts = check_blocks(op, "dst_blocks", dst_blocks, dst_cache.num_blocks)
         srcs = check_blocks(op, "src_blocks", src_blocks, MAX_BLOCK_INDEX + 1)
@@ -735,6 +774,11 @@ class CacheManager:
         layout = ByteLayout.of_blocks(dsts, bb)
         await self._move(op, src_cache_key, dst_cache, entry, tensors, layout, req, write=False)
 
+    def _check_push(self, op: str) -> None:
+        """Pushing needs ``enable_remote_cache_accessible`` on this side, as llm_datadist."""
+        if not self._config.enable_remote_cache_accessible:
+            param_invalid(op, "pushing needs enable_remote_cache_accessible=True on this side")
+
     async def push_cache(
         self,
         dst_cache_key: CacheKeyByIdAndIndex,
@@ -746,14 +790,18 @@ class CacheManager:
         tensor_num_per_layer: int = 2,
     ) -> None:
         """Push slot ``src_batch_index`` of ``src_cache`` into the peer's cache
-        ``dst_cache_key`` (which must have ``enable_remote_cache_accessible``).
+        ``dst_cache_key``. Both sides need ``enable_remote_cache_accessible``, and the
+        peer's cache must be remote accessible.
 
         Raises:
-            LLMException: as :meth:`pull_cache`; ``LLM_FEATURE_NOT_ENABLED`` when the peer
-                does not accept pushes. On failure the peer's slot bytes are unspecified.
+            LLMException: as :meth:`pull_cache`; ``LLM_PARAM_INVALID`` at once when this
+                side lacks ``enable_remote_cache_accessible``; ``LLM_FEATURE_NOT_ENABLED``
+                when the peer does not accept pushes into that memory. On failure the
+                peer's slot bytes are unspecified.
         """
         op = "push_cache"
         self._check_open(op)
+        self._check_push(op)
         check_instance(op, "dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
         entry, tensors, wire, layout, n = self._slot(
             op,
@@ -782,11 +830,12 @@ class CacheManager:
         peer's blocks cache ``dst_cache_key`` (which must accept pushes).
 
         Raises:
-            LLMException: as :meth:`pull_blocks`; ``LLM_FEATURE_NOT_ENABLED`` when the peer
-                does not accept pushes.
+            LLMException: as :meth:`pull_blocks`; ``LLM_PARAM_INVALID`` /
+                ``LLM_FEATURE_NOT_ENABLED`` as :meth:`push_cache`.
         """
         op = "push_blocks"
         self._check_open(op)
+        self._check_push(op)
         check_instance(op, "dst_cache_key", dst_cache_key, BlocksCacheKey)
         entry = self._blocks_entry(op, src_cache, "src_cache")
         srcs = check_blocks(op, "src_blocks", src_blocks, src_cache.num_blocks)
@@ -903,6 +952,34 @@ class CacheManager:
             self._registry.unpin(*live)
             raise
 
+    async def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
+        """llm_datadist's re-mapping of registered memory after a hardware memory fault.
+
+        The arguments are checked as llm_datadist checks them; then, as aiokv registers
+        no memory with a NIC, the call is refused with ``LLM_FEATURE_NOT_ENABLED``.
+
+        Raises:
+            LLMException: ``LLM_PARAM_INVALID`` (not a ``MemInfo`` or list of them, a
+                host ``mem_type``, a zero ``addr``, ``size <= 0``), otherwise
+                ``LLM_FEATURE_NOT_ENABLED``.
+        """
+        op = "remap_registered_memory"
+        self._check_open(op)
+        if not isinstance(mem_infos, list | MemInfo):
+            param_invalid(op, f"mem_infos must be MemInfo or list[MemInfo], got {mem_infos!r}")
+        for i, info in enumerate(mem_infos if isinstance(mem_infos, list) else [mem_infos]):
+            if not isinstance(info, MemInfo):
+                param_invalid(op, f"mem_infos[{i}] must be MemInfo, got {type(info).__name__}")
+            if info.mem_type != Memtype.MEM_TYPE_DEVICE:
+                param_invalid(op, f"mem_infos[{i}].mem_type must be MEM_TYPE_DEVICE")
+            if info.addr == 0 or info.size <= 0:
+                param_invalid(op, f"mem_infos[{i}]: addr must be non-zero and size > 0")
+        raise LLMException(
+            f"{op}: aiokv registers no memory with a NIC; there is nothing to remap",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            op=op,
+        )
+
     # ---- lifecycle ----------------------------------------------------------------------
     async def _close(self) -> None:
         """Refuse new work and stop layer-wise transfers (``LLMDataDist.finalize``)."""
@@ -931,3 +1008,26 @@ class KvCacheManager(CacheManager):
         "remove_cache_key": _PROMPT_ROLES,
         "transfer_cache_async": _PROMPT_ROLES,
     }
+
+    def is_initialized(self) -> bool:
+        """Whether the ``LLMDataDist`` is still initialized (``False`` after ``finalize``)."""
+        return not self._closed
+
+    def get_cache_tensors(self, cache: Cache, tensor_index: int = 0) -> list[torch.Tensor]:
+        """Tensor ``tensor_index`` of ``cache``, once per device: a one-item list here
+        (aiokv drives one device per ``LLMDataDist``), the same memory, no copy.
+
+        Raises:
+            TypeError / NoneArgumentError / ValueError: wrong ``cache`` or index type.
+            LLMException: ``LLM_PARAM_INVALID`` for an index outside
+                ``[0, num_tensors)``; ``LLM_KV_CACHE_NOT_EXIST`` for a released cache.
+        """
+        op = "get_cache_tensors"
+        self._check_open(op)
+        self._registry.entry(op, cache, "cache")
+        index = check_int(op, "tensor_index", tensor_index, -(2**31), 2**31 - 1)
+        if not 0 <= index < cache.cache_desc.num_tensors:
+            param_invalid(
+                op, f"tensor_index {index} out of range, [0, {cache.cache_desc.num_tensors})"
+            )
+        return [cache.tensors[index]]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -18,14 +19,15 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from ._checks import UINT64_MAX
-from ._enums import DataType, Placement
-from ._errors import NoneArgumentError
+from ._checks import UINT64_MAX, check_int, param_invalid
+from ._enums import DataType, LLMRole, LLMStatusCode, Memtype, Placement
+from ._errors import LLMException, NoneArgumentError
 
 __all__ = [
     "BlocksCacheKey",
@@ -33,6 +35,7 @@ __all__ = [
     "CacheKey",
     "CacheKeyByIdAndIndex",
     "LLMClusterInfo",
+    "MemInfo",
     "Model",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
@@ -42,12 +45,18 @@ __all__ = [
 _TYPE_ERRORS = ("type", "parsing", "is_instance_of", "missing", "extra_forbidden", "arguments")
 
 
-def _translate(model: str, exc: ValidationError) -> Exception:
-    """Map a pydantic ``ValidationError`` onto the SPEC's TypeError / ValueError split."""
+def _translate(model: str, exc: ValidationError, *, args_invalid: bool = False) -> Exception:
+    """Map a pydantic ``ValidationError`` onto the SPEC's TypeError / ValueError split.
+
+    With ``args_invalid`` (llm_datadist's key classes) a missing or unknown argument is
+    ``LLMException(LLM_PARAM_INVALID)``, as those classes raise it upstream.
+    """
     err = exc.errors(include_url=False)[0]
     loc = ".".join(str(p) for p in err["loc"]) or "value"
     msg = f"{model}: {loc}: {err['msg'].removeprefix('Value error, ')}"
     kind = err["type"]
+    if args_invalid and kind in ("missing", "extra_forbidden"):
+        return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID, op=model)
     if kind == "no_such_attribute":
         return AttributeError(msg)
     if err.get("input", ...) is None and kind != "missing":
@@ -62,10 +71,14 @@ class Model(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
     _positional: ClassVar[tuple[str, ...]] = ()
+    #: argument-count and unknown/missing-argument errors are LLM_PARAM_INVALID (keys)
+    _args_invalid: ClassVar[bool] = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         name = type(self).__name__
         if len(args) > len(self._positional):
+            if self._args_invalid:
+                param_invalid(name, f"takes at most {len(self._positional)} arguments")
             raise TypeError(f"{name}: takes at most {len(self._positional)} positional arguments")
         for field, value in zip(self._positional, args, strict=False):
             if field in kwargs:
@@ -74,7 +87,7 @@ class Model(BaseModel):
         try:
             super().__init__(**kwargs)
         except ValidationError as exc:
-            raise _translate(name, exc) from None
+            raise _translate(name, exc, args_invalid=self._args_invalid) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
         try:
@@ -90,10 +103,11 @@ def _u64(v: int) -> int:
 
 
 def _take_alias(cls: type, data: Any, alias: str, name: str) -> Any:
-    """Accept ``alias`` for the field ``name`` (llm_datadist spells both); not both."""
+    """Accept ``alias`` for the field ``name`` (llm_datadist spells both); not both
+    (``LLM_PARAM_INVALID``)."""
     if isinstance(data, dict) and alias in data:
         if name in data:
-            raise TypeError(f"{cls.__name__}: give {name} or {alias}, not both")
+            param_invalid(cls.__name__, f"give {name} or {alias}, not both")
         data = dict(data)
         data[name] = data.pop(alias)
     return data
@@ -104,6 +118,12 @@ class CacheDesc(Model):
 
     ``size`` is the byte size of ONE tensor. For a blocks (paged) cache ``shape[0]`` is the
     number of blocks and one block is ``size // shape[0]`` bytes of each tensor.
+
+    As llm_datadist: ``batch_dim_index`` must be in ``[0, len(shape))`` and
+    ``seq_len_dim_index`` ``-1`` or in ``[0, len(shape))``, else
+    ``LLMException(LLM_PARAM_INVALID)`` (so is ``DT_STRING``, which has no element size).
+    A value otherwise (equality and hash by fields), except that :meth:`update_dim`
+    changes one dimension in place.
     """
 
     if TYPE_CHECKING:
@@ -135,6 +155,8 @@ class CacheDesc(Model):
     batch_dim_index: int = 0
     seq_len_dim_index: int = -1
     kv_tensor_format: str | None = None
+    # set on the copy a Cache keeps: its dims may no longer change
+    _locked: bool = PrivateAttr(default=False)
 
     @field_validator("shape", mode="before")
     @classmethod
@@ -156,14 +178,61 @@ class CacheDesc(Model):
 
     @model_validator(mode="after")
     def _dims(self) -> CacheDesc:
-        n = len(self.shape)
-        if n and not -n <= self.batch_dim_index < n:
-            raise ValueError(f"batch_dim_index {self.batch_dim_index} out of range for {n} dims")
-        if n and not -n <= self.seq_len_dim_index < n:
-            raise ValueError(f"seq_len_dim_index {self.seq_len_dim_index} out of range")
+        op, n = "CacheDesc", len(self.shape)
+        if not 0 <= self.batch_dim_index < n:
+            param_invalid(op, f"batch_dim_index {self.batch_dim_index} out of range, [0, {n})")
+        if self.seq_len_dim_index != -1 and not 0 <= self.seq_len_dim_index < n:
+            param_invalid(
+                op, f"seq_len_dim_index {self.seq_len_dim_index} is invalid, -1 or in [0, {n})"
+            )
+        if self.data_type == DataType.DT_STRING:
+            param_invalid(op, "DT_STRING has no element size; a cache cannot hold it")
         if math.prod(self.shape) * self.data_type.item_size > 1 << 44:
             raise ValueError("tensor size exceeds 16 TiB")
         return self
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self.__dict__ == other.__dict__
+
+    def __hash__(self) -> int:
+        return hash((type(self), *self.__dict__.values()))
+
+    @property
+    def batch_dim(self) -> int:
+        """llm_datadist's name of ``batch_dim_index``."""
+        return self.batch_dim_index
+
+    def update_dim(self, dim_index: int, dim_value: int) -> None:
+        """Set ``shape[dim_index] = dim_value`` in place, as llm_datadist.
+
+        Meant for a descriptor reused as a template between allocations. A cache keeps
+        its own copy of the descriptor it was made with, so this never resizes a cache;
+        calling it on that copy (``cache.cache_desc``) is refused.
+
+        Raises:
+            TypeError / ValueError: not ints; ``dim_value`` outside ``[1, 2**40]``.
+            LLMException: ``LLM_PARAM_INVALID`` for ``dim_index`` outside
+                ``[0, len(shape))`` or a cache's own descriptor.
+        """
+        op = "CacheDesc.update_dim"
+        index = check_int(op, "dim_index", dim_index)
+        check_int(op, "dim_value", dim_value)
+        if self._locked:
+            param_invalid(op, "this descriptor belongs to a cache; update a copy")
+        if not 0 <= index < len(self.shape):
+            param_invalid(op, f"dim_index {index} out of range, [0, {len(self.shape)})")
+        shape = list(self.shape)
+        shape[index] = dim_value
+        checked = CacheDesc(**{**self.__dict__, "shape": shape})  # every rule, once more
+        object.__setattr__(self, "shape", checked.shape)
+
+    def locked_copy(self) -> CacheDesc:
+        """A copy whose dims :meth:`update_dim` refuses to change (what a cache keeps)."""
+        if self._locked:
+            return self
+        copy = self.model_copy()
+        copy._locked = True
+        return copy
 
     @property
     def size(self) -> int:
@@ -172,8 +241,8 @@ class CacheDesc(Model):
 
     @property
     def batch_size(self) -> int:
-        """Extent of the batch dimension (1 for a 0-d shape)."""
-        return self.shape[self.batch_dim_index] if self.shape else 1
+        """Extent of the batch dimension."""
+        return self.shape[self.batch_dim_index]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -184,7 +253,10 @@ class CacheDesc(Model):
 class CacheKey(Model):
     """Names one batch slot of a cache on the prompt side (``req_id=2**64-1`` is a placeholder).
 
-    Accepts ``prompt_cluster_id`` or its alias ``cluster_id``.
+    Accepts ``prompt_cluster_id`` or its alias ``cluster_id``. A cache is found by
+    ``(req_id or prefix_id, model_id)``: ``cluster_id`` only chooses the link. Too many
+    arguments, unknown or missing ones: ``LLMException(LLM_PARAM_INVALID)``, as
+    llm_datadist.
     """
 
     if TYPE_CHECKING:
@@ -200,6 +272,7 @@ class CacheKey(Model):
         ) -> None: ...
 
     _positional = ("prompt_cluster_id", "req_id", "model_id", "prefix_id")
+    _args_invalid = True
     prompt_cluster_id: int
     req_id: int
     model_id: int = 0
@@ -223,7 +296,9 @@ class CacheKey(Model):
 class BlocksCacheKey(Model):
     """Names a blocks (paged) cache: ``(cluster_id, model_id)``.
 
-    Accepts ``cluster_id`` or its alias ``prompt_cluster_id``.
+    Accepts ``cluster_id`` or its alias ``prompt_cluster_id``. A cache is found by
+    ``model_id``: ``cluster_id`` only chooses the link. Argument errors as
+    :class:`CacheKey`.
     """
 
     if TYPE_CHECKING:
@@ -233,6 +308,7 @@ class BlocksCacheKey(Model):
         ) -> None: ...
 
     _positional = ("cluster_id", "model_id")
+    _args_invalid = True
     cluster_id: int
     model_id: int = 0
 
@@ -271,25 +347,35 @@ class LLMClusterInfo(Model):
 
     Used like llm_datadist (``info.remote_cluster_id = 1;
     info.append_remote_ip_info("127.0.0.1", 26000)``) or by keyword.
+    ``remote_cluster_id`` is ``None`` until set (linking refuses it then);
+    ``remote_role_type`` is kept for llm_datadist compatibility. An integer IP is
+    llm_datadist's encoding: the four address bytes read little-endian
+    (``127.0.0.1`` is ``0x0100007F``). ``local_ip_info`` / ``remote_ip_info`` hold
+    ``(str, port)``; ``local_ip_info_list`` / ``remote_ip_info_list`` are llm_datadist's
+    ``(int, port)`` form of the same addresses.
     """
 
     if TYPE_CHECKING:
 
         def __init__(
             self,
-            remote_cluster_id: int = ...,
+            remote_cluster_id: int | None = ...,
             *,
-            local_ip_info: Sequence[tuple[str, int]] = ...,
-            remote_ip_info: Sequence[tuple[str, int]] = ...,
+            remote_role_type: LLMRole | int | None = ...,
+            local_ip_info: Sequence[tuple[str | int, int]] = ...,
+            remote_ip_info: Sequence[tuple[str | int, int]] = ...,
         ) -> None: ...
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     _positional = ("remote_cluster_id",)
-    remote_cluster_id: int = 0
+    remote_cluster_id: int | None = None
+    remote_role_type: LLMRole | int | None = None
     local_ip_info: list[tuple[str, int]] = Field(default_factory=list)
     remote_ip_info: list[tuple[str, int]] = Field(default_factory=list)
 
-    _ranges = field_validator("remote_cluster_id")(classmethod(lambda cls, v: _u64(v)))
+    _ranges = field_validator("remote_cluster_id")(
+        classmethod(lambda cls, v: v if v is None else _u64(v))
+    )
 
     @field_validator("local_ip_info", "remote_ip_info", mode="before")
     @classmethod
@@ -301,7 +387,9 @@ class LLMClusterInfo(Model):
     @staticmethod
     def _addr(ip: Any, port: Any) -> tuple[str, int]:
         if isinstance(ip, int) and not isinstance(ip, bool):
-            ip = str(ipaddress.IPv4Address(ip))
+            if not 0 <= ip < 1 << 32:
+                raise ValueError(f"LLMClusterInfo: integer ip {ip} is not a 32-bit address")
+            ip = socket.inet_ntoa(ip.to_bytes(4, "little"))
         if not isinstance(ip, str):
             raise TypeError(f"LLMClusterInfo: ip must be str or int, got {type(ip).__name__}")
         if isinstance(port, bool) or not isinstance(port, int):
@@ -321,6 +409,41 @@ class LLMClusterInfo(Model):
     def append_remote_ip_info(self, ip: str | int, port: int) -> None:
         """Add an address the peer listens on."""
         self.remote_ip_info = [*self.remote_ip_info, self._addr(ip, port)]
+
+    @property
+    def local_ip_info_list(self) -> list[tuple[int | str, int]]:
+        """``local_ip_info`` in llm_datadist's form (IPv4 as its integer encoding)."""
+        return [(_ip_int(ip), port) for ip, port in self.local_ip_info]
+
+    @property
+    def remote_ip_info_list(self) -> list[tuple[int | str, int]]:
+        """``remote_ip_info`` in llm_datadist's form (IPv4 as its integer encoding)."""
+        return [(_ip_int(ip), port) for ip, port in self.remote_ip_info]
+
+
+def _ip_int(ip: str) -> int | str:
+    """llm_datadist's integer form of an IPv4 address (an IPv6 one stays a string)."""
+    try:
+        return int.from_bytes(socket.inet_aton(ip), "little")
+    except OSError:
+        return ip
+
+
+class MemInfo(Model):
+    """A memory range, as llm_datadist's ``MemInfo(mem_type, addr, size)`` (the argument
+    of ``CacheManager.remap_registered_memory``)."""
+
+    if TYPE_CHECKING:
+
+        def __init__(self, mem_type: Memtype, addr: int, size: int) -> None: ...
+
+    _positional = ("mem_type", "addr", "size")
+    mem_type: Memtype
+    addr: int
+    size: int
+
+    def __str__(self) -> str:
+        return f"MemInfo(mem_type={self.mem_type}, addr={self.addr}, size={self.size})"
 
 
 def _check_range(v: Any) -> Any:

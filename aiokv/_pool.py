@@ -93,7 +93,7 @@ class MemPool:
             raise LLMException(
                 f"{self.name}: out of memory allocating {nbytes} bytes "
                 f"({self.stats().free} free, largest span {self.stats().largest_free})",
-                LLMStatusCode.LLM_OUT_OF_MEMORY,
+                status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
             )
         npages, start = self._by_size[i]
         self._remove_free(start, npages)

@@ -4,6 +4,10 @@ Memory goes back to its pool when the id reference is dropped, no key is bound a
 operation pins it. Everything here is synchronous bookkeeping: no method awaits, so a
 cancelled caller can never leave it half-updated (STYLE convention 3).
 
+Keys are looked up as llm_datadist does: a ``BlocksCacheKey`` by its ``model_id``, a
+``CacheKey`` by ``(req_id or prefix_id, model_id)``; their cluster id only chooses the
+link a peer sends on, so it is not part of the identity (:func:`key_id`).
+
 Thread-safe: callers' threads (allocation, local copies) and the engine thread (the
 peer service) share one registry. Every method runs under :attr:`CacheRegistry.lock`
 (re-entrant), which also guards the pools' allocate/free; a caller that needs several
@@ -28,12 +32,25 @@ from ._errors import LLMException
 from ._models import BlocksCacheKey, CacheKey
 from ._pool import MemPool, Span
 
-__all__ = ["CacheRegistry", "Entry", "RegistryStats"]
+__all__ = ["CacheRegistry", "Entry", "KeyId", "RegistryStats", "is_placeholder", "key_id"]
 
 log = logging.getLogger("aiokv")
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+#: what a ``CacheKey`` is found by: ``(req_id, prefix_id, model_id)``, one id valid
+KeyId = tuple[int, int, int]
+
+
+def key_id(key: CacheKey) -> KeyId:
+    """The identity of ``key`` in a registry (its cluster id left out)."""
+    return (key.req_id, key.prefix_id, key.model_id)
+
+
+def is_placeholder(key: CacheKey) -> bool:
+    """A key naming no request and no prefix: it holds a batch slot, binds nothing."""
+    return key.req_id == UINT64_MAX and key.prefix_id == UINT64_MAX
 
 
 def _locked(
@@ -82,7 +99,7 @@ class Entry:
     spans: list[tuple[MemPool, Span]]
     remote_accessible: bool
     id_held: bool = True
-    keys: set[CacheKey] = field(default_factory=set)
+    keys: set[KeyId] = field(default_factory=set)
     blocks_key: BlocksCacheKey | None = None
     pins: int = 0
     freed: bool = False
@@ -98,8 +115,8 @@ class CacheRegistry:
 
     def __init__(self) -> None:
         self.entries: dict[int, Entry] = {}
-        self.keys: dict[CacheKey, tuple[int, int]] = {}  # key -> (cache_id, batch_index)
-        self.blocks_keys: dict[BlocksCacheKey, int] = {}
+        self.keys: dict[KeyId, tuple[int, int]] = {}  # key_id -> (cache_id, batch_index)
+        self.blocks_keys: dict[int, int] = {}  # model_id -> cache_id
         self._regions: SortedDict[int, tuple[int, int, int]] = SortedDict()
         self.lock = threading.RLock()
 
@@ -115,33 +132,39 @@ class CacheRegistry:
         blocks_key: BlocksCacheKey | None = None,
     ) -> Entry:
         """Track ``cache``; bind ``keys`` (key i → batch slot i, placeholders skipped, the last
-        duplicate wins) or ``blocks_key``. A key already bound elsewhere moves here (warned)."""
+        duplicate wins) or ``blocks_key``. A key already bound to another cache moves here
+        (the last registration wins, with a warning)."""
         entry = Entry(cache, spans, remote_accessible)
         cache._owner = self
         self.entries[cache.cache_id] = entry
         for i, t in enumerate(cache.tensors):
             self._regions[t.data_ptr()] = (t.data_ptr() + cache.cache_desc.size, cache.cache_id, i)
         for slot, key in enumerate(keys):
-            if key.req_id != UINT64_MAX:
+            if not is_placeholder(key):
                 self._bind_key(key, entry, slot)
         if blocks_key is not None:
-            old = self.blocks_keys.get(blocks_key)
+            old = self.blocks_keys.get(blocks_key.model_id)
             if old is not None:
                 log.warning(
-                    "%s was registered to cache %d; now cache %d", blocks_key, old, cache.cache_id
+                    "%s: model_id %d was registered to cache %d; now cache %d",
+                    blocks_key,
+                    blocks_key.model_id,
+                    old,
+                    cache.cache_id,
                 )
                 self.entries[old].blocks_key = None
-            self.blocks_keys[blocks_key] = cache.cache_id
+            self.blocks_keys[blocks_key.model_id] = cache.cache_id
             entry.blocks_key = blocks_key
         return entry
 
     def _bind_key(self, key: CacheKey, entry: Entry, slot: int) -> None:
-        old = self.keys.get(key)
+        kid = key_id(key)
+        old = self.keys.get(kid)
         if old is not None and old[0] != entry.cache.cache_id:
             log.warning("%s was bound to cache %d; now cache %d", key, old[0], entry.cache.cache_id)
             self.release_key(key)
-        self.keys[key] = (entry.cache.cache_id, slot)
-        entry.keys.add(key)
+        self.keys[kid] = (entry.cache.cache_id, slot)
+        entry.keys.add(kid)
 
     # ---- lookups ------------------------------------------------------------------------
     @_locked
@@ -162,20 +185,20 @@ class CacheRegistry:
         if e is None or not e.id_held:
             raise LLMException(
                 f"{op}: cache {cache.cache_id} is not allocated or registered here",
-                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
             )
         return e
 
     @_locked
     def by_key(self, key: CacheKey) -> tuple[Entry, int] | None:
-        """``(entry, batch_index)`` bound to ``key``, or ``None``."""
-        hit = self.keys.get(key)
+        """``(entry, batch_index)`` bound to ``key`` (by :func:`key_id`), or ``None``."""
+        hit = self.keys.get(key_id(key))
         return None if hit is None else (self.entries[hit[0]], hit[1])
 
     @_locked
     def by_blocks_key(self, key: BlocksCacheKey) -> Entry | None:
-        """The entry registered under ``key``, or ``None``."""
-        cid = self.blocks_keys.get(key)
+        """The entry registered under ``key.model_id``, or ``None``."""
+        cid = self.blocks_keys.get(key.model_id)
         return None if cid is None else self.entries[cid]
 
     @_locked
@@ -204,7 +227,7 @@ class CacheRegistry:
     def release_id(self, entry: Entry) -> None:
         """Drop the id reference (``deallocate_cache`` / ``unregister_cache``)."""
         if entry.blocks_key is not None:
-            self.blocks_keys.pop(entry.blocks_key, None)
+            self.blocks_keys.pop(entry.blocks_key.model_id, None)
             entry.blocks_key = None
         if not entry.owned:
             # user memory: keys die with the registration; the user owns the bytes
@@ -217,11 +240,12 @@ class CacheRegistry:
     @_locked
     def release_key(self, key: CacheKey) -> bool:
         """Unbind ``key``; ``False`` if it was not bound (a no-op, as llm_datadist)."""
-        hit = self.keys.pop(key, None)
+        kid = key_id(key)
+        hit = self.keys.pop(kid, None)
         if hit is None:
             return False
         entry = self.entries[hit[0]]
-        entry.keys.discard(key)
+        entry.keys.discard(kid)
         self._maybe_free(entry)
         return True
 
@@ -237,7 +261,7 @@ class CacheRegistry:
             if e.freed:
                 raise LLMException(
                     f"cache {e.cache.cache_id} was released meanwhile",
-                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                 )
         for e in entries:
             e.pins += 1

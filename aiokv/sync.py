@@ -27,8 +27,8 @@ from ._cache import Cache, KvCache
 from ._config import LLMConfig, LlmConfig, MemPoolConfig
 from ._datadist import LLMDataDist as _AsyncDataDist
 from ._engine import Engine
-from ._enums import DataType, LLMRole, LLMStatusCode, Placement, RegisterMemStatus
-from ._errors import LLMException, NoneArgumentError
+from ._enums import DataType, LLMRole, LLMStatusCode, Memtype, Placement, RegisterMemStatus
+from ._errors import LLMException, NoneArgumentError, Status
 from ._layerwise import LayerSynchronizer
 from ._models import (
     BlocksCacheKey,
@@ -36,6 +36,7 @@ from ._models import (
     CacheKey,
     CacheKeyByIdAndIndex,
     LLMClusterInfo,
+    MemInfo,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
@@ -61,11 +62,14 @@ __all__ = [
     "LLMStatusCode",
     "LayerSynchronizer",
     "LlmConfig",
+    "MemInfo",
     "MemPoolConfig",
+    "Memtype",
     "NoneArgumentError",
     "Placement",
     "PoolStats",
     "RegisterMemStatus",
+    "Status",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
 ]
@@ -128,6 +132,7 @@ _MANAGER_OPS = (
     "pull_blocks",
     "push_cache",
     "push_blocks",
+    "remap_registered_memory",
 )
 
 
@@ -137,6 +142,8 @@ class CacheManager(_Blocking):
     for _op in _MANAGER_OPS:
         locals()[_op] = _blocking(_op, _manager.CacheManager)
     del _op
+
+    check_cache_key = staticmethod(_manager.CacheManager.check_cache_key)
 
     @property
     def device(self) -> Any:
@@ -161,6 +168,15 @@ class CacheManager(_Blocking):
 
 class KvCacheManager(CacheManager):
     """The blocking legacy ``KvCacheManager`` (``LLMDataDist.kv_cache_manager``)."""
+
+    def is_initialized(self) -> bool:
+        """Whether the ``LLMDataDist`` is still initialized."""
+        return bool(self._async.is_initialized())
+
+    def get_cache_tensors(self, cache: Cache, tensor_index: int = 0) -> list[Any]:
+        """Tensor ``tensor_index`` of ``cache``, once per device (see the async manager)."""
+        tensors: list[Any] = self._async.get_cache_tensors(cache, tensor_index)
+        return tensors
 
 
 class LLMDataDist:

@@ -99,7 +99,7 @@ async def test_lifecycle_and_modes() -> None:
     assert d.initialized and d.cache_manager.device.type == "cpu"
     with pytest.raises(LLMException) as ei:
         _ = d.kv_cache_manager
-    assert ei.value.status_code == CODE.LLM_FEATURE_NOT_ENABLED
+    assert ei.value.status_code == CODE.LLM_PARAM_INVALID  # the wrong manager
     await d.init(config())  # a second init is a no-op, as in llm_datadist
     assert d.initialized
     await d.finalize()

@@ -17,7 +17,7 @@ from hypothesis.stateful import (
 from aiokv import CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
 from aiokv._cache import Cache
 from aiokv._pool import MemPool, Span
-from aiokv._registry import CacheRegistry
+from aiokv._registry import CacheRegistry, key_id
 
 PAGE_SHIFT = 10
 PAGES = 64
@@ -137,7 +137,8 @@ class RefcountMachine(RuleBasedStateMachine):
     def remove_one_key(self, cid: int) -> None:
         e = self.reg.entries.get(cid)
         if e is not None and e.keys:
-            assert self.reg.release_key(min(e.keys, key=lambda k: k.req_id))
+            req, prefix, model = min(e.keys)  # a key id: (req_id, prefix_id, model_id)
+            assert self.reg.release_key(CacheKey(1, req, model, prefix))
 
     @rule(cid=caches)
     def pin(self, cid: int) -> None:
@@ -155,7 +156,7 @@ class RefcountMachine(RuleBasedStateMachine):
     @rule(req=st.integers(0, 10**6))
     def remove_missing_key_is_noop(self, req: int) -> None:
         before = self.pool.stats()
-        if CacheKey(1, 10**7 + req) not in self.reg.keys:
+        if key_id(CacheKey(1, 10**7 + req)) not in self.reg.keys:
             assert not self.reg.release_key(CacheKey(1, 10**7 + req))
         assert self.pool.stats() == before
 
@@ -173,8 +174,8 @@ class RefcountMachine(RuleBasedStateMachine):
         while self.pinned:
             self.unpin()
         for e in list(self.reg.entries.values()):
-            for k in list(e.keys):
-                self.reg.release_key(k)
+            for req, prefix, model in list(e.keys):
+                self.reg.release_key(CacheKey(1, req, model, prefix))
             if e.id_held:
                 self.reg.release_id(e)
         assert self.pool.stats().used == 0 and self.pool.stats().allocations == 0

@@ -63,7 +63,8 @@ def test_public_methods_are_documented() -> None:
 
 def test_manager_operations_are_async() -> None:
     # transfer_cache_async returns its CacheTask at once, as llm_datadist's (issue #8)
-    sync = {"get_pool_stats", "statistics", "transfer_cache_async"}
+    sync = {"get_pool_stats", "statistics", "transfer_cache_async", "check_cache_key"}
+    sync |= {"is_initialized", "get_cache_tensors"}
     for cls in (aiokv.CacheManager, aiokv.KvCacheManager):
         ops = [n for n, m in inspect.getmembers(cls, inspect.isfunction) if not n.startswith("_")]
         assert len(ops) >= 17
@@ -74,9 +75,11 @@ def test_manager_operations_are_async() -> None:
 
 
 def test_legacy_manager_keeps_the_signatures() -> None:
-    # the role gates are a table: KvCacheManager overrides no operation
-    overridden = {n for n in vars(aiokv.KvCacheManager) if not n.startswith("_")}
-    assert overridden == set()
+    # the role gates are a table: KvCacheManager overrides no operation (it only adds
+    # llm_datadist's legacy-only is_initialized / get_cache_tensors)
+    own = {n for n in vars(aiokv.KvCacheManager) if not n.startswith("_")}
+    assert own == {"is_initialized", "get_cache_tensors"}
+    assert not own & set(dir(aiokv.CacheManager))
     assert inspect.signature(aiokv.KvCacheManager.pull_blocks) == inspect.signature(
         aiokv.CacheManager.pull_blocks
     )
@@ -84,7 +87,8 @@ def test_legacy_manager_keeps_the_signatures() -> None:
 
 def test_kv_cache_alias_and_exception_shape() -> None:
     assert aiokv.KvCache is aiokv.Cache
-    exc = aiokv.LLMException("op: why", aiokv.LLMStatusCode.LLM_TIMEOUT)
+    exc = aiokv.LLMException("op: why", status_code=aiokv.LLMStatusCode.LLM_TIMEOUT)
+    assert aiokv.LLMException("op: why").status_code == aiokv.LLMStatusCode.LLM_SUCCESS
     assert isinstance(exc, RuntimeError) and exc.status_code == 0x5010B000 + 26
     assert issubclass(aiokv.NoneArgumentError, TypeError)
     assert issubclass(aiokv.NoneArgumentError, AttributeError)

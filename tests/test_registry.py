@@ -23,7 +23,7 @@ from aiokv import (
 )
 from aiokv._cache import Cache
 from aiokv._pool import MemPool, Span
-from aiokv._registry import CacheRegistry, Entry
+from aiokv._registry import CacheRegistry, Entry, key_id
 
 PAGE_SHIFT = 10
 PAGE = 1 << PAGE_SHIFT
@@ -84,7 +84,7 @@ def test_placeholder_skipped_and_last_duplicate_wins(reg: CacheRegistry, pool: M
     e = allocate(reg, pool, 3, keys=[HOLD, k, k])
     assert reg.by_key(k) == (e, 2)  # the last duplicate's slot
     assert reg.by_key(HOLD) is None
-    assert e.keys == {k}
+    assert e.keys == {key_id(k)}
     assert stats(reg)["keys"] == 1
     assert not reg.release_key(HOLD)  # never bound
 
@@ -93,7 +93,9 @@ def test_keys_bind_their_slots(reg: CacheRegistry, pool: MemPool) -> None:
     ks = [CacheKey(1, req_id=i) for i in range(3)]
     e = allocate(reg, pool, 3, keys=ks)
     assert [reg.by_key(k) for k in ks] == [(e, 0), (e, 1), (e, 2)]
-    assert reg.by_key(CacheKey(2, req_id=0)) is None  # another cluster's key
+    # found by (req_id, model_id): the cluster id only chose the link
+    assert reg.by_key(CacheKey(2, req_id=0)) == (e, 0)
+    assert reg.by_key(CacheKey(1, req_id=0, model_id=1)) is None
 
 
 def test_key_bound_elsewhere_moves(

@@ -112,14 +112,14 @@ def resolve_device(device_type: str, device_id: int) -> torch.device:
     if kind not in _ACCELERATORS:
         raise LLMException(
             f"{op}: unknown device_type {device_type!r} (cpu, cuda, npu or auto)",
-            LLMStatusCode.LLM_PARAM_INVALID,
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
         )
     count = _device_count(kind)
     if index >= count:
         reason = "is not available" if count == 0 else f"has {count} device(s)"
         raise LLMException(
             f"{op}: {kind}:{index} requested but {kind} {reason}",
-            LLMStatusCode.LLM_PARAM_INVALID,
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
         )
     return torch.device(kind, index)
 

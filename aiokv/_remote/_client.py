@@ -45,7 +45,7 @@ class RemoteClient:
             raise LLMException(
                 f"{op}: cache {cache.cache_id} is on {cache.tensors[0].device}; the tcp "
                 "transport moves host-addressable memory",
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                 op=op,
             )
 

@@ -97,6 +97,7 @@ class Linker:
     async def _link_one(self, info: LLMClusterInfo, deadline: float) -> LLMStatusCode:
         """Link one cluster; every failure becomes its code (logged), never an exception."""
         cid = info.remote_cluster_id
+        assert cid is not None  # LLMDataDist checked it
         if self._links.ours(cid):
             return Code.LLM_ALREADY_LINK
         if not self._links.begin(cid):
@@ -159,6 +160,7 @@ class Linker:
         codes = []
         for info in infos:
             cid = info.remote_cluster_id
+            assert cid is not None  # LLMDataDist checked it
             if not force:
                 try:
                     async with asyncio.timeout_at(self._loop_time(deadline)):
@@ -205,12 +207,16 @@ class Linker:
             if self._links.ours(cid) or any(
                 cid in (q.cluster_id for q in c.parties) for c in self._comms.values()
             ):
-                raise LLMException(f"{op}: cluster {cid} is already linked", Code.LLM_ALREADY_LINK)
+                raise LLMException(
+                    f"{op}: cluster {cid} is already linked", status_code=Code.LLM_ALREADY_LINK
+                )
         for i, cid in enumerate(cids):
             if not self._links.begin(cid):
                 for done in cids[:i]:
                     self._links.end(done)
-                raise LLMException(f"{op}: cluster {cid} is being linked", Code.LLM_PROCESSING_LINK)
+                raise LLMException(
+                    f"{op}: cluster {cid} is being linked", status_code=Code.LLM_PROCESSING_LINK
+                )
         self._links.hold(cids)
         comm_id = next(self._ids)
         comm = self._comms[comm_id] = _Comm(parties)
@@ -250,7 +256,9 @@ class Linker:
         attempts = max(1, round((deadline - time.monotonic()) / COMM_RETRY_S))
         link = await self._connect(cid, [party.address], deadline, attempts)
         if link is None:
-            raise LLMException(f"link: cluster {cid} was not reached", Code.LLM_LINK_FAILED)
+            raise LLMException(
+                f"link: cluster {cid} was not reached", status_code=Code.LLM_LINK_FAILED
+            )
         self._links.add(link, ours=True)
 
     def status(self, comm_id: int) -> RegisterMemStatus:
@@ -278,7 +286,9 @@ class Linker:
     def _comm(self, op: str, comm_id: int) -> _Comm:
         comm = self._comms.get(comm_id)
         if comm is None:
-            raise LLMException(f"{op}: no link with comm_id {comm_id}", Code.LLM_PARAM_INVALID)
+            raise LLMException(
+                f"{op}: no link with comm_id {comm_id}", status_code=Code.LLM_PARAM_INVALID
+            )
         return comm
 
     async def aclose(self) -> None:

@@ -59,7 +59,9 @@ class LinkTable:
         link = self.get(cluster_id)
         if link is None:
             raise LLMException(
-                f"{op}: cluster {cluster_id} is not linked", LLMStatusCode.LLM_NOT_YET_LINK, op=op
+                f"{op}: cluster {cluster_id} is not linked",
+                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+                op=op,
             )
         return link
 

@@ -54,7 +54,7 @@ def get_transport(name: str) -> type[Transport]:
         known = ", ".join(transport_names())
         raise LLMException(
             f"get_transport: unknown transport {name!r} (known: {known})",
-            LLMStatusCode.LLM_PARAM_INVALID,
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
         ) from None
     module_name, _, attr = target.partition(":")
     try:
@@ -62,10 +62,11 @@ def get_transport(name: str) -> type[Transport]:
     except (ImportError, AttributeError) as exc:
         raise LLMException(
             f"get_transport: transport {name!r} is not available: {exc}",
-            LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
         ) from exc
     if not (isinstance(cls, type) and issubclass(cls, Transport)):
         raise LLMException(
-            f"get_transport: {target} is not a Transport", LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+            f"get_transport: {target} is not a Transport",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
         )
     return cls

@@ -251,7 +251,9 @@ class Transport(abc.ABC):
             RuntimeError: called from another loop.
         """
         if self._closed:
-            raise LLMException(f"{op}: transport is closed", LLMStatusCode.LLM_LINK_FAILED)
+            raise LLMException(
+                f"{op}: transport is closed", status_code=LLMStatusCode.LLM_LINK_FAILED
+            )
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
@@ -313,10 +315,12 @@ def flatten_views(op: str, views: Sequence[Any], *, writable: bool) -> tuple[lis
         mv = v if isinstance(v, memoryview) else memoryview(v)  # TypeError if not a buffer
         if not mv.c_contiguous:
             raise LLMException(
-                f"{op}: buffer {i} is not contiguous", LLMStatusCode.LLM_PARAM_INVALID
+                f"{op}: buffer {i} is not contiguous", status_code=LLMStatusCode.LLM_PARAM_INVALID
             )
         if writable and mv.readonly:
-            raise LLMException(f"{op}: buffer {i} is read-only", LLMStatusCode.LLM_PARAM_INVALID)
+            raise LLMException(
+                f"{op}: buffer {i} is read-only", status_code=LLMStatusCode.LLM_PARAM_INVALID
+            )
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
         if mv.nbytes:
@@ -340,7 +344,7 @@ def check_request(op: str, meta: bytes, timeout: float, max_meta_bytes: int) -> 
     if len(meta) > max_meta_bytes:
         raise LLMException(
             f"{op}: meta of {len(meta)} bytes exceeds the cap of {max_meta_bytes}",
-            LLMStatusCode.LLM_PARAM_INVALID,
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
         )
 
 

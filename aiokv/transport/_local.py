@@ -66,7 +66,7 @@ def _free_port(host: str) -> int:
     for port in itertools.islice(_ports, _EPHEMERAL.stop - _EPHEMERAL.start):
         if (host, port) not in _listeners:
             return port
-    raise LLMException(f"listen on {host}: no free port", _S.LLM_LINK_FAILED)
+    raise LLMException(f"listen on {host}: no free port", status_code=_S.LLM_LINK_FAILED)
 
 
 def _soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: Any) -> None:
@@ -229,20 +229,21 @@ class _LocalLink(Link):
                     raise self._lost(name)
                 if status is not _S.LLM_SUCCESS:
                     raise LLMException(
-                        f"{name}: cluster {self.peer.cluster_id} answered {status.name}", status
+                        f"{name}: cluster {self.peer.cluster_id} answered {status.name}",
+                        status_code=status,
                     )
                 if op.total != total:
                     raise LLMException(
                         f"{name}: cluster {self.peer.cluster_id} granted {op.total} bytes, "
                         f"not {total}",
-                        _S.LLM_PARAM_INVALID,
+                        status_code=_S.LLM_PARAM_INVALID,
                     )
                 await self._copy(name, op, *((op.views, views) if is_read else (views, op.views)))
             ok = True
         except TimeoutError:
             raise LLMException(
                 f"{name}: not done by cluster {self.peer.cluster_id} within {seconds:.3g} s",
-                _S.LLM_TIMEOUT,
+                status_code=_S.LLM_TIMEOUT,
             ) from None
         finally:
             self._ops.discard(op)
@@ -286,7 +287,8 @@ class _LocalLink(Link):
 
     def _lost(self, name: str) -> LLMException:
         return LLMException(
-            f"{name}: link to cluster {self.peer.cluster_id} is broken", _S.LLM_LINK_FAILED
+            f"{name}: link to cluster {self.peer.cluster_id} is broken",
+            status_code=_S.LLM_LINK_FAILED,
         )
 
     def _break(self, reason: str) -> None:
@@ -333,10 +335,12 @@ class LocalTransport(Transport):
     async def listen(self, host: str, port: int) -> tuple[str, int]:
         self._bind_loop("listen")
         if not 0 <= port < _EPHEMERAL.stop:
-            raise LLMException(f"listen on {host}:{port}: bad port", _S.LLM_LINK_FAILED)
+            raise LLMException(f"listen on {host}:{port}: bad port", status_code=_S.LLM_LINK_FAILED)
         address = (host, port or _free_port(host))
         if address in _listeners:
-            raise LLMException(f"listen on {host}:{port}: address in use", _S.LLM_LINK_FAILED)
+            raise LLMException(
+                f"listen on {host}:{port}: address in use", status_code=_S.LLM_LINK_FAILED
+            )
         _listeners[address] = self
         self._addresses.append(address)
         return address
@@ -353,12 +357,14 @@ class LocalTransport(Transport):
         if isinstance(timeout, bool) or not isinstance(timeout, int | float):
             raise TypeError(f"{where}: timeout must be a number of seconds")
         if not timeout > 0:  # as TCP: no time left is a timeout, whoever listens
-            raise LLMException(f"{where}: timed out after {timeout:.3g} s", _S.LLM_TIMEOUT)
+            raise LLMException(
+                f"{where}: timed out after {timeout:.3g} s", status_code=_S.LLM_TIMEOUT
+            )
         server = _listeners.get((host, port))
         if server is None:
-            raise LLMException(f"{where}: connection refused", _S.LLM_LINK_FAILED)
+            raise LLMException(f"{where}: connection refused", status_code=_S.LLM_LINK_FAILED)
         if not _same_secret(self.secret, server.secret):
-            raise LLMException(f"{where}: authentication failed", _S.LLM_LINK_FAILED)
+            raise LLMException(f"{where}: authentication failed", status_code=_S.LLM_LINK_FAILED)
         mine = _LocalLink(self, PeerInfo(server.local_cluster_id, (host, port)))
         theirs = _LocalLink(server, PeerInfo(self.local_cluster_id, (host, _free_port(host))))
         mine._other, theirs._other = theirs, mine
@@ -379,7 +385,7 @@ class LocalTransport(Transport):
             except TimeoutError:
                 mine._break("the listener did not file the link in time")
                 raise LLMException(
-                    f"{where}: timed out after {timeout:.3g} s", _S.LLM_TIMEOUT
+                    f"{where}: timed out after {timeout:.3g} s", status_code=_S.LLM_TIMEOUT
                 ) from None
         self._adopt(mine)
         return mine

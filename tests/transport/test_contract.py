@@ -92,7 +92,7 @@ class FakeHandler:
         if "refuse" in meta:
             return Grant(Code(meta["refuse"]), [], self._done(tag) if "tag" in meta else None)
         if "raise" in meta:
-            raise LLMException("refused by test", Code(meta["raise"]))
+            raise LLMException("refused by test", status_code=Code(meta["raise"]))
         if meta.get("crash"):
             raise KeyError("a bug in the cache layer")
         if "bad" in meta:

@@ -163,7 +163,8 @@ class TcpLink(Link):
         check_request(op, meta, timeout, self._t.max_meta_bytes)
         if self._broken:
             raise LLMException(
-                f"{op}: link to cluster {self.peer.cluster_id} is broken", _S.LLM_LINK_FAILED
+                f"{op}: link to cluster {self.peer.cluster_id} is broken",
+                status_code=_S.LLM_LINK_FAILED,
             )
         return meta
 
@@ -180,14 +181,16 @@ class TcpLink(Link):
         if op.result is _S.LLM_TIMEOUT:
             raise LLMException(
                 f"{name}: no answer from cluster {self.peer.cluster_id} within {seconds:.3g} s",
-                _S.LLM_TIMEOUT,
+                status_code=_S.LLM_TIMEOUT,
             ) from None
 
     def _refused(self, name: str, status: LLMStatusCode) -> LLMException:
         if status is _S.LLM_LINK_FAILED:
-            return LLMException(f"{name}: link to cluster {self.peer.cluster_id} broke", status)
+            return LLMException(
+                f"{name}: link to cluster {self.peer.cluster_id} broke", status_code=status
+            )
         return LLMException(
-            f"{name}: cluster {self.peer.cluster_id} answered {status.name}", status
+            f"{name}: cluster {self.peer.cluster_id} answered {status.name}", status_code=status
         )
 
     def _end(self, op: MyOp, *, cancel: bool) -> None:

@@ -91,7 +91,9 @@ class TcpTransport(Transport):
                 sock.close()
                 raise
         except OSError as exc:
-            raise LLMException(f"listen on {host}:{port}: {exc}", _S.LLM_LINK_FAILED) from exc
+            raise LLMException(
+                f"listen on {host}:{port}: {exc}", status_code=_S.LLM_LINK_FAILED
+            ) from exc
         bound = sock.getsockname()
         address = (str(bound[0]), int(bound[1]))
         self._listeners[address] = (sock, self._spawn(self._accept_loop(sock), "aiokv-tcp-accept"))
@@ -118,13 +120,13 @@ class TcpTransport(Transport):
                     address = sock.getpeername()
         except TimeoutError:
             raise LLMException(
-                f"{where}: timed out after {timeout:.3g} s", _S.LLM_TIMEOUT
+                f"{where}: timed out after {timeout:.3g} s", status_code=_S.LLM_TIMEOUT
             ) from None
         except _HANDSHAKE_ERRORS as exc:
-            raise LLMException(f"{where}: {exc}", _S.LLM_LINK_FAILED) from exc
+            raise LLMException(f"{where}: {exc}", status_code=_S.LLM_LINK_FAILED) from exc
         if self._closed:
             io.close()
-            raise LLMException(f"{where}: transport closed", _S.LLM_LINK_FAILED)
+            raise LLMException(f"{where}: transport closed", status_code=_S.LLM_LINK_FAILED)
         return self._adopt(
             io, PeerInfo(peer_id, (str(address[0]), int(address[1]))), initiator=True
         )
