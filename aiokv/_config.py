@@ -35,7 +35,7 @@ class InvalidOptionError(LLMException, ValueError):
     llm_datadist raises, and a ``ValueError``, as SPEC §1.2 asks."""
 
     def __init__(self, message: str, op: str = "LLMConfig") -> None:
-        super().__init__(message, LLMStatusCode.LLM_PARAM_INVALID, op=op)
+        super().__init__(message, status_code=LLMStatusCode.LLM_PARAM_INVALID, op=op)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.op or "LLMConfig"))
@@ -142,6 +142,10 @@ _OPTION_KEYS: dict[str, str] = {
     "transfer_backend": "llm.TransferBackend",
     "enable_switch_role": "llm.EnableSwitchRole",
     "mem_utilization": "llm.MemoryUtilization",
+    "deploy_res_path": "llm.deployResPath",
+    "output_max_size": "llm.OutputMaxSize",
+    "cluster_info": "llm.ClusterInfo",
+    "global_resource_config": "llm.GlobalResourceConfig",
     "device_type": "aiokv.deviceType",
     "link_secret": "aiokv.linkSecret",
     "swap_out_threads": "aiokv.swapOutThreads",
@@ -153,10 +157,6 @@ _OLD_KEYS: dict[str, str] = {"aiokv.transferBackend": "transfer_backend"}
 #: ``ge_options`` like every ``ge.*`` key, passed through, not acted on
 _PASSTHROUGH_KEYS = frozenset(
     {
-        "llm.ClusterInfo",
-        "llm.OutputMaxSize",
-        "llm.deployResPath",
-        "llm.GlobalResourceConfig",
         "llm.Role",
         "llm.ListenIp",
         "llm.ListenPort",
@@ -171,6 +171,10 @@ _IGNORED_FIELDS = (
     "mem_utilization",
     "enable_switch_role",
     "local_comm_res",  # its content; setting it implies cache-manager mode (see LLMConfig)
+    "deploy_res_path",  # llm_datadist's offline-mode (graph deployment) options
+    "output_max_size",
+    "cluster_info",
+    "global_resource_config",
 )
 #: llm_datadist's transfer-backend names -> the aiokv transport that stands in for them
 _BACKEND_ALIASES: dict[str, str] = {"hixl": "tcp"}  # tcp: the best backend between processes
@@ -219,8 +223,10 @@ class LLMConfig(Model):
             aiokv does not act on: stored, passed through ``generate_options()``, logged
             at debug by ``init``.
         enable_switch_role, rdma_traffic_class, rdma_service_level (uint32), buf_pool_cfg,
-            mem_utilization (0..1): llm_datadist's, validated as there, stored and echoed;
-            no meaning on aiokv's transports (``init`` logs them at debug).
+            mem_utilization (0..1), and the offline-mode deploy_res_path, output_max_size,
+            cluster_info (JSON), global_resource_config: llm_datadist's, validated as
+            there, stored and echoed; no meaning on aiokv's transports (``init`` logs them
+            at debug).
         link_secret: shared secret; when set, links need mutual challenge-response auth.
         swap_out_threads: worker threads for device→host swaps.
         swap_in_buffers: block-sized staging buffers for host→device swaps.
@@ -249,6 +255,10 @@ class LLMConfig(Model):
             rdma_service_level: int | None = ...,
             buf_pool_cfg: str | None = ...,
             mem_utilization: float = ...,
+            deploy_res_path: str | None = ...,
+            output_max_size: int | None = ...,
+            cluster_info: str | None = ...,
+            global_resource_config: str | None = ...,
             link_secret: str | None = ...,
             swap_out_threads: int = ...,
             swap_in_buffers: int = ...,
@@ -279,6 +289,10 @@ class LLMConfig(Model):
     rdma_service_level: int | None = Field(default=None, ge=0, le=2**32 - 1)
     buf_pool_cfg: str | None = None
     mem_utilization: float = Field(default=0.95, ge=0.0, le=1.0)
+    deploy_res_path: str | None = None
+    output_max_size: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    cluster_info: str | None = None
+    global_resource_config: str | None = None
     link_secret: str | None = Field(default=None, min_length=1, max_length=4096)
     swap_out_threads: int = Field(default=4, ge=1, le=64)
     swap_in_buffers: int = Field(default=4, ge=1, le=64)
@@ -310,6 +324,13 @@ class LLMConfig(Model):
         if v is not None and not isinstance(v, str):
             raise TypeError(f"LLMConfig: transfer_backend must be str, got {type(v).__name__}")
         return _BACKEND_ALIASES.get(v, v) if isinstance(v, str) else v
+
+    @field_validator("cluster_info")
+    @classmethod
+    def _json(cls, v: str | None) -> str | None:
+        if v is not None:
+            json.loads(v)  # a ValueError (JSONDecodeError) when it is not JSON, as upstream
+        return v
 
     @field_validator("mem_utilization")
     @classmethod
@@ -371,6 +392,15 @@ class LLMConfig(Model):
             if field == "device_id":
                 out["ge.session_device_id"] = out[key]
         return out
+
+    def gen_options(self) -> dict[str, str]:
+        """llm_datadist's other name of :meth:`generate_options`."""
+        return self.generate_options()
+
+    @property
+    def options(self) -> dict[str, str]:
+        """llm_datadist's ``options``: what :meth:`generate_options` gives (a new dict)."""
+        return self.generate_options()
 
     def ignored_options(self) -> dict[str, str]:
         """The entries of ``generate_options()`` that were set and that aiokv accepts but

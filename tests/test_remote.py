@@ -133,6 +133,7 @@ def test_every_transport_is_covered() -> None:
 
 async def test_link_codes(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
     p, d = pair
+    await settled(d)  # a round trip: the prompt's engine has filed the link it accepted
     assert d.linked_clusters() == [1] and p.linked_clusters() == [2]  # both directions
     code, codes = await d.link_clusters([info(1, p.listen_address)])
     assert code == CODE.LLM_ALREADY_LINK and codes == [CODE.LLM_ALREADY_LINK]

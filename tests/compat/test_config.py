@@ -95,6 +95,28 @@ def test_every_llm_datadist_option_is_assignable() -> None:
     assert "LlmConfig" in aiokv.__all__ and "LlmConfig" in aiokv.sync.__all__
 
 
+def test_offline_mode_options_and_option_aliases() -> None:
+    """llm_datadist's offline-mode options are accepted, echoed and listed as ignored;
+    ``gen_options()`` and ``options`` are its other names for the generated dict."""
+    cfg = LLMConfig()
+    cfg.deploy_res_path = "/opt/res"
+    cfg.output_max_size = 1 << 20
+    cfg.cluster_info = '{"cluster_id": 1}'
+    cfg.global_resource_config = "cfg"
+    offline = {
+        "llm.deployResPath": "/opt/res",
+        "llm.OutputMaxSize": str(1 << 20),
+        "llm.ClusterInfo": '{"cluster_id": 1}',
+        "llm.GlobalResourceConfig": "cfg",
+    }
+    assert cfg.generate_options() == offline == cfg.gen_options() == cfg.options
+    assert cfg.ignored_options() == offline
+    assert LLMConfig.from_options(offline) == cfg
+    param_invalid(lambda: setattr(cfg, "cluster_info", "not json"))
+    param_invalid(lambda: setattr(cfg, "output_max_size", -1))
+    assert cfg.generate_options() == offline  # refused values changed nothing
+
+
 def test_generate_options_emits_only_what_was_set() -> None:
     assert LLMConfig().generate_options() == {}
     cfg = LLMConfig(link_retry_count=1)  # a default value, but set: emitted
@@ -229,8 +251,8 @@ def test_llm_datadist_generate_options_dict_parses() -> None:
     assert cfg.mem_pool_cfg is not None and cfg.mem_pool_cfg.memory_size == 32 << 20
     assert cfg.ge_options == {"ge.flowGraphMemMaxSize": "2147483648", "ge.exec.rankId": "0"}
     assert LLMConfig.from_options(cfg.generate_options()) == cfg
-    # llm_datadist's other keys (offline mode, engine internals) and any ge.* key: kept
-    extra = {"llm.deployResPath": "/x", "llm.OutputMaxSize": "8", "ge.anything": "v"}
+    # llm_datadist's engine-internal keys and any ge.* key: kept in ge_options
+    extra = {"llm.Role": "Prompt", "llm.kvTensorFormat": "ND", "ge.anything": "v"}
     assert LLMConfig.from_options(extra).ge_options == extra
     assert "llm.Nope" in str(param_invalid(lambda: LLMConfig.from_options({"llm.Nope": "1"})))
     with pytest.raises(TypeError):
