@@ -9,8 +9,7 @@ objects, one implementation. Calls are safe from many threads at once; none may 
 made from inside an async synchronizer (it runs on the engine loop, and would wait for
 itself: ``RuntimeError``).
 
-Differences from the async API: ``link_clusters`` and ``unlink_clusters`` return
-``(code, codes)`` as llm_datadist; an ``async def`` layer synchronizer runs on the
+Differences from the async API: an ``async def`` layer synchronizer runs on the
 engine loop (there is no caller loop); ``with LLMDataDist(...) as dd`` finalizes on
 exit. An instance never finalized is finalized at interpreter exit.
 """
