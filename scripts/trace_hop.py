@@ -1,0 +1,98 @@
+"""Where one 1-block remote pull spends its time, the engine hop included.
+
+``python scripts/trace_hop.py`` (repository root): 400 pulls of one 4 KiB block from
+the spawned prompt peer (the ``aiokv bench latency`` set-up), each timed at six points
+by wrapping the engine's ``_Call`` and the client's ``transfer``; prints the median µs
+of each stretch:
+
+* ``checks``: the caller's argument checks and planning, up to the hand-over;
+* ``wake_in``: the hand-over until the engine thread runs it (one thread wake-up);
+* ``start_task``: the engine creating the task until the transfer starts;
+* ``transfer``: the request/response on the link (both sides' work and the wire);
+* ``task_end``: the transfer's end until the caller is notified;
+* ``back``: the notification until ``pull_blocks`` returns on the caller's loop (the
+  second wake-up, then the unpin).
+
+The hop itself is ``wake_in + start_task + task_end + back`` less the unpin (a few µs).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import aiokv._engine as engine_mod
+import aiokv._remote._client as client_mod
+from aiokv import BlocksCacheKey, CacheDesc, DataType, LLMDataDist
+from aiokv._bench._harness import PEER_ID, PromptPeer, run_remote
+
+marks: dict[str, float] = {}
+
+
+def _wrap() -> None:
+    transfer = client_mod.RemoteClient.transfer
+
+    async def traced(self: Any, *args: Any, **kwargs: Any) -> None:
+        marks["task"] = time.perf_counter()
+        try:
+            await transfer(self, *args, **kwargs)
+        finally:
+            marks["transfer_end"] = time.perf_counter()
+
+    client_mod.RemoteClient.transfer = traced  # type: ignore[method-assign]
+    call_init, call_start, call_end = (
+        engine_mod._Call.__init__,
+        engine_mod._Call._start,
+        engine_mod._Call._end,
+    )
+
+    def init(self: Any, *args: Any) -> None:
+        marks["call"] = time.perf_counter()
+        call_init(self, *args)
+
+    def start(self: Any) -> None:
+        marks["start"] = time.perf_counter()
+        call_start(self)
+
+    def end(self: Any, outcome: Any) -> None:
+        marks["end"] = time.perf_counter()
+        call_end(self, outcome)
+
+    engine_mod._Call.__init__ = init  # type: ignore[method-assign]
+    engine_mod._Call._start = start  # type: ignore[method-assign]
+    engine_mod._Call._end = end  # type: ignore[method-assign]
+
+
+async def _main(peer: PromptPeer, decoder: LLMDataDist) -> None:
+    cm = decoder.cache_manager
+    desc = CacheDesc(1, [4, 4096], DataType.DT_UINT8)
+    await peer.cache(desc)
+    dst = await cm.allocate_blocks_cache(desc)
+    key = BlocksCacheKey(PEER_ID, 0)
+    names = ("checks", "wake_in", "start_task", "transfer", "task_end", "back", "total")
+    rows: list[tuple[float, ...]] = []
+    for r in range(420):
+        t0 = time.perf_counter()
+        await cm.pull_blocks(key, dst, [1], [2])
+        t1 = time.perf_counter()
+        if r >= 20:
+            m = marks
+            rows.append(
+                (
+                    m["call"] - t0,
+                    m["start"] - m["call"],
+                    m["task"] - m["start"],
+                    m["transfer_end"] - m["task"],
+                    m["end"] - m["transfer_end"],
+                    t1 - m["end"],
+                    t1 - t0,
+                )
+            )
+    medians = {n: statistics.median(r[i] for r in rows) * 1e6 for i, n in enumerate(names)}
+    print("  ".join(f"{n}={v:.0f}" for n, v in medians.items()), "(median µs)")
+
+
+if __name__ == "__main__":
+    _wrap()
+    run_remote(_main)
