@@ -454,7 +454,9 @@ class LLMDataDist:
         ``FAILED`` (not completed within ``link_total_time``, 120 s when 0). Each party
         opens one link to every party of lower rank, found at the ``device_ip`` /
         ``device_port`` of that rank's entry in ``rank_table``; so every party but the
-        highest rank must listen (``listen_ip_info``).
+        highest rank must listen: at ``listen_ip_info``, or, when this side has no
+        listener, ``link`` starts one at its own entry's ``device_ip``/``device_port``
+        (kept until ``finalize`` or ``switch_role``).
 
         Args:
             comm_name: 1 to 127 characters.
@@ -466,19 +468,28 @@ class LLMDataDist:
         Raises:
             TypeError / ValueError: arguments of the wrong type or range.
             LLMException: ``LLM_PARAM_INVALID`` (see above, or this side must listen
-                and does not), ``LLM_ALREADY_LINK`` / ``LLM_PROCESSING_LINK`` when a
-                party is linked or being linked already, ``LLM_FEATURE_NOT_ENABLED``
-                in legacy mode (``enable_cache_manager=False``).
+                and neither listens nor has an address in ``rank_table``),
+                ``LLM_LINK_FAILED`` (that address cannot be bound),
+                ``LLM_ALREADY_LINK`` / ``LLM_PROCESSING_LINK`` when a party is linked
+                or being linked already, ``LLM_FEATURE_NOT_ENABLED`` in legacy mode
+                (``enable_cache_manager=False``).
         """
         op = "link"
         engine, linker = self._linker_on(op)
         self._cache_manager_mode(op)
-        parties = parse_link(op, comm_name, cluster_rank_info, rank_table, self._cluster_id)
-        if self._listen is None and any(p.address is None for p in parties):
-            param_invalid(op, "higher ranks connect to this side: set listen_ip_info")
+        plan = parse_link(op, comm_name, cluster_rank_info, rank_table, self._cluster_id)
+        reached = any(p.address is None for p in plan.parties)
+        if reached and self._listen is None and plan.own_address is None:
+            param_invalid(
+                op, "higher ranks connect to this side: set listen_ip_info or its device_port"
+            )
 
         async def start() -> int:
-            return linker.link(parties)
+            assert self._transport is not None
+            if reached and self._listen is None and plan.own_address is not None:
+                with map_errors(f"{op} (listen on {plan.own_address[0]}:{plan.own_address[1]})"):
+                    self._listen = await self._transport.listen(*plan.own_address)
+            return linker.link(plan.parties)
 
         return await engine.run(start)
 

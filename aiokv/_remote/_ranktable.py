@@ -4,11 +4,16 @@
 ascending order, as llm_datadist checks). ``rank_table`` is the HCCL rank-table JSON
 clients already build; aiokv reads only ``server_list[].device[]`` entries, and of
 each: ``rank_id`` (which rank it describes), ``device_ip`` and ``device_port`` (where
-that party's ``listen_ip_info`` listener is reached). Everything else is ignored.
+that party's ``listen_ip_info`` listener is reached). Everything else is ignored. An
+entry without ``device_port`` takes the ``AIOKV_DEVICE_PORT`` environment variable: one
+port for every party, as HCCL reaches every device on one port (vLLM-Ascend's
+connectors build tables without ports).
 
 Who connects to whom: every party opens one link to each party of lower rank, so a
 party is reached only by higher ranks — the highest rank needs no listener and its
-entry no address.
+entry no address. A party that must be reached reads its own entry's address too: it
+listens there if it has no listener yet (llm_datadist's samples set no
+``listen_ip_info`` for a two-sided link: HCCL reaches a party by its ``device_ip``).
 """
 
 from __future__ import annotations
@@ -16,15 +21,18 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from .._checks import check_instance, check_int, param_invalid
 
-__all__ = ["Party", "parse_link"]
+__all__ = ["LinkPlan", "Party", "parse_link"]
 
 _MAX_NAME = 128
 _MAX_PARTIES = 4
+#: the environment variable naming the port of rank-table entries without ``device_port``
+DEVICE_PORT_ENV = "AIOKV_DEVICE_PORT"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +50,24 @@ class Party:
     address: tuple[str, int] | None
 
 
+@dataclass(frozen=True, slots=True)
+class LinkPlan:
+    """What ``link`` must do.
+
+    Attributes:
+        parties: the other parties, by rank.
+        own_address: ``(host, port)`` of this party's own rank-table entry when higher
+            ranks will connect to it and the entry has both ``device_ip`` and
+            ``device_port``; else None.
+    """
+
+    parties: list[Party]
+    own_address: tuple[str, int] | None
+
+
 def parse_link(
     op: str, comm_name: Any, cluster_rank_info: Any, rank_table: Any, own_cluster_id: int
-) -> list[Party]:
+) -> LinkPlan:
     """Check the arguments of ``link`` and return the other parties, by rank.
 
     Raises:
@@ -81,7 +104,12 @@ def parse_link(
             param_invalid(op, f"rank_table has no device with rank_id {rank}")
         address = _address(op, rank, device) if rank < own_rank else None
         parties.append(Party(cid, rank, address))
-    return parties
+    own = devices.get(own_rank)
+    reached = any(p.address is None for p in parties)
+    own_address = None
+    if reached and own is not None and "device_ip" in own and _port_of(own) is not None:
+        own_address = _address(op, own_rank, own)
+    return LinkPlan(parties, own_address)
 
 
 def _devices(op: str, rank_table: Any) -> dict[int, dict[str, Any]]:
@@ -109,12 +137,21 @@ def _devices(op: str, rank_table: Any) -> dict[int, dict[str, Any]]:
     return out
 
 
+def _port_of(device: dict[str, Any]) -> Any:
+    port = device.get("device_port")
+    return os.environ.get(DEVICE_PORT_ENV) if port is None else port
+
+
 def _address(op: str, rank: int, device: dict[str, Any]) -> tuple[str, int]:
-    host, port = device.get("device_ip"), device.get("device_port")
+    host, port = device.get("device_ip"), _port_of(device)
     try:
         ipaddress.ip_address(str(host))
     except ValueError:
         param_invalid(op, f"rank {rank} needs a device_ip, got {host!r}")
     if not str(port).isdigit() or not 0 < int(str(port)) < 65536:
-        param_invalid(op, f"rank {rank} needs a device_port (its listener's port), got {port!r}")
+        param_invalid(
+            op,
+            f"rank {rank} needs a device_port (its listener's port; or set {DEVICE_PORT_ENV}),"
+            f" got {port!r}",
+        )
     return str(host), int(str(port))

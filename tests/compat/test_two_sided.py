@@ -173,8 +173,8 @@ async def test_link_arguments() -> None:
         await raises(bad, p.link("c", {1: 0, 2: 1}, "not json"))
         await raises(bad, p.link("c", {1: 0, 2: 5}, table))  # no device with rank 5
         await raises(bad, d.link("c", {1: 0, 2: 1}, rank_table(d, d)))  # rank 0 has no port
-        # D is rank 0 here: P would connect to it, but D does not listen
-        await raises(bad, d.link("c", {2: 0, 1: 1}, table))
+        # D is rank 0 here: P would connect to it, but D neither listens nor has an address
+        await raises(bad, d.link("c", {2: 0, 1: 1}, rank_table(d, p)))
         with pytest.raises(TypeError):
             await p.link("c", {1: "0", 2: 1}, table)  # type: ignore[dict-item]
         with pytest.raises(TypeError):
