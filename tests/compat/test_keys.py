@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from participants import participant, pool
 
 from aiokv import (
     BlocksCacheKey,
@@ -37,15 +38,7 @@ NONE = 2**64 - 1  # neither a request nor a prefix
 
 
 def config(**kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "mem_pool_cfg": '{"memory_size": 1048576, "page_shift": 12}',
-        "sync_kv_timeout": 5000,
-    }
-    base.update(kw)
-    return LLMConfig(**base)
+    return participant(**{"mem_pool_cfg": pool(1 << 20), **kw})
 
 
 @contextlib.asynccontextmanager

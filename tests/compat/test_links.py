@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+from participants import info, participant
 
 from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -29,21 +29,7 @@ CODE = LLMStatusCode
 
 
 def config(backend: str = "tcp", **kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "mem_pool_cfg": '{"memory_size": 4194304, "page_shift": 12}',
-        "transfer_backend": backend,
-        "sync_kv_timeout": 5000,
-    }
-    base.update(kw)
-    return LLMConfig(**base)
-
-
-def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
-    assert address is not None
-    return LLMClusterInfo(remote_cluster_id=cluster_id, remote_ip_info=[address])
+    return participant(transfer_backend=backend, **kw)
 
 
 def blocks() -> CacheDesc:

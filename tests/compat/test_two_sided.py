@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from participants import participant
 
 import aiokv.sync
 from aiokv import (
@@ -29,15 +30,7 @@ OK, PREPARING, FAILED = RegisterMemStatus.OK, RegisterMemStatus.PREPARING, Regis
 
 
 def config(**kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "mem_pool_cfg": '{"memory_size": 4194304, "page_shift": 12}',
-        "sync_kv_timeout": 3000,
-    }
-    base.update(kw)
-    return LLMConfig(**base)
+    return participant(**{"sync_kv_timeout": 3000, **kw})
 
 
 def rank_table(*parties: Any) -> str:
