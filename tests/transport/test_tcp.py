@@ -842,3 +842,115 @@ def test_constructor_checks() -> None:
         TcpTransport(1, FakeHandler(), chunk_bytes=wire.MAX_CHUNK + 1)
     with pytest.raises(TypeError):
         TcpTransport(1, FakeHandler(), secret="text")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------- pre-auth hardening (#9)
+
+
+def _frame_header(kind: FrameType, meta_len: int) -> bytes:
+    return wire.HEADER.pack(wire.MAGIC, wire.VERSION, kind, 0, meta_len, 0, 0)
+
+
+@pytest.mark.parametrize("secret", [None, b"s3cret"])
+async def test_a_huge_first_frame_is_refused_before_any_allocation(secret: bytes | None) -> None:
+    """A 32-byte header announcing a 512 MiB request meta as the first frame: the
+    listener closes the connection without allocating it (issue #9, item 2)."""
+    import tracemalloc
+
+    server = TcpTransport(2, FakeHandler(), secret=secret)
+    try:
+        port = (await server.listen(HOST, 0))[1]
+        tracemalloc.start()
+        try:
+            for kind in (FrameType.READ_REQ, FrameType.WRITE_REQ):
+                reader, writer = await asyncio.open_connection(HOST, port)
+                writer.write(_frame_header(kind, 512 << 20))
+                assert await asyncio.wait_for(reader.read(), 5) == b""  # closed on us
+                writer.close()
+                await writer.wait_closed()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20
+        assert server.links() == []
+    finally:
+        await server.aclose()
+
+
+async def test_a_hostile_server_cannot_make_the_client_allocate() -> None:
+    """The connecting side checks the server's first frame the same way."""
+    import tracemalloc
+
+    hostile = socket.create_server((HOST, 0))
+    hostile.setblocking(False)
+    client = TcpTransport(1, FakeHandler())
+    loop = asyncio.get_running_loop()
+
+    async def serve() -> None:
+        conn, _ = await loop.sock_accept(hostile)
+        with conn:
+            await loop.sock_sendall(conn, _frame_header(FrameType.READ_REQ, 512 << 20))
+            await asyncio.sleep(2)
+
+    task = asyncio.create_task(serve())
+    tracemalloc.start()
+    try:
+        with pytest.raises(LLMException) as info:
+            await client.connect(HOST, hostile.getsockname()[1], timeout=5)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        hostile.close()
+        await client.aclose()
+    assert info.value.status_code == Code.LLM_LINK_FAILED
+    assert peak < 16 << 20
+
+
+async def test_a_malformed_mac_is_refused_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    """A lone surrogate as the MAC (valid JSON): refused with LLM_LINK_FAILED on the
+    connecting side, and refused quietly by the listener (issue #9, item 12)."""
+    bad = json.dumps({"cluster_id": 2, "nonce": "00" * 16, "mac": "\ud800"}).encode()
+    # a listener answering HELLO with that MAC
+    hostile = socket.create_server((HOST, 0))
+    hostile.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    async def serve() -> None:
+        conn, _ = await loop.sock_accept(hostile)
+        with conn:
+            await loop.sock_sendall(conn, _frame_header(FrameType.HELLO, len(bad)) + bad)
+            await asyncio.sleep(2)
+
+    task = asyncio.create_task(serve())
+    client = TcpTransport(1, FakeHandler(), secret=b"s3cret")
+    try:
+        with pytest.raises(LLMException) as info:
+            await client.connect(HOST, hostile.getsockname()[1], timeout=5)
+        assert info.value.status_code == Code.LLM_LINK_FAILED
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        hostile.close()
+        await client.aclose()
+    # a client sending that MAC in its AUTH frame
+    server = TcpTransport(2, FakeHandler(), secret=b"s3cret")
+    try:
+        port = (await server.listen(HOST, 0))[1]
+        reader, writer = await asyncio.open_connection(HOST, port)
+        hello = json.dumps({"cluster_id": 1, "nonce": "00" * 16}).encode()
+        writer.write(_frame_header(FrameType.HELLO, len(hello)) + hello)
+        auth = json.dumps({"mac": "\ud800"}).encode()
+        writer.write(_frame_header(FrameType.AUTH, len(auth)) + auth)
+        with contextlib.suppress(ConnectionResetError):  # refused: EOF or a reset
+            await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        with contextlib.suppress(ConnectionResetError):
+            await writer.wait_closed()
+        assert server.links() == []
+    finally:
+        await server.aclose()
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]

@@ -67,7 +67,8 @@ def _hs_mac(meta: dict[str, Any]) -> str | None:
 
 
 def _mac_ok(expected: str, got: str | None) -> bool:
-    return got is not None and hmac.compare_digest(expected.encode(), got.encode())
+    # a MAC is hex: anything else (a lone surrogate included) is simply wrong
+    return got is not None and got.isascii() and hmac.compare_digest(expected, got)
 
 
 async def _recv_frame(io: SockIO, expect: wire.FrameType) -> tuple[wire.Header, dict[str, Any]]:
@@ -75,13 +76,15 @@ async def _recv_frame(io: SockIO, expect: wire.FrameType) -> tuple[wire.Header, 
     hbuf = bytearray(wire.HEADER_SIZE)
     await io.recv_exact(memoryview(hbuf))
     h = wire.decode_header(hbuf)
+    # Checked before a byte of meta is read or allocated: before authentication only
+    # handshake frames, whose metas the header decoder caps at HANDSHAKE_META_CAP.
+    if (h.type is not expect and h.type is not _F.ERROR) or h.size:
+        raise HandshakeError(f"expected {expect.name} in handshake, got {h.type.name}")
     raw = bytearray(h.meta_len)
     await io.recv_exact(memoryview(raw))
     meta = wire.decode_meta(raw)
     if h.type is _F.ERROR:
         raise HandshakeError(f"peer refused the link: {meta.get('reason', 'no reason')}")
-    if h.type is not expect or h.size:
-        raise HandshakeError(f"expected {expect.name} in handshake, got {h.type.name}")
     return h, meta
 
 
