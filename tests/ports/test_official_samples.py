@@ -8,24 +8,42 @@ a decoder process over 127.0.0.1 and checks the bytes it received.
 
 from __future__ import annotations
 
+import pytest
 from port_harness import assert_all_ok, run_parties
 
 TIMEOUT_S = 25
 HOST = "127.0.0.1"
 
 
-def test_transfer_cache_async_sample_blocking(ports_env: dict[str, str]) -> None:
-    """transfer_cache_async_sample.py through ``aiokv.sync``: layer 0 lands on the decoder."""
-    script = "transfer_cache_async_sample.py"
+def _by_role(script: str, env: dict[str, str]) -> None:
+    """Run ``script`` as ``--role p`` and ``--role d`` on loopback; both must end well."""
     common = ["--local_host_ip", HOST, "--remote_host_ip", HOST]
     results = run_parties(
         {"prompt": [script, "--role", "p", *common], "decoder": [script, "--role", "d", *common]},
-        ports_env,
+        env,
         TIMEOUT_S,
     )
     assert_all_ok(results)
     assert "Sample end" in results["decoder"].output
     assert "Sample end" in results["prompt"].output
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        # through ``aiokv.sync``: layer 0 lands on the decoder
+        "transfer_cache_async_sample.py",
+        # the async API (``from aiokv import``, ``await``): the decoder pulls, both switch
+        # roles, the former decoder pushes back; local_comm_res="" as llm_datadist turns on
+        # the cache manager and remote access
+        "switch_role_sample.py",
+        # through ``aiokv.sync``: the decoder pushes zeros into blocks 0 and 2 of the
+        # prompt's ones (local_comm_res="" turns on remote access)
+        "push_blocks_sample.py",
+    ],
+)
+def test_sample_by_role(script: str, ports_env: dict[str, str]) -> None:
+    _by_role(script, ports_env)
 
 
 def test_pull_blocks_sample_two_sided_link(ports_env: dict[str, str]) -> None:
@@ -39,36 +57,5 @@ def test_pull_blocks_sample_two_sided_link(ports_env: dict[str, str]) -> None:
     )
     assert_all_ok(results)
     assert "query_register_mem_status ok" in results["decoder"].output
-    assert "Sample end" in results["decoder"].output
-    assert "Sample end" in results["prompt"].output
-
-
-def test_switch_role_sample_async(ports_env: dict[str, str]) -> None:
-    """switch_role_sample.py on the async API (``from aiokv import``, ``await``): decoder
-    pulls, both switch roles, the former decoder pushes back; local_comm_res="" as
-    llm_datadist turns on the cache manager and remote access."""
-    script = "switch_role_sample.py"
-    common = ["--local_host_ip", HOST, "--remote_host_ip", HOST]
-    results = run_parties(
-        {"prompt": [script, "--role", "p", *common], "decoder": [script, "--role", "d", *common]},
-        ports_env,
-        TIMEOUT_S,
-    )
-    assert_all_ok(results)
-    assert "Sample end" in results["decoder"].output
-    assert "Sample end" in results["prompt"].output
-
-
-def test_push_blocks_sample_blocking(ports_env: dict[str, str]) -> None:
-    """push_blocks_sample.py through ``aiokv.sync``: the decoder pushes zeros into blocks
-    0 and 2 of the prompt's ones (local_comm_res="" turns on remote access)."""
-    script = "push_blocks_sample.py"
-    common = ["--local_host_ip", HOST, "--remote_host_ip", HOST]
-    results = run_parties(
-        {"prompt": [script, "--role", "p", *common], "decoder": [script, "--role", "d", *common]},
-        ports_env,
-        TIMEOUT_S,
-    )
-    assert_all_ok(results)
     assert "Sample end" in results["decoder"].output
     assert "Sample end" in results["prompt"].output
