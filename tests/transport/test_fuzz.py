@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
 import secrets
 import struct
@@ -38,6 +39,13 @@ GUARD = 4 << 10
 META_CAP = 4096
 SERVER_ID, FUZZER_ID = 7, 99
 BUDGET_S = 8.0  # per event loop; the whole file stays well under 20 s
+
+
+def fuzz_seed() -> int:
+    """CI runs a fixed seed (reproducible); ``AIOKV_FUZZ_SEED=random`` explores, and any
+    integer replays a failure (every assertion names its seed)."""
+    raw = os.environ.get("AIOKV_FUZZ_SEED", "20261123")
+    return random.randrange(2**32) if raw == "random" else int(raw)
 
 
 class GuardedHandler:
@@ -346,7 +354,7 @@ def transport_errors(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]
 async def test_hostile_frames_never_break_the_server(
     transport_errors: Callable[[], list[str]],
 ) -> None:
-    seed = random.randrange(2**32)
+    seed = fuzz_seed()
     rng = random.Random(seed)
     handler = GuardedHandler(rng)
     open_links = 0
