@@ -370,7 +370,7 @@ class LLMDataDist:
 
         async with contextlib.AsyncExitStack() as steps:  # run in reverse order
             steps.callback(forget)
-            for step in (self._scheduler, self._transport, self._linker):
+            for step in (self._scheduler, self._transport, self._links, self._linker):
                 if step is not None:
                     steps.push_async_callback(step.aclose)
             if self._manager is not None:
