@@ -8,8 +8,8 @@ and joins the engine. It also owns linking, which runs on the engine.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
+import contextlib
 import logging
 import threading
 import warnings
@@ -78,7 +78,7 @@ class LLMDataDist:
         self._links = LinkTable()
         self._listen: tuple[str, int] | None = None
         self._engine: Engine | None = None
-        self._teardown: asyncio.Task[None] | None = None
+        self._closing = False  # finalize has begun: the teardown runs until the engine ends
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -93,12 +93,18 @@ class LLMDataDist:
 
     @property
     def initialized(self) -> bool:
-        """Whether ``init`` succeeded and ``finalize`` has not run."""
+        """Whether ``init`` succeeded and ``finalize``'s teardown has not completed.
+
+        A ``finalize`` under way (or cancelled while its teardown goes on) keeps this
+        True, and new operations raise ``RuntimeError``; it turns False once listener,
+        links, worker threads and pools are released."""
         return self._manager is not None
 
     def _require(self, op: str) -> CacheManager:
         if self._manager is None:
             raise RuntimeError(f"{op}: LLMDataDist is not initialized; await init() first")
+        if self._closing:
+            raise RuntimeError(f"{op}: LLMDataDist is being finalized")
         return self._manager
 
     @property
@@ -190,6 +196,9 @@ class LLMDataDist:
         """Check ``options`` and start the engine thread (the synchronous half of init);
         ``None`` when already initialized."""
         op = "init"
+        self._reap()
+        if self._closing:
+            raise RuntimeError(f"{op}: a finalize of this LLMDataDist is under way")
         if self.initialized:
             log.debug("LLMDataDist %d: already initialized, init ignored", self._cluster_id)
             return None
@@ -268,7 +277,6 @@ class LLMDataDist:
         self._transport = transport
         self._linker = Linker(links, transport, config)
         self._device = device
-        self._teardown = None
 
     @staticmethod
     async def _make_pool(
@@ -302,55 +310,75 @@ class LLMDataDist:
     async def finalize(self) -> None:
         """Stop links, listener and worker threads; release the pools; join the engine.
 
-        Idempotent. Caches handed out before become unusable. Cancelled, it can be
-        called again and completes what the first call started.
+        Idempotent. Caches handed out before become unusable. Once called, the teardown
+        runs to its end on the engine whatever happens to this call: cancelled (or
+        timed out), the call stops waiting, the teardown goes on (the listener closes,
+        the engine thread ends by itself), and ``initialized`` stays True until it is
+        complete; calling ``finalize`` again waits for the end and returns with no
+        thread of this instance left.
         """
         engine = self._engine
         if engine is None:
             return
-        await engine.run(self._tear_down)
-        await engine.aclose()
-        self._engine = None
-        _live.discard(self)
-        log.info("LLMDataDist %d finalized", self._cluster_id)
-
-    async def _tear_down(self) -> None:
-        """On the engine: one teardown, shielded, however many callers wait for it."""
-        if self._teardown is None:
-            self._teardown = asyncio.get_running_loop().create_task(self._tear_down_once())
-        await asyncio.shield(self._teardown)
-
-    async def _tear_down_once(self) -> None:
-        mgr, sched, transport = self._manager, self._scheduler, self._transport
-        self._manager = None
-        self._listen = None
-        if mgr is not None:
-            await mgr._close()
-        if self._linker is not None:
-            await self._linker.aclose()
-            self._linker = None
-        if transport is not None:
-            await transport.aclose()  # fails in-flight transfers, closes links and listener
-        if sched is not None:
-            await sched.aclose()
-        self._scheduler = None
-        self._transport = None
+        self._begin_finalize(engine)
+        await engine.wait_ended()
+        self._ended(engine)
 
     def _finalize_blocking(self) -> None:
-        """Finalize from a plain thread (``aiokv.sync``, the exit hook)."""
+        """Finalize from a plain thread (``aiokv.sync``, the exit hook); an interrupt
+        stops the wait, as a cancellation stops :meth:`finalize`'s."""
         engine = self._engine
         if engine is None:
             return
         if engine.on_engine():
             raise RuntimeError("finalize: called on the engine thread")
-        engine.call(self._tear_down)
-        engine.stop()
-        self._engine = None
-        _live.discard(self)
+        self._begin_finalize(engine)
+        engine.thread.join()
+        self._ended(engine)
+
+    def _begin_finalize(self, engine: Engine) -> None:
+        """Synchronously (nothing to cancel): refuse new operations, and hand the
+        engine its final task, the teardown, after which its loop stops."""
+        self._closing = True
+        if self._manager is not None:
+            self._manager._closed = True  # now, not when the engine gets to it
+        engine.close_soon(self._tear_down)
+
+    def _ended(self, engine: Engine) -> None:
+        """The engine thread has ended: forget it (once, whoever waited)."""
+        if self._engine is engine:
+            self._engine = None
+            self._closing = False
+            _live.discard(self)
+            log.info("LLMDataDist %d finalized", self._cluster_id)
+
+    def _reap(self) -> None:
+        """Forget an engine whose teardown completed while nobody waited for it."""
+        engine = self._engine
+        if engine is not None and self._closing and engine.ended:
+            engine.thread.join()
+            self._ended(engine)
+
+    async def _tear_down(self) -> None:
+        """On the engine, its final task: manager tasks, links, transport (listener
+        included), copy workers, in that order; every step runs even if one fails.
+        ``initialized`` turns False at the end."""
+
+        def forget() -> None:  # drops the last references to the pools too
+            self._manager = self._linker = self._transport = self._scheduler = None
+            self._listen = None
+
+        async with contextlib.AsyncExitStack() as steps:  # run in reverse order
+            steps.callback(forget)
+            for step in (self._scheduler, self._transport, self._links, self._linker):
+                if step is not None:
+                    steps.push_async_callback(step.aclose)
+            if self._manager is not None:
+                steps.push_async_callback(self._manager._close)
 
     def __del__(self) -> None:
-        if getattr(self, "_engine", None) is None:
-            return
+        if getattr(self, "_engine", None) is None or self._closing:
+            return  # finalized, or its teardown under way: the engine ends by itself
         warnings.warn(f"{self!r} was dropped without finalize()", ResourceWarning, stacklevel=2)
         # Not here: a collection may run on any thread, even one the teardown waits for.
         threading.Thread(target=self._finalize_blocking, name="aiokv-finalize", daemon=True).start()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Generic, ParamSpec, TypeVar
@@ -36,6 +37,8 @@ from ._enums import LLMStatusCode
 from ._errors import LLMException
 
 __all__ = ["Engine", "Portal", "checkpoint", "on_asyncio"]
+
+log = logging.getLogger("aiokv")
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -86,12 +89,12 @@ class _Call(Generic[T]):
 
     def __init__(
         self,
-        loop: asyncio.AbstractEventLoop,
+        engine: Engine,
         fn: Callable[..., Awaitable[T]],
         args: tuple[Any, ...],
         notify: Callable[[], None],
     ) -> None:
-        self._loop = loop
+        self._loop = engine.loop
         self._fn = fn
         self._args = args
         self._notify = notify
@@ -100,7 +103,7 @@ class _Call(Generic[T]):
         self._ended = False
         self.outcome: tuple[T] | BaseException | None = None
         try:
-            loop.call_soon_threadsafe(self._start)
+            engine.submit(self._start)
         except RuntimeError:  # the engine loop is closed
             raise _stopped() from None
 
@@ -174,6 +177,9 @@ class Engine:
         self._on_exit: list[Callable[[], None]] = []  # called by the thread as it ends
         self._exit_lock = threading.Lock()
         self._exited = False
+        self._closing = False  # close_soon was called: its first call's task owns the end
+        self._sealed = False  # no more submissions: the loop is about to close
+        self._last: asyncio.Task[None] | None = None
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -183,19 +189,37 @@ class Engine:
             self._loop.run_forever()
         finally:
             # Whatever still runs was abandoned by its caller: cancel it and let it unwind.
-            tasks = asyncio.all_tasks(self._loop)
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                self._loop.run_until_complete(asyncio.wait(tasks))
+            self._cancel_all()
             self._loop.run_until_complete(self._loop.shutdown_asyncgens())
             # worker threads of `def` synchronizers: joined, not left behind
             self._loop.run_until_complete(self._loop.shutdown_default_executor())
+            # calls that reached the loop meanwhile: let them start, then end them too
+            with self._exit_lock:
+                self._sealed = True
+            self._loop.run_until_complete(asyncio.sleep(0))
+            self._cancel_all()
             self._loop.close()
             with self._exit_lock:
                 self._exited = True
             for notify in self._on_exit:
                 notify()
+
+    def submit(self, callback: Callable[[], None]) -> None:
+        """Any thread: schedule ``callback()`` on the engine loop.
+
+        Raises:
+            RuntimeError: the loop is closed or closing (the callback would never run).
+        """
+        with self._exit_lock:
+            if self._sealed:
+                raise RuntimeError("the engine loop is closed")
+            self._loop.call_soon_threadsafe(callback)
+
+    def _cancel_all(self) -> None:
+        while tasks := asyncio.all_tasks(self._loop):
+            for task in tasks:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.wait(tasks))
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -227,7 +251,7 @@ class Engine:
         calls: list[_Call[T]] = []
 
         def start(notify: Callable[[], None]) -> None:
-            calls.append(_Call(self._loop, fn, args, notify))
+            calls.append(_Call(self, fn, args, notify))
 
         await _until_notified(start, lambda: calls[0].cancel())
         return calls[0].result()
@@ -243,7 +267,7 @@ class Engine:
         if self.on_engine():
             raise RuntimeError("a blocking aiokv call on the engine thread would deadlock")
         ended = threading.Event()
-        call = _Call(self._loop, _with_kwargs(fn, kwargs) if kwargs else fn, args, ended.set)
+        call = _Call(self, _with_kwargs(fn, kwargs) if kwargs else fn, args, ended.set)
         try:
             ended.wait()
         except BaseException:
@@ -262,6 +286,54 @@ class Engine:
         with contextlib.suppress(RuntimeError):  # already closed
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+
+    def close_soon(self, last: Callable[[], Awaitable[None]]) -> None:
+        """Run ``last()`` as the engine's final task, then stop the loop: the thread
+        then ends on its own (see :meth:`wait_ended`). From any thread, without
+        blocking or awaiting, so no cancellation of the caller can prevent it.
+        Idempotent: only the first call's ``last`` runs; after the loop has closed it
+        does nothing. An exception from ``last`` is logged; the loop stops anyway.
+        """
+        with self._exit_lock:
+            if self._closing or self._exited:
+                return
+            self._closing = True
+        with contextlib.suppress(RuntimeError):  # closed meanwhile by stop(): ended
+            self._loop.call_soon_threadsafe(self._start_last, last)
+
+    def _start_last(self, last: Callable[[], Awaitable[None]]) -> None:
+        async def run_then_stop() -> None:
+            try:
+                await last()
+            except BaseException:
+                log.exception("engine %s: the final task failed", self._thread.name)
+            finally:
+                self._loop.stop()
+
+        self._last = self._loop.create_task(run_then_stop())  # referenced until it ends
+
+    @property
+    def ended(self) -> bool:
+        """Whether the engine thread has finished (its loop closed)."""
+        return self._exited
+
+    async def wait_ended(self) -> None:
+        """Wait, from a coroutine on any backend and without blocking its loop, until
+        the engine thread has ended (after :meth:`close_soon` or :meth:`stop`), then
+        join it. Cancellable: a cancelled caller stops waiting, the engine does not
+        stop ending."""
+        if self.on_engine():
+            raise RuntimeError("Engine.wait_ended: called on the engine thread")
+
+        def start(notify: Callable[[], None]) -> None:
+            with self._exit_lock:
+                if self._exited:
+                    notify()
+                    return
+                self._on_exit.append(notify)
+
+        await _until_notified(start, lambda: None, shield=False)
+        self._thread.join()  # it has left its loop: this only reaps it
 
     async def aclose(self) -> None:
         """:meth:`stop` from a coroutine on any backend, without blocking its loop (and
@@ -285,11 +357,14 @@ class Engine:
 
 
 async def _until_notified(
-    start: Callable[[Callable[[], None]], None], cancel: Callable[[], None]
+    start: Callable[[Callable[[], None]], None],
+    cancel: Callable[[], None],
+    *,
+    shield: bool = True,
 ) -> None:
     """Start something that calls ``notify()`` once, from any thread, when it has ended;
     wait for that without blocking the running loop (asyncio or trio). Cancelled, call
-    ``cancel()`` and still wait (shielded) for the end, then re-raise."""
+    ``cancel()`` and (``shield``) still wait for the end, then re-raise."""
     if on_asyncio():
         loop = asyncio.get_running_loop()
         ended = False
@@ -310,7 +385,7 @@ async def _until_notified(
             await waiter
         except asyncio.CancelledError:
             cancel()
-            while not ended:  # shielded: wait for the real end, however often cancelled
+            while shield and not ended:  # shielded: wait for the real end, however often cancelled
                 waiter = loop.create_future()
                 with contextlib.suppress(asyncio.CancelledError):
                     await waiter
@@ -323,8 +398,9 @@ async def _until_notified(
         await event.wait()
     except anyio.get_cancelled_exc_class():
         cancel()
-        with anyio.CancelScope(shield=True):
-            await event.wait()
+        if shield:
+            with anyio.CancelScope(shield=True):
+                await event.wait()
         raise
 
 

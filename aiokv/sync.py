@@ -205,7 +205,8 @@ class LLMDataDist:
 
     @property
     def initialized(self) -> bool:
-        """Whether ``init`` succeeded and ``finalize`` has not run."""
+        """Whether ``init`` succeeded and ``finalize``'s teardown has not completed
+        (see the async ``LLMDataDist.initialized``)."""
         return self._async.initialized
 
     @property

@@ -4,6 +4,23 @@ Owned by ``LLMDataDist`` (which links and unlinks) and read by the remote client
 needs the link of a cluster). Incoming links are filed as the transport reports them;
 a link that breaks is dropped, so the cluster can be linked again.
 
+**Identity** (issue #9 item 7). A link is filed under the cluster id its peer announced
+in the handshake: with ``link_secret`` set only authenticated peers get that far;
+without it, the id is only what the peer says. Who holds a cluster id:
+
+* a link this side opened (``ours=True``: ``link_clusters`` / ``link`` connected to the
+  address given for that cluster) is filed, replacing what was filed;
+* an incoming link is filed when no live link is filed for its id;
+* an incoming link claiming an id whose filed link is also incoming starts a *contest*:
+  the filed link gets a liveness probe (:meth:`Link.probe`, :data:`PROBE_TIMEOUT_S`).
+  No answer: the filed link is closed and the claimant filed (logged at WARNING) — a
+  hung or half-open peer is replaced by its successor. An answer: the claim is refused,
+  its connection closed and logged at WARNING (so a peer that linked FIRST under an id,
+  impostor or not, keeps it while it answers; only ``link_secret`` prevents that). One
+  contest per id at a time; a claim made meanwhile is refused;
+* an incoming link claiming an id whose filed link this side opened is left open,
+  unfiled (the peer may send its own requests on it; ours go on the link we opened).
+
 Besides the links it knows, per cluster: whether this side linked it (``link_clusters``
 or ``link``) or only the peer did; whether a link attempt is running; whether its link
 is *held* (a two-sided ``link`` not yet ``OK``: filed, but not handed out); and how many
@@ -20,6 +37,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable, Iterator
+from typing import Final
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException
@@ -29,6 +47,11 @@ __all__ = ["LinkTable"]
 
 log = logging.getLogger("aiokv.links")
 
+#: How long a filed incoming link has to answer a liveness probe when another incoming
+#: link claims its cluster id (a live peer answers in well under a millisecond; a peer
+#: busy receiving a big push answers once the data ahead of the probe has been read).
+PROBE_TIMEOUT_S: Final = 1.0
+
 
 class LinkTable:
     """Peer cluster id → live link; who linked it; attempts, holds and requests in flight."""
@@ -36,6 +59,9 @@ class LinkTable:
     def __init__(self) -> None:
         self._links: dict[int, Link] = {}
         self._ours: set[int] = set()  # clusters this side linked, not only the peer
+        self._dialed: set[int] = set()  # clusters whose filed link this side connected
+        self._contests: dict[int, asyncio.Task[None]] = {}  # cluster -> claim being decided
+        self._closing: set[asyncio.Task[None]] = set()  # refused links being closed
         self._linking: set[int] = set()
         self._held: set[int] = set()
         self._busy: dict[int, int] = {}  # cluster -> requests of ours in flight
@@ -66,17 +92,88 @@ class LinkTable:
         return link
 
     def add(self, link: Link, *, ours: bool = False) -> None:
-        """File ``link`` under its peer's cluster id. An incoming link (``ours=False``)
-        never replaces a live link already filed; one this side opened (``ours=True``)
-        does, and marks the cluster as linked by this side."""
+        """File ``link`` under its peer's cluster id, by the rule in the module docstring.
+
+        One this side opened (``ours=True``) replaces what was filed and marks the
+        cluster as linked by this side. An incoming one is filed if no live link is;
+        else it may start a contest (a task on the running loop) that files or closes it.
+        """
         cid = link.peer.cluster_id
-        if not ours and self.live(cid) is not None:
-            return
+        filed = self.live(cid)
         if ours:
             self._ours.add(cid)
+            self._dialed.add(cid)
+        elif filed is link:
+            return
+        elif filed is not None:
+            self._claim(cid, filed, link)
+            return
+        else:
+            self._dialed.discard(cid)
+        self._file(cid, link)
+
+    def _file(self, cid: int, link: Link) -> None:
         self._links[cid] = link
         self._wake(cid)
         log.info("link to cluster %d up (%s:%d)", cid, *link.peer.address)
+
+    def _claim(self, cid: int, filed: Link, claimant: Link) -> None:
+        """An incoming ``claimant`` for ``cid`` while ``filed`` is live."""
+        if cid in self._dialed:
+            _unfiled(cid, claimant)
+            return
+        loop = asyncio.get_running_loop()
+        if cid in self._contests:
+            self._refuse(cid, claimant, "a claim for it is being decided")
+            return
+        task = loop.create_task(self._contest(cid, filed, claimant), name=f"aiokv-claim-{cid}")
+        self._contests[cid] = task
+        task.add_done_callback(lambda _: self._contests.pop(cid, None))
+
+    async def _contest(self, cid: int, filed: Link, claimant: Link) -> None:
+        alive = await filed.probe(PROBE_TIMEOUT_S)
+        if claimant.broken:
+            return
+        current = self.live(cid)
+        if current is None or (current is filed and not alive):
+            if current is filed:
+                log.warning(
+                    "cluster %d: the link from %s:%d did not answer a probe within %.3g s; "
+                    "replaced by the link from %s:%d",
+                    cid,
+                    *filed.peer.address,
+                    PROBE_TIMEOUT_S,
+                    *claimant.peer.address,
+                )
+                self.pop(cid)
+            self._dialed.discard(cid)
+            self._file(cid, claimant)
+            if current is filed:
+                await filed.aclose()  # its pending operations fail now, not at their timeout
+        elif cid in self._dialed:
+            _unfiled(cid, claimant)
+        else:
+            self._refuse(cid, claimant, f"the link from {current.peer.address} answers")
+
+    def _refuse(self, cid: int, claimant: Link, why: str) -> None:
+        log.warning(
+            "cluster %d: refused a second link claiming this id from %s:%d (%s); without "
+            "link_secret a cluster id is only what a peer announces",
+            cid,
+            *claimant.peer.address,
+            why,
+        )
+        task = asyncio.get_running_loop().create_task(claimant.aclose())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def aclose(self) -> None:
+        """Stop the contests under way and wait for refused links to close (finalize)."""
+        for task in list(self._contests.values()):
+            task.cancel()
+        pending = [*self._contests.values(), *self._closing]
+        if pending:
+            await asyncio.wait(pending)
 
     def lost(self, link: Link) -> None:
         """Forget ``link`` if it is the one filed for its cluster (the transport saw it end)."""
@@ -84,11 +181,13 @@ class LinkTable:
         if self._links.get(cid) is link:
             del self._links[cid]
             self._ours.discard(cid)
+            self._dialed.discard(cid)
             log.info("link to cluster %d down", cid)
 
     def pop(self, cluster_id: int) -> Link | None:
         """Remove and return the link filed for ``cluster_id`` (live or not), if any."""
         self._ours.discard(cluster_id)
+        self._dialed.discard(cluster_id)
         return self._links.pop(cluster_id, None)
 
     def clusters(self) -> list[int]:
@@ -162,3 +261,7 @@ class LinkTable:
         event = self._changed.pop(cluster_id, None)
         if event is not None:
             event.set()
+
+
+def _unfiled(cid: int, claimant: Link) -> None:
+    log.debug("cluster %d: incoming link from %s:%d left unfiled", cid, *claimant.peer.address)

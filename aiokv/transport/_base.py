@@ -154,6 +154,32 @@ class Link(abc.ABC):
     async def aclose(self) -> None:
         """Close the link; pending operations on both sides fail with ``LLM_LINK_FAILED``."""
 
+    @abc.abstractmethod
+    async def probe(self, timeout: float) -> bool:  # noqa: ASYNC109
+        """Whether the peer answers a liveness probe within ``timeout`` seconds (> 0).
+
+        True only if the peer's side of the link is running and answered (its transport
+        serves the link); False if it did not in time or the link is or becomes broken.
+        Never raises for a dead peer, never breaks the link, moves no payload; several
+        probes may run at once. Cancelled, it just stops waiting.
+
+        Raises:
+            TypeError / ValueError: ``timeout`` not a positive finite number.
+        """
+
+
+def check_probe_timeout(timeout: object) -> float:
+    """``timeout`` of :meth:`Link.probe`, checked: a positive finite number of seconds.
+
+    Raises:
+        TypeError / ValueError: otherwise.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+    if not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be > 0 and finite, got {timeout}")
+    return float(timeout)
+
 
 class Transport(abc.ABC):
     """Listens, connects and owns every link and background task it creates.

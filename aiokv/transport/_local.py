@@ -46,6 +46,7 @@ from ._base import (
     RequestHandler,
     Transport,
     check_grant,
+    check_probe_timeout,
     check_request,
     flatten_views,
 )
@@ -81,6 +82,11 @@ def _soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: Any
         return
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(fn, *args)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _release(done: Callable[[bool], None], ok: bool) -> None:
@@ -198,6 +204,25 @@ class _LocalLink(Link):
         mine = [t for t in tasks if t is not current and not t.done() and t.get_loop() is loop]
         if mine:
             await asyncio.wait(mine)
+
+    async def probe(self, timeout: float) -> bool:  # noqa: ASYNC109
+        seconds = check_probe_timeout(timeout)
+        if self._broken:
+            return False
+        loop = asyncio.get_running_loop()
+        pong: asyncio.Future[None] = loop.create_future()
+
+        def answer() -> None:  # on the peer's loop: it runs, so the peer is alive
+            if not self._other._broken:
+                _soon(loop, _resolve, pong)
+
+        _soon(self._other._t._loop_or_raise(), answer)
+        try:
+            async with asyncio.timeout(seconds):
+                await pong
+        except TimeoutError:
+            return False
+        return not self._broken
 
     async def _request(
         self, name: str, meta: bytes, bufs: Sequence[memoryview], seconds: float, *, is_read: bool

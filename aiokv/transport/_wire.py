@@ -18,6 +18,10 @@ request meta is the layer above's opaque bytes, which the transport only caps.
 of a transfer in ``READ_REQ`` (bytes the reader expects), ``READ_RESP`` (bytes granted)
 and ``WRITE_REQ`` (bytes to push), and 0 elsewhere.
 
+``PING`` / ``PONG`` (liveness probes, ``Link.probe``) carry no meta and no payload; the
+``req_id`` of a ``PONG`` is that of the ``PING`` it answers, numbered by the prober in a
+space of its own (not request ids).
+
 Request ids name the side that started the request: the connecting side numbers its
 requests 0, 2, 4, ..., the accepting side 1, 3, 5, ...; ids are never reused on a link,
 so late frames of a finished request can always be told apart and dropped.
@@ -86,6 +90,8 @@ class FrameType(enum.IntEnum):
     CANCEL = 10  # the requester gave up on `req_id`; the granter drops it
     ERROR = 11  # link-level failure, reason in meta {"reason": str}; the link closes
     CLOSE = 12  # orderly close of the link
+    PING = 13  # liveness probe `req_id` (the prober's own numbering); answer PONG at once
+    PONG = 14  # the answer to PING `req_id`
 
 
 # Frame types allowed to carry meta, with the cap that applies (None: the owner's cap).

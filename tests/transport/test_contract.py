@@ -784,3 +784,33 @@ async def test_aclose_leaves_nothing_running(name: str) -> None:
         assert await again.listen(*p.address) == p.address
     finally:
         await again.aclose()
+
+
+# ---------------------------------------------------------------------- liveness probes
+
+
+async def test_probe_answers_while_alive_and_fails_once_broken(pair: Pair) -> None:
+    grants = pair.hb.grants
+    assert await pair.link_a.probe(5) and await pair.link_b.probe(5)
+    results = await asyncio.gather(*(pair.link_a.probe(5) for _ in range(20)))
+    assert results == [True] * 20  # several at once, each answered
+    # a probe is neither a request nor a payload: the handler never hears of it
+    assert pair.hb.grants == grants and not pair.link_a.broken
+    # it works alongside a request the peer has not answered yet
+    hung = asyncio.create_task(pair.link_a.read(js({"hang": True}), [], timeout=30))
+    await eventually(lambda: pair.hb.grants == grants + 1)
+    assert await pair.link_a.probe(5)
+    hung.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await hung
+    for bad, exc in [(0, ValueError), (-1, ValueError), (float("inf"), ValueError)]:
+        with pytest.raises(exc):
+            await pair.link_a.probe(bad)
+    for wrong in [None, "1", True]:
+        with pytest.raises(TypeError):
+            await pair.link_a.probe(wrong)  # type: ignore[arg-type]
+    await pair.link_b.aclose()
+    t0 = time.monotonic()
+    assert not await pair.link_a.probe(5)  # broken now or as it waits: no 5 s wait
+    assert not await pair.link_b.probe(5)
+    assert time.monotonic() - t0 < 2

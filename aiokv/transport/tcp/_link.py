@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Any, Final
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from .. import _wire as wire
-from .._base import Grant, Link, PeerInfo, check_grant, check_request, flatten_views
+from .._base import (
+    Grant,
+    Link,
+    PeerInfo,
+    check_grant,
+    check_probe_timeout,
+    check_request,
+    flatten_views,
+)
 from ._io import SockIO, wake
 from ._ops import Bufs, Cursor, MyOp, PeerOp, State, Stream, code_of
 
@@ -75,6 +83,8 @@ class TcpLink(Link):
         self._batch_data = 0  # payload bytes in the batch
         self._writer_idle: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._probes: dict[int, asyncio.Future[None]] = {}  # our PINGs awaiting their PONG
+        self._next_probe = 0
         self._reader = self._spawn(self._read_loop(), "reader")
         self._writer = self._spawn(self._write_loop(), "writer")
 
@@ -156,6 +166,22 @@ class TcpLink(Link):
                 self._sock.send(wire.encode_frame(_F.CLOSE))
         self._break("closed locally")
         await self._join()
+
+    async def probe(self, timeout: float) -> bool:  # noqa: ASYNC109
+        seconds = check_probe_timeout(timeout)
+        if self._broken:
+            return False
+        pid = self._next_probe
+        self._next_probe += 1
+        pong = self._probes[pid] = self._loop.create_future()
+        try:
+            self._post(wire.encode_frame(_F.PING, pid))
+            # the reader ends when the link breaks: no need to wait out the timeout then
+            await asyncio.wait({pong, self._reader}, timeout=seconds, return_when="FIRST_COMPLETED")
+            return pong.done() and not self._broken
+        finally:
+            del self._probes[pid]
+            pong.cancel()
 
     # ----------------------------------------------------------------- op bookkeeping
 
@@ -429,6 +455,12 @@ class TcpLink(Link):
                 self._on_peer_end(peer_op, acked=kind is _F.READ_DONE)
         elif kind is _F.ERROR or kind is _F.CLOSE:
             self._break("closed by peer")
+        elif kind is _F.PING:
+            self._post(wire.encode_frame(_F.PONG, rid))
+        elif kind is _F.PONG:
+            pong = self._probes.get(rid)
+            if pong is not None and not pong.done():
+                pong.set_result(None)
         else:  # HELLO / AUTH after the handshake
             raise wire.WireError(f"unexpected {kind.name} frame")
 
