@@ -149,6 +149,15 @@ class Link(abc.ABC):
         no longer read. A write that raises may still have landed whole (the peer's
         ``done(True)``) when its deadline or the link ran out just as the confirmation
         was on its way (a read's grant, by contrast, gets ``done(True)`` only if it returned).
+
+        Cancelled or timed out, a write whose payload had started to move returns (or
+        raises) only once the peer confirmed that no byte of it lands any more: after
+        that the destination is never written again, though it may hold part of the
+        payload. The wait for that confirmation is shielded and bounded (TCP: the
+        write's remaining time, at least 0.5 s and at most 5 s); a peer that does not
+        confirm in time loses the link (``LLM_LINK_FAILED`` for everything pending),
+        and only then may bytes already on the wire still land when that peer resumes.
+        A link that breaks ends the wait at once, with the same caveat.
         """
 
     @abc.abstractmethod

@@ -32,7 +32,7 @@ from aiokv import (
     LLMStatusCode,
 )
 from aiokv._config import InvalidOptionError
-from aiokv.transport import Grant, PeerInfo, get_transport, transport_names
+from aiokv.transport import Grant, Link, PeerInfo, get_transport, transport_names
 from aiokv.transport import _wire as wire
 from aiokv.transport._wire import FrameType
 from aiokv.transport.tcp import TcpTransport
@@ -467,3 +467,49 @@ async def test_request_fields_are_strictly_typed() -> None:
                 assert (h.type, h.req_id, Code(h.status)) == (F.READ_RESP, rid, code), i
         finally:
             sock.close()
+
+
+# ------------------------------------------------------ item 14: a cancelled push lands nothing
+
+
+@contextlib.asynccontextmanager
+async def linked_pair(**kwargs: Any) -> AsyncIterator[tuple[Link, Regions, TcpTransport]]:
+    """Transport 1 linked to transport 2 (which serves ``Regions``)."""
+    client = TcpTransport(1, Regions(), **kwargs)
+    async with serving(**kwargs) as (server, port, handler):
+        try:
+            yield await client.connect(HOST, port, timeout=5), handler, server
+        finally:
+            await client.aclose()
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+async def test_a_cancelled_push_lands_nothing_after_it_returned(how: str) -> None:
+    """Cancel (or time out) an 8 MiB push after 0..35 loop turns: once the call has
+    returned, the destination never changes again, and the link stays usable."""
+    size = 8 << 20
+    partly = 0
+    async with linked_pair(sock_buf_bytes=128 << 10) as (link, handler, _server):
+        dest = handler.regions["r"] = bytearray(size)
+        src = bytearray(b"\xab" * size)
+        for steps in range(0, 40, 5):
+            dest[:] = bytes(size)
+            meta = js({"r": "r", "off": 0, "n": size})
+            if how == "cancel":
+                task = asyncio.create_task(link.write(meta, [memoryview(src)], timeout=20))
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            else:
+                with contextlib.suppress(LLMException):
+                    await link.write(meta, [memoryview(src)], timeout=0.001 * (1 + steps))
+            snapshot = bytes(dest)
+            await asyncio.sleep(0.1)  # the peer's reader drains whatever is still queued
+            assert bytes(dest) == snapshot, f"bytes landed after the push returned ({steps})"
+            partly += 0 < snapshot.count(0xAB) < size
+        assert partly  # some of them were cut mid-transfer
+        assert not link.broken
+        got = bytearray(4)
+        await link.read(js({"r": "r", "off": 0, "n": 4}), [memoryview(got)], timeout=5)

@@ -42,6 +42,9 @@ _MORE: Final = 2
 # Requests a peer may have outstanding on one link; more are answered LLM_LINK_BUSY so a
 # hostile peer cannot pile up handler tasks without bound.
 _MAX_PEER_REQUESTS: Final = 1 << 14
+# How long a cancelled or timed-out write waits for the peer's CANCEL_ACK: its remaining
+# time, clamped to this range (seconds). Without the ack in time the link is dropped.
+_CANCEL_ACK_WAIT: Final = (0.5, 5.0)
 
 
 class TcpLink(Link):
@@ -62,6 +65,8 @@ class TcpLink(Link):
         self._peer_parity = 1 if initiator else 0
         self._mine: dict[int, MyOp] = {}
         self._theirs: dict[int, PeerOp] = {}
+        # our cancelled writes waiting for the peer's CANCEL_ACK
+        self._cancelling: dict[int, asyncio.Future[None]] = {}
         # Writer state. `_iov[_pos:]` is the unsent part of the batch in flight.
         self._ctrl: Bufs = []
         self._streams: collections.deque[Stream] = collections.deque()
@@ -128,6 +133,7 @@ class TcpLink(Link):
         views, total = flatten_views("Link.write", src, writable=False)
         frame_meta = self._prepare("Link.write", meta, timeout)
         op = self._start(is_read=False, total=total)
+        deadline = self._loop.time() + timeout
         ok = False
         try:
             self._post(wire.encode_frame(_F.WRITE_REQ, op.rid, meta=frame_meta, size=total))
@@ -147,6 +153,10 @@ class TcpLink(Link):
             if op.stream is not None:
                 self._abort_stream(op.stream)
             self._end(op, cancel=not ok)
+            if not ok and op.stream is not None and not op.peer_over:
+                # DATA of it may be on the wire: return only once the peer confirmed
+                # that none of it lands any more (see Link.write)
+                await self._until_cancel_acked(op.rid, deadline)
 
     async def aclose(self) -> None:
         if not self._broken and self._pos >= len(self._iov):
@@ -183,6 +193,36 @@ class TcpLink(Link):
                 f"{name}: no answer from cluster {self.peer.cluster_id} within {seconds:.3g} s",
                 status_code=_S.LLM_TIMEOUT,
             ) from None
+
+    async def _until_cancel_acked(self, rid: int, deadline: float) -> None:
+        """Wait, shielded, for the peer's ``CANCEL_ACK`` of our write ``rid``.
+
+        Bounded by the write's remaining time clamped to :data:`_CANCEL_ACK_WAIT`; not
+        at all once the link is broken. A peer that does not answer in time loses the
+        link. A cancellation that arrives meanwhile is re-raised afterwards.
+        """
+        if self._broken:
+            return
+        fut = self._cancelling[rid] = self._loop.create_future()
+        low, high = _CANCEL_ACK_WAIT
+        wait = min(max(deadline - self._loop.time(), low), high)
+        end = self._loop.time() + wait
+        cancelled = False
+        try:
+            while not fut.done():
+                left = end - self._loop.time()
+                if left <= 0:
+                    _log.warning("%r: no CANCEL_ACK for request %d in %.3g s", self, rid, wait)
+                    self._break("peer did not acknowledge a cancelled write")
+                    break
+                try:
+                    await asyncio.wait([fut], timeout=left)  # never cancels fut
+                except asyncio.CancelledError:
+                    cancelled = True  # cancelled again: keep waiting, re-raise below
+        finally:
+            self._cancelling.pop(rid, None)
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _refused(self, name: str, status: LLMStatusCode) -> LLMException:
         if status is _S.LLM_LINK_FAILED:
@@ -427,6 +467,13 @@ class TcpLink(Link):
             peer_op = self._theirs.get(rid) if rid % 2 == self._peer_parity else None
             if peer_op is not None and (kind is _F.CANCEL or peer_op.is_read):
                 self._on_peer_end(peer_op, acked=kind is _F.READ_DONE)
+            if kind is _F.CANCEL and rid % 2 == self._peer_parity:
+                # every earlier DATA frame of it has been read: nothing more lands
+                self._post(wire.encode_frame(_F.CANCEL_ACK, rid))
+        elif kind is _F.CANCEL_ACK:
+            waiter = self._cancelling.pop(rid, None)
+            if waiter is not None:
+                wake(waiter)
         elif kind is _F.ERROR or kind is _F.CLOSE:
             self._break("closed by peer")
         else:  # HELLO / AUTH after the handshake
@@ -452,6 +499,7 @@ class TcpLink(Link):
             else:
                 op.finish(status)
         elif not op.is_read and op.state is not State.OVER:  # WRITE_DONE
+            op.peer_over = True
             complete = op.state is State.SENDING and (
                 op.total == 0 or (op.stream is not None and op.stream.sent)
             )
@@ -546,6 +594,9 @@ class TcpLink(Link):
         self._theirs.clear()
         self._streams.clear()
         self._ctrl.clear()
+        for waiter in self._cancelling.values():
+            wake(waiter)
+        self._cancelling.clear()
         for op in mine:
             op.finish(_S.LLM_LINK_FAILED)
         for peer_op in theirs:
