@@ -12,6 +12,7 @@ import resource
 import secrets
 import socket
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -36,6 +37,7 @@ from aiokv.transport import Grant, Link, PeerInfo, get_transport, transport_name
 from aiokv.transport import _wire as wire
 from aiokv.transport._wire import FrameType
 from aiokv.transport.tcp import TcpTransport
+from aiokv.transport.tcp import _link as tcp_link
 
 HOST = "127.0.0.1"
 Code = LLMStatusCode
@@ -72,8 +74,9 @@ async def _connect_raw(port: int, source: str = HOST, rcvbuf: int | None = None)
     sock = socket.socket()
     try:
         sock.setblocking(False)
-        if rcvbuf is not None:
+        if rcvbuf is not None:  # small buffers both ways: backlogs show at once
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, rcvbuf)
         sock.bind((source, 0))
         await asyncio.get_running_loop().sock_connect(sock, (HOST, port))
     except BaseException:
@@ -513,3 +516,82 @@ async def test_a_cancelled_push_lands_nothing_after_it_returned(how: str) -> Non
         assert not link.broken
         got = bytearray(4)
         await link.read(js({"r": "r", "off": 0, "n": 4}), [memoryview(got)], timeout=5)
+
+
+# ------------------------------------------------------------ item 10: reply backpressure
+
+
+async def _flood_refused_requests(sock: socket.socket, limit: int) -> int:
+    """Send READ_REQ frames with ids of the wrong parity (each answered at once with a
+    refusal) and never read; returns the bytes sent before the peer stopped reading
+    (a send blocked for 0.5 s) or ``limit``."""
+    loop = asyncio.get_running_loop()
+    batch = b"".join(wire.encode_frame(F.READ_REQ, 2 * i + 1) for i in range(1000))
+    sent = 0
+    while sent < limit:
+        try:
+            await asyncio.wait_for(loop.sock_sendall(sock, batch), 0.5)
+        except TimeoutError:
+            break
+        sent += len(batch)
+    return sent
+
+
+async def test_a_peer_that_never_reads_cannot_grow_the_heap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer sends refused requests and never reads the refusals: the listener stops
+    reading from it once 64 KiB of replies are queued (its heap stays flat instead of
+    growing ~2.5 bytes per byte sent), then drops the link when it stays stuck."""
+    monkeypatch.setattr(tcp_link, "_REPLY_BACKLOG_HIGH", 64 << 10)
+    monkeypatch.setattr(tcp_link, "_REPLY_BACKLOG_LOW", 16 << 10)
+    monkeypatch.setattr(tcp_link, "_REPLY_STALL_S", 1.0)
+    limit = 4 << 20  # 140k frames; unbounded, their replies would cost ~10 MiB
+    async with serving(sock_buf_bytes=64 << 10) as (server, port, _):
+        sock = await _connect_raw(port, rcvbuf=4096)
+        try:
+            await _raw_client_handshake(sock)
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                sent = await _flood_refused_requests(sock, limit)
+                grown = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+            assert sent < limit  # the listener stopped reading
+            assert grown < 1 << 20, grown
+            # stuck for _REPLY_STALL_S: the link is dropped
+            for _ in range(500):  # 5 s at most
+                if not server.links():
+                    break
+                await asyncio.sleep(0.01)
+            assert server.links() == []
+            assert await _closed_by_peer(sock, 5)
+        finally:
+            sock.close()
+
+
+async def test_backpressure_lets_a_slow_reader_keep_its_link(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Replies that back up only pause the reader: once the peer reads them, it goes on
+    and every request is answered."""
+    monkeypatch.setattr(tcp_link, "_REPLY_BACKLOG_HIGH", 16 << 10)
+    monkeypatch.setattr(tcp_link, "_REPLY_BACKLOG_LOW", 4 << 10)
+    loop = asyncio.get_running_loop()
+    async with serving(sock_buf_bytes=32 << 10) as (server, port, _):
+        sock = await _connect_raw(port, rcvbuf=4096)
+        try:
+            await _raw_client_handshake(sock)
+            n = 20000  # 600 KB of requests, 600 KB of replies: far past the bound
+            frames = b"".join(wire.encode_frame(F.READ_REQ, 2 * i + 1) for i in range(n))
+            send = asyncio.create_task(loop.sock_sendall(sock, frames))
+            await asyncio.sleep(0.3)  # it backs up
+            assert not send.done()
+            got = await asyncio.wait_for(_recv_exact(sock, n * wire.HEADER_SIZE), 20)
+            await send
+            ids = {wire.decode_header(got[i : i + 30]).req_id for i in range(0, len(got), 30)}
+            assert ids == {2 * i + 1 for i in range(n)}
+            assert len(server.links()) == 1
+        finally:
+            sock.close()

@@ -42,6 +42,18 @@ _MORE: Final = 2
 # Requests a peer may have outstanding on one link; more are answered LLM_LINK_BUSY so a
 # hostile peer cannot pile up handler tasks without bound.
 _MAX_PEER_REQUESTS: Final = 1 << 14
+# Reply backpressure: frames this side posts in answer to the peer (grants, refusals,
+# confirmations) cost their length plus this much heap while queued. Past
+# _REPLY_BACKLOG_HIGH the reader stops reading from the peer until the writer has sent
+# them down to _REPLY_BACKLOG_LOW; a peer that lets it stall for _REPLY_STALL_S loses the
+# link. Our own requests do not count, so two busy peers cannot stop each other.
+_REPLY_TYPES: Final = frozenset(
+    {_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE, _F.CANCEL_ACK, _F.ERROR}
+)
+_REPLY_OVERHEAD: Final = 64
+_REPLY_BACKLOG_HIGH = 4 << 20
+_REPLY_BACKLOG_LOW = 1 << 20
+_REPLY_STALL_S = 30.0
 # How long a cancelled or timed-out write waits for the peer's CANCEL_ACK: its remaining
 # time, clamped to this range (seconds). Without the ack in time the link is dropped.
 _CANCEL_ACK_WAIT: Final = (0.5, 5.0)
@@ -78,6 +90,9 @@ class TcpLink(Link):
         # peer's WRITE_DONE / READ_DONE may arrive while the batch's tail still waits)
         self._finishing: collections.deque[tuple[int, Stream]] = collections.deque()
         self._batch_data = 0  # payload bytes in the batch
+        self._ctrl_replies = 0  # cost of the replies in _ctrl (see _REPLY_OVERHEAD)
+        self._batch_replies = 0  # ... and in the batch in flight
+        self._drained: asyncio.Future[None] | None = None  # the paused reader waits here
         self._writer_idle: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader = self._spawn(self._read_loop(), "reader")
@@ -247,6 +262,8 @@ class TcpLink(Link):
         if self._broken:
             return
         self._ctrl.append(frame)
+        if frame[5] in _REPLY_TYPES:  # the header's type byte
+            self._ctrl_replies += len(frame) + _REPLY_OVERHEAD
         self._kick()
 
     def _add_stream(self, rid: int, views: list[memoryview], total: int) -> Stream:
@@ -274,6 +291,7 @@ class TcpLink(Link):
         """Fill `_iov` with control frames plus up to ~one chunk from each stream in turn."""
         iov: Bufs = self._ctrl
         self._ctrl = []
+        self._batch_replies, self._ctrl_replies = self._ctrl_replies, 0
         inflight: list[Stream] = []
         budget = self._t.chunk_bytes
         streams = self._streams
@@ -305,6 +323,9 @@ class TcpLink(Link):
         while True:
             if self._pos >= len(self._iov):
                 self._inflight = []
+                self._batch_replies = 0
+                if self._drained is not None and self._ctrl_replies <= _REPLY_BACKLOG_LOW:
+                    wake(self._drained)
                 if sent >= _YIELD_BYTES:
                     return _MORE
                 if not self._next_batch():
@@ -384,6 +405,11 @@ class TcpLink(Link):
                 if unyielded >= _YIELD_BYTES:
                     unyielded = 0
                     await asyncio.sleep(0)
+                if self._ctrl_replies + self._batch_replies > _REPLY_BACKLOG_HIGH:
+                    await self._until_replies_drain()
+        except TimeoutError:  # an OSError too: first
+            _log.warning("%r: the peer does not read our replies; dropping the link", self)
+            self._break("peer does not read")
         except (OSError, EOFError) as exc:
             self._break(f"connection lost: {exc}")
         except wire.WireError as exc:
@@ -392,6 +418,19 @@ class TcpLink(Link):
         except Exception as exc:
             _log.exception("reader of %r failed", self)
             self._break(f"reader failed: {exc!r}")
+
+    async def _until_replies_drain(self) -> None:
+        """Backpressure: read nothing more until our replies to the peer are sent.
+
+        Raises:
+            TimeoutError: the peer read too little of them for ``_REPLY_STALL_S``.
+        """
+        self._drained = self._loop.create_future()
+        try:
+            async with asyncio.timeout(_REPLY_STALL_S):
+                await self._drained
+        finally:
+            self._drained = None
 
     async def _discard(self, n: int) -> None:
         scratch, sock = self._t._scratch, self._sock
