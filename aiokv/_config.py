@@ -148,6 +148,7 @@ _OPTION_KEYS: dict[str, str] = {
     "global_resource_config": "llm.GlobalResourceConfig",
     "device_type": "aiokv.deviceType",
     "link_secret": "aiokv.linkSecret",
+    "handshake_timeout": "aiokv.handshakeTimeout",
     "swap_out_threads": "aiokv.swapOutThreads",
     "swap_in_buffers": "aiokv.swapInBuffers",
 }
@@ -228,6 +229,8 @@ class LLMConfig(Model):
             there, stored and echoed; no meaning on aiokv's transports (``init`` logs them
             at debug).
         link_secret: shared secret; when set, links need mutual challenge-response auth.
+        handshake_timeout: milliseconds an incoming connection gets to complete the link
+            handshake (authentication included) before it is dropped, 1..2**31-1.
         swap_out_threads: worker threads for device→host swaps.
         swap_in_buffers: block-sized staging buffers for host→device swaps.
     """
@@ -260,6 +263,7 @@ class LLMConfig(Model):
             cluster_info: str | None = ...,
             global_resource_config: str | None = ...,
             link_secret: str | None = ...,
+            handshake_timeout: int = ...,
             swap_out_threads: int = ...,
             swap_in_buffers: int = ...,
         ) -> None: ...
@@ -294,6 +298,7 @@ class LLMConfig(Model):
     cluster_info: str | None = None
     global_resource_config: str | None = None
     link_secret: str | None = Field(default=None, min_length=1, max_length=4096)
+    handshake_timeout: int = Field(default=10000, gt=0, le=2**31 - 1)
     swap_out_threads: int = Field(default=4, ge=1, le=64)
     swap_in_buffers: int = Field(default=4, ge=1, le=64)
 

@@ -259,6 +259,7 @@ class LLMDataDist:
             self._cluster_id,
             PeerService(self._cluster_id, registry, config),
             secret=secret,
+            handshake_timeout=config.handshake_timeout / 1000,
             on_link=links.add,
             on_link_lost=links.lost,
         )

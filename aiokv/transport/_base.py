@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -148,6 +149,15 @@ class Link(abc.ABC):
         no longer read. A write that raises may still have landed whole (the peer's
         ``done(True)``) when its deadline or the link ran out just as the confirmation
         was on its way (a read's grant, by contrast, gets ``done(True)`` only if it returned).
+
+        Cancelled or timed out, a write whose payload had started to move returns (or
+        raises) only once the peer confirmed that no byte of it lands any more: after
+        that the destination is never written again, though it may hold part of the
+        payload. The wait for that confirmation is shielded and bounded (TCP: the
+        write's remaining time, at least 0.5 s and at most 5 s); a peer that does not
+        confirm in time loses the link (``LLM_LINK_FAILED`` for everything pending),
+        and only then may bytes already on the wire still land when that peer resumes.
+        A link that breaks ends the wait at once, with the same caveat.
         """
 
     @abc.abstractmethod
@@ -194,6 +204,9 @@ class Transport(abc.ABC):
         max_meta_bytes: cap on the encoded ``meta`` of one request, both ways.
         on_link: called with every link established, incoming or outgoing.
         on_link_lost: called once with every link that broke or was closed.
+        handshake_timeout: seconds an incoming connection gets to complete the link
+            handshake before it is dropped (a finite number > 0). The ``local``
+            transport has no network handshake and nothing to time out.
     """
 
     def __init__(
@@ -205,6 +218,7 @@ class Transport(abc.ABC):
         max_meta_bytes: int = 1 << 20,
         on_link: LinkCallback | None = None,
         on_link_lost: LinkCallback | None = None,
+        handshake_timeout: float = 10.0,
     ) -> None:
         if isinstance(local_cluster_id, bool) or not isinstance(local_cluster_id, int):
             raise TypeError("local_cluster_id must be int")
@@ -216,8 +230,13 @@ class Transport(abc.ABC):
             raise TypeError("max_meta_bytes must be int")
         if not 2 <= max_meta_bytes < 2**32:
             raise ValueError(f"max_meta_bytes={max_meta_bytes} is out of range [2, 2**32)")
+        if isinstance(handshake_timeout, bool) or not isinstance(handshake_timeout, int | float):
+            raise TypeError("handshake_timeout must be a number of seconds")
+        if not (math.isfinite(handshake_timeout) and handshake_timeout > 0):
+            raise ValueError(f"handshake_timeout={handshake_timeout} must be finite and > 0")
         self.local_cluster_id = local_cluster_id
         self.handler = handler
+        self.handshake_timeout = float(handshake_timeout)
         self.secret = bytes(secret) if secret is not None else None
         self.max_meta_bytes = max_meta_bytes
         self.on_link = on_link
@@ -228,7 +247,13 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def listen(self, host: str, port: int) -> tuple[str, int]:
-        """Accept links on ``host:port`` (port 0 picks a free one); returns the bound address."""
+        """Accept links on ``host:port`` (port 0 picks a free one); returns the bound address.
+
+        Raises:
+            TypeError / ValueError: ``host`` not a string, ``port`` not an int in
+                ``0..65535``.
+            LLMException: ``LLM_LINK_FAILED`` when the address cannot be bound.
+        """
 
     @abc.abstractmethod
     async def unlisten(self, address: tuple[str, int]) -> None:
@@ -242,6 +267,9 @@ class Transport(abc.ABC):
         """Open a link to a listening transport, handshake included, within ``timeout`` s.
 
         Raises:
+            TypeError / ValueError: ``host`` / ``port`` as for :meth:`listen`;
+                ``timeout`` not a finite number (``<= 0`` means no time left:
+                ``LLM_TIMEOUT``).
             LLMException: ``LLM_LINK_FAILED`` when refused, reset or authentication
                 fails; ``LLM_TIMEOUT`` past ``timeout``.
         """
@@ -352,6 +380,35 @@ def flatten_views(op: str, views: Sequence[Any], *, writable: bool) -> tuple[lis
         if mv.nbytes:
             out.append(mv)
     return out, sum(len(v) for v in out)
+
+
+def check_address(op: str, host: str, port: int) -> None:
+    """The argument check of every transport's ``listen`` / ``connect`` address.
+
+    Raises:
+        TypeError: ``host`` is not a string, ``port`` not an int (a bool is not one).
+        ValueError: ``port`` outside ``0..65535`` (it would wrap around in the kernel).
+    """
+    if not isinstance(host, str):
+        raise TypeError(f"{op}: host must be str, got {type(host).__name__}")
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise TypeError(f"{op}: port must be int, got {type(port).__name__}")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{op}: port {port} is out of range [0, 65535]")
+
+
+def check_connect_timeout(op: str, timeout: float) -> None:
+    """The check of ``connect``'s ``timeout``: a finite number of seconds (``<= 0`` is
+    allowed and means no time is left: the call raises ``LLM_TIMEOUT``).
+
+    Raises:
+        TypeError: not an int or float (a bool is not a number).
+        ValueError: NaN or infinite.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"{op}: timeout must be a number of seconds")
+    if not math.isfinite(timeout):
+        raise ValueError(f"{op}: timeout={timeout} must be finite")
 
 
 def check_request(op: str, meta: bytes, timeout: float, max_meta_bytes: int) -> None:

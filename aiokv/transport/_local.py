@@ -45,6 +45,8 @@ from ._base import (
     PeerInfo,
     RequestHandler,
     Transport,
+    check_address,
+    check_connect_timeout,
     check_grant,
     check_probe_timeout,
     check_request,
@@ -345,6 +347,7 @@ class LocalTransport(Transport):
         max_meta_bytes: int = 1 << 20,
         on_link: LinkCallback | None = None,
         on_link_lost: LinkCallback | None = None,
+        handshake_timeout: float = 10.0,
     ) -> None:
         super().__init__(
             local_cluster_id,
@@ -353,14 +356,14 @@ class LocalTransport(Transport):
             max_meta_bytes=max_meta_bytes,
             on_link=on_link,
             on_link_lost=on_link_lost,
+            handshake_timeout=handshake_timeout,
         )
         self._addresses: list[tuple[str, int]] = []
         self._links: dict[_LocalLink, None] = {}  # insertion-ordered set
 
     async def listen(self, host: str, port: int) -> tuple[str, int]:
+        check_address("listen", host, port)
         self._bind_loop("listen")
-        if not 0 <= port < _EPHEMERAL.stop:
-            raise LLMException(f"listen on {host}:{port}: bad port", status_code=_S.LLM_LINK_FAILED)
         address = (host, port or _free_port(host))
         if address in _listeners:
             raise LLMException(
@@ -377,10 +380,10 @@ class LocalTransport(Transport):
                 del _listeners[address]
 
     async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
+        check_address("connect", host, port)
+        check_connect_timeout("connect", timeout)
         self._bind_loop("connect")
         where = f"connect to {host}:{port}"
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise TypeError(f"{where}: timeout must be a number of seconds")
         if not timeout > 0:  # as TCP: no time left is a timeout, whoever listens
             raise LLMException(
                 f"{where}: timed out after {timeout:.3g} s", status_code=_S.LLM_TIMEOUT

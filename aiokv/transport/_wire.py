@@ -4,7 +4,7 @@ Every frame starts with one 30-byte little-endian header::
 
     offset  size  field
     0       4     magic      b"AIKV"
-    4       1     version    2
+    4       1     version    3
     5       1     type       FrameType
     6       4     status     LLMStatusCode of a reply (0 elsewhere)
     10      4     meta_len   bytes of meta that follow the header
@@ -17,6 +17,11 @@ request meta is the layer above's opaque bytes, which the transport only caps.
 ``size`` is the payload length of a ``DATA`` frame, the total number of bytes
 of a transfer in ``READ_REQ`` (bytes the reader expects), ``READ_RESP`` (bytes granted)
 and ``WRITE_REQ`` (bytes to push), and 0 elsewhere.
+
+Every ``CANCEL`` is answered with a ``CANCEL_ACK`` for the same id. Frames of one link
+are read in order, so when the granter reads ``CANCEL`` every ``DATA`` byte the
+requester sent for that request has already been read (and landed, or been dropped);
+the ``CANCEL_ACK`` therefore tells the requester that no byte of it lands any more.
 
 ``PING`` / ``PONG`` (liveness probes, ``Link.probe``) carry no meta and no payload; the
 ``req_id`` of a ``PONG`` is that of the ``PING`` it answers, numbered by the prober in a
@@ -61,7 +66,7 @@ __all__ = [
 ]
 
 MAGIC = b"AIKV"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("<4sBBIIQQ")
 HEADER_SIZE = HEADER.size
 #: Protocol cap on one DATA frame's payload. Big transfers are cut into chunks no larger,
@@ -90,8 +95,9 @@ class FrameType(enum.IntEnum):
     CANCEL = 10  # the requester gave up on `req_id`; the granter drops it
     ERROR = 11  # link-level failure, reason in meta {"reason": str}; the link closes
     CLOSE = 12  # orderly close of the link
-    PING = 13  # liveness probe `req_id` (the prober's own numbering); answer PONG at once
-    PONG = 14  # the answer to PING `req_id`
+    CANCEL_ACK = 13  # answer to CANCEL: the granter dropped `req_id`; nothing more lands
+    PING = 14  # liveness probe `req_id` (the prober's own numbering); answer PONG at once
+    PONG = 15  # the answer to PING `req_id`
 
 
 # Frame types allowed to carry meta, with the cap that applies (None: the owner's cap).

@@ -50,6 +50,21 @@ _MORE: Final = 2
 # Requests a peer may have outstanding on one link; more are answered LLM_LINK_BUSY so a
 # hostile peer cannot pile up handler tasks without bound.
 _MAX_PEER_REQUESTS: Final = 1 << 14
+# Reply backpressure: frames this side posts in answer to the peer (grants, refusals,
+# confirmations) cost their length plus this much heap while queued. Past
+# _REPLY_BACKLOG_HIGH the reader stops reading from the peer until the writer has sent
+# them down to _REPLY_BACKLOG_LOW; a peer that lets it stall for _REPLY_STALL_S loses the
+# link. Our own requests do not count, so two busy peers cannot stop each other.
+_REPLY_TYPES: Final = frozenset(
+    {_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE, _F.CANCEL_ACK, _F.PONG, _F.ERROR}
+)
+_REPLY_OVERHEAD: Final = 64
+_REPLY_BACKLOG_HIGH = 4 << 20
+_REPLY_BACKLOG_LOW = 1 << 20
+_REPLY_STALL_S = 30.0
+# How long a cancelled or timed-out write waits for the peer's CANCEL_ACK: its remaining
+# time, clamped to this range (seconds). Without the ack in time the link is dropped.
+_CANCEL_ACK_WAIT: Final = (0.5, 5.0)
 
 
 class TcpLink(Link):
@@ -70,6 +85,8 @@ class TcpLink(Link):
         self._peer_parity = 1 if initiator else 0
         self._mine: dict[int, MyOp] = {}
         self._theirs: dict[int, PeerOp] = {}
+        # our cancelled writes waiting for the peer's CANCEL_ACK
+        self._cancelling: dict[int, asyncio.Future[None]] = {}
         # Writer state. `_iov[_pos:]` is the unsent part of the batch in flight.
         self._ctrl: Bufs = []
         self._streams: collections.deque[Stream] = collections.deque()
@@ -81,6 +98,9 @@ class TcpLink(Link):
         # peer's WRITE_DONE / READ_DONE may arrive while the batch's tail still waits)
         self._finishing: collections.deque[tuple[int, Stream]] = collections.deque()
         self._batch_data = 0  # payload bytes in the batch
+        self._ctrl_replies = 0  # cost of the replies in _ctrl (see _REPLY_OVERHEAD)
+        self._batch_replies = 0  # ... and in the batch in flight
+        self._drained: asyncio.Future[None] | None = None  # the paused reader waits here
         self._writer_idle: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._probes: dict[int, asyncio.Future[None]] = {}  # our PINGs awaiting their PONG
@@ -138,6 +158,7 @@ class TcpLink(Link):
         views, total = flatten_views("Link.write", src, writable=False)
         frame_meta = self._prepare("Link.write", meta, timeout)
         op = self._start(is_read=False, total=total)
+        deadline = self._loop.time() + timeout
         ok = False
         try:
             self._post(wire.encode_frame(_F.WRITE_REQ, op.rid, meta=frame_meta, size=total))
@@ -157,6 +178,10 @@ class TcpLink(Link):
             if op.stream is not None:
                 self._abort_stream(op.stream)
             self._end(op, cancel=not ok)
+            if not ok and op.stream is not None and not op.peer_over:
+                # DATA of it may be on the wire: return only once the peer confirmed
+                # that none of it lands any more (see Link.write)
+                await self._until_cancel_acked(op.rid, deadline)
 
     async def aclose(self) -> None:
         if not self._broken and self._pos >= len(self._iov):
@@ -210,6 +235,36 @@ class TcpLink(Link):
                 status_code=_S.LLM_TIMEOUT,
             ) from None
 
+    async def _until_cancel_acked(self, rid: int, deadline: float) -> None:
+        """Wait, shielded, for the peer's ``CANCEL_ACK`` of our write ``rid``.
+
+        Bounded by the write's remaining time clamped to :data:`_CANCEL_ACK_WAIT`; not
+        at all once the link is broken. A peer that does not answer in time loses the
+        link. A cancellation that arrives meanwhile is re-raised afterwards.
+        """
+        if self._broken:
+            return
+        fut = self._cancelling[rid] = self._loop.create_future()
+        low, high = _CANCEL_ACK_WAIT
+        wait = min(max(deadline - self._loop.time(), low), high)
+        end = self._loop.time() + wait
+        cancelled = False
+        try:
+            while not fut.done():
+                left = end - self._loop.time()
+                if left <= 0:
+                    _log.warning("%r: no CANCEL_ACK for request %d in %.3g s", self, rid, wait)
+                    self._break("peer did not acknowledge a cancelled write")
+                    break
+                try:
+                    await asyncio.wait([fut], timeout=left)  # never cancels fut
+                except asyncio.CancelledError:
+                    cancelled = True  # cancelled again: keep waiting, re-raise below
+        finally:
+            self._cancelling.pop(rid, None)
+        if cancelled:
+            raise asyncio.CancelledError
+
     def _refused(self, name: str, status: LLMStatusCode) -> LLMException:
         if status is _S.LLM_LINK_FAILED:
             return LLMException(
@@ -233,6 +288,8 @@ class TcpLink(Link):
         if self._broken:
             return
         self._ctrl.append(frame)
+        if frame[5] in _REPLY_TYPES:  # the header's type byte
+            self._ctrl_replies += len(frame) + _REPLY_OVERHEAD
         self._kick()
 
     def _add_stream(self, rid: int, views: list[memoryview], total: int) -> Stream:
@@ -260,6 +317,7 @@ class TcpLink(Link):
         """Fill `_iov` with control frames plus up to ~one chunk from each stream in turn."""
         iov: Bufs = self._ctrl
         self._ctrl = []
+        self._batch_replies, self._ctrl_replies = self._ctrl_replies, 0
         inflight: list[Stream] = []
         budget = self._t.chunk_bytes
         streams = self._streams
@@ -291,6 +349,9 @@ class TcpLink(Link):
         while True:
             if self._pos >= len(self._iov):
                 self._inflight = []
+                self._batch_replies = 0
+                if self._drained is not None and self._ctrl_replies <= _REPLY_BACKLOG_LOW:
+                    wake(self._drained)
                 if sent >= _YIELD_BYTES:
                     return _MORE
                 if not self._next_batch():
@@ -370,6 +431,11 @@ class TcpLink(Link):
                 if unyielded >= _YIELD_BYTES:
                     unyielded = 0
                     await asyncio.sleep(0)
+                if self._ctrl_replies + self._batch_replies > _REPLY_BACKLOG_HIGH:
+                    await self._until_replies_drain()
+        except TimeoutError:  # an OSError too: first
+            _log.warning("%r: the peer does not read our replies; dropping the link", self)
+            self._break("peer does not read")
         except (OSError, EOFError) as exc:
             self._break(f"connection lost: {exc}")
         except wire.WireError as exc:
@@ -378,6 +444,19 @@ class TcpLink(Link):
         except Exception as exc:
             _log.exception("reader of %r failed", self)
             self._break(f"reader failed: {exc!r}")
+
+    async def _until_replies_drain(self) -> None:
+        """Backpressure: read nothing more until our replies to the peer are sent.
+
+        Raises:
+            TimeoutError: the peer read too little of them for ``_REPLY_STALL_S``.
+        """
+        self._drained = self._loop.create_future()
+        try:
+            async with asyncio.timeout(_REPLY_STALL_S):
+                await self._drained
+        finally:
+            self._drained = None
 
     async def _discard(self, n: int) -> None:
         scratch, sock = self._t._scratch, self._sock
@@ -453,6 +532,13 @@ class TcpLink(Link):
             peer_op = self._theirs.get(rid) if rid % 2 == self._peer_parity else None
             if peer_op is not None and (kind is _F.CANCEL or peer_op.is_read):
                 self._on_peer_end(peer_op, acked=kind is _F.READ_DONE)
+            if kind is _F.CANCEL and rid % 2 == self._peer_parity:
+                # every earlier DATA frame of it has been read: nothing more lands
+                self._post(wire.encode_frame(_F.CANCEL_ACK, rid))
+        elif kind is _F.CANCEL_ACK:
+            waiter = self._cancelling.pop(rid, None)
+            if waiter is not None:
+                wake(waiter)
         elif kind is _F.ERROR or kind is _F.CLOSE:
             self._break("closed by peer")
         elif kind is _F.PING:
@@ -484,6 +570,7 @@ class TcpLink(Link):
             else:
                 op.finish(status)
         elif not op.is_read and op.state is not State.OVER:  # WRITE_DONE
+            op.peer_over = True
             complete = op.state is State.SENDING and (
                 op.total == 0 or (op.stream is not None and op.stream.sent)
             )
@@ -578,6 +665,9 @@ class TcpLink(Link):
         self._theirs.clear()
         self._streams.clear()
         self._ctrl.clear()
+        for waiter in self._cancelling.values():
+            wake(waiter)
+        self._cancelling.clear()
         for op in mine:
             op.finish(_S.LLM_LINK_FAILED)
         for peer_op in theirs:

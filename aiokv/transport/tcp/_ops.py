@@ -98,6 +98,7 @@ class MyOp:
         "cursor",
         "granted",
         "is_read",
+        "peer_over",
         "result",
         "rid",
         "state",
@@ -115,6 +116,7 @@ class MyOp:
         self.stream: Stream | None = None
         self.total = 0
         self.granted = False  # a write's WRITE_GRANT said yes
+        self.peer_over = False  # a write's WRITE_DONE came: the peer writes no more of it
         self.result: LLMStatusCode | None = None  # final outcome
 
     def grant(self) -> None:

@@ -12,7 +12,15 @@ from typing import Any, Final
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from .. import _wire as wire
-from .._base import Link, LinkCallback, PeerInfo, RequestHandler, Transport
+from .._base import (
+    Link,
+    LinkCallback,
+    PeerInfo,
+    RequestHandler,
+    Transport,
+    check_address,
+    check_connect_timeout,
+)
 from ._handshake import HandshakeError, client_handshake, server_handshake
 from ._io import SockIO
 from ._link import TcpLink
@@ -33,10 +41,18 @@ class TcpTransport(Transport):
         chunk_bytes: largest DATA frame this side sends (at most
             :data:`~aiokv.transport._wire.MAX_CHUNK`); smaller chunks interleave
             concurrent transfers more finely.
-        handshake_timeout: seconds an incoming connection gets to complete the
-            handshake before it is dropped.
         sock_buf_bytes: ``SO_SNDBUF`` / ``SO_RCVBUF`` for every socket; ``None`` keeps
             the kernel's auto-tuning.
+        max_handshakes: most incoming connections that may be unauthenticated (still
+            in the handshake) at once; a new one beyond it closes the oldest.
+        max_handshakes_per_host: the same cap per remote address, so one flooding
+            host cannot take every slot; a new one beyond it closes that host's oldest.
+
+    Pre-authentication work is bounded: an incoming connection costs one socket and
+    one small task until it authenticates or ``handshake_timeout`` passes, at most
+    ``max_handshakes`` of them exist, and the oldest goes first. So a flood of idle
+    connections cannot exhaust descriptors, and a legitimate peer, whose handshake
+    takes one round trip, still links while it lasts.
     """
 
     def __init__(
@@ -51,6 +67,8 @@ class TcpTransport(Transport):
         chunk_bytes: int = wire.MAX_CHUNK,
         handshake_timeout: float = 10.0,
         sock_buf_bytes: int | None = None,
+        max_handshakes: int = 256,
+        max_handshakes_per_host: int = 64,
     ) -> None:
         super().__init__(
             local_cluster_id,
@@ -59,22 +77,33 @@ class TcpTransport(Transport):
             max_meta_bytes=max_meta_bytes,
             on_link=on_link,
             on_link_lost=on_link_lost,
+            handshake_timeout=handshake_timeout,
         )
         if not 1 <= chunk_bytes <= wire.MAX_CHUNK:
             raise ValueError(f"chunk_bytes={chunk_bytes} is out of range [1, {wire.MAX_CHUNK}]")
-        if not handshake_timeout > 0:
-            raise ValueError("handshake_timeout must be > 0")
+        for name, cap in (
+            ("max_handshakes", max_handshakes),
+            ("max_handshakes_per_host", max_handshakes_per_host),
+        ):
+            if isinstance(cap, bool) or not isinstance(cap, int):
+                raise TypeError(f"{name} must be int")
+            if cap < 1:
+                raise ValueError(f"{name}={cap} must be >= 1")
         self.chunk_bytes = chunk_bytes
-        self.handshake_timeout = handshake_timeout
         self.sock_buf_bytes = sock_buf_bytes
+        self.max_handshakes = max_handshakes
+        self.max_handshakes_per_host = max_handshakes_per_host
         self._listeners: dict[tuple[str, int], tuple[socket.socket, asyncio.Task[None]]] = {}
         self._handshaking: set[SockIO] = set()
+        # incoming connections not yet authenticated, oldest first, with their host
+        self._unauthenticated: dict[SockIO, str] = {}
         self._links: dict[TcpLink, None] = {}  # insertion-ordered set
         self._scratch = bytearray(_SCRATCH_BYTES)  # sink for data nobody wants
 
     # ----------------------------------------------------------------------- public API
 
     async def listen(self, host: str, port: int) -> tuple[str, int]:
+        check_address("listen", host, port)
         loop = self._bind_loop("listen")
         try:
             infos = await loop.getaddrinfo(
@@ -109,6 +138,8 @@ class TcpTransport(Transport):
         sock.close()
 
     async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
+        check_address("connect", host, port)
+        check_connect_timeout("connect", timeout)
         loop = self._bind_loop("connect")
         where = f"connect to {host}:{port}"
         try:
@@ -139,6 +170,7 @@ class TcpTransport(Transport):
         for io in list(self._handshaking):
             io.close()
         self._handshaking.clear()
+        self._unauthenticated.clear()
         for link in list(self._links):
             link._break("transport closed")
         # Accept tasks unregister their listener from the loop as they unwind, so the
@@ -214,8 +246,25 @@ class TcpTransport(Transport):
                 sock.close()
                 continue
             io = SockIO(loop, sock)
+            self._make_room(str(addr[0]))
+            self._unauthenticated[io] = str(addr[0])
             self._handshaking.add(io)  # from now on: aclose closes it, even before the task runs
             self._spawn(self._accept_one(io, addr), "aiokv-tcp-handshake")
+
+    def _make_room(self, host: str) -> None:
+        """Close the oldest unauthenticated connection if one more from ``host`` would
+        exceed ``max_handshakes_per_host`` or ``max_handshakes``."""
+        pending = self._unauthenticated
+        same = [io for io, h in pending.items() if h == host]
+        if len(same) >= self.max_handshakes_per_host:
+            victim = same[0]
+        elif len(pending) >= self.max_handshakes:
+            victim = next(iter(pending))
+        else:
+            return
+        _log.debug("too many unauthenticated connections: closing the oldest from %s", host)
+        del pending[victim]
+        victim.close()  # its handshake task wakes, fails and ends
 
     async def _accept_one(self, io: SockIO, addr: Any) -> None:
         try:
@@ -225,6 +274,8 @@ class TcpTransport(Transport):
         except (TimeoutError, *_HANDSHAKE_ERRORS) as exc:
             _log.info("handshake with %s failed: %s", addr, exc)
             return
+        finally:
+            self._unauthenticated.pop(io, None)
         if self._closed:
             io.close()
             return

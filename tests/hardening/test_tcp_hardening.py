@@ -1,0 +1,597 @@
+"""TCP hardening (issue #9, items 3, 10, 14 and the wire part of 15): raw-socket peers
+and real processes over 127.0.0.1, every loop bounded in count and time."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import resource
+import secrets
+import socket
+import time
+import tracemalloc
+from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+
+from aiokv import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+)
+from aiokv._config import InvalidOptionError
+from aiokv.transport import Grant, Link, PeerInfo, get_transport, transport_names
+from aiokv.transport import _wire as wire
+from aiokv.transport._wire import FrameType
+from aiokv.transport.tcp import TcpTransport
+from aiokv.transport.tcp import _link as tcp_link
+
+HOST = "127.0.0.1"
+Code = LLMStatusCode
+F = FrameType
+
+
+class Regions:
+    """A minimal handler: ``{"r": name, "off": o, "n": n}`` grants ``n`` bytes of a
+    named bytearray at ``o``; ``{"refuse": code}`` refuses."""
+
+    def __init__(self) -> None:
+        self.regions: dict[str, bytearray] = {}
+        self.done: list[bool] = []
+
+    def _grant(self, raw: bytes) -> Grant:
+        meta = json.loads(raw)
+        if "refuse" in meta:
+            return Grant(Code(meta["refuse"]))
+        view = memoryview(self.regions[meta["r"]])[meta["off"] : meta["off"] + meta["n"]]
+        return Grant(Code.LLM_SUCCESS, [view], self.done.append)
+
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+        return self._grant(meta)
+
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+        return self._grant(meta)
+
+
+def js(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+async def _connect_raw(port: int, source: str = HOST, rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    try:
+        sock.setblocking(False)
+        if rcvbuf is not None:  # small buffers both ways: backlogs show at once
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, rcvbuf)
+        sock.bind((source, 0))
+        await asyncio.get_running_loop().sock_connect(sock, (HOST, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    loop, out = asyncio.get_running_loop(), bytearray()
+    while len(out) < n:
+        chunk = await loop.sock_recv(sock, n - len(out))
+        if not chunk:
+            raise ConnectionResetError("closed")
+        out += chunk
+    return bytes(out)
+
+
+async def _recv_frame(sock: socket.socket) -> tuple[wire.Header, bytes]:
+    h = wire.decode_header(await _recv_exact(sock, wire.HEADER_SIZE))
+    return h, await _recv_exact(sock, h.meta_len)
+
+
+def _hs(kind: FrameType, meta: dict[str, Any], status: int = 0) -> bytes:
+    raw = json.dumps(meta).encode()
+    return wire.encode_frame(kind, status=status, meta=raw)
+
+
+async def _raw_client_handshake(sock: socket.socket, cluster_id: int = 77) -> None:
+    """The connecting side's handshake (no secret) from raw frames."""
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(sock, _hs(F.HELLO, {"cluster_id": cluster_id, "nonce": "ab" * 32}))
+    h, _ = await _recv_frame(sock)
+    assert h.type is F.HELLO
+    await loop.sock_sendall(sock, _hs(F.AUTH, {"mac": None}))
+    h, _ = await _recv_frame(sock)
+    assert h.type is F.AUTH and h.status == Code.LLM_SUCCESS
+
+
+async def _closed_by_peer(sock: socket.socket, within: float) -> bool:
+    """True if the peer closed (EOF or reset) within ``within`` seconds."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(within):
+            while await loop.sock_recv(sock, 4096):
+                pass
+    except TimeoutError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+@contextlib.asynccontextmanager
+async def serving(**kwargs: Any) -> AsyncIterator[tuple[TcpTransport, int, Regions]]:
+    handler = Regions()
+    server = TcpTransport(2, handler, **kwargs)
+    try:
+        port = (await server.listen(HOST, 0))[1]
+        yield server, port, handler
+    finally:
+        await server.aclose()
+
+
+# --------------------------------------------------------------- item 3: connection flood
+
+
+async def test_a_flood_of_idle_connections_cannot_lock_out_a_peer() -> None:
+    """80 idle connections from four hosts (more than the caps) never authenticate; the
+    listener keeps at most ``max_handshakes`` of them (the oldest go first, at most
+    ``max_handshakes_per_host`` per host), and a legitimate peer links at once."""
+    flood: list[socket.socket] = []
+    client = TcpTransport(1, Regions())
+    async with serving(max_handshakes=16, max_handshakes_per_host=6, handshake_timeout=60) as (
+        server,
+        port,
+        handler,
+    ):
+        try:
+            for i in range(80):
+                flood.append(await _connect_raw(port, source=f"127.0.0.{2 + i % 4}"))
+            # the listener accepts them all, closing the oldest beyond the caps
+            for _ in range(1000):  # 10 s at most
+                if len(server._unauthenticated) == 16 and server._handshaking == set(
+                    server._unauthenticated
+                ):
+                    break
+                await asyncio.sleep(0.01)
+            closed = await asyncio.gather(*(_closed_by_peer(s, 0.5) for s in flood))
+            assert closed.count(False) == 16  # 4 hosts x 6 > 16: the global cap holds
+            assert all(closed[:60])  # the oldest went first
+            t0 = time.monotonic()
+            link = await client.connect(HOST, port, timeout=5)
+            assert time.monotonic() - t0 < 2
+            handler.regions["x"] = bytearray(b"alive")
+            got = bytearray(5)
+            await link.read(js({"r": "x", "off": 0, "n": 5}), [memoryview(got)], timeout=5)
+            assert got == b"alive"
+            # one host alone gets at most max_handshakes_per_host slots
+            for s in flood:
+                s.close()
+            flood.clear()
+            for _ in range(20):
+                flood.append(await _connect_raw(port, source="127.0.0.9"))
+            closed = await asyncio.gather(*(_closed_by_peer(s, 0.5) for s in flood))
+            assert closed.count(False) == 6 and all(closed[:14])
+        finally:
+            for s in flood:
+                s.close()
+            await client.aclose()
+
+
+def _flooded_peer(conn: Connection, nofile: int) -> None:
+    """A prompt process with a low descriptor limit and a long handshake timeout."""
+
+    async def main() -> None:
+        cfg = LLMConfig(
+            device_type="cpu",
+            enable_cache_manager=True,
+            listen_ip_info="127.0.0.1:0",
+            mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
+            handshake_timeout=60000,
+        )
+        async with LLMDataDist(LLMRole.PROMPT, 11, cfg) as dd:
+            cache = await dd.cache_manager.allocate_blocks_cache(
+                CacheDesc(1, [4, 256], DataType.DT_UINT8), BlocksCacheKey(11, 0)
+            )
+            cache.tensors[0].copy_(torch.arange(1024, dtype=torch.uint8).reshape(4, 256))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+            assert dd.listen_address is not None
+            conn.send(dd.listen_address[1])
+            await asyncio.to_thread(conn.recv)
+
+    asyncio.run(main())
+
+
+def test_a_flood_past_the_descriptor_limit_still_lets_a_peer_link() -> None:
+    """1,100 idle connections against a listener limited to 512 descriptors (the
+    default caps): ``link_clusters`` still succeeds within its timeout, and the link
+    carries data."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_flooded_peer, args=(child, 512), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(60), "peer process did not start"
+        port = parent.recv()
+
+        async def main() -> None:
+            flood: list[socket.socket] = []
+            cfg = LLMConfig(
+                device_type="cpu",
+                enable_cache_manager=True,
+                mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
+            )
+            try:
+                for i in range(1100):
+                    flood.append(await _connect_raw(port, source=f"127.0.{1 + i // 200}.1"))
+                async with LLMDataDist(LLMRole.DECODER, 22, cfg) as d:
+                    info = LLMClusterInfo(remote_cluster_id=11, remote_ip_info=[(HOST, port)])
+                    t0 = time.monotonic()
+                    assert await d.link_clusters([info], timeout=5000) == (
+                        Code.LLM_SUCCESS,
+                        [Code.LLM_SUCCESS],
+                    )
+                    assert time.monotonic() - t0 < 5
+                    cm = d.cache_manager
+                    dst = await cm.allocate_blocks_cache(CacheDesc(1, [4, 256], DataType.DT_UINT8))
+                    await cm.pull_blocks(BlocksCacheKey(11, 0), dst, [0, 1, 2, 3], [0, 1, 2, 3])
+                    want = torch.arange(1024, dtype=torch.uint8).reshape(4, 256)
+                    assert torch.equal(dst.tensors[0], want)
+            finally:
+                for s in flood:
+                    s.close()
+
+        asyncio.run(main())
+    finally:
+        parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+# ------------------------------------------------------------------ argument quirks
+
+
+@pytest.mark.parametrize("name", transport_names())
+async def test_listen_and_connect_check_their_arguments(name: str) -> None:
+    cls = get_transport(name)
+    t = cls(1, Regions())
+    try:
+        for port, exc in (
+            (70000, ValueError),
+            (-1, ValueError),
+            (True, TypeError),
+            ("80", TypeError),
+        ):
+            with pytest.raises(exc):
+                await t.listen(HOST, port)
+            with pytest.raises(exc):
+                await t.connect(HOST, port, timeout=1)
+        with pytest.raises(TypeError):
+            await t.listen(None, 0)  # type: ignore[arg-type]
+        for timeout, exc in (
+            (math.nan, ValueError),
+            (math.inf, ValueError),
+            (True, TypeError),
+            ("1", TypeError),
+            (None, TypeError),
+        ):
+            with pytest.raises(exc):
+                await t.connect(HOST, 1, timeout=timeout)  # type: ignore[arg-type]
+        assert t.links() == []
+    finally:
+        await t.aclose()
+
+
+async def test_public_paths_check_ports_and_timeouts() -> None:
+    with pytest.raises(ValueError):
+        LLMConfig(listen_ip_info="127.0.0.1:70000")
+    with pytest.raises(ValueError):
+        LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[(HOST, 70000)])
+    async with LLMDataDist(LLMRole.DECODER, 2, LLMConfig(device_type="cpu")) as d:
+        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[(HOST, 1)])
+        for timeout, exc in ((True, TypeError), (1.5, TypeError), (2**31, ValueError)):
+            with pytest.raises(exc):
+                await d.link_clusters([info], timeout=timeout)  # type: ignore[arg-type]
+        with pytest.raises(LLMException) as ei:
+            await d.link_clusters([info], timeout=0)
+        assert ei.value.status_code == Code.LLM_PARAM_INVALID
+
+
+def test_handshake_timeout_option() -> None:
+    assert LLMConfig().handshake_timeout == 10000
+    cfg = LLMConfig.from_options({"aiokv.handshakeTimeout": "250"})
+    assert cfg.handshake_timeout == 250
+    assert cfg.generate_options() == {"aiokv.handshakeTimeout": "250"}
+    for bad in (0, -1, 2**31):
+        with pytest.raises(InvalidOptionError):
+            LLMConfig(handshake_timeout=bad)
+    for bad_type in (True, 1.5, "250"):
+        with pytest.raises(TypeError):
+            LLMConfig(handshake_timeout=bad_type)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        TcpTransport(1, Regions(), handshake_timeout=math.inf)
+    with pytest.raises(TypeError):
+        TcpTransport(1, Regions(), handshake_timeout=True)
+    with pytest.raises(ValueError):
+        TcpTransport(1, Regions(), max_handshakes=0)
+
+
+async def test_handshake_timeout_reaches_the_listener() -> None:
+    cfg = LLMConfig(device_type="cpu", listen_ip_info="127.0.0.1:0", handshake_timeout=200)
+    async with LLMDataDist(LLMRole.PROMPT, 1, cfg) as dd:
+        assert dd.listen_address is not None
+        sock = await _connect_raw(dd.listen_address[1])
+        try:
+            t0 = time.monotonic()
+            assert await _closed_by_peer(sock, 5)
+            assert 0.1 < time.monotonic() - t0 < 2
+        finally:
+            sock.close()
+
+
+# ------------------------------------------------------- item 15: strictly typed handshake
+
+
+_GOOD_HELLO = {"cluster_id": 1, "nonce": "ab" * 32}
+
+
+@pytest.mark.parametrize(
+    "hello",
+    [
+        {**_GOOD_HELLO, "cluster_id": True},
+        {**_GOOD_HELLO, "cluster_id": 1.0},
+        {**_GOOD_HELLO, "cluster_id": "1"},
+        {**_GOOD_HELLO, "cluster_id": -1},
+        {**_GOOD_HELLO, "cluster_id": 2**64},
+        {**_GOOD_HELLO, "cluster_id": None},
+        {**_GOOD_HELLO, "nonce": 12},
+        {**_GOOD_HELLO, "nonce": True},
+        {**_GOOD_HELLO, "nonce": "ab" * 31},
+        {"nonce": "ab" * 32},
+    ],
+    ids=lambda m: json.dumps(m)[:40],
+)
+async def test_the_listener_refuses_mistyped_hello_fields(hello: dict[str, Any]) -> None:
+    async with serving() as (server, port, _):
+        sock = await _connect_raw(port)
+        try:
+            await asyncio.get_running_loop().sock_sendall(sock, _hs(F.HELLO, hello))
+            assert await _closed_by_peer(sock, 5)
+        finally:
+            sock.close()
+        assert server.links() == []
+
+
+@pytest.mark.parametrize("mac", [True, 1, 0, 1.0, [], {}])
+async def test_the_listener_refuses_mistyped_macs(mac: Any) -> None:
+    async with serving() as (server, port, _):
+        sock = await _connect_raw(port)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.sock_sendall(sock, _hs(F.HELLO, _GOOD_HELLO))
+            await _recv_frame(sock)
+            await loop.sock_sendall(sock, _hs(F.AUTH, {"mac": mac}))
+            with contextlib.suppress(ConnectionResetError):
+                h, _ = await asyncio.wait_for(_recv_frame(sock), 5)
+                assert h.type is F.ERROR
+            assert await _closed_by_peer(sock, 5)
+        finally:
+            sock.close()
+        assert server.links() == []
+
+
+@pytest.mark.parametrize("cluster_id", [True, 2.0, "2", None])
+async def test_the_client_refuses_a_mistyped_server_hello(cluster_id: Any) -> None:
+    hostile = socket.create_server((HOST, 0))
+    hostile.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    async def serve() -> None:
+        conn, _ = await loop.sock_accept(hostile)
+        with conn:
+            await _recv_frame(conn)
+            hello = {"cluster_id": cluster_id, "nonce": secrets.token_hex(32), "mac": None}
+            await loop.sock_sendall(conn, _hs(F.HELLO, hello))
+            with contextlib.suppress(OSError):
+                await _recv_frame(conn)
+                await loop.sock_sendall(conn, _hs(F.AUTH, {}))
+                await asyncio.sleep(5)
+
+    task = asyncio.create_task(serve())
+    client = TcpTransport(1, Regions())
+    try:
+        with pytest.raises(LLMException) as ei:
+            await client.connect(HOST, hostile.getsockname()[1], timeout=5)
+        assert ei.value.status_code == Code.LLM_LINK_FAILED
+        assert client.links() == []
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        hostile.close()
+        await client.aclose()
+
+
+def _slot_request(version: Any, exact: Any = True, release: Any = False) -> bytes:
+    req = {
+        "type": "slot",
+        "key": {"type": "req", "cluster_id": 1, "req_id": 5, "model_id": 0, "prefix_id": 0},
+        "tensors": {"count": 1},
+        "size": 4,
+        "exact": exact,
+        "release": release,
+    }
+    return msgspec.msgpack.encode([version, req])
+
+
+async def test_request_fields_are_strictly_typed() -> None:
+    """A request whose protocol version is ``true`` or ``1.0``, or whose boolean fields
+    are ints, is refused ``LLM_PARAM_INVALID``; the well-typed one reaches the registry
+    (``LLM_KV_CACHE_NOT_EXIST``: nothing is registered)."""
+    cfg = LLMConfig(
+        device_type="cpu",
+        listen_ip_info="127.0.0.1:0",
+        enable_cache_manager=True,
+        enable_remote_cache_accessible=True,
+    )
+    async with LLMDataDist(LLMRole.PROMPT, 1, cfg) as dd:
+        assert dd.listen_address is not None
+        sock = await _connect_raw(dd.listen_address[1])
+        loop = asyncio.get_running_loop()
+        try:
+            await _raw_client_handshake(sock)
+            cases = [
+                (_slot_request(1), Code.LLM_KV_CACHE_NOT_EXIST),
+                (_slot_request(True), Code.LLM_PARAM_INVALID),
+                (_slot_request(1.0), Code.LLM_PARAM_INVALID),
+                (_slot_request("1"), Code.LLM_PARAM_INVALID),
+                (_slot_request(1, exact=1), Code.LLM_PARAM_INVALID),
+                (_slot_request(1, exact="yes"), Code.LLM_PARAM_INVALID),
+                (_slot_request(1, release=0), Code.LLM_PARAM_INVALID),
+                (_slot_request(1, release=1.0), Code.LLM_PARAM_INVALID),
+            ]
+            for i, (meta, code) in enumerate(cases):
+                rid = 2 * i  # the connecting side's ids are even
+                frame = wire.encode_frame(F.READ_REQ, rid, meta=meta, size=4)
+                await loop.sock_sendall(sock, frame)
+                h, _ = await asyncio.wait_for(_recv_frame(sock), 5)
+                assert (h.type, h.req_id, Code(h.status)) == (F.READ_RESP, rid, code), i
+        finally:
+            sock.close()
+
+
+# ------------------------------------------------------ item 14: a cancelled push lands nothing
+
+
+@contextlib.asynccontextmanager
+async def linked_pair(**kwargs: Any) -> AsyncIterator[tuple[Link, Regions, TcpTransport]]:
+    """Transport 1 linked to transport 2 (which serves ``Regions``)."""
+    client = TcpTransport(1, Regions(), **kwargs)
+    async with serving(**kwargs) as (server, port, handler):
+        try:
+            yield await client.connect(HOST, port, timeout=5), handler, server
+        finally:
+            await client.aclose()
+
+
+@pytest.mark.parametrize("how", ["cancel", "timeout"])
+async def test_a_cancelled_push_lands_nothing_after_it_returned(how: str) -> None:
+    """Cancel (or time out) an 8 MiB push after 0..35 loop turns: once the call has
+    returned, the destination never changes again, and the link stays usable."""
+    size = 8 << 20
+    partly = 0
+    async with linked_pair(sock_buf_bytes=128 << 10) as (link, handler, _server):
+        dest = handler.regions["r"] = bytearray(size)
+        src = bytearray(b"\xab" * size)
+        for steps in range(0, 40, 5):
+            dest[:] = bytes(size)
+            meta = js({"r": "r", "off": 0, "n": size})
+            if how == "cancel":
+                task = asyncio.create_task(link.write(meta, [memoryview(src)], timeout=20))
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            else:
+                with contextlib.suppress(LLMException):
+                    await link.write(meta, [memoryview(src)], timeout=0.001 * (1 + steps))
+            snapshot = bytes(dest)
+            await asyncio.sleep(0.1)  # the peer's reader drains whatever is still queued
+            assert bytes(dest) == snapshot, f"bytes landed after the push returned ({steps})"
+            partly += 0 < snapshot.count(0xAB) < size
+        assert partly  # some of them were cut mid-transfer
+        assert not link.broken
+        got = bytearray(4)
+        await link.read(js({"r": "r", "off": 0, "n": 4}), [memoryview(got)], timeout=5)
+
+
+# ------------------------------------------------------------ item 10: reply backpressure
+
+
+async def _flood_refused_requests(sock: socket.socket, limit: int) -> int:
+    """Send READ_REQ frames with ids of the wrong parity (each answered at once with a
+    refusal) and never read; returns the bytes sent before the peer stopped reading
+    (a send blocked for 0.5 s) or ``limit``."""
+    loop = asyncio.get_running_loop()
+    batch = b"".join(wire.encode_frame(F.READ_REQ, 2 * i + 1) for i in range(1000))
+    sent = 0
+    while sent < limit:
+        try:
+            await asyncio.wait_for(loop.sock_sendall(sock, batch), 0.5)
+        except TimeoutError:
+            break
+        sent += len(batch)
+    return sent
+
+
+async def test_a_peer_that_never_reads_cannot_grow_the_heap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer sends refused requests and never reads the refusals: the listener stops
+    reading from it once 64 KiB of replies are queued (its heap stays flat instead of
+    growing ~2.5 bytes per byte sent), then drops the link when it stays stuck."""
+    monkeypatch.setattr(tcp_link, "_REPLY_BACKLOG_HIGH", 64 << 10)
+    monkeypatch.setattr(tcp_link, "_REPLY_BACKLOG_LOW", 16 << 10)
+    monkeypatch.setattr(tcp_link, "_REPLY_STALL_S", 1.0)
+    limit = 4 << 20  # 140k frames; unbounded, their replies would cost ~10 MiB
+    async with serving(sock_buf_bytes=64 << 10) as (server, port, _):
+        sock = await _connect_raw(port, rcvbuf=4096)
+        try:
+            await _raw_client_handshake(sock)
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                sent = await _flood_refused_requests(sock, limit)
+                grown = tracemalloc.get_traced_memory()[0] - before
+            finally:
+                tracemalloc.stop()
+            assert sent < limit  # the listener stopped reading
+            assert grown < 1 << 20, grown
+            # stuck for _REPLY_STALL_S: the link is dropped
+            for _ in range(500):  # 5 s at most
+                if not server.links():
+                    break
+                await asyncio.sleep(0.01)
+            assert server.links() == []
+            assert await _closed_by_peer(sock, 5)
+        finally:
+            sock.close()
+
+
+async def test_backpressure_lets_a_slow_reader_keep_its_link(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Replies that back up only pause the reader: once the peer reads them, it goes on
+    and every request is answered."""
+    monkeypatch.setattr(tcp_link, "_REPLY_BACKLOG_HIGH", 16 << 10)
+    monkeypatch.setattr(tcp_link, "_REPLY_BACKLOG_LOW", 4 << 10)
+    loop = asyncio.get_running_loop()
+    async with serving(sock_buf_bytes=32 << 10) as (server, port, _):
+        sock = await _connect_raw(port, rcvbuf=4096)
+        try:
+            await _raw_client_handshake(sock)
+            n = 20000  # 600 KB of requests, 600 KB of replies: far past the bound
+            frames = b"".join(wire.encode_frame(F.READ_REQ, 2 * i + 1) for i in range(n))
+            send = asyncio.create_task(loop.sock_sendall(sock, frames))
+            await asyncio.sleep(0.3)  # it backs up
+            assert not send.done()
+            got = await asyncio.wait_for(_recv_exact(sock, n * wire.HEADER_SIZE), 20)
+            await send
+            ids = {wire.decode_header(got[i : i + 30]).req_id for i in range(0, len(got), 30)}
+            assert ids == {2 * i + 1 for i in range(n)}
+            assert len(server.links()) == 1
+        finally:
+            sock.close()
