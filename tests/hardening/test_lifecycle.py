@@ -70,6 +70,8 @@ def refuses(address: tuple[str, int]) -> bool:
         socket.create_connection(address, timeout=1).close()
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:
+        return False  # accepted into the backlog of a listener that is closing: ask again
     return False
 
 
