@@ -434,6 +434,9 @@ class TcpLink(Link):
 
     def _on_reply(self, op: MyOp, kind: wire.FrameType, status: LLMStatusCode, size: int) -> None:
         if kind is _F.READ_RESP:
+            if op.is_read and op.state is State.RECEIVING and status is not _S.LLM_SUCCESS:
+                op.finish(status)  # the granter revoked its grant mid-transfer
+                return
             if not op.is_read or op.state is not State.WAIT_REPLY:
                 return
             if status is not _S.LLM_SUCCESS:
@@ -468,6 +471,18 @@ class TcpLink(Link):
             acked = acked and op.stream.sent
             self._abort_stream(op.stream)
         op.finish(acked and op.state is State.SENDING)
+
+    def _revoke(self, op: PeerOp, status: LLMStatusCode) -> None:
+        """Our handler revoked a grant being served (``Grant.abort``): stop all I/O on its
+        buffers now, release it, and tell the peer its request failed with ``status``."""
+        if self._theirs.get(op.rid) is not op or op.state is State.OVER:
+            return
+        del self._theirs[op.rid]
+        if op.stream is not None:
+            self._abort_stream(op.stream)  # unsent bytes of the batch in flight: copies
+        op.finish(False)  # a write's DATA still on its way is discarded (no sink)
+        reply = _F.READ_RESP if op.is_read else _F.WRITE_DONE
+        self._post(wire.encode_frame(reply, op.rid, status=status))
 
     def _on_request(self, h: wire.Header, meta: bytearray | None) -> None:
         is_read = h.type is _F.READ_REQ
@@ -513,6 +528,10 @@ class TcpLink(Link):
             self._theirs.pop(op.rid, None)
             op.finish(False)
             self._post(wire.encode_frame(reply, op.rid, status=status))
+            return
+        assert isinstance(grant, Grant)  # check_grant fails anything else
+        grant.bind_abort(lambda code: self._revoke(op, code))
+        if op.state is State.OVER:  # revoked before it was even answered
             return
         if op.is_read:
             op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL
