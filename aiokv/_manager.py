@@ -120,6 +120,7 @@ class CacheManager:
 
     def get_pool_stats(self, placement: Placement = Placement.DEVICE) -> PoolStats | None:
         """Statistics of the device or host pool; ``None`` if that pool is not configured."""
+        self._check_open("get_pool_stats")
         check_instance("get_pool_stats", "placement", placement, Placement)
         pool = self._pools[placement]
         if pool is None:
@@ -321,6 +322,7 @@ class CacheManager:
         )
 
     def _release(self, op: str, cache: Any, *, blocks: bool) -> None:
+        self._check_open(op)
         check_instance(op, "cache", cache, Cache)
         if cache._owner is not self._registry:
             if cache._owner is None:
@@ -362,10 +364,19 @@ class CacheManager:
     async def unregister_cache(self, cache_id: int) -> None:
         """Forget registered user memory (a no-op if unknown or already unregistered).
 
+        When it returns, no transfer or copy touches that memory any more. At once, the
+        cache is no longer granted to peers nor pinned by new operations (they get
+        ``LLM_KV_CACHE_NOT_EXIST``), and what can be revoked is: a peer's pull or push
+        being served from/into it fails on the peer with ``LLM_KV_CACHE_NOT_EXIST`` (no
+        further byte is read or written), a layer-wise transfer from it is cancelled.
+        Then the call waits for this side's own pulls/pushes and local copies on it to
+        end (each is bounded: by ``sync_kv_timeout``, or by the copy itself).
+
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` if ``cache_id`` names pool memory.
         """
         op = "unregister_cache"
+        self._check_open(op)
         check_int(op, "cache_id", cache_id, 0, UINT64_MAX)
         with self._registry.lock:
             entry = self._registry.by_id(cache_id)
@@ -374,6 +385,22 @@ class CacheManager:
             if entry.owned:
                 param_invalid(op, f"cache {cache_id} was allocated from a pool; deallocate it")
             self._registry.release_id(entry)
+            self._registry.revoke(entry, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+            if not entry.pins:
+                return
+        await self._engine.run(self._until_unpinned, entry)
+
+    async def _until_unpinned(self, entry: Entry) -> None:
+        """On the engine: wait until no operation pins ``entry`` any more."""
+        loop = asyncio.get_running_loop()
+        unpinned: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:  # from whichever thread unpins, under the registry lock
+            with contextlib.suppress(RuntimeError):  # the engine stopped: nobody waits
+                loop.call_soon_threadsafe(_resolve, unpinned)
+
+        if self._registry.when_unpinned(entry, wake):
+            await unpinned
 
     # ---- local copies -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -932,14 +959,20 @@ class CacheManager:
             if self._closed:  # finalize got there first
                 self._registry.unpin(*live)
                 return None
-            task = asyncio.get_running_loop().create_task(
-                run_layers(sync, portal, plans, results), name=name
-            )
+            loop = asyncio.get_running_loop()
+            task = loop.create_task(run_layers(sync, portal, plans, results), name=name)
             self._tasks.add(task)
+
+            def revoke(_: LLMStatusCode) -> None:  # unregister_cache of the source
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(task.cancel)
+
+            self._registry.add_revoker(task, revoke, *live)
 
             def finished(t: asyncio.Task[None]) -> None:
                 # a done callback, not a finally: it also runs for a task cancelled unstarted
                 self._tasks.discard(t)
+                self._registry.drop_revoker(t, *live)
                 self._registry.unpin(*live)
 
             task.add_done_callback(finished)
@@ -988,6 +1021,11 @@ class CacheManager:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _no_blocks(indices: Sequence[int] | None) -> bool:

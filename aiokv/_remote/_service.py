@@ -10,6 +10,8 @@ addresses, of ONE registered, remote-accessible tensor per address).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 import msgspec
@@ -30,6 +32,7 @@ from ._protocol import (
     ChunksReq,
     Key,
     KeyByBlocks,
+    KeyById,
     KeyByReq,
     SlotReq,
     Tensors,
@@ -108,7 +111,7 @@ class PeerService:
                 release = None
             else:
                 entry, slot, release = self._lookup(req.key)
-                self._check_access(entry, write=write, by_key=release is not None)
+                self._check_access(entry, write=write, key=req.key)
                 views = self._views(req, entry.cache, slot, write=write)
                 entries = [entry]
                 if write or not req.release:
@@ -116,14 +119,43 @@ class PeerService:
         except _Refused as r:
             log.warning("refused a %s from cluster %d: %s", _kind(write), peer.cluster_id, r)
             return Grant(r.code)
-        self._registry.pin(*entries)
+        return self._issue(entries, views, release)
+
+    def _issue(
+        self, entries: list[Entry], views: list[memoryview], release: CacheKey | None
+    ) -> Grant:
+        """Pin ``entries`` and hand out a grant over ``views``, bounded in time.
+
+        The grant is revocable: ``unregister_cache`` of its memory aborts it (through the
+        registry's revokers), and so does its deadline — this side's ``sync_kv_timeout``
+        from grant to ``done`` — so a peer that stops reading cannot pin memory forever.
+        On ``done(True)`` a pull by ``CacheKey`` releases the key, only if it is still
+        bound to the cache that was read.
+        """
+        loop = asyncio.get_running_loop()
+        self._registry.pin(*entries)  # refuses memory being unregistered
+        grant = Grant(Code.LLM_SUCCESS, views)
+        token = object()  # Grant is a dataclass, not hashable
+
+        def revoke(status: LLMStatusCode) -> None:  # from any thread
+            if _running_loop() is loop:
+                grant.abort(status)
+                return
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the grant is over
+                loop.call_soon_threadsafe(grant.abort, status)
+
+        expiry = loop.call_later(self._config.sync_kv_timeout / 1000, _expire, grant)
 
         def done(ok: bool) -> None:
+            expiry.cancel()
+            self._registry.drop_revoker(token, *entries)
             self._registry.unpin(*entries)
             if ok and release is not None:
-                self._registry.release_key(release)
+                self._registry.release_key(release, entries[0])
 
-        return Grant(Code.LLM_SUCCESS, views, done)
+        grant.done = done
+        self._registry.add_revoker(token, revoke, *entries)
+        return grant
 
     def _lookup(self, key: Key) -> tuple[Entry, int | None, CacheKey | None]:
         """``(entry, batch slot or None, the CacheKey a successful read may release)``."""
@@ -148,14 +180,20 @@ class PeerService:
             raise _invalid(f"batch_index {key.batch_index} out of range")
         return e, key.batch_index, None
 
-    def _check_access(self, entry: Entry, *, write: bool, by_key: bool) -> None:
-        if write and not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
+    def _check_access(self, entry: Entry, *, write: bool, key: Key) -> None:
+        """Pushes, and reads that address a cache by its id, need the cache to be remote
+        accessible (``remote_accessible`` and ``enable_remote_cache_accessible``); reads
+        by a key this side bound (``CacheKey``, ``BlocksCacheKey``) need nothing more."""
+        direct = write or isinstance(key, KeyById)
+        if direct and not (
+            self._config.enable_remote_cache_accessible and entry.remote_accessible
+        ):
             raise _Refused(
                 Code.LLM_FEATURE_NOT_ENABLED,
-                f"cache {entry.cache.cache_id} does not accept pushes "
-                "(enable_remote_cache_accessible)",
+                f"cache {entry.cache.cache_id} is not remote accessible "
+                f"({'push' if write else 'read by cache id'}; enable_remote_cache_accessible)",
             )
-        if write and by_key:
+        if write and isinstance(key, KeyByReq):
             raise _invalid("a push needs a CacheKeyByIdAndIndex")
         if not entry.cache.on_host:
             raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "device memory over tcp")
@@ -227,6 +265,18 @@ class PeerService:
             entries.append(entry)
             buffers.append(tensor_bytes(entry.cache.tensors[ti])[off : off + layout.extent])
         return entries, layout.views(buffers)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _expire(grant: Grant) -> None:
+    log.warning("a grant outlived sync_kv_timeout; revoked")
+    grant.abort(Code.LLM_TIMEOUT)
 
 
 def _kind(write: bool) -> str:
