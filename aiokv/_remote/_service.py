@@ -27,6 +27,7 @@ from .._models import BlocksCacheKey, CacheKey
 from .._registry import CacheRegistry, Entry
 from ..transport import Grant, PeerInfo
 from ._protocol import (
+    MAX_BLOCKS,
     AddrsReq,
     BlocksReq,
     ChunksReq,
@@ -59,7 +60,13 @@ def _invalid(why: str) -> _Refused:
     return _Refused(Code.LLM_PARAM_INVALID, why)
 
 
-def _blocks(raw: bytes, limit: int, what: str, *, unique: bool) -> Blocks:
+def _blocks(raw: bytes, limit: int, what: str, *, unique: bool, most: int | None = None) -> Blocks:
+    """A peer's block list, checked in numpy before anything is built from it: entries
+    in ``[0, limit)``, at most ``most`` of them (default ``limit``), distinct if
+    ``unique``. Capping the count at what the served memory holds bounds the work of one
+    request by the cost of a legitimate whole-cache transfer."""
+    if len(raw) // 8 > (limit if most is None else most):
+        raise _invalid(f"{what} names {len(raw) // 8} entries; at most {most or limit}")
     blocks = blocks_of(raw)
     if blocks is None:
         raise _invalid(f"{what} is not a list of int64")
@@ -242,28 +249,37 @@ class PeerService:
 
     def _addrs(self, req: AddrsReq) -> tuple[list[Entry], list[memoryview]]:
         """Raw destination addresses: each must lie inside ONE registered, remote-accessible
-        host tensor, together with every byte the layout touches from it."""
-        if req.blocks is None:
-            layout = ByteLayout.of_span(0, req.block_bytes)
-        else:
+        host tensor, together with every byte the layout touches from it, and no two
+        addresses' regions may overlap (a byte written twice, like a destination block
+        named twice) — which bounds the views of one request by the registered memory."""
+        blocks = None
+        extent = req.block_bytes
+        if req.blocks is not None:
             if req.stride < req.block_bytes:
                 raise _invalid("stride is smaller than the block size")
             limit = (2**63 - 1 - req.block_bytes) // req.stride
-            blocks = _blocks(req.blocks, limit, "blocks", unique=True)
-            layout = ByteLayout.of_blocks(blocks, req.block_bytes, stride=req.stride)
+            blocks = _blocks(req.blocks, limit, "blocks", unique=True, most=MAX_BLOCKS)
+            extent = int(blocks.max()) * req.stride + req.block_bytes
+        bases = sorted(req.bases)
+        if any(b - a < extent for a, b in zip(bases, bases[1:], strict=False)):
+            raise _invalid("the regions of two destination addresses overlap")
         entries: list[Entry] = []
         buffers: list[memoryview] = []
         for base in req.bases:
-            hit = self._registry.find_region(base, layout.extent) if base else None
+            hit = self._registry.find_region(base, extent) if base else None
             if hit is None:
-                raise _invalid(f"[{base}, +{layout.extent}) is not inside one registered tensor")
+                raise _invalid(f"[{base}, +{extent}) is not inside one registered tensor")
             entry, ti, off = hit
             if not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
                 raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "memory is not remote accessible")
             if not entry.cache.on_host:
                 raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "device memory over tcp")
             entries.append(entry)
-            buffers.append(tensor_bytes(entry.cache.tensors[ti])[off : off + layout.extent])
+            buffers.append(tensor_bytes(entry.cache.tensors[ti])[off : off + extent])
+        if blocks is None:
+            layout = ByteLayout.of_span(0, req.block_bytes)
+        else:
+            layout = ByteLayout.of_blocks(blocks, req.block_bytes, stride=req.stride)
         return entries, layout.views(buffers)
 
 

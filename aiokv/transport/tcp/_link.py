@@ -39,9 +39,11 @@ _FRAME_COST: Final = _YIELD_BYTES // 64
 _DONE: Final = 0
 _BLOCKED: Final = 1
 _MORE: Final = 2
-# Requests a peer may have outstanding on one link; more are answered LLM_LINK_BUSY so a
-# hostile peer cannot pile up handler tasks without bound.
-_MAX_PEER_REQUESTS: Final = 1 << 14
+# Requests a peer may have outstanding on one link; more are answered LLM_LINK_BUSY (their
+# meta skipped unread, so a refusal costs O(1)) so a hostile peer cannot pile up handler
+# tasks and grants without bound. aiokv itself has one request per transfer in flight
+# (a layer-wise task: one per layer and destination), far below this.
+_MAX_PEER_REQUESTS: Final = 1024
 
 
 class TcpLink(Link):
@@ -332,8 +334,12 @@ class TcpLink(Link):
                     unyielded += h.size + _FRAME_COST
                 else:
                     meta: bytearray | None = None
-                    if h.meta_len > self._t.max_meta_bytes:
-                        await self._discard(h.meta_len)  # only requests get here: answered
+                    if h.meta_len > self._t.max_meta_bytes or (
+                        len(self._theirs) >= _MAX_PEER_REQUESTS and h.meta_len
+                    ):
+                        # only requests get here (over our cap, or the link is busy):
+                        # answered without reading their meta
+                        await self._discard(h.meta_len)
                     elif h.meta_len:
                         meta = bytearray(h.meta_len)
                         await recv_exact(memoryview(meta))
