@@ -425,6 +425,8 @@ class CacheManager:
             param_invalid(op, f"tensor counts differ ({s.num_tensors} vs {d.num_tensors})")
         if src.block_bytes != dst.block_bytes:
             param_invalid(op, f"block sizes differ ({src.block_bytes} vs {dst.block_bytes} B)")
+        if s.data_type != d.data_type:
+            param_invalid(op, f"data types differ ({s.data_type} vs {d.data_type})")
 
     async def copy_cache(
         self,
@@ -479,6 +481,7 @@ class CacheManager:
                 pairs.append((ts.select(bd_s, si), td.select(bd_d, di)))
             else:
                 param_invalid(op, "offset/size need batch_dim_index 0")
+        _check_no_overlap(op, pairs)
         with self._pinned(de, se), map_errors(op):
             await self._copy(self._scheduler.copy_many, pairs)
 
@@ -648,7 +651,7 @@ class CacheManager:
             param_invalid(op, "src_layer_range and dst_layer_range differ in length")
         tensors = tensor_range(op, local.cache_desc.num_tensors, local_layers, n)
         wire = None if remote_layers is None else (remote_layers.start, remote_layers.stop)
-        return tensors, Tensors(len(tensors), wire, n)
+        return tensors, Tensors(len(tensors), wire, n, int(local.cache_desc.data_type))
 
     async def _move(
         self,
@@ -1021,6 +1024,39 @@ class CacheManager:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte addresses a (possibly strided) tensor view touches."""
+    start = t.data_ptr()
+    span = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
+    return start, start + (span + 1) * t.element_size()
+
+
+def _check_no_overlap(op: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Refuse a copy whose destinations overlap each other or a source (registered memory
+    may alias): checked before anything is written. A pair copying a view onto itself is
+    a no-op, and allowed."""
+    spans = sorted(
+        (*_extent(t), i, is_dst)
+        for i, pair in enumerate(pairs)
+        for is_dst, t in enumerate(pair)
+        if t.numel()
+    )
+    reach: list[tuple[int, int, int]] = []  # (end, pair, is_dst) of spans still open
+    for start, end, i, is_dst in spans:
+        reach = [r for r in reach if r[0] > start]
+        for _, j, other_dst in reach:
+            if not (is_dst or other_dst):
+                continue  # two sources may share memory
+            if (
+                i == j
+                and pairs[i][0].data_ptr() == pairs[i][1].data_ptr()
+                and (pairs[i][0].stride() == pairs[i][1].stride())
+            ):
+                continue  # a view onto itself
+            param_invalid(op, "the memory of src and dst overlaps")
+        reach.append((end, i, is_dst))
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

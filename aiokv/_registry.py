@@ -298,7 +298,9 @@ class CacheRegistry:
         return True
 
     @_locked
-    def add_revoker(self, token: object, revoke: Callable[[LLMStatusCode], None], *entries: Entry) -> None:
+    def add_revoker(
+        self, token: object, revoke: Callable[[LLMStatusCode], None], *entries: Entry
+    ) -> None:
         """Record how to end an operation on ``entries`` early (:meth:`revoke`)."""
         for e in entries:
             e.revokers[token] = revoke

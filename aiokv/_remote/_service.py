@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 
 import msgspec
@@ -192,9 +193,7 @@ class PeerService:
         accessible (``remote_accessible`` and ``enable_remote_cache_accessible``); reads
         by a key this side bound (``CacheKey``, ``BlocksCacheKey``) need nothing more."""
         direct = write or isinstance(key, KeyById)
-        if direct and not (
-            self._config.enable_remote_cache_accessible and entry.remote_accessible
-        ):
+        if direct and not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
             raise _Refused(
                 Code.LLM_FEATURE_NOT_ENABLED,
                 f"cache {entry.cache.cache_id} is not remote accessible "
@@ -218,6 +217,8 @@ class PeerService:
                 raise _invalid(str(exc)) from None
         if sel.count != len(tensors):
             raise _invalid(f"tensor counts differ ({sel.count} vs {len(tensors)})")
+        if sel.dtype is not None and sel.dtype != int(cache.cache_desc.data_type):
+            raise _invalid(f"data types differ ({sel.dtype} vs {cache.cache_desc.data_type})")
         return tensors
 
     def _views(
@@ -261,7 +262,7 @@ class PeerService:
             blocks = _blocks(req.blocks, limit, "blocks", unique=True, most=MAX_BLOCKS)
             extent = int(blocks.max()) * req.stride + req.block_bytes
         bases = sorted(req.bases)
-        if any(b - a < extent for a, b in zip(bases, bases[1:], strict=False)):
+        if any(b - a < extent for a, b in itertools.pairwise(bases)):
             raise _invalid("the regions of two destination addresses overlap")
         entries: list[Entry] = []
         buffers: list[memoryview] = []
