@@ -61,8 +61,8 @@ class Grant:
             the reader confirmed receipt of every byte; for a write grant, when every
             byte landed in ``buffers``. Called with ``False`` when the request is
             refused by the transport (e.g. size mismatch), cancelled by the peer,
-            revoked (:meth:`abort`), or the link breaks. After it is called the transport no longer touches ``buffers``.
-            It must not raise or block.
+            revoked (:meth:`abort`), or the link breaks. After it is called the
+            transport no longer touches ``buffers``. It must not raise or block.
 
     Revoking: the handler may end a grant early with :meth:`abort` (its memory is
     going away, or the grant outlived its deadline). The transport binds the means
