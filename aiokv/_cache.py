@@ -7,8 +7,10 @@ carries an opaque ``owner`` token naming the registry that tracks it.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
+import secrets
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,14 +26,26 @@ __all__ = ["Cache", "KvCache", "wrap_memory"]
 
 log = logging.getLogger("aiokv")
 
-_ids = itertools.count(1)
+# Cache ids are random 63-bit numbers (uint64 in llm_datadist), not a counter: a peer
+# that learns one id cannot walk to the others. Unique among the live caches.
+_live_ids: weakref.WeakValueDictionary[int, Cache] = weakref.WeakValueDictionary()
+_ids_lock = threading.Lock()
+
+
+def _new_id(cache: Cache) -> int:
+    with _ids_lock:
+        while True:
+            cid = secrets.randbits(63)
+            if cid and cid not in _live_ids:
+                _live_ids[cid] = cache
+                return cid
 
 
 class Cache:
     """A KV cache: ``num_tensors`` tensors of ``cache_desc.shape`` and dtype.
 
     Attributes:
-        cache_id: unique in the process.
+        cache_id: unique among the live caches of the process; random, not sequential.
         cache_desc: its descriptor (a copy of the one it was made with, whose dims
             ``update_dim`` may no longer change).
         tensors: the tensors (views of a pool region, or of user memory).
@@ -41,6 +55,7 @@ class Cache:
     """
 
     __slots__ = (
+        "__weakref__",
         "_host_rows",
         "_owner",
         "_rows",
@@ -53,7 +68,7 @@ class Cache:
     def __init__(
         self, cache_desc: CacheDesc, tensors: list[torch.Tensor], *, is_blocks_cache: bool
     ) -> None:
-        self.cache_id = next(_ids)
+        self.cache_id = _new_id(self)
         self.cache_desc = cache_desc.locked_copy()
         self.tensors = tensors
         self.is_blocks_cache = is_blocks_cache

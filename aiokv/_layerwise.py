@@ -144,8 +144,10 @@ def plan(
         packed = pack_blocks(source.dsts) if paged else b""
         shift = dst_layers.start - layers.start
 
+        dtype = int(src.cache_desc.data_type)
+
         def request(layer: int) -> Request:
-            sel = Tensors(2, (layer + shift, layer + shift + 1))
+            sel = Tensors(2, (layer + shift, layer + shift + 1), 2, dtype)
             if isinstance(wkey, KeyByBlocks):
                 return BlocksReq(wkey, sel, packed, src.block_bytes)
             assert isinstance(wkey, KeyById)

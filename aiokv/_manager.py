@@ -120,6 +120,7 @@ class CacheManager:
 
     def get_pool_stats(self, placement: Placement = Placement.DEVICE) -> PoolStats | None:
         """Statistics of the device or host pool; ``None`` if that pool is not configured."""
+        self._check_open("get_pool_stats")
         check_instance("get_pool_stats", "placement", placement, Placement)
         pool = self._pools[placement]
         if pool is None:
@@ -321,6 +322,7 @@ class CacheManager:
         )
 
     def _release(self, op: str, cache: Any, *, blocks: bool) -> None:
+        self._check_open(op)
         check_instance(op, "cache", cache, Cache)
         if cache._owner is not self._registry:
             if cache._owner is None:
@@ -362,10 +364,19 @@ class CacheManager:
     async def unregister_cache(self, cache_id: int) -> None:
         """Forget registered user memory (a no-op if unknown or already unregistered).
 
+        When it returns, no transfer or copy touches that memory any more. At once, the
+        cache is no longer granted to peers nor pinned by new operations (they get
+        ``LLM_KV_CACHE_NOT_EXIST``), and what can be revoked is: a peer's pull or push
+        being served from/into it fails on the peer with ``LLM_KV_CACHE_NOT_EXIST`` (no
+        further byte is read or written), a layer-wise transfer from it is cancelled.
+        Then the call waits for this side's own pulls/pushes and local copies on it to
+        end (each is bounded: by ``sync_kv_timeout``, or by the copy itself).
+
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` if ``cache_id`` names pool memory.
         """
         op = "unregister_cache"
+        self._check_open(op)
         check_int(op, "cache_id", cache_id, 0, UINT64_MAX)
         with self._registry.lock:
             entry = self._registry.by_id(cache_id)
@@ -374,6 +385,22 @@ class CacheManager:
             if entry.owned:
                 param_invalid(op, f"cache {cache_id} was allocated from a pool; deallocate it")
             self._registry.release_id(entry)
+            self._registry.revoke(entry, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+            if not entry.pins:
+                return
+        await self._engine.run(self._until_unpinned, entry)
+
+    async def _until_unpinned(self, entry: Entry) -> None:
+        """On the engine: wait until no operation pins ``entry`` any more."""
+        loop = asyncio.get_running_loop()
+        unpinned: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:  # from whichever thread unpins, under the registry lock
+            with contextlib.suppress(RuntimeError):  # the engine stopped: nobody waits
+                loop.call_soon_threadsafe(_resolve, unpinned)
+
+        if self._registry.when_unpinned(entry, wake):
+            await unpinned
 
     # ---- local copies -------------------------------------------------------------------
     @contextlib.contextmanager
@@ -398,6 +425,8 @@ class CacheManager:
             param_invalid(op, f"tensor counts differ ({s.num_tensors} vs {d.num_tensors})")
         if src.block_bytes != dst.block_bytes:
             param_invalid(op, f"block sizes differ ({src.block_bytes} vs {dst.block_bytes} B)")
+        if s.data_type != d.data_type:
+            param_invalid(op, f"data types differ ({s.data_type} vs {d.data_type})")
 
     async def copy_cache(
         self,
@@ -452,6 +481,7 @@ class CacheManager:
                 pairs.append((ts.select(bd_s, si), td.select(bd_d, di)))
             else:
                 param_invalid(op, "offset/size need batch_dim_index 0")
+        _check_no_overlap(op, pairs)
         with self._pinned(de, se), map_errors(op):
             await self._copy(self._scheduler.copy_many, pairs)
 
@@ -621,7 +651,7 @@ class CacheManager:
             param_invalid(op, "src_layer_range and dst_layer_range differ in length")
         tensors = tensor_range(op, local.cache_desc.num_tensors, local_layers, n)
         wire = None if remote_layers is None else (remote_layers.start, remote_layers.stop)
-        return tensors, Tensors(len(tensors), wire, n)
+        return tensors, Tensors(len(tensors), wire, n, int(local.cache_desc.data_type))
 
     async def _move(
         self,
@@ -932,14 +962,20 @@ class CacheManager:
             if self._closed:  # finalize got there first
                 self._registry.unpin(*live)
                 return None
-            task = asyncio.get_running_loop().create_task(
-                run_layers(sync, portal, plans, results), name=name
-            )
+            loop = asyncio.get_running_loop()
+            task = loop.create_task(run_layers(sync, portal, plans, results), name=name)
             self._tasks.add(task)
+
+            def revoke(_: LLMStatusCode) -> None:  # unregister_cache of the source
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(task.cancel)
+
+            self._registry.add_revoker(task, revoke, *live)
 
             def finished(t: asyncio.Task[None]) -> None:
                 # a done callback, not a finally: it also runs for a task cancelled unstarted
                 self._tasks.discard(t)
+                self._registry.drop_revoker(t, *live)
                 self._registry.unpin(*live)
 
             task.add_done_callback(finished)
@@ -988,6 +1024,44 @@ class CacheManager:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte addresses a (possibly strided) tensor view touches."""
+    start = t.data_ptr()
+    span = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) if t.numel() else -1
+    return start, start + (span + 1) * t.element_size()
+
+
+def _check_no_overlap(op: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Refuse a copy whose destinations overlap each other or a source (registered memory
+    may alias): checked before anything is written. A pair copying a view onto itself is
+    a no-op, and allowed."""
+    spans = sorted(
+        (*_extent(t), i, is_dst)
+        for i, pair in enumerate(pairs)
+        for is_dst, t in enumerate(pair)
+        if t.numel()
+    )
+    reach: list[tuple[int, int, int]] = []  # (end, pair, is_dst) of spans still open
+    for start, end, i, is_dst in spans:
+        reach = [r for r in reach if r[0] > start]
+        for _, j, other_dst in reach:
+            if not (is_dst or other_dst):
+                continue  # two sources may share memory
+            if (
+                i == j
+                and pairs[i][0].data_ptr() == pairs[i][1].data_ptr()
+                and (pairs[i][0].stride() == pairs[i][1].stride())
+            ):
+                continue  # a view onto itself
+            param_invalid(op, "the memory of src and dst overlaps")
+        reach.append((end, i, is_dst))
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _no_blocks(indices: Sequence[int] | None) -> bool:

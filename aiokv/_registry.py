@@ -103,6 +103,11 @@ class Entry:
     blocks_key: BlocksCacheKey | None = None
     pins: int = 0
     freed: bool = False
+    #: how to revoke the operations that may be ended early (served grants, layer-wise
+    #: tasks): token -> ``revoke(status)``, callable from any thread
+    revokers: dict[object, Callable[[LLMStatusCode], None]] = field(default_factory=dict)
+    #: called (from whichever thread unpins) once ``pins`` drops to 0
+    unpinned: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def owned(self) -> bool:
@@ -238,12 +243,17 @@ class CacheRegistry:
         self._maybe_free(entry)
 
     @_locked
-    def release_key(self, key: CacheKey) -> bool:
-        """Unbind ``key``; ``False`` if it was not bound (a no-op, as llm_datadist)."""
+    def release_key(self, key: CacheKey, entry: Entry | None = None) -> bool:
+        """Unbind ``key``; ``False`` if it was not bound (a no-op, as llm_datadist).
+
+        With ``entry``, only if ``key`` is still bound to that cache: a pull that read one
+        cache must not release a key that was rebound to another meanwhile.
+        """
         kid = key_id(key)
-        hit = self.keys.pop(kid, None)
-        if hit is None:
+        hit = self.keys.get(kid)
+        if hit is None or (entry is not None and hit[0] != entry.cache.cache_id):
             return False
+        del self.keys[kid]
         entry = self.entries[hit[0]]
         entry.keys.discard(kid)
         self._maybe_free(entry)
@@ -258,7 +268,8 @@ class CacheRegistry:
                 thread dropped its last reference after it was looked up); none is pinned.
         """
         for e in entries:
-            if e.freed:
+            # registered user memory is the user's again once unregister_cache started
+            if e.freed or not (e.owned or e.id_held):
                 raise LLMException(
                     f"cache {e.cache.cache_id} was released meanwhile",
                     status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
@@ -271,7 +282,46 @@ class CacheRegistry:
         """End a :meth:`pin`; frees memory whose last reference went meanwhile."""
         for e in entries:
             e.pins -= 1
+            if not e.pins and e.unpinned:
+                waiters, e.unpinned = e.unpinned, []
+                for wake in waiters:
+                    wake()
             self._maybe_free(e)
+
+    @_locked
+    def when_unpinned(self, entry: Entry, wake: Callable[[], None]) -> bool:
+        """Call ``wake()`` (from the thread that unpins, under the lock: it must only
+        schedule) once no operation pins ``entry``; ``False`` if none pins it now."""
+        if not entry.pins:
+            return False
+        entry.unpinned.append(wake)
+        return True
+
+    @_locked
+    def add_revoker(
+        self, token: object, revoke: Callable[[LLMStatusCode], None], *entries: Entry
+    ) -> None:
+        """Record how to end an operation on ``entries`` early (:meth:`revoke`)."""
+        for e in entries:
+            e.revokers[token] = revoke
+
+    @_locked
+    def drop_revoker(self, token: object, *entries: Entry) -> None:
+        """The operation ``token`` ended; it can no longer be revoked."""
+        for e in entries:
+            e.revokers.pop(token, None)
+
+    @_locked
+    def revoke(self, entry: Entry, status: LLMStatusCode) -> int:
+        """Ask every revocable operation on ``entry`` to end now with ``status`` (served
+        grants are aborted, layer-wise tasks cancelled); returns how many were asked."""
+        revokers, entry.revokers = list(entry.revokers.values()), {}
+        for revoke in revokers:
+            try:
+                revoke(status)
+            except Exception:
+                log.exception("revoking an operation on cache %d failed", entry.cache.cache_id)
+        return len(revokers)
 
     def _maybe_free(self, e: Entry) -> None:
         if e.freed or e.id_held or e.keys or e.pins:

@@ -97,11 +97,14 @@ class Tensors(msgspec.Struct, frozen=True):
         count: how many tensors the requester moves; must equal the selection.
         layers: ``(start, stop)`` of a layer range, or None for every tensor.
         per_layer: tensors per layer (layer ``i`` = tensors ``[i*n, (i+1)*n)``).
+        dtype: the requester's cache data type (a ``DataType`` value): the served cache
+            must have the same (None: not checked).
     """
 
     count: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSORS)]
     layers: tuple[U64, U64] | None = None
     per_layer: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSORS)] = 2
+    dtype: Annotated[int, msgspec.Meta(ge=0, le=255)] | None = None
 
 
 class BlocksReq(msgspec.Struct, frozen=True, tag="blocks"):

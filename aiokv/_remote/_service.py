@@ -10,6 +10,9 @@ addresses, of ONE registered, remote-accessible tensor per address).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import logging
 
 import msgspec
@@ -25,11 +28,13 @@ from .._models import BlocksCacheKey, CacheKey
 from .._registry import CacheRegistry, Entry
 from ..transport import Grant, PeerInfo
 from ._protocol import (
+    MAX_BLOCKS,
     AddrsReq,
     BlocksReq,
     ChunksReq,
     Key,
     KeyByBlocks,
+    KeyById,
     KeyByReq,
     SlotReq,
     Tensors,
@@ -56,7 +61,13 @@ def _invalid(why: str) -> _Refused:
     return _Refused(Code.LLM_PARAM_INVALID, why)
 
 
-def _blocks(raw: bytes, limit: int, what: str, *, unique: bool) -> Blocks:
+def _blocks(raw: bytes, limit: int, what: str, *, unique: bool, most: int | None = None) -> Blocks:
+    """A peer's block list, checked in numpy before anything is built from it: entries
+    in ``[0, limit)``, at most ``most`` of them (default ``limit``), distinct if
+    ``unique``. Capping the count at what the served memory holds bounds the work of one
+    request by the cost of a legitimate whole-cache transfer."""
+    if len(raw) // 8 > (limit if most is None else most):
+        raise _invalid(f"{what} names {len(raw) // 8} entries; at most {most or limit}")
     blocks = blocks_of(raw)
     if blocks is None:
         raise _invalid(f"{what} is not a list of int64")
@@ -108,7 +119,7 @@ class PeerService:
                 release = None
             else:
                 entry, slot, release = self._lookup(req.key)
-                self._check_access(entry, write=write, by_key=release is not None)
+                self._check_access(entry, write=write, key=req.key)
                 views = self._views(req, entry.cache, slot, write=write)
                 entries = [entry]
                 if write or not req.release:
@@ -116,14 +127,43 @@ class PeerService:
         except _Refused as r:
             log.warning("refused a %s from cluster %d: %s", _kind(write), peer.cluster_id, r)
             return Grant(r.code)
-        self._registry.pin(*entries)
+        return self._issue(entries, views, release)
+
+    def _issue(
+        self, entries: list[Entry], views: list[memoryview], release: CacheKey | None
+    ) -> Grant:
+        """Pin ``entries`` and hand out a grant over ``views``, bounded in time.
+
+        The grant is revocable: ``unregister_cache`` of its memory aborts it (through the
+        registry's revokers), and so does its deadline — this side's ``sync_kv_timeout``
+        from grant to ``done`` — so a peer that stops reading cannot pin memory forever.
+        On ``done(True)`` a pull by ``CacheKey`` releases the key, only if it is still
+        bound to the cache that was read.
+        """
+        loop = asyncio.get_running_loop()
+        self._registry.pin(*entries)  # refuses memory being unregistered
+        grant = Grant(Code.LLM_SUCCESS, views)
+        token = object()  # Grant is a dataclass, not hashable
+
+        def revoke(status: LLMStatusCode) -> None:  # from any thread
+            if _running_loop() is loop:
+                grant.abort(status)
+                return
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the grant is over
+                loop.call_soon_threadsafe(grant.abort, status)
+
+        expiry = loop.call_later(self._config.sync_kv_timeout / 1000, _expire, grant)
 
         def done(ok: bool) -> None:
+            expiry.cancel()
+            self._registry.drop_revoker(token, *entries)
             self._registry.unpin(*entries)
             if ok and release is not None:
-                self._registry.release_key(release)
+                self._registry.release_key(release, entries[0])
 
-        return Grant(Code.LLM_SUCCESS, views, done)
+        grant.done = done
+        self._registry.add_revoker(token, revoke, *entries)
+        return grant
 
     def _lookup(self, key: Key) -> tuple[Entry, int | None, CacheKey | None]:
         """``(entry, batch slot or None, the CacheKey a successful read may release)``."""
@@ -148,14 +188,18 @@ class PeerService:
             raise _invalid(f"batch_index {key.batch_index} out of range")
         return e, key.batch_index, None
 
-    def _check_access(self, entry: Entry, *, write: bool, by_key: bool) -> None:
-        if write and not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
+    def _check_access(self, entry: Entry, *, write: bool, key: Key) -> None:
+        """Pushes, and reads that address a cache by its id, need the cache to be remote
+        accessible (``remote_accessible`` and ``enable_remote_cache_accessible``); reads
+        by a key this side bound (``CacheKey``, ``BlocksCacheKey``) need nothing more."""
+        direct = write or isinstance(key, KeyById)
+        if direct and not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
             raise _Refused(
                 Code.LLM_FEATURE_NOT_ENABLED,
-                f"cache {entry.cache.cache_id} does not accept pushes "
-                "(enable_remote_cache_accessible)",
+                f"cache {entry.cache.cache_id} is not remote accessible "
+                f"({'push' if write else 'read by cache id'}; enable_remote_cache_accessible)",
             )
-        if write and by_key:
+        if write and isinstance(key, KeyByReq):
             raise _invalid("a push needs a CacheKeyByIdAndIndex")
         if not entry.cache.on_host:
             raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "device memory over tcp")
@@ -173,6 +217,8 @@ class PeerService:
                 raise _invalid(str(exc)) from None
         if sel.count != len(tensors):
             raise _invalid(f"tensor counts differ ({sel.count} vs {len(tensors)})")
+        if sel.dtype is not None and sel.dtype != int(cache.cache_desc.data_type):
+            raise _invalid(f"data types differ ({sel.dtype} vs {cache.cache_desc.data_type})")
         return tensors
 
     def _views(
@@ -204,29 +250,50 @@ class PeerService:
 
     def _addrs(self, req: AddrsReq) -> tuple[list[Entry], list[memoryview]]:
         """Raw destination addresses: each must lie inside ONE registered, remote-accessible
-        host tensor, together with every byte the layout touches from it."""
-        if req.blocks is None:
-            layout = ByteLayout.of_span(0, req.block_bytes)
-        else:
+        host tensor, together with every byte the layout touches from it, and no two
+        addresses' regions may overlap (a byte written twice, like a destination block
+        named twice) — which bounds the views of one request by the registered memory."""
+        blocks = None
+        extent = req.block_bytes
+        if req.blocks is not None:
             if req.stride < req.block_bytes:
                 raise _invalid("stride is smaller than the block size")
             limit = (2**63 - 1 - req.block_bytes) // req.stride
-            blocks = _blocks(req.blocks, limit, "blocks", unique=True)
-            layout = ByteLayout.of_blocks(blocks, req.block_bytes, stride=req.stride)
+            blocks = _blocks(req.blocks, limit, "blocks", unique=True, most=MAX_BLOCKS)
+            extent = int(blocks.max()) * req.stride + req.block_bytes
+        bases = sorted(req.bases)
+        if any(b - a < extent for a, b in itertools.pairwise(bases)):
+            raise _invalid("the regions of two destination addresses overlap")
         entries: list[Entry] = []
         buffers: list[memoryview] = []
         for base in req.bases:
-            hit = self._registry.find_region(base, layout.extent) if base else None
+            hit = self._registry.find_region(base, extent) if base else None
             if hit is None:
-                raise _invalid(f"[{base}, +{layout.extent}) is not inside one registered tensor")
+                raise _invalid(f"[{base}, +{extent}) is not inside one registered tensor")
             entry, ti, off = hit
             if not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
                 raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "memory is not remote accessible")
             if not entry.cache.on_host:
                 raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "device memory over tcp")
             entries.append(entry)
-            buffers.append(tensor_bytes(entry.cache.tensors[ti])[off : off + layout.extent])
+            buffers.append(tensor_bytes(entry.cache.tensors[ti])[off : off + extent])
+        if blocks is None:
+            layout = ByteLayout.of_span(0, req.block_bytes)
+        else:
+            layout = ByteLayout.of_blocks(blocks, req.block_bytes, stride=req.stride)
         return entries, layout.views(buffers)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _expire(grant: Grant) -> None:
+    log.warning("a grant outlived sync_kv_timeout; revoked")
+    grant.abort(Code.LLM_TIMEOUT)
 
 
 def _kind(write: bool) -> str:

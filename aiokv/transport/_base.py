@@ -61,14 +61,49 @@ class Grant:
             loop, with ``True`` only when the whole payload moved: for a read grant, when
             the reader confirmed receipt of every byte; for a write grant, when every
             byte landed in ``buffers``. Called with ``False`` when the request is
-            refused by the transport (e.g. size mismatch), cancelled by the peer, or the
-            link breaks. After it is called the transport no longer touches ``buffers``.
-            It must not raise or block.
+            refused by the transport (e.g. size mismatch), cancelled by the peer,
+            revoked (:meth:`abort`), or the link breaks. After it is called the
+            transport no longer touches ``buffers``. It must not raise or block.
+
+    Revoking: the handler may end a grant early with :meth:`abort` (its memory is
+    going away, or the grant outlived its deadline). The transport binds the means
+    (:meth:`bind_abort`) when it starts serving the grant.
     """
 
     status: LLMStatusCode
     buffers: list[memoryview] = field(default_factory=list)
     done: Callable[[bool], None] | None = None
+    _abort: Callable[[LLMStatusCode], None] | None = field(default=None, repr=False)
+    _aborted: LLMStatusCode | None = field(default=None, repr=False)
+
+    def abort(self, status: LLMStatusCode = LLMStatusCode.LLM_FAILED) -> None:
+        """Revoke the grant: when this returns, the transport no longer touches
+        ``buffers`` and ``done(False)`` has run (unless ``done`` had run already, then
+        this is a no-op). The peer's operation fails with ``status``: a reader still
+        receiving is told its read failed (bytes it already received are unspecified),
+        a writer's further bytes are dropped and its write fails.
+
+        Call it on the transport's event loop (where ``done`` runs). Idempotent.
+        """
+        if self._aborted is not None:
+            return
+        self._aborted = status
+        fn, self._abort = self._abort, None
+        if fn is not None:
+            fn(status)
+
+    def bind_abort(self, fn: Callable[[LLMStatusCode], None]) -> None:
+        """For transports: how to revoke this grant while it is served (see :meth:`abort`).
+
+        ``fn(status)`` must stop all I/O on ``buffers`` before it returns, fail the
+        peer's operation with ``status``, and call ``done(False)`` unless ``done`` ran.
+        Bound once the grant is accepted; if :meth:`abort` was called earlier, ``fn``
+        runs at once.
+        """
+        if self._aborted is not None:
+            fn(self._aborted)
+        else:
+            self._abort = fn
 
 
 class RequestHandler(Protocol):

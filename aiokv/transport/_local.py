@@ -120,6 +120,7 @@ class _Op:
         "loop",
         "over",
         "peer_loop",
+        "revoked",
         "status",
         "task",
         "total",
@@ -139,6 +140,7 @@ class _Op:
         self.done: Callable[[bool], None] | None = None
         self.over = False  # given up, failed or finished: the grant is released
         self.failed = False  # the link broke under it
+        self.revoked: LLMStatusCode | None = None  # the server revoked the grant (abort)
 
     def answer(self, grant: object, name: str, *, writable: bool) -> None:
         """The peer's handler answered (called by the serving task, on ``peer_loop``)."""
@@ -150,7 +152,33 @@ class _Op:
                 self.status, self.views, self.total, self.done = status, views, total, done
         if late and done is not None:
             _release(done, False)  # nobody waits for it any more
+        elif not late and status is LLMStatusCode.LLM_SUCCESS and isinstance(grant, Grant):
+            grant.bind_abort(self.revoke)
         self.wake()
+
+    def revoke(self, status: LLMStatusCode) -> None:
+        """The server revokes its grant (``Grant.abort``, on ``peer_loop``): no copy step
+        is running or starts once this holds the lock; ``done(False)`` runs now."""
+        with self.lock:
+            if self.over:
+                return
+            self.over, self.revoked = True, status
+            done, self.done, self.views = self.done, None, []
+        if done is not None:
+            _release(done, False)
+        self.wake()
+
+    def settle(self) -> LLMStatusCode | None:
+        """The requester's copy is complete: end the op as a success, unless the server
+        revoked it first (then its code). Atomic with :meth:`revoke`."""
+        with self.lock:
+            if self.revoked is not None:
+                return self.revoked
+            self.over = True
+            done, self.done, self.views = self.done, None, []
+        if done is not None:
+            _soon(self.peer_loop, _release, done, True)
+        return None
 
     def wake(self, _: object = None) -> None:
         """Wake the requester (from either loop)."""
@@ -259,6 +287,8 @@ class _LocalLink(Link):
                         f"{name}: cluster {self.peer.cluster_id} answered {status.name}",
                         status_code=status,
                     )
+                if op.revoked is not None:
+                    raise self._revoked(name, op.revoked)
                 if op.total != total:
                     raise LLMException(
                         f"{name}: cluster {self.peer.cluster_id} granted {op.total} bytes, "
@@ -266,6 +296,8 @@ class _LocalLink(Link):
                         status_code=_S.LLM_PARAM_INVALID,
                     )
                 await self._copy(name, op, *((op.views, views) if is_read else (views, op.views)))
+                if (revoked := op.settle()) is not None:
+                    raise self._revoked(name, revoked)
             ok = True
         except TimeoutError:
             raise LLMException(
@@ -283,7 +315,10 @@ class _LocalLink(Link):
         while si < len(src):
             s, d = src[si], dst[di]
             n = min(len(s) - so, len(d) - do, budget)
-            d[do : do + n] = s[so : so + n]
+            with op.lock:  # a revoke waits for this step; none starts after it
+                if op.revoked is not None:
+                    raise self._revoked(name, op.revoked)
+                d[do : do + n] = s[so : so + n]
             so, do, budget = so + n, do + n, budget - n - _SLICE_COST
             if so == len(s):
                 si, so = si + 1, 0
@@ -311,6 +346,12 @@ class _LocalLink(Link):
             _log.exception("%r: handler %s failed", self, name)
             grant = Grant(_S.LLM_FAILED)
         op.answer(grant, name, writable=not is_read)
+
+    def _revoked(self, name: str, status: LLMStatusCode) -> LLMException:
+        return LLMException(
+            f"{name}: cluster {self.peer.cluster_id} revoked its grant ({status.name})",
+            status_code=status,
+        )
 
     def _lost(self, name: str) -> LLMException:
         return LLMException(

@@ -42,10 +42,11 @@ def config(**kw: Any) -> LLMConfig:
 
 
 @contextlib.asynccontextmanager
-async def linked() -> AsyncIterator[tuple[CacheManager, CacheManager]]:
-    """Managers of a prompt (cluster 1) and a decoder (cluster 2) linked to it."""
+async def linked(**prompt: Any) -> AsyncIterator[tuple[CacheManager, CacheManager]]:
+    """Managers of a prompt (cluster 1, ``prompt`` config overrides) and a decoder
+    (cluster 2) linked to it."""
     async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
+        LLMDataDist(LLMRole.PROMPT, 1, config(**prompt)) as p,
         LLMDataDist(LLMRole.DECODER, 2, config()) as d,
     ):
         assert p.listen_address is not None
@@ -213,7 +214,8 @@ async def test_same_key_twice_last_wins_with_a_warning(caplog: pytest.LogCapture
 
 async def test_cache_key_by_id_ignores_nothing_else() -> None:
     # by id, the cache id and slot name the memory; the cluster id chooses the link
-    async with linked() as (pm, dm):
+    # (reads by id need a remote-accessible cache: see tests/hardening/test_grants.py)
+    async with linked(enable_remote_cache_accessible=True) as (pm, dm):
         src = await pm.allocate_cache(slots_desc())
         fill(src, 4)
         dst = await dm.allocate_cache(slots_desc(1))

@@ -60,6 +60,7 @@ class FakeHandler:
     grants: int = 0
     hanging: asyncio.Event = field(default_factory=asyncio.Event)
     hung_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    granted: dict[Any, Grant] = field(default_factory=dict)  # tag -> the Grant handed out
 
     def _done(self, tag: Any) -> Callable[[bool], None]:
         fut = self.first.setdefault(tag, asyncio.get_running_loop().create_future())
@@ -104,7 +105,11 @@ class FakeHandler:
             }[meta["bad"]]
         buf = memoryview(self.regions[meta.get("region", "r")])
         views = [buf[off : off + n] for off, n in meta.get("spans", [])]
-        return Grant(Code.LLM_SUCCESS, views, self._done(tag))
+        grant = Grant(Code.LLM_SUCCESS, views, self._done(tag))
+        self.granted[tag] = grant
+        if "abort_first" in meta:  # revoked before the transport even answered
+            grant.abort(Code(meta["abort_first"]))
+        return grant
 
     async def grant_read(self, peer: PeerInfo, meta: bytes) -> Any:
         return await self._grant(peer, meta)
@@ -814,3 +819,56 @@ async def test_probe_answers_while_alive_and_fails_once_broken(pair: Pair) -> No
     assert not await pair.link_a.probe(5)  # broken now or as it waits: no 5 s wait
     assert not await pair.link_b.probe(5)
     assert time.monotonic() - t0 < 2
+
+# ------------------------------------------------------------------ revoking a grant
+
+
+@pytest.mark.parametrize("is_read", [True, False], ids=["read", "write"])
+async def test_grant_revoked_before_it_is_answered(pair: Pair, is_read: bool) -> None:
+    pair.hb.regions["r"] = region = bytearray(1024)
+    meta = js({"spans": [[0, 1024]], "tag": "t", "abort_first": Code.LLM_KV_CACHE_NOT_EXIST})
+    buf = memoryview(bytearray(b"\x07" * 1024))
+    op = pair.link_a.read if is_read else pair.link_a.write
+    await raises(Code.LLM_KV_CACHE_NOT_EXIST, op(meta, [buf], timeout=5))
+    assert await pair.hb.done("t") is False
+    assert pair.hb.calls["t"] == [False] and region == bytearray(1024)
+    await pair.link_a.read(js({"spans": [[0, 4]]}), [buf[:4]], timeout=5)  # link still usable
+
+
+@pytest.mark.parametrize("is_read", [True, False], ids=["read", "write"])
+async def test_grant_revoked_mid_transfer(pair: Pair, is_read: bool) -> None:
+    """``Grant.abort`` while the bytes move: the requester fails with the code, ``done``
+    runs once with False before abort returns, and the granted memory is never touched
+    again (a marker written right after abort survives)."""
+    n = 64 * MIB
+    pair.hb.regions["r"] = region = bytearray(b"\x01" * n if is_read else n)
+    mine = bytearray(n if is_read else b"\xab" * n)
+    meta = js({"spans": [[0, n]], "tag": "t"})
+    op = pair.link_a.read if is_read else pair.link_a.write
+    task = asyncio.create_task(op(meta, [memoryview(mine)], timeout=30))
+    # abort as the first bytes move
+    for _ in range(200_000):
+        if (mine[0] if is_read else region[0]) or task.done():
+            break
+        await asyncio.sleep(0)
+    assert not task.done(), "the transfer ended before it could be revoked"
+    pair.hb.granted["t"].abort(Code.LLM_TIMEOUT)
+    assert pair.hb.calls["t"] == [False]  # synchronously, before abort returned
+    region[:] = b"\x5a" * n  # the memory is the owner's again
+    await raises(Code.LLM_TIMEOUT, task)
+    pair.hb.granted["t"].abort(Code.LLM_FAILED)  # idempotent
+    await asyncio.sleep(0.05)
+    assert pair.hb.calls["t"] == [False]
+    assert region == b"\x5a" * n, "bytes landed after the grant was revoked"
+    small = bytearray(4)
+    await pair.link_a.read(js({"spans": [[0, 4]]}), [memoryview(small)], timeout=5)
+    assert small == b"\x5a" * 4  # the link stays usable
+
+
+async def test_grant_abort_after_done_is_a_no_op(pair: Pair) -> None:
+    pair.hb.regions["r"] = bytearray(b"abcd")
+    got = bytearray(4)
+    await pair.link_a.read(js({"spans": [[0, 4]], "tag": "t"}), [memoryview(got)], timeout=5)
+    assert await pair.hb.done("t") is True
+    pair.hb.granted["t"].abort(Code.LLM_FAILED)
+    assert pair.hb.calls["t"] == [True] and got == b"abcd"

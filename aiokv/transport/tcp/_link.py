@@ -47,9 +47,11 @@ _FRAME_COST: Final = _YIELD_BYTES // 64
 _DONE: Final = 0
 _BLOCKED: Final = 1
 _MORE: Final = 2
-# Requests a peer may have outstanding on one link; more are answered LLM_LINK_BUSY so a
-# hostile peer cannot pile up handler tasks without bound.
-_MAX_PEER_REQUESTS: Final = 1 << 14
+# Requests a peer may have outstanding on one link; more are answered LLM_LINK_BUSY (their
+# meta skipped unread, so a refusal costs O(1)) so a hostile peer cannot pile up handler
+# tasks and grants without bound. aiokv itself has one request per transfer in flight
+# (a layer-wise task: one per layer and destination).
+_MAX_PEER_REQUESTS: Final = 4096
 # Reply backpressure: frames this side posts in answer to the peer (grants, refusals,
 # confirmations) cost their length plus this much heap while queued. Past
 # _REPLY_BACKLOG_HIGH the reader stops reading from the peer until the writer has sent
@@ -419,8 +421,12 @@ class TcpLink(Link):
                     unyielded += h.size + _FRAME_COST
                 else:
                     meta: bytearray | None = None
-                    if h.meta_len > self._t.max_meta_bytes:
-                        await self._discard(h.meta_len)  # only requests get here: answered
+                    if h.meta_len > self._t.max_meta_bytes or (
+                        len(self._theirs) >= _MAX_PEER_REQUESTS and h.meta_len
+                    ):
+                        # only requests get here (over our cap, or the link is busy):
+                        # answered without reading their meta
+                        await self._discard(h.meta_len)
                     elif h.meta_len:
                         meta = bytearray(h.meta_len)
                         await recv_exact(memoryview(meta))
@@ -552,6 +558,9 @@ class TcpLink(Link):
 
     def _on_reply(self, op: MyOp, kind: wire.FrameType, status: LLMStatusCode, size: int) -> None:
         if kind is _F.READ_RESP:
+            if op.is_read and op.state is State.RECEIVING and status is not _S.LLM_SUCCESS:
+                op.finish(status)  # the granter revoked its grant mid-transfer
+                return
             if not op.is_read or op.state is not State.WAIT_REPLY:
                 return
             if status is not _S.LLM_SUCCESS:
@@ -587,6 +596,18 @@ class TcpLink(Link):
             acked = acked and op.stream.sent
             self._abort_stream(op.stream)
         op.finish(acked and op.state is State.SENDING)
+
+    def _revoke(self, op: PeerOp, status: LLMStatusCode) -> None:
+        """Our handler revoked a grant being served (``Grant.abort``): stop all I/O on its
+        buffers now, release it, and tell the peer its request failed with ``status``."""
+        if self._theirs.get(op.rid) is not op or op.state is State.OVER:
+            return
+        del self._theirs[op.rid]
+        if op.stream is not None:
+            self._abort_stream(op.stream)  # unsent bytes of the batch in flight: copies
+        op.finish(False)  # a write's DATA still on its way is discarded (no sink)
+        reply = _F.READ_RESP if op.is_read else _F.WRITE_DONE
+        self._post(wire.encode_frame(reply, op.rid, status=status))
 
     def _on_request(self, h: wire.Header, meta: bytearray | None) -> None:
         is_read = h.type is _F.READ_REQ
@@ -632,6 +653,10 @@ class TcpLink(Link):
             self._theirs.pop(op.rid, None)
             op.finish(False)
             self._post(wire.encode_frame(reply, op.rid, status=status))
+            return
+        assert isinstance(grant, Grant)  # check_grant fails anything else
+        grant.bind_abort(lambda code: self._revoke(op, code))
+        if op.state is State.OVER:  # revoked before it was even answered
             return
         if op.is_read:
             op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL
