@@ -820,6 +820,7 @@ async def test_probe_answers_while_alive_and_fails_once_broken(pair: Pair) -> No
     assert not await pair.link_b.probe(5)
     assert time.monotonic() - t0 < 2
 
+
 # ------------------------------------------------------------------ revoking a grant
 
 
