@@ -13,9 +13,11 @@ from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from .. import _wire as wire
 from .._base import Link, LinkCallback, PeerInfo, RequestHandler, Transport
+from .._tls import TlsContexts
 from ._handshake import HandshakeError, client_handshake, server_handshake
 from ._io import SockIO
 from ._link import TcpLink
+from ._tls_io import TlsSockIO
 
 __all__ = ["TcpTransport"]
 
@@ -37,6 +39,8 @@ class TcpTransport(Transport):
             handshake before it is dropped.
         sock_buf_bytes: ``SO_SNDBUF`` / ``SO_RCVBUF`` for every socket; ``None`` keeps
             the kernel's auto-tuning.
+        tls: run every link over TLS with these contexts (:func:`~aiokv.transport._tls.load_tls`):
+            the TLS handshake, within the handshake's time, before aiokv's own.
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class TcpTransport(Transport):
         chunk_bytes: int = wire.MAX_CHUNK,
         handshake_timeout: float = 10.0,
         sock_buf_bytes: int | None = None,
+        tls: TlsContexts | None = None,
     ) -> None:
         super().__init__(
             local_cluster_id,
@@ -67,6 +72,7 @@ class TcpTransport(Transport):
         self.chunk_bytes = chunk_bytes
         self.handshake_timeout = handshake_timeout
         self.sock_buf_bytes = sock_buf_bytes
+        self.tls = tls
         self._listeners: dict[tuple[str, int], tuple[socket.socket, asyncio.Task[None]]] = {}
         self._handshaking: set[SockIO] = set()
         self._links: dict[TcpLink, None] = {}  # insertion-ordered set
@@ -114,10 +120,11 @@ class TcpTransport(Transport):
         try:
             async with asyncio.timeout(timeout):
                 sock = await self._open(loop, host, port)  # closes the socket if it fails
-                io = SockIO(loop, sock)
+                io = self._sock_io(loop, sock, server_side=False, host=host)
                 with self._handshaking_on(io):
+                    address = sock.getpeername()  # before TLS takes the socket over
+                    await io.start()
                     peer_id = await client_handshake(io, self.local_cluster_id, self.secret)
-                    address = sock.getpeername()
         except TimeoutError:
             raise LLMException(
                 f"{where}: timed out after {timeout:.3g} s", status_code=_S.LLM_TIMEOUT
@@ -149,6 +156,13 @@ class TcpTransport(Transport):
         self._listeners.clear()
 
     # ------------------------------------------------------------------------ internals
+
+    def _sock_io(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, *, server_side: bool, host: str
+    ) -> SockIO:
+        if self.tls is None:
+            return SockIO(loop, sock)
+        return TlsSockIO(loop, sock, self.tls, server_side=server_side, host=host)
 
     def _configure(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -213,7 +227,7 @@ class TcpTransport(Transport):
             except OSError:
                 sock.close()
                 continue
-            io = SockIO(loop, sock)
+            io = self._sock_io(loop, sock, server_side=True, host=str(addr[0]))
             self._handshaking.add(io)  # from now on: aclose closes it, even before the task runs
             self._spawn(self._accept_one(io, addr), "aiokv-tcp-handshake")
 
@@ -221,6 +235,7 @@ class TcpTransport(Transport):
         try:
             with self._handshaking_on(io):
                 async with asyncio.timeout(self.handshake_timeout):
+                    await io.start()  # TLS, when set, within the same time
                     peer_id = await server_handshake(io, self.local_cluster_id, self.secret)
         except (TimeoutError, *_HANDSHAKE_ERRORS) as exc:
             _log.info("handshake with %s failed: %s", addr, exc)
