@@ -1,8 +1,8 @@
 """Throwaway certificates for TLS benchmarks and tests: a CA and leaf certificates it
 signed, made with the ``openssl`` command in a directory the caller owns.
 
-EC P-256 keys, valid two days, each leaf naming ``127.0.0.1`` and ``localhost`` and
-usable as a TLS server and client. Never use them for anything but a test.
+EC P-256 keys, valid two days, each leaf naming ``127.0.0.1`` and ``localhost`` (unless
+asked otherwise) and usable as a TLS server and client. Never use them for anything but a test.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ _LEAF_EXT = (
     "basicConstraints=critical,CA:FALSE\n"
     "keyUsage=critical,digitalSignature\n"
     "extendedKeyUsage=serverAuth,clientAuth\n"
-    "subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+    "subjectAltName={san}\n"
 )
+LOOPBACK = "IP:127.0.0.1,DNS:localhost"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,11 @@ def _openssl(*args: str) -> None:
         raise RuntimeError(f"openssl {args[0]} failed: {done.stderr.strip()}")
 
 
-def make_pki(directory: Path, names: tuple[str, ...] = ("a", "b"), ca: str = "ca") -> Pki:
-    """A new CA named ``ca`` and one leaf per name, all under ``directory``.
+def make_pki(
+    directory: Path, names: tuple[str, ...] = ("a", "b"), ca: str = "ca", san: str = LOOPBACK
+) -> Pki:
+    """A new CA named ``ca`` and one leaf per name, all under ``directory``, each leaf
+    naming ``san`` (an openssl subjectAltName value).
 
     Raises:
         RuntimeError: the ``openssl`` command is missing or failed.
@@ -70,7 +74,7 @@ def make_pki(directory: Path, names: tuple[str, ...] = ("a", "b"), ca: str = "ca
         "-addext", "keyUsage=critical,keyCertSign,cRLSign",
     )  # fmt: skip
     ext = directory / f"{ca}-leaf.ext"
-    ext.write_text(_LEAF_EXT)
+    ext.write_text(_LEAF_EXT.format(san=san))
     leaves: dict[str, TlsFiles] = {}
     for serial, name in enumerate(names, start=1):
         stem = directory / f"{ca}-{name}"
