@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import socket
 import time
@@ -149,12 +150,18 @@ async def test_pull_and_push_real_bytes_over_tls(pkis: dict[str, Pki], secret: s
             assert bytes(t_src[12].numpy()) == bytes(t_dst[1].numpy())
 
 
-async def test_a_participant_without_tls_is_refused_both_ways(pkis: dict[str, Pki]) -> None:
+async def test_a_participant_without_tls_is_refused_both_ways(
+    pkis: dict[str, Pki], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="aiokv")
     tls = config(leaf(pkis, "main", "a"))
     async with participants(tls, config(None)) as (p, d):
         assert await link(d, p) == CODE.LLM_LINK_FAILED  # plain decoder -> TLS prompt
+    assert "this listener requires TLS" in caplog.text
+    caplog.clear()
     async with participants(config(None), tls) as (p, d):
         assert await link(d, p) == CODE.LLM_LINK_FAILED  # TLS decoder -> plain prompt
+    assert "TLS failed" in caplog.text
 
 
 async def test_a_certificate_from_another_ca_is_refused(pkis: dict[str, Pki]) -> None:
