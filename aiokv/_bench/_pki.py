@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["Pki", "TlsFiles", "make_pki"]
 
@@ -33,7 +34,7 @@ class TlsFiles:
     key_file: str
     ca_file: str
 
-    def options(self) -> dict[str, str]:
+    def options(self) -> dict[str, Any]:
         """As ``LLMConfig`` keyword arguments."""
         return {"tls_cert_file": self.cert_file, "tls_key_file": self.key_file,
                 "tls_ca_file": self.ca_file}  # fmt: skip
