@@ -7,8 +7,8 @@ In ONE run, with a prompt peer in a second process (spawn) on loopback:
    GB/s, ratio, and the per-block overhead ``(t_pull - t_raw) / K``. A pull into a
    zeroed cache is checked byte for byte (digests) before the timed rounds. With
    ``--tls``, a second prompt peer and decoder linked over TLS (a throwaway CA and
-   certificate pair made at the start) join the same rounds: ``tls_*`` columns, their
-   ratio against the raw stream and against plain TCP.
+   certificate pair made at the start) join the same rounds: a second table with their
+   GB/s, their ratio to the raw stream and to plain TCP.
 2. Layer-wise ``transfer_cache_async`` overlapped with simulated compute
    (:func:`.layerwise.overlap`) and, without ``--quick``, its overhead over one
    ``push_blocks`` (:func:`.layerwise.overhead`, also ``aiokv bench layerwise``).
@@ -89,9 +89,10 @@ async def _checked_pull(
 
 async def _throughput_row(
     plain: Pair, raw: RawStream, block: int, count: int, tls: Pair | None
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One ``(B, K)``: check that a pull delivers, then time raw, pull and push rounds
-    (and, with ``tls``, pull and push over TLS in the same rounds)."""
+    (and, with ``tls``, pull and push over TLS in the same rounds). Returns the plain
+    row and the TLS row (``None`` without ``tls``)."""
     srcs = scattered(count, seed=block + count)
     dsts = scattered(count, seed=block + count + 1)
     key = BlocksCacheKey(PEER_ID, 0)
@@ -124,16 +125,19 @@ async def _throughput_row(
         "push_ratio": t["raw"] / t["push"],
         "pull_us_per_block": (t["pull"] - t["raw"]) / count * 1e6,
     }
-    if tls is not None:
-        row |= {
-            "tls_pull_gbps": gbps(nbytes, t["tls_pull"]),
-            "tls_pull_ratio": t["raw"] / t["tls_pull"],
-            "tls_push_gbps": gbps(nbytes, t["tls_push"]),
-            "tls_push_ratio": t["raw"] / t["tls_push"],
-            "tls_vs_tcp_pull": t["pull"] / t["tls_pull"],
-            "tls_vs_tcp_push": t["push"] / t["tls_push"],
-        }
-    return row
+    if tls is None:
+        return row, None
+    return row, {
+        "block_kib": block // KIB,
+        "count": count,
+        "raw_gbps": row["raw_gbps"],
+        "tls_pull_gbps": gbps(nbytes, t["tls_pull"]),
+        "tls_pull_ratio": t["raw"] / t["tls_pull"],
+        "tls_push_gbps": gbps(nbytes, t["tls_push"]),
+        "tls_push_ratio": t["raw"] / t["tls_push"],
+        "vs_tcp_pull": t["pull"] / t["tls_pull"],
+        "vs_tcp_push": t["push"] / t["tls_push"],
+    }
 
 
 async def _throughput(
@@ -141,13 +145,21 @@ async def _throughput(
 ) -> None:
     rows = report.table(
         "throughput",
-        "pull_blocks / push_blocks over loopback TCP"
-        + (" (tls_*: over TLS)" if tls is not None else "")
-        + " vs a raw socket stream (median rounds)",
+        "pull_blocks / push_blocks over loopback TCP vs a raw socket stream (median rounds)",
     )
+    tls_rows = None
+    if tls is not None:
+        tls_rows = report.table(
+            "throughput_tls",
+            "the same over TLS, in the same rounds: ratio to the raw stream, vs_tcp = "
+            "t_tcp / t_tls",
+        )
     async with spawned(lambda: RawStream(max(b * k for b, k in grid))) as raw:
         for block, count in grid:
-            rows.append(await _throughput_row(plain, raw, block, count, tls))
+            row, tls_row = await _throughput_row(plain, raw, block, count, tls)
+            rows.append(row)
+            if tls_rows is not None and tls_row is not None:
+                tls_rows.append(tls_row)
 
 
 @contextlib.asynccontextmanager
