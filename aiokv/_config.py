@@ -149,6 +149,10 @@ _OPTION_KEYS: dict[str, str] = {
     "device_type": "aiokv.deviceType",
     "link_secret": "aiokv.linkSecret",
     "handshake_timeout": "aiokv.handshakeTimeout",
+    "tls_cert_file": "aiokv.tlsCertFile",
+    "tls_key_file": "aiokv.tlsKeyFile",
+    "tls_ca_file": "aiokv.tlsCaFile",
+    "tls_check_hostname": "aiokv.tlsCheckHostname",
     "swap_out_threads": "aiokv.swapOutThreads",
     "swap_in_buffers": "aiokv.swapInBuffers",
 }
@@ -231,6 +235,14 @@ class LLMConfig(Model):
         link_secret: shared secret; when set, links need mutual challenge-response auth.
         handshake_timeout: milliseconds an incoming connection gets to complete the link
             handshake (authentication included) before it is dropped, 1..2**31-1.
+        tls_cert_file, tls_key_file, tls_ca_file: TLS for every link (``"tcp"`` only):
+            this side's certificate chain and private key (PEM; the key may be inside the
+            certificate file, then ``tls_key_file`` stays ``None``), and the CA every
+            peer's certificate must chain to. Both sides present a certificate. Set
+            ``tls_cert_file`` and ``tls_ca_file`` (or none of the three); the files are
+            read at ``init`` (a bad one: ``LLM_PARAM_INVALID``).
+        tls_check_hostname: with TLS, the connecting side also checks that the listener's
+            certificate names the host it dialled.
         swap_out_threads: worker threads for device→host swaps.
         swap_in_buffers: block-sized staging buffers for host→device swaps.
     """
@@ -264,6 +276,10 @@ class LLMConfig(Model):
             global_resource_config: str | None = ...,
             link_secret: str | None = ...,
             handshake_timeout: int = ...,
+            tls_cert_file: str | None = ...,
+            tls_key_file: str | None = ...,
+            tls_ca_file: str | None = ...,
+            tls_check_hostname: bool = ...,
             swap_out_threads: int = ...,
             swap_in_buffers: int = ...,
         ) -> None: ...
@@ -299,6 +315,10 @@ class LLMConfig(Model):
     global_resource_config: str | None = None
     link_secret: str | None = Field(default=None, min_length=1, max_length=4096)
     handshake_timeout: int = Field(default=10000, gt=0, le=2**31 - 1)
+    tls_cert_file: str | None = Field(default=None, min_length=1, max_length=4096)
+    tls_key_file: str | None = Field(default=None, min_length=1, max_length=4096)
+    tls_ca_file: str | None = Field(default=None, min_length=1, max_length=4096)
+    tls_check_hostname: bool = False
     swap_out_threads: int = Field(default=4, ge=1, le=64)
     swap_in_buffers: int = Field(default=4, ge=1, le=64)
 

@@ -37,7 +37,7 @@ from ._models import LLMClusterInfo
 from ._pool import MemPool
 from ._registry import CacheRegistry
 from ._remote import Linker, LinkTable, PeerService, RemoteClient, parse_link
-from .transport import Transport, get_transport
+from .transport import Transport, get_transport, load_tls
 
 __all__ = ["LEGACY_POOL", "LLMDataDist"]
 
@@ -224,6 +224,16 @@ class LLMDataDist:
     async def _build(self, config: LLMConfig, engine: Engine) -> None:
         """On the engine: everything ``init`` promises, or nothing."""
         op = "init"
+        # first: a bad TLS file fails init before a byte of pool is reserved
+        tls = load_tls(
+            config.tls_cert_file, config.tls_key_file, config.tls_ca_file, config.tls_check_hostname
+        )
+        if tls is not None and config.transfer_backend != "tcp":
+            raise LLMException(
+                f"{op}: TLS needs transfer_backend 'tcp', not {config.transfer_backend!r}",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        extra: dict[str, Any] = {} if tls is None else {"tls": tls}
         device = resolve_device(config.device_type, config.device_id)
         scheduler = CopyScheduler(
             device,
@@ -262,6 +272,7 @@ class LLMDataDist:
             handshake_timeout=config.handshake_timeout / 1000,
             on_link=links.add,
             on_link_lost=links.lost,
+            **extra,
         )
         try:
             if config.listen_address is not None:

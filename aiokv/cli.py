@@ -46,12 +46,21 @@ def bench_local(quick: Quick = False, as_json: Json = False) -> None:
     )
 
 
+Tls = Annotated[
+    bool,
+    typer.Option(
+        "--tls", help="Also pull/push over TLS (throwaway certificates) in the same rounds."
+    ),
+]
+
+
 @bench_app.command("transfer")
-def bench_transfer(quick: Quick = False, as_json: Json = False) -> None:
-    """pull/push vs a raw socket stream; layer-wise overlap (+ overhead); 1,000 in flight."""
+def bench_transfer(quick: Quick = False, as_json: Json = False, tls: Tls = False) -> None:
+    """pull/push vs a raw socket stream (and over TLS); layer-wise overlap (+ overhead);
+    1,000 in flight."""
     from ._bench.transfer import run_transfer_bench
 
-    _emit(run_transfer_bench(quick=quick), as_json)
+    _emit(run_transfer_bench(quick=quick, tls=tls), as_json)
 
 
 @bench_app.command("layerwise")

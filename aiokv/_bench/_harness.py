@@ -39,6 +39,7 @@ from .. import (
     LLMRole,
     LLMStatusCode,
 )
+from ._pki import TlsFiles
 
 __all__ = [
     "KIB",
@@ -211,8 +212,9 @@ DECODER_ID = 2
 POOL_BYTES = 1 << 30
 
 
-def participant_config(pool_bytes: int) -> LLMConfig:
-    """A CPU participant on loopback with a ``pool_bytes`` pool, remote accessible."""
+def participant_config(pool_bytes: int, tls: TlsFiles | None = None) -> LLMConfig:
+    """A CPU participant on loopback with a ``pool_bytes`` pool, remote accessible; its
+    links over TLS with ``tls``'s files when given."""
     return LLMConfig(
         device_type="cpu",
         enable_cache_manager=True,
@@ -220,6 +222,7 @@ def participant_config(pool_bytes: int) -> LLMConfig:
         mem_pool_cfg=f'{{"memory_size": {pool_bytes}, "page_shift": 16}}',
         enable_remote_cache_accessible=True,
         sync_kv_timeout=60_000,
+        **(tls.options() if tls is not None else {}),
     )
 
 
@@ -245,8 +248,8 @@ def digest(cache: Cache, blocks: Sequence[int]) -> str:
     return h.hexdigest()
 
 
-async def _prompt_main(conn: Connection, pool_bytes: int) -> None:
-    async with LLMDataDist(LLMRole.PROMPT, PEER_ID, participant_config(pool_bytes)) as dd:
+async def _prompt_main(conn: Connection, pool_bytes: int, tls: TlsFiles | None) -> None:
+    async with LLMDataDist(LLMRole.PROMPT, PEER_ID, participant_config(pool_bytes, tls)) as dd:
         cm = dd.cache_manager
         caches: list[Cache] = []
 
@@ -268,8 +271,8 @@ async def _prompt_main(conn: Connection, pool_bytes: int) -> None:
         await _serve_requests(conn, {"cache": cache, "clear": clear, "digest": block_digest})
 
 
-def _prompt_peer(conn: Connection, pool_bytes: int) -> None:
-    run_loop(lambda: _prompt_main(conn, pool_bytes))
+def _prompt_peer(conn: Connection, pool_bytes: int, tls: TlsFiles | None) -> None:
+    run_loop(lambda: _prompt_main(conn, pool_bytes, tls))
 
 
 class PromptPeer(Peer):
@@ -277,10 +280,11 @@ class PromptPeer(Peer):
 
     It holds one blocks cache at a time, keyed ``BlocksCacheKey(PEER_ID, 0)``, allocated
     from a ``pool_bytes`` pool (so remote accessible) and filled by :func:`random_fill`.
+    With ``tls``, it accepts links over TLS only.
     """
 
-    def __init__(self, pool_bytes: int) -> None:
-        super().__init__(_prompt_peer, pool_bytes)
+    def __init__(self, pool_bytes: int, tls: TlsFiles | None = None) -> None:
+        super().__init__(_prompt_peer, pool_bytes, tls)
         self.port: int = self.hello
 
     async def cache(self, desc: CacheDesc) -> list[int]:
@@ -317,13 +321,17 @@ async def spawned(start: Callable[[], S]) -> AsyncIterator[S]:
 
 
 @contextlib.asynccontextmanager
-async def linked(peer: PromptPeer, cluster_id: int, pool_bytes: int) -> AsyncIterator[LLMDataDist]:
-    """A decoder participant with a ``pool_bytes`` pool, linked to ``peer``, for the block.
+async def linked(
+    peer: PromptPeer, cluster_id: int, pool_bytes: int, tls: TlsFiles | None = None
+) -> AsyncIterator[LLMDataDist]:
+    """A decoder participant with a ``pool_bytes`` pool, linked to ``peer`` (over TLS with
+    ``tls``'s files), for the block.
 
     Raises:
         RuntimeError: the link failed (its status code in the message).
     """
-    async with LLMDataDist(LLMRole.DECODER, cluster_id, participant_config(pool_bytes)) as dd:
+    config = participant_config(pool_bytes, tls)
+    async with LLMDataDist(LLMRole.DECODER, cluster_id, config) as dd:
         info = LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[("127.0.0.1", peer.port)])
         code, codes = await dd.link_clusters([info])
         if code != LLMStatusCode.LLM_SUCCESS:

@@ -13,6 +13,7 @@ import importlib
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from ._base import Grant, Link, LinkCallback, PeerInfo, RequestHandler, Transport
+from ._tls import TlsContexts, load_tls
 
 __all__ = [
     "Grant",
@@ -20,8 +21,10 @@ __all__ = [
     "LinkCallback",
     "PeerInfo",
     "RequestHandler",
+    "TlsContexts",
     "Transport",
     "get_transport",
+    "load_tls",
     "transport_names",
 ]
 

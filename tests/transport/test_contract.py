@@ -1,10 +1,11 @@
 """The transport contract (``aiokv/transport/_base.py``), run over every registered transport.
 
 One suite, parametrised over :func:`aiokv.transport.transport_names`: a new backend is
-covered by adding it to the registry. Only the public interface is used, with default
-constructor arguments, binding 127.0.0.1 with port 0. A fake cache layer serves named
-bytearrays and records every ``Grant.done`` call. Every async test runs on asyncio and
-on uvloop (``tests/conftest.py``).
+covered by adding it to the registry. ``tcp+tls`` runs it once more over TCP with TLS
+(throwaway certificates made by the ``openssl`` command). Only the public interface is
+used, with default constructor arguments, binding 127.0.0.1 with port 0. A fake cache
+layer serves named bytearrays and records every ``Grant.done`` call. Every async test
+runs on asyncio and on uvloop (``tests/conftest.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ import contextlib
 import json
 import math
 import random
+import shutil
 import time
 import typing
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,9 +37,19 @@ from spans import (
 )
 
 from aiokv import LLMConfig
+from aiokv._bench._pki import make_pki
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
-from aiokv.transport import Grant, Link, PeerInfo, Transport, get_transport, transport_names
+from aiokv.transport import (
+    Grant,
+    Link,
+    PeerInfo,
+    Transport,
+    get_transport,
+    load_tls,
+    transport_names,
+)
+from aiokv.transport.tcp import TcpTransport
 
 HOST = "127.0.0.1"
 MIB = 1 << 20
@@ -152,8 +165,33 @@ async def raises(code: Code, coro: Any) -> LLMException:
 # ---------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(params=transport_names())
-def name(request: pytest.FixtureRequest) -> str:
+# name -> class, for the names that are not registered transports
+_VARIANTS: dict[str, type[Transport]] = {}
+
+
+def _tls_tcp(directory: Path) -> type[Transport]:
+    files = make_pki(directory).leaves["a"]
+    tls = load_tls(files.cert_file, files.key_file, files.ca_file, False)
+
+    class TlsTcpTransport(TcpTransport):
+        """TcpTransport with TLS on every link (same certificate on both ends)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, tls=tls, **kwargs)
+
+    return TlsTcpTransport
+
+
+def transport_class(name: str) -> type[Transport]:
+    return _VARIANTS.get(name) or get_transport(name)
+
+
+@pytest.fixture(params=[*transport_names(), "tcp+tls"])
+def name(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    if request.param == "tcp+tls" and request.param not in _VARIANTS:
+        if shutil.which("openssl") is None:  # pragma: no cover - there wherever aiokv is tested
+            pytest.skip("the openssl command makes the TLS certificates")
+        _VARIANTS[request.param] = _tls_tcp(tmp_path_factory.mktemp("pki"))
     return str(request.param)
 
 
@@ -181,7 +219,7 @@ async def make_pair(
     meta_a: int = 1 << 20,
     meta_b: int = 1 << 20,
 ) -> AsyncIterator[Pair]:
-    cls = get_transport(name)
+    cls = transport_class(name)
     ha, hb = FakeHandler(), FakeHandler()
     linked_a: list[Link] = []
     linked_b: list[Link] = []
@@ -212,7 +250,7 @@ async def pair(name: str) -> AsyncIterator[Pair]:
 
 
 def test_registered(name: str) -> None:
-    assert issubclass(get_transport(name), Transport)  # registered names import
+    assert issubclass(transport_class(name), Transport)  # registered names import
 
 
 def test_config_names_every_transport() -> None:
@@ -245,7 +283,7 @@ async def test_listen_on_a_taken_address_fails(pair: Pair) -> None:
 
 
 async def test_connect_to_nobody_is_refused(name: str) -> None:
-    cls = get_transport(name)
+    cls = transport_class(name)
     gone = cls(2, FakeHandler())
     address = await gone.listen(HOST, 0)
     await gone.aclose()  # nothing listens there now
@@ -287,7 +325,7 @@ async def test_same_secret_links(name: str) -> None:
 async def test_secret_mismatch_is_refused(
     name: str, client_secret: bytes | None, server_secret: bytes | None
 ) -> None:
-    cls = get_transport(name)
+    cls = transport_class(name)
     accepted: list[Link] = []
     server = cls(2, FakeHandler(), secret=server_secret, on_link=accepted.append)
     client = cls(1, FakeHandler(), secret=client_secret)
@@ -784,7 +822,7 @@ async def test_aclose_leaves_nothing_running(name: str) -> None:
         await raises(Code.LLM_LINK_FAILED, p.a.listen(HOST, 0))
         await p.a.aclose()  # idempotent
     assert asyncio.all_tasks() == {asyncio.current_task()}
-    again = get_transport(name)(3, FakeHandler())  # the address is free again
+    again = transport_class(name)(3, FakeHandler())  # the address is free again
     try:
         assert await again.listen(*p.address) == p.address
     finally:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from typing import Final
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
-__all__ = ["SockIO", "wake"]
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
+__all__ = ["RawSock", "SockIO", "wake"]
 
 # Waits for at least this many more bytes of a frame use SO_RCVLOWAT (see readable()).
 _LOWAT_MIN: Final = 64 << 10
@@ -18,12 +22,27 @@ def wake(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+class RawSock(Protocol):
+    """The socket calls a link makes: a ``socket.socket``, or TLS's stand-in for one."""
+
+    def fileno(self) -> int: ...
+    def send(self, data: ReadableBuffer, /) -> int: ...
+    def sendmsg(self, buffers: Iterable[ReadableBuffer], /) -> int: ...
+    def recv_into(self, buffer: WriteableBuffer, nbytes: int = ..., /) -> int: ...
+    def recvmsg_into(
+        self, buffers: Iterable[WriteableBuffer], /
+    ) -> tuple[int, list[Any], int, Any]: ...
+    def getsockopt(self, level: int, optname: int, /) -> int: ...
+    def setsockopt(self, level: int, optname: int, value: int, /) -> None: ...
+    def close(self) -> None: ...
+
+
 class SockIO:
     """Readiness waits for one non-blocking socket; safe against fd reuse after close."""
 
     __slots__ = ("_loop", "_lowat", "_rfut", "_wfut", "fd", "sock")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: RawSock) -> None:
         self._loop = loop
         self.sock = sock
         self.fd = sock.fileno()
@@ -34,6 +53,10 @@ class SockIO:
     @property
     def closed(self) -> bool:
         return self.sock.fileno() < 0
+
+    async def start(self) -> None:
+        """Whatever must run before the link's handshake: nothing on a plain socket
+        (the TLS variant runs its own handshake)."""
 
     async def readable(self, want: int = 1) -> None:
         """Wait until ``want`` bytes can be read (fewer if the socket buffer is small).

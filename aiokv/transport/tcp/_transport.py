@@ -21,9 +21,11 @@ from .._base import (
     check_address,
     check_connect_timeout,
 )
+from .._tls import TlsContexts
 from ._handshake import HandshakeError, client_handshake, server_handshake
 from ._io import SockIO
 from ._link import TcpLink
+from ._tls_io import TlsSockIO
 
 __all__ = ["TcpTransport"]
 
@@ -47,6 +49,8 @@ class TcpTransport(Transport):
             in the handshake) at once; a new one beyond it closes the oldest.
         max_handshakes_per_host: the same cap per remote address, so one flooding
             host cannot take every slot; a new one beyond it closes that host's oldest.
+        tls: run every link over TLS with these contexts (:func:`~aiokv.transport._tls.load_tls`):
+            the TLS handshake, within the handshake's time, before aiokv's own.
 
     Pre-authentication work is bounded: an incoming connection costs one socket and
     one small task until it authenticates or ``handshake_timeout`` passes, at most
@@ -69,6 +73,7 @@ class TcpTransport(Transport):
         sock_buf_bytes: int | None = None,
         max_handshakes: int = 256,
         max_handshakes_per_host: int = 64,
+        tls: TlsContexts | None = None,
     ) -> None:
         super().__init__(
             local_cluster_id,
@@ -93,6 +98,7 @@ class TcpTransport(Transport):
         self.sock_buf_bytes = sock_buf_bytes
         self.max_handshakes = max_handshakes
         self.max_handshakes_per_host = max_handshakes_per_host
+        self.tls = tls
         self._listeners: dict[tuple[str, int], tuple[socket.socket, asyncio.Task[None]]] = {}
         self._handshaking: set[SockIO] = set()
         # incoming connections not yet authenticated, oldest first, with their host
@@ -145,10 +151,11 @@ class TcpTransport(Transport):
         try:
             async with asyncio.timeout(timeout):
                 sock = await self._open(loop, host, port)  # closes the socket if it fails
-                io = SockIO(loop, sock)
+                io = self._sock_io(loop, sock, server_side=False, host=host)
                 with self._handshaking_on(io):
+                    address = sock.getpeername()  # before TLS takes the socket over
+                    await io.start()
                     peer_id = await client_handshake(io, self.local_cluster_id, self.secret)
-                    address = sock.getpeername()
         except TimeoutError:
             raise LLMException(
                 f"{where}: timed out after {timeout:.3g} s", status_code=_S.LLM_TIMEOUT
@@ -181,6 +188,13 @@ class TcpTransport(Transport):
         self._listeners.clear()
 
     # ------------------------------------------------------------------------ internals
+
+    def _sock_io(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, *, server_side: bool, host: str
+    ) -> SockIO:
+        if self.tls is None:
+            return SockIO(loop, sock)
+        return TlsSockIO(loop, sock, self.tls, server_side=server_side, host=host)
 
     def _configure(self, sock: socket.socket) -> None:
         sock.setblocking(False)
@@ -245,7 +259,7 @@ class TcpTransport(Transport):
             except OSError:
                 sock.close()
                 continue
-            io = SockIO(loop, sock)
+            io = self._sock_io(loop, sock, server_side=True, host=str(addr[0]))
             self._make_room(str(addr[0]))
             self._unauthenticated[io] = str(addr[0])
             self._handshaking.add(io)  # from now on: aclose closes it, even before the task runs
@@ -270,6 +284,7 @@ class TcpTransport(Transport):
         try:
             with self._handshaking_on(io):
                 async with asyncio.timeout(self.handshake_timeout):
+                    await io.start()  # TLS, when set, within the same time
                     peer_id = await server_handshake(io, self.local_cluster_id, self.secret)
         except (TimeoutError, *_HANDSHAKE_ERRORS) as exc:
             _log.info("handshake with %s failed: %s", addr, exc)
