@@ -317,6 +317,15 @@ class Engine:
         """Whether the engine thread has finished (its loop closed)."""
         return self._exited
 
+    def _notify_on_exit(self, notify: Callable[[], None]) -> None:
+        """Call ``notify()`` (from the engine thread) once it has left its loop; at once
+        if it already has."""
+        with self._exit_lock:
+            if self._exited:
+                notify()
+                return
+            self._on_exit.append(notify)
+
     async def wait_ended(self) -> None:
         """Wait, from a coroutine on any backend and without blocking its loop, until
         the engine thread has ended (after :meth:`close_soon` or :meth:`stop`), then
@@ -325,14 +334,7 @@ class Engine:
         if self.on_engine():
             raise RuntimeError("Engine.wait_ended: called on the engine thread")
 
-        def start(notify: Callable[[], None]) -> None:
-            with self._exit_lock:
-                if self._exited:
-                    notify()
-                    return
-                self._on_exit.append(notify)
-
-        await _until_notified(start, lambda: None, shield=False)
+        await _until_notified(self._notify_on_exit, lambda: None, shield=False)
         self._thread.join()  # it has left its loop: this only reaps it
 
     async def aclose(self) -> None:
@@ -344,11 +346,7 @@ class Engine:
         if self._thread.is_alive():
 
             def start(notify: Callable[[], None]) -> None:
-                with self._exit_lock:
-                    if self._exited:
-                        notify()
-                        return
-                    self._on_exit.append(notify)
+                self._notify_on_exit(notify)
                 with contextlib.suppress(RuntimeError):  # already stopping
                     self._loop.call_soon_threadsafe(self._loop.stop)
 
