@@ -508,6 +508,7 @@ def valid_request(rng: random.Random, srv: Server, write: bool) -> dict[str, Any
         per_slot = m.size // m.batch
         if rng.random() < 0.5:
             cb = rng.choice([c for c in (1, 2, 8, 16, 64) if per_slot % c == 0])
+            cb = rng.choice([3, 24]) if rng.random() < 0.1 else cb  # not a whole chunk
             chunks = some(rng, per_slot // cb, rng.randint(1, 5), unique=write)
             req.update(type="chunks", chunks=i64s(chunks), chunk_bytes=cb)
         else:
@@ -583,7 +584,7 @@ def mutate_list(rng: random.Random, raw: bytes, limit: int) -> bytes:
         xs = [rng.randrange(max(limit, 1)) for _ in range(limit + rng.choice([0, 0, 1]))]
     else:
         xs = [*reversed(xs), rng.randrange(max(limit, 1))]
-    return i64s(xs)
+    return i64s(xs[:20_000])  # the meta stays far below the link's 1 MiB cap
 
 
 def mutate(rng: random.Random, srv: Server, other: Server, req: dict[str, Any]) -> str:
@@ -779,7 +780,8 @@ async def one(
         nbytes = sum(m.size * m.spec.num_tensors for m in srv.mems) + 1
     allowed = runs is not None and nbytes == total
     what = f"seed {seed}, request {n} to cluster {srv.cid}: {'write' if write else 'read'} "
-    what += f"{nbytes} B of {raw!r} (mutations {did}); model: "
+    shown = repr(raw[:300]) + (f"... ({len(raw)} B)" if len(raw) > 300 else "")
+    what += f"{nbytes} B of {shown} (mutations {did}); model: "
     what += f"{total} B" if runs is not None else f"refuse ({why})"
     payload = rng.randbytes(nbytes)
     into = bytearray(nbytes)
