@@ -14,11 +14,13 @@ The model below is written from the documents (docs/api.md "Grants", docs/securi
 "Grant lifetime", the ``PeerService`` and ``_protocol`` docstrings), not from the
 service's code: for each request it parses the MessagePack itself and decides REFUSE or
 the exact bytes — (cache, tensor, byte range) in wire order — a read returns or a write
-changes. Checked for every request: what the model refuses is never served; a served
-read returns exactly the model's bytes; after every request every cache equals its
-shadow with exactly the model's bytes changed; the model never allows what the service
-refuses (0 false refusals). Afterwards: no pins, pools as before, no ERROR logged, and a
-real client still pulls correct blocks.
+changes. Each grant the service answers is observed at its boundary (status, buffer
+addresses), before the transport compares sizes. Checked for every request: what the
+model refuses is never granted; a grant covers exactly the model's ranges; a served read
+returns exactly the model's bytes; after every request every cache equals its shadow
+with exactly the model's bytes changed; the model never allows what the service refuses
+(0 false refusals). Afterwards: no pins, pools as before, no ERROR logged, and a real
+client still pulls correct blocks.
 
 ``AIOKV_FUZZ_SEED`` (tests/fuzzing.py) picks the run; every assertion names the seed.
 """
