@@ -173,10 +173,13 @@ def decode(raw: bytes) -> Request:
 
     Raises:
         msgspec.ValidationError / msgspec.DecodeError: anything malformed: wrong
-            version, unknown tag, a type or bound violated, a block string not a
-            multiple of 8 bytes is caught later by :func:`blocks_of`.
+            version, unknown tag, a type or bound violated, a string that is not UTF-8;
+            a block string not a multiple of 8 bytes is caught later by :func:`blocks_of`.
     """
-    return _decoder.decode(raw).req
+    try:
+        return _decoder.decode(raw).req
+    except UnicodeDecodeError as exc:  # msgspec lets it escape from a tag string
+        raise msgspec.DecodeError(f"a string is not UTF-8: {exc}") from None
 
 
 def pack_blocks(blocks: Blocks) -> bytes:

@@ -258,7 +258,8 @@ class PeerService:
         if req.blocks is not None:
             if req.stride < req.block_bytes:
                 raise _invalid("stride is smaller than the block size")
-            limit = (2**63 - 1 - req.block_bytes) // req.stride
+            # the blocks b whose last byte b * stride + block_bytes - 1 stays in int64
+            limit = (2**63 - 1 - req.block_bytes) // req.stride + 1
             blocks = _blocks(req.blocks, limit, "blocks", unique=True, most=MAX_BLOCKS)
             extent = int(blocks.max()) * req.stride + req.block_bytes
         bases = sorted(req.bases)

@@ -95,7 +95,17 @@ def test_malformed_requests_are_refused(mutate: object) -> None:
         decode(_raw(meta))
 
 
-@pytest.mark.parametrize("raw", [b"", b"\xc1", b"\x92\x01", b"junk" * 10, _raw({"v": 1})])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\xc1",
+        b"\x92\x01",
+        b"junk" * 10,
+        _raw({"v": 1}),
+        b"\x92\x01\x81\xa4type\xa4sl\xfft",  # a tag that is not UTF-8
+    ],
+)
 def test_garbage_is_refused(raw: bytes) -> None:
     with pytest.raises(BAD):
         decode(raw)

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import random
 import secrets
 import struct
@@ -24,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fuzzing import fuzz_seed
 
 from aiokv._enums import LLMStatusCode as Code
 from aiokv.transport import Grant, Link, PeerInfo
@@ -39,13 +39,6 @@ GUARD = 4 << 10
 META_CAP = 4096
 SERVER_ID, FUZZER_ID = 7, 99
 BUDGET_S = 8.0  # per event loop; the whole file stays well under 20 s
-
-
-def fuzz_seed() -> int:
-    """CI runs a fixed seed (reproducible); ``AIOKV_FUZZ_SEED=random`` explores, and any
-    integer replays a failure (every assertion names its seed)."""
-    raw = os.environ.get("AIOKV_FUZZ_SEED", "20261123")
-    return random.randrange(2**32) if raw == "random" else int(raw)
 
 
 class GuardedHandler:
