@@ -136,8 +136,17 @@ class NixlTransport(TcpTransport):
     async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
         check_address("connect", host, port)
         check_connect_timeout("connect", timeout)
+        loop = self._bind_loop("connect")
+        end = loop.time() + timeout
         await self._start_agent("connect")
-        return await super().connect(host, port, timeout=timeout)
+        link = await super().connect(host, port, timeout=end - loop.time())
+        # The accepting side sent its metadata as the link came up, before it reads our
+        # frames: once it answers a probe, its metadata (if it speaks NIXL) is loaded
+        # here, and the link's first request can already use NIXL.
+        left = end - loop.time()
+        if left > 0:
+            await link.probe(left)
+        return link
 
     async def _start_agent(self, op: str) -> None:
         loop = self._bind_loop(op)
