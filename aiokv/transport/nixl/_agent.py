@@ -93,8 +93,12 @@ class Agent:
         )
 
     def post(self, xfer: Xfer) -> str:
-        """Start ``xfer``: "DONE", "PROC" or "ERR"."""
-        return str(self._a.transfer(xfer))
+        """Start ``xfer``: "DONE", "PROC" or "ERR" (a NIXL error raised is "ERR")."""
+        try:
+            return str(self._a.transfer(xfer))
+        except Exception as exc:
+            _log.warning("NIXL refused to post a transfer: %s", exc)
+            return "ERR"
 
     def state(self, xfer: Xfer) -> str:
         """ "DONE", "PROC" or "ERR" (a NIXL error raised is "ERR")."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
@@ -37,9 +39,20 @@ _S = LLMStatusCode
 _F = wire.FrameType
 # How long an operation that must return waits for a transfer NIXL cannot abort.
 _SETTLE_S: Final = 5.0
-# Transfers at least this big are posted from a worker thread: NIXL may move the whole
-# payload inside the post call (shared memory / CMA), which must not hold the loop.
-_POST_OFF_LOOP: Final = 8 << 20
+# Back-off bounds of every NIXL poll (transfer state, notifications), seconds.
+POLL_MIN_S: Final = 20e-6
+POLL_MAX_S: Final = 1e-3
+# Transfers at least this big are posted and polled from a worker thread: NIXL may move
+# the whole payload inside the post call (shared memory / CMA), which must not hold the
+# loop, and over CMA every poll does part of the copy, which a loop that wakes at most
+# once per millisecond (epoll's resolution) would starve (docs/design.md, "NIXL transport").
+_OFF_LOOP: Final = 1 << 20
+
+
+def _failed(op: MyOp) -> bool:
+    """``op`` ended badly (refused, revoked, link lost): its transfer must stop. A write
+    whose WRITE_DONE already came still waits for its own transfer to complete."""
+    return op.result is not None and (op.is_read or op.result is not _S.LLM_SUCCESS)
 
 
 class NixlLink(TcpLink):
@@ -260,14 +273,15 @@ class NixlLink(TcpLink):
                 # peer's WRITE_DONE counts from now on
                 op.stream = Stream(op.rid, [], 0)
                 op.stream.sent = True
-            state = await self._post_xfer(xfer, op.total)
-            delay = 20e-6
-            while state == "PROC":
-                if op.result is not None and (op.is_read or op.result is not _S.LLM_SUCCESS):
-                    break  # failed, revoked or the link broke: abort below
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1e-3)
-                state = agent.state(xfer)
+            if op.total >= _OFF_LOOP:
+                state = await self._wait_off_loop(xfer, op)
+            else:
+                state = agent.post(xfer)
+                delay = POLL_MIN_S
+                while state == "PROC" and not _failed(op):
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, POLL_MAX_S)
+                    state = agent.state(xfer)
             if state == "ERR":
                 self._break("NIXL transfer failed")
             elif state == "DONE":
@@ -277,18 +291,29 @@ class NixlLink(TcpLink):
         finally:
             await self._settle(xfer)
 
-    async def _post_xfer(self, xfer: object, total: int) -> str:
+    async def _wait_off_loop(self, xfer: object, op: MyOp) -> str:
+        """Post ``xfer`` and poll it from a worker thread (``time.sleep`` back-off) until
+        it ends, ``op`` fails or we are cancelled; the thread is always seen out."""
         agent = self._n.agent
         assert agent is not None
-        if total < _POST_OFF_LOOP:
-            return agent.post(xfer)
-        fut = self._loop.run_in_executor(None, agent.post, xfer)
+        stop = threading.Event()
+
+        def work() -> str:
+            state, delay = agent.post(xfer), POLL_MIN_S
+            while state == "PROC" and not stop.is_set() and not _failed(op):
+                time.sleep(delay)
+                delay = min(delay * 2, POLL_MAX_S)
+                state = agent.state(xfer)
+            return state
+
+        fut = self._loop.run_in_executor(None, work)
         cancelled = False
-        while not fut.done():  # the call cannot be interrupted: always see it out
+        while not fut.done():
             try:
                 await asyncio.wait([fut])
             except asyncio.CancelledError:
                 cancelled = True
+                stop.set()
         if cancelled:
             raise asyncio.CancelledError
         return fut.result()
@@ -302,13 +327,13 @@ class NixlLink(TcpLink):
             if agent is None or agent.release(xfer):
                 return
             end = self._loop.time() + _SETTLE_S
-            delay = 20e-6
+            delay = POLL_MIN_S
             while agent.state(xfer) == "PROC" and self._loop.time() < end:
                 try:
                     await asyncio.sleep(delay)
                 except asyncio.CancelledError:
                     cancelled = True
-                delay = min(delay * 2, 1e-3)
+                delay = min(delay * 2, POLL_MAX_S)
             if not agent.release(xfer):
                 _log.error("%r: a NIXL transfer does not end; dropping the link", self)
                 self._break("NIXL transfer could not be stopped")

@@ -32,7 +32,7 @@ from .._tls import TlsContexts
 from ..tcp import TcpTransport
 from ..tcp._ops import PeerOp, State
 from ._agent import Agent
-from ._link import NixlLink
+from ._link import POLL_MAX_S, POLL_MIN_S, NixlLink
 from ._regions import Regions
 
 if TYPE_CHECKING:
@@ -42,9 +42,6 @@ __all__ = ["POLL_MAX_S", "POLL_MIN_S", "NixlTransport"]
 
 _log = logging.getLogger("aiokv.transport.nixl")
 
-#: back-off bounds of every NIXL poll (transfer state, notifications), seconds
-POLL_MIN_S: Final = 20e-6
-POLL_MAX_S: Final = 1e-3
 # how long aclose waits for transfers still being settled before it drops the agent
 _CLOSE_WAIT_S: Final = 5.0
 
