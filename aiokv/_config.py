@@ -217,8 +217,9 @@ class LLMConfig(Model):
         link_total_time: seconds a link attempt may take in total, 0..2**32-1 (0: the
             call's timeout).
         link_retry_count: connection attempts per link, 1..100.
-        transfer_backend: ``"tcp"`` (between processes) or ``"local"`` (in memory: links
-            only ``LLMDataDist`` instances of one process and event loop); llm_datadist's
+        transfer_backend: ``"tcp"`` (between processes), ``"nixl"`` (between processes,
+            payload over NIXL; needs the ``aiokv[nixl]`` extra) or ``"local"`` (in memory:
+            links only ``LLMDataDist`` instances of one process and event loop); llm_datadist's
             ``"hixl"`` is read as the best backend between processes (``"tcp"``).
         local_comm_res: llm_datadist's local communication resources (a rank-table JSON).
             Its content is not used; setting it implies ``enable_cache_manager`` and
@@ -262,7 +263,7 @@ class LLMConfig(Model):
             enable_remote_cache_accessible: bool = ...,
             link_total_time: int = ...,
             link_retry_count: int = ...,
-            transfer_backend: Literal["tcp", "local", "hixl"] = ...,
+            transfer_backend: Literal["tcp", "local", "nixl", "hixl"] = ...,
             local_comm_res: str | None = ...,
             ge_options: dict[str, str] = ...,
             enable_switch_role: bool = ...,
@@ -301,7 +302,7 @@ class LLMConfig(Model):
     enable_remote_cache_accessible: bool = False
     link_total_time: int = Field(default=0, ge=0, le=2**32 - 1)
     link_retry_count: int = Field(default=1, ge=1, le=100)
-    transfer_backend: Literal["tcp", "local"] = "tcp"
+    transfer_backend: Literal["tcp", "local", "nixl"] = "tcp"
     local_comm_res: str | None = None
     ge_options: dict[str, str] = Field(default_factory=dict)
     enable_switch_role: bool = False

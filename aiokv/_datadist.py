@@ -228,9 +228,10 @@ class LLMDataDist:
         tls = load_tls(
             config.tls_cert_file, config.tls_key_file, config.tls_ca_file, config.tls_check_hostname
         )
-        if tls is not None and config.transfer_backend != "tcp":
+        if tls is not None and config.transfer_backend not in ("tcp", "nixl"):
             raise LLMException(
-                f"{op}: TLS needs transfer_backend 'tcp', not {config.transfer_backend!r}",
+                f"{op}: TLS needs transfer_backend 'tcp' or 'nixl', "
+                f"not {config.transfer_backend!r}",
                 status_code=LLMStatusCode.LLM_PARAM_INVALID,
             )
         extra: dict[str, Any] = {} if tls is None else {"tls": tls}
@@ -274,6 +275,16 @@ class LLMDataDist:
             on_link_lost=links.lost,
             **extra,
         )
+        # memory that grants and requests use, registered once (NIXL needs it; a
+        # transport that moves bytes over sockets ignores it)
+        for pool in (device_pool, host_pool):
+            if pool is not None:
+                region = pool.region
+                transport.register_memory(
+                    region.data_ptr(), region.numel(), device=str(region.device)
+                )
+        registry.on_register = lambda addr, n, dev: transport.register_memory(addr, n, device=dev)
+        registry.on_deregister = transport.deregister_memory
         try:
             if config.listen_address is not None:
                 with map_errors(f"{op} (listen on {config.listen_ip_info})"):

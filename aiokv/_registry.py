@@ -124,6 +124,10 @@ class CacheRegistry:
         self.blocks_keys: dict[int, int] = {}  # model_id -> cache_id
         self._regions: SortedDict[int, tuple[int, int, int]] = SortedDict()
         self.lock = threading.RLock()
+        #: told of registered user memory as it comes and goes (the transport's
+        #: ``register_memory`` / ``deregister_memory``); called under :attr:`lock`
+        self.on_register: Callable[[int, int, str], None] | None = None
+        self.on_deregister: Callable[[int, int], None] | None = None
 
     # ---- adding -------------------------------------------------------------------------
     @_locked
@@ -144,6 +148,8 @@ class CacheRegistry:
         self.entries[cache.cache_id] = entry
         for i, t in enumerate(cache.tensors):
             self._regions[t.data_ptr()] = (t.data_ptr() + cache.cache_desc.size, cache.cache_id, i)
+            if not spans and self.on_register is not None:  # pools are registered whole
+                self.on_register(t.data_ptr(), cache.cache_desc.size, str(t.device))
         for slot, key in enumerate(keys):
             if not is_placeholder(key):
                 self._bind_key(key, entry, slot)
@@ -331,6 +337,8 @@ class CacheRegistry:
             region = self._regions.get(t.data_ptr())
             if region is not None and region[1] == e.cache.cache_id:
                 del self._regions[t.data_ptr()]
+            if not e.spans and self.on_deregister is not None:
+                self.on_deregister(t.data_ptr(), e.cache.cache_desc.size)
         for pool, span in e.spans:
             pool.free(span)
         del self.entries[e.cache.cache_id]

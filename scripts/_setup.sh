@@ -11,6 +11,9 @@ stamp=.venv/.aiokv-installed-$1
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --disable-pip-version-check --upgrade pip
   python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-  python -m pip install -q --disable-pip-version-check -e ".[$1]"
+  extras=$1
+  # the dev environment runs the suite over NIXL too (nixl-cu12 needs the torch above)
+  if [ "$1" = dev ]; then extras="$1,nixl"; fi
+  python -m pip install -q --disable-pip-version-check -e ".[$extras]"
   touch "$stamp"
 fi

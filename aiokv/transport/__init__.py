@@ -2,8 +2,9 @@
 
 The interface lives in :mod:`aiokv.transport._base`; implementations are found by name
 with :func:`get_transport` and imported only when asked for, so an optional backend
-costs nothing where it is not installed. ``tcp`` links processes; ``local`` links
-transports of one process and event loop (tests, single-process set-ups).
+costs nothing where it is not installed. ``tcp`` links processes; ``nixl`` links them
+too, moving payload over NIXL (the ``aiokv[nixl]`` extra); ``local`` links transports
+of one process and event loop (tests, single-process set-ups).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
 # name -> "module:class", imported lazily. Add a backend by adding a line here.
 _REGISTRY: dict[str, str] = {
     "local": "aiokv.transport._local:LocalTransport",
+    "nixl": "aiokv.transport.nixl:NixlTransport",
     "tcp": "aiokv.transport.tcp:TcpTransport",
 }
 

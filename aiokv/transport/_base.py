@@ -320,6 +320,22 @@ class Transport(abc.ABC):
         Returns once every background task of the transport has finished.
         """
 
+    # ---- memory the layer above owns ------------------------------------------------------
+    def register_memory(self, addr: int, nbytes: int, *, device: str = "cpu") -> None:  # noqa: B027
+        """Tell the transport that ``[addr, addr + nbytes)`` on ``device`` (``"cpu"``,
+        ``"cuda:0"``, ...) will hold grants and request buffers until
+        :meth:`deregister_memory`: a transport that moves bytes by address (NIXL)
+        registers it once with its engine. The default does nothing.
+
+        Called by the owner of the memory (a pool when reserved, a user cache when
+        registered), from any thread; registering the same range again is counted.
+        Buffers outside registered memory still move, by the transport's plain path.
+        """
+
+    def deregister_memory(self, addr: int, nbytes: int) -> None:  # noqa: B027
+        """Undo one :meth:`register_memory` of the same range; the owner calls it only
+        once no grant or request uses the range any more. The default does nothing."""
+
     async def __aenter__(self) -> Self:
         return self
 

@@ -16,7 +16,8 @@ payload. Handshake and ``ERROR`` meta is a UTF-8 JSON object (:func:`encode_meta
 request meta is the layer above's opaque bytes, which the transport only caps.
 ``size`` is the payload length of a ``DATA`` frame, the total number of bytes
 of a transfer in ``READ_REQ`` (bytes the reader expects), ``READ_RESP`` (bytes granted)
-and ``WRITE_REQ`` (bytes to push), and 0 elsewhere.
+and ``WRITE_REQ`` (bytes to push), their NIXL variants and ``NIXL_GRANT``, the meta
+cap in ``NIXL_MD``, and 0 elsewhere.
 
 Every ``CANCEL`` is answered with a ``CANCEL_ACK`` for the same id. Frames of one link
 are read in order, so when the granter reads ``CANCEL`` every ``DATA`` byte the
@@ -26,6 +27,18 @@ the ``CANCEL_ACK`` therefore tells the requester that no byte of it lands any mo
 ``PING`` / ``PONG`` (liveness probes, ``Link.probe``) carry no meta and no payload; the
 ``req_id`` of a ``PONG`` is that of the ``PING`` it answers, numbered by the prober in a
 space of its own (not request ids).
+
+NIXL frames (the ``nixl`` transport, which runs this protocol as its control plane):
+``NIXL_MD`` carries the sender's NIXL agent metadata as meta and, in ``size``, the
+largest meta it accepts; it is sent when a link comes up and again before a grant that
+needs newer metadata. A TCP-only side ignores it and so never receives the other NIXL
+frames. ``NREAD_REQ`` / ``NWRITE_REQ`` are ``READ_REQ`` / ``WRITE_REQ`` from a requester
+whose buffers NIXL can reach; the granter answers either as for the plain request
+(``READ_RESP`` / ``WRITE_GRANT``, the bytes then move as ``DATA``) or with
+``NIXL_GRANT``: status, ``size`` granted bytes, and meta = an 8-byte tag followed by
+the granted memory as little-endian ``(address, length)`` u64 pairs. The requester then
+moves the bytes itself with a NIXL READ (and sends ``READ_DONE``) or a NIXL WRITE
+that carries the tag as its notification (and waits for ``WRITE_DONE``).
 
 Request ids name the side that started the request: the connecting side numbers its
 requests 0, 2, 4, ..., the accepting side 1, 3, 5, ...; ids are never reused on a link,
@@ -98,6 +111,10 @@ class FrameType(enum.IntEnum):
     CANCEL_ACK = 13  # answer to CANCEL: the granter dropped `req_id`; nothing more lands
     PING = 14  # liveness probe `req_id` (the prober's own numbering); answer PONG at once
     PONG = 15  # the answer to PING `req_id`
+    NIXL_MD = 16  # NIXL agent metadata in meta; `size`: the sender's meta cap
+    NREAD_REQ = 17  # READ_REQ from a requester that can move the bytes over NIXL
+    NWRITE_REQ = 18  # WRITE_REQ from a requester that can move the bytes over NIXL
+    NIXL_GRANT = 19  # status; on success meta = tag + granted (address, length) pairs
 
 
 # Frame types allowed to carry meta, with the cap that applies (None: the owner's cap).
@@ -107,6 +124,10 @@ _META_TYPES = {
     FrameType.ERROR: HANDSHAKE_META_CAP,
     FrameType.READ_REQ: None,
     FrameType.WRITE_REQ: None,
+    FrameType.NIXL_MD: None,
+    FrameType.NREAD_REQ: None,
+    FrameType.NWRITE_REQ: None,
+    FrameType.NIXL_GRANT: None,
 }
 
 

@@ -233,7 +233,7 @@ def test_hixl_is_the_best_backend_between_processes() -> None:
     # aiokv's earlier key is still read
     assert LLMConfig.from_options({"aiokv.transferBackend": "local"}).transfer_backend == "local"
     with pytest.raises(ValueError):
-        LLMConfig(transfer_backend="nixl")  # type: ignore[arg-type]
+        LLMConfig(transfer_backend="rdma")  # type: ignore[arg-type]
     param_invalid(
         lambda: LLMConfig.from_options(
             {"llm.TransferBackend": "tcp", "aiokv.transferBackend": "tcp"}

@@ -186,8 +186,22 @@ def transport_class(name: str) -> type[Transport]:
     return _VARIANTS.get(name) or get_transport(name)
 
 
-@pytest.fixture(params=[*transport_names(), "tcp+tls"])
+def _nixl_or_skip(name: str) -> None:
+    """Skip a NIXL variant (with the reason) where NIXL is not installed."""
+    try:
+        get_transport("nixl")
+    except LLMException as exc:
+        pytest.skip(f"{name}: {exc}")
+    if name == "nixl+reg" and name not in _VARIANTS:
+        from nixl_reg import registering_nixl
+
+        _VARIANTS[name] = registering_nixl()
+
+
+@pytest.fixture(params=[*transport_names(), "tcp+tls", "nixl+reg"])
 def name(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    if str(request.param).startswith("nixl"):
+        _nixl_or_skip(request.param)
     if request.param == "tcp+tls" and request.param not in _VARIANTS:
         if shutil.which("openssl") is None:  # pragma: no cover - there wherever aiokv is tested
             pytest.skip("the openssl command makes the TLS certificates")

@@ -58,9 +58,10 @@ _MAX_PEER_REQUESTS: Final = 4096
 # them down to _REPLY_BACKLOG_LOW; a peer that lets it stall for _REPLY_STALL_S loses the
 # link. Our own requests do not count, so two busy peers cannot stop each other.
 _REPLY_TYPES: Final = frozenset(
-    {_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE, _F.CANCEL_ACK, _F.PONG, _F.ERROR}
+    {_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE, _F.CANCEL_ACK, _F.PONG, _F.ERROR, _F.NIXL_GRANT}
 )
 _REPLY_OVERHEAD: Final = 64
+_REQUEST_TYPES: Final = frozenset({_F.READ_REQ, _F.WRITE_REQ, _F.NREAD_REQ, _F.NWRITE_REQ})
 _REPLY_BACKLOG_HIGH = 4 << 20
 _REPLY_BACKLOG_LOW = 1 << 20
 _REPLY_STALL_S = 30.0
@@ -528,7 +529,7 @@ class TcpLink(Link):
     def _dispatch(self, h: wire.Header, meta: bytearray | None) -> None:
         """Handle one control frame; synchronous, so the reader never waits on anything else."""
         kind, rid = h.type, h.req_id
-        if kind is _F.READ_REQ or kind is _F.WRITE_REQ:
+        if kind in _REQUEST_TYPES:
             self._on_request(h, meta)
         elif kind is _F.READ_RESP or kind is _F.WRITE_GRANT or kind is _F.WRITE_DONE:
             op = self._mine.get(rid) if rid % 2 != self._peer_parity else None
@@ -553,8 +554,28 @@ class TcpLink(Link):
             pong = self._probes.get(rid)
             if pong is not None and not pong.done():
                 pong.set_result(None)
+        elif kind is _F.NIXL_MD:
+            self._on_nixl_md(meta, h.size)
+        elif kind is _F.NIXL_GRANT:
+            op = self._mine.get(rid) if rid % 2 != self._peer_parity else None
+            self._on_nixl_grant(op, code_of(h.status), h.size, meta)
         else:  # HELLO / AUTH after the handshake
             raise wire.WireError(f"unexpected {kind.name} frame")
+
+    def _on_nixl_md(self, meta: bytearray | None, cap: int) -> None:
+        """The peer's NIXL agent metadata: a TCP link ignores it (it speaks no NIXL, so
+        the peer never asks it for a NIXL transfer)."""
+
+    def _on_nixl_grant(
+        self, op: MyOp | None, status: LLMStatusCode, size: int, meta: bytearray | None
+    ) -> None:
+        """A NIXL grant: only an answer to a NIXL request, which a TCP link never sends."""
+        raise wire.WireError("unexpected NIXL_GRANT frame")
+
+    def _serve_nixl(self, op: PeerOp, views: list[memoryview], total: int) -> bool:
+        """Answer the peer's NIXL request ``op`` with a NIXL grant of ``views``; True if it
+        did. A TCP link never does: the bytes move as DATA frames."""
+        return False
 
     def _on_reply(self, op: MyOp, kind: wire.FrameType, status: LLMStatusCode, size: int) -> None:
         if kind is _F.READ_RESP:
@@ -610,7 +631,7 @@ class TcpLink(Link):
         self._post(wire.encode_frame(reply, op.rid, status=status))
 
     def _on_request(self, h: wire.Header, meta: bytearray | None) -> None:
-        is_read = h.type is _F.READ_REQ
+        is_read = h.type is _F.READ_REQ or h.type is _F.NREAD_REQ
         reply = _F.READ_RESP if is_read else _F.WRITE_GRANT
         rid = h.req_id
         if rid % 2 != self._peer_parity:
@@ -623,6 +644,7 @@ class TcpLink(Link):
             status = _S.LLM_PARAM_INVALID  # meta over our cap, already skipped
         else:
             op = self._theirs[rid] = PeerOp(rid, is_read)
+            op.nixl = h.type is _F.NREAD_REQ or h.type is _F.NWRITE_REQ
             op.task = self._spawn(self._serve(op, bytes(meta), h.size), f"serve-{rid}")
             return
         self._post(wire.encode_frame(reply, rid, status=status))
@@ -657,6 +679,8 @@ class TcpLink(Link):
         assert isinstance(grant, Grant)  # check_grant fails anything else
         grant.bind_abort(lambda code: self._revoke(op, code))
         if op.state is State.OVER:  # revoked before it was even answered
+            return
+        if op.nixl and total and self._serve_nixl(op, views, total):
             return
         if op.is_read:
             op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL

@@ -99,6 +99,7 @@ class MyOp:
         "granted",
         "is_read",
         "peer_over",
+        "remote",
         "result",
         "rid",
         "state",
@@ -118,6 +119,8 @@ class MyOp:
         self.granted = False  # a write's WRITE_GRANT said yes
         self.peer_over = False  # a write's WRITE_DONE came: the peer writes no more of it
         self.result: LLMStatusCode | None = None  # final outcome
+        # a NIXL grant: the tag and the granted (address, length) runs of peer memory
+        self.remote: tuple[bytes, list[tuple[int, int]]] | None = None
 
     def grant(self) -> None:
         self.granted = True
@@ -155,7 +158,7 @@ class MyOp:
 class PeerOp:
     """A request the peer started, which this side serves."""
 
-    __slots__ = ("_done", "cursor", "is_read", "rid", "state", "stream", "task")
+    __slots__ = ("_done", "cursor", "is_read", "nixl", "rid", "state", "stream", "task")
 
     def __init__(self, rid: int, is_read: bool) -> None:
         self.rid = rid
@@ -165,6 +168,7 @@ class PeerOp:
         self.cursor: Cursor | None = None
         self.stream: Stream | None = None
         self._done: Callable[[bool], None] | None = None
+        self.nixl = False  # the peer asked for a NIXL transfer (NREAD_REQ / NWRITE_REQ)
 
     def bind(self, done: Callable[[bool], None] | None) -> None:
         self._done = done

@@ -59,6 +59,9 @@ class TcpTransport(Transport):
     takes one round trip, still links while it lasts.
     """
 
+    #: the class of this transport's links (a subclass may serve links of its own)
+    _link_class: type[TcpLink] = TcpLink
+
     def __init__(
         self,
         local_cluster_id: int,
@@ -235,7 +238,7 @@ class TcpTransport(Transport):
             self._handshaking.discard(io)
 
     def _adopt(self, io: SockIO, peer: PeerInfo, *, initiator: bool) -> TcpLink:
-        link = TcpLink(self, io, peer, initiator=initiator)
+        link = self._link_class(self, io, peer, initiator=initiator)
         self._links[link] = None
         self._notify(self.on_link, link)
         return link

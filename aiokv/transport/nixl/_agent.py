@@ -1,0 +1,123 @@
+"""A NIXL agent as the transport uses it: DRAM over UCX, no NIXL threads.
+
+NIXL's own progress thread spins (its poll delay is fixed at 0 by the Python API: a
+whole core per agent, measured), and its listener thread would be a second, unauthen-
+ticated control plane; both stay off. Progress is driven from the event loop instead:
+the initiator polls its transfers, the target polls notifications while it serves
+(see :mod:`aiokv.transport.nixl._transport`). The agent is thread-safe
+(``NIXL_THREAD_SYNC_STRICT``): owners register memory from their own threads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+from typing import Any
+
+_log = logging.getLogger("aiokv.transport.nixl")
+
+
+def _import_nixl() -> ModuleType:
+    """NIXL's Python API: ``nixl_cu12`` (the ``aiokv[nixl]`` wheel), else ``nixl``."""
+    for name in ("nixl_cu12._api", "nixl._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError(
+        "the nixl transport needs NIXL: pip install 'aiokv[nixl]' "
+        "(install torch==2.13.0 first, or pip pulls a CUDA build of torch)"
+    )
+
+
+_nixl = _import_nixl()
+
+__all__ = ["Agent", "Xfer"]
+
+#: an opaque NIXL transfer handle
+Xfer = Any
+
+
+class Agent:
+    """One NIXL agent named ``name`` with the UCX backend (blocking: ~0.25 s; run it off
+    the event loop).
+
+    Raises:
+        RuntimeError: NIXL has no UCX backend here.
+    """
+
+    def __init__(self, name: str) -> None:
+        conf = _nixl.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=["UCX"],
+            sync_mode=_nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        self._a = _nixl.nixl_agent(name, conf)
+        if "UCX" not in self._a.backends:
+            raise RuntimeError("NIXL has no UCX backend here")
+        self.name = name
+
+    def register(self, addr: int, nbytes: int) -> Any:
+        """Register host memory; returns the handle :meth:`deregister` takes."""
+        return self._a.register_memory([(addr, nbytes, 0, "")], "DRAM")
+
+    def deregister(self, handle: Any) -> None:
+        self._a.deregister_memory(handle)
+
+    def metadata(self) -> bytes:
+        """This agent's metadata: its connection info and registered regions."""
+        return bytes(self._a.get_agent_metadata())
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load (or refresh) a peer agent's metadata; returns its name."""
+        name = self._a.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_remote(self, name: str) -> None:
+        self._a.remove_remote_agent(name)
+
+    def xfer(
+        self,
+        kind: str,
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
+        peer: str,
+        notif: bytes,
+    ) -> Xfer:
+        """A transfer request: ``kind`` "READ" (remote → local) or "WRITE"."""
+        a = self._a
+        return a.initialize_xfer(
+            kind, a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"), peer, notif
+        )
+
+    def post(self, xfer: Xfer) -> str:
+        """Start ``xfer``: "DONE", "PROC" or "ERR" (a NIXL error raised is "ERR")."""
+        try:
+            return str(self._a.transfer(xfer))
+        except Exception as exc:
+            _log.warning("NIXL refused to post a transfer: %s", exc)
+            return "ERR"
+
+    def state(self, xfer: Xfer) -> str:
+        """ "DONE", "PROC" or "ERR" (a NIXL error raised is "ERR")."""
+        try:
+            return str(self._a.check_xfer_state(xfer))
+        except Exception as exc:
+            _log.warning("NIXL transfer failed: %s", exc)
+            return "ERR"
+
+    def release(self, xfer: Xfer) -> bool:
+        """Free ``xfer``, aborting it if still in flight; False if NIXL cannot abort it
+        (it then stays valid: poll :meth:`state`, then release again)."""
+        try:
+            self._a.release_xfer_handle(xfer)
+        except Exception:
+            return False
+        return True
+
+    def notifs(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, by sending agent (progresses UCX)."""
+        got = self._a.get_new_notifs()
+        return {(k.decode() if isinstance(k, bytes) else str(k)): list(v) for k, v in got.items()}

@@ -1,0 +1,345 @@
+"""NixlLink: a TCP link whose requests move their payload over NIXL when they can.
+
+See :mod:`aiokv.transport.nixl._transport` for the design. Requester side: a request
+whose buffers all lie in registered memory is sent as ``NREAD_REQ`` / ``NWRITE_REQ``;
+a ``NIXL_GRANT`` answer is moved with one NIXL transfer, any other answer as over TCP.
+Granter side: a NIXL request whose validated grant lies in registered memory is answered
+with ``NIXL_GRANT`` (the grant's memory as coalesced runs) instead of DATA frames.
+
+Buffers are off limits once an operation returns: a transfer still in flight is aborted
+(released) first, or, where NIXL cannot abort it, waited for (shielded, at most
+:data:`_SETTLE_S`); one that still does not end breaks the link.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final
+
+from ..._enums import LLMStatusCode
+from .. import _wire as wire
+from .._base import PeerInfo, flatten_views
+from ..tcp._io import SockIO
+from ..tcp._link import TcpLink
+from ..tcp._ops import Cursor, MyOp, PeerOp, State, Stream
+from ._descs import decode_grant, encode_grant, pair, runs_of
+
+if TYPE_CHECKING:
+    from ..tcp._transport import TcpTransport
+    from ._transport import NixlTransport
+
+__all__ = ["NixlLink"]
+
+_log = logging.getLogger("aiokv.transport.nixl")
+_S = LLMStatusCode
+_F = wire.FrameType
+# How long an operation that must return waits for a transfer NIXL cannot abort.
+_SETTLE_S: Final = 5.0
+# Back-off bounds of every NIXL poll (transfer state, notifications), seconds.
+POLL_MIN_S: Final = 20e-6
+POLL_MAX_S: Final = 1e-3
+# Transfers at least this big are posted and polled from a worker thread: NIXL may move
+# the whole payload inside the post call (shared memory / CMA), which must not hold the
+# loop, and over CMA every poll does part of the copy, which a loop that wakes at most
+# once per millisecond (epoll's resolution) would starve (docs/design.md, "NIXL transport").
+_OFF_LOOP: Final = 1 << 20
+
+
+def _failed(op: MyOp) -> bool:
+    """``op`` ended badly (refused, revoked, link lost): its transfer must stop. A write
+    whose WRITE_DONE already came still waits for its own transfer to complete."""
+    return op.result is not None and (op.is_read or op.result is not _S.LLM_SUCCESS)
+
+
+class NixlLink(TcpLink):
+    """A :class:`TcpLink` that moves payload over NIXL where both ends can."""
+
+    def __init__(
+        self, transport: TcpTransport, io: SockIO, peer: PeerInfo, *, initiator: bool
+    ) -> None:
+        super().__init__(transport, io, peer, initiator=initiator)
+        from ._transport import NixlTransport
+
+        assert isinstance(transport, NixlTransport)
+        self._n: NixlTransport = transport
+        self.peer_agent: str | None = None  # the peer's NIXL agent, once loaded
+        self._peer_cap = 0  # the largest meta the peer accepts
+        self._md_gen = -1  # generation of the metadata we sent last
+        self._xfers = 0  # our NIXL transfers not yet released
+        self._retired = False  # the peer agent was released (link over, no transfer left)
+        self._send_md()
+
+    # ------------------------------------------------------------------ metadata
+
+    def _send_md(self) -> None:
+        if self._n.agent is None:
+            return
+        gen, md = self._n.metadata()
+        name = self._n.agent_name.encode()
+        meta = len(name).to_bytes(2, "little") + name + md
+        self._post(wire.encode_frame(_F.NIXL_MD, meta=meta, size=self._n.max_meta_bytes))
+        self._md_gen = gen
+
+    def _on_nixl_md(self, meta: bytearray | None, cap: int) -> None:
+        agent = self._n.agent
+        if meta is None or len(meta) < 2 or agent is None or self._broken:
+            return
+        n = int.from_bytes(meta[:2], "little")
+        name = bytes(meta[2 : 2 + n]).decode(errors="replace")
+        # the agent must be the authenticated cluster's, and the same for the whole link
+        if not name.startswith(f"aiokv-{self.peer.cluster_id}-") or name == self._n.agent_name:
+            _log.warning("%r: peer announced NIXL agent %r; not using NIXL", self, name)
+            return
+        if self.peer_agent not in (None, name):
+            self._break("peer changed its NIXL agent")
+            return
+        try:
+            loaded = agent.add_remote(bytes(meta[2 + n :]))
+        except Exception as exc:
+            _log.warning("%r: peer's NIXL metadata refused: %s", self, exc)
+            return
+        if loaded != name:
+            self._break("peer's NIXL metadata names another agent")
+            return
+        if self.peer_agent is None:
+            self._n.ref_remote(name)
+            self.peer_agent = name
+        self._peer_cap = cap
+
+    def _retire(self) -> None:
+        """Release the peer agent once the link is over and no transfer uses it."""
+        if self._broken and not self._xfers and not self._retired:
+            self._retired = True
+            if self.peer_agent is not None:
+                self._n.unref_remote(self.peer_agent)
+
+    def _break(self, reason: str) -> None:
+        super()._break(reason)
+        self._retire()
+
+    # ------------------------------------------------------------------ granter side
+
+    def _serve_nixl(self, op: PeerOp, views: list[memoryview], total: int) -> bool:
+        n = self._n
+        if self.peer_agent is None or n.agent is None:
+            return False
+        runs = runs_of(views)
+        if not n.regions.covers(runs):
+            return False
+        tag = n.new_tag()
+        meta = encode_grant(tag, runs)
+        if len(meta) > min(self._peer_cap, n.max_meta_bytes):
+            return False
+        if n.regions.generation != self._md_gen:
+            self._send_md()  # before the grant: the peer must know the regions it names
+        if op.is_read:
+            op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL
+            n.serve(self, op, None)
+        else:
+            op.state = State.RECEIVING  # until the push's notification
+            n.serve(self, op, tag)
+        self._post(wire.encode_frame(_F.NIXL_GRANT, op.rid, meta=meta, size=total))
+        return True
+
+    def landed(self, op: PeerOp) -> None:
+        """The peer's NIXL push for ``op`` notified: every byte landed."""
+        if self._theirs.get(op.rid) is op and op.state is State.RECEIVING:
+            op.on_filled(self)
+
+    # ------------------------------------------------------------------ requester side
+
+    def _on_nixl_grant(
+        self, op: MyOp | None, status: LLMStatusCode, size: int, meta: bytearray | None
+    ) -> None:
+        if op is None or op.state is not State.WAIT_REPLY:
+            return  # late answer of a request we dropped
+        if status is not _S.LLM_SUCCESS:
+            op.finish(status)
+            return
+        parsed = None if meta is None or size != op.total else decode_grant(meta, size)
+        if parsed is None:
+            op.finish(_S.LLM_PARAM_INVALID)  # the peer should have refused; never trust it
+            return
+        op.remote = parsed
+        op.cursor = None  # no DATA lands in our buffers now
+        op.grant()
+        if op.is_read:
+            op.state = State.RECEIVING
+
+    def _usable(self, views: list[memoryview], total: int) -> list[tuple[int, int]] | None:
+        """Our runs of ``views`` if NIXL can move them on this link, else None."""
+        if not total or self.peer_agent is None or self._n.agent is None or self._broken:
+            return None
+        runs = runs_of(views)
+        return runs if self._n.regions.covers(runs) else None
+
+    async def read(
+        self,
+        meta: bytes,
+        into: Sequence[memoryview],
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
+        views, total = flatten_views("Link.read", into, writable=True)
+        runs = self._usable(views, total)
+        if runs is None:
+            return await super().read(meta, views, timeout=timeout)
+        frame_meta = self._prepare("Link.read", meta, timeout)
+        op = self._start(is_read=True, total=total)
+        op.cursor = Cursor(views, total)  # the granter may answer with DATA instead
+        acked = False
+        try:
+            self._post(wire.encode_frame(_F.NREAD_REQ, op.rid, meta=frame_meta, size=total))
+            try:
+                async with asyncio.timeout(timeout):
+                    await op.until_granted_or_over()
+                    if op.remote is not None and op.result is None:
+                        await self._move(op, runs)
+                    await op.until_over()
+            except TimeoutError:
+                self._timed_out(op, "Link.read", timeout)
+            status = op.outcome()
+            if status is not _S.LLM_SUCCESS:
+                raise self._refused("Link.read", status)
+            self._post(wire.encode_frame(_F.READ_DONE, op.rid))
+            acked = True
+        finally:
+            self._end(op, cancel=not acked)
+
+    async def write(
+        self,
+        meta: bytes,
+        src: Sequence[memoryview],
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
+        views, total = flatten_views("Link.write", src, writable=False)
+        runs = self._usable(views, total)
+        if runs is None:
+            return await super().write(meta, views, timeout=timeout)
+        frame_meta = self._prepare("Link.write", meta, timeout)
+        op = self._start(is_read=False, total=total)
+        deadline = self._loop.time() + timeout
+        ok = False
+        try:
+            self._post(wire.encode_frame(_F.NWRITE_REQ, op.rid, meta=frame_meta, size=total))
+            try:
+                async with asyncio.timeout(timeout):
+                    await op.until_granted_or_over()
+                    if op.state is State.SENDING and op.result is None:
+                        if op.remote is not None:
+                            await self._move(op, runs)
+                        else:  # a plain WRITE_GRANT: the bytes go as DATA
+                            op.stream = self._add_stream(op.rid, views, total)
+                    await op.until_over()
+            except TimeoutError:
+                self._timed_out(op, "Link.write", timeout)
+            status = op.outcome()
+            if status is not _S.LLM_SUCCESS:
+                raise self._refused("Link.write", status)
+            ok = True
+        finally:
+            tcp_data = op.stream is not None and op.remote is None
+            if op.stream is not None:
+                self._abort_stream(op.stream)
+            self._end(op, cancel=not ok)
+            if not ok and tcp_data and not op.peer_over:
+                await self._until_cancel_acked(op.rid, deadline)
+
+    async def _move(self, op: MyOp, runs: list[tuple[int, int]]) -> None:
+        """Move ``op``'s payload with one NIXL transfer; when this returns or raises the
+        transfer is over (done, aborted or, at worst, the link broken)."""
+        assert op.remote is not None and self.peer_agent is not None
+        agent = self._n.agent
+        assert agent is not None
+        tag, remote = op.remote
+        local, far = pair(runs, remote)
+        kind = "READ" if op.is_read else "WRITE"
+        try:
+            xfer = agent.xfer(kind, local, far, self.peer_agent, b"" if op.is_read else tag)
+        except Exception as exc:  # e.g. a grant outside the peer's registered memory
+            _log.warning("%r: NIXL refused a %s of request %d: %s", self, kind, op.rid, exc)
+            op.finish(_S.LLM_FAILED)
+            return
+        self._xfers += 1
+        self._n.xfers += 1
+        try:
+            if not op.is_read:
+                # every byte handed to NIXL, which may land it within the post call: the
+                # peer's WRITE_DONE counts from now on
+                op.stream = Stream(op.rid, [], 0)
+                op.stream.sent = True
+            if op.total >= _OFF_LOOP:
+                state = await self._wait_off_loop(xfer, op)
+            else:
+                state = agent.post(xfer)
+                delay = POLL_MIN_S
+                while state == "PROC" and not _failed(op):
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, POLL_MAX_S)
+                    state = agent.state(xfer)
+            if state == "ERR":
+                self._break("NIXL transfer failed")
+            elif state == "DONE":
+                self._n.moved += 1
+                if op.is_read:
+                    op.finish(_S.LLM_SUCCESS)
+        finally:
+            await self._settle(xfer)
+
+    async def _wait_off_loop(self, xfer: object, op: MyOp) -> str:
+        """Post ``xfer`` and poll it from a worker thread (``time.sleep`` back-off) until
+        it ends, ``op`` fails or we are cancelled; the thread is always seen out."""
+        agent = self._n.agent
+        assert agent is not None
+        stop = threading.Event()
+
+        def work() -> str:
+            state, delay = agent.post(xfer), POLL_MIN_S
+            while state == "PROC" and not stop.is_set() and not _failed(op):
+                time.sleep(delay)
+                delay = min(delay * 2, POLL_MAX_S)
+                state = agent.state(xfer)
+            return state
+
+        fut = self._loop.run_in_executor(None, work)
+        cancelled = False
+        while not fut.done():
+            try:
+                await asyncio.wait([fut])
+            except asyncio.CancelledError:
+                cancelled = True
+                stop.set()
+        if cancelled:
+            raise asyncio.CancelledError
+        return fut.result()
+
+    async def _settle(self, xfer: object) -> None:
+        """Release ``xfer``, aborting it; if NIXL cannot, wait (shielded, bounded) until
+        it ends. A cancellation meanwhile is re-raised afterwards."""
+        agent = self._n.agent
+        cancelled = False
+        try:
+            if agent is None or agent.release(xfer):
+                return
+            end = self._loop.time() + _SETTLE_S
+            delay = POLL_MIN_S
+            while agent.state(xfer) == "PROC" and self._loop.time() < end:
+                try:
+                    await asyncio.sleep(delay)
+                except asyncio.CancelledError:
+                    cancelled = True
+                delay = min(delay * 2, POLL_MAX_S)
+            if not agent.release(xfer):
+                _log.error("%r: a NIXL transfer does not end; dropping the link", self)
+                self._break("NIXL transfer could not be stopped")
+        finally:
+            self._xfers -= 1
+            self._n.xfers -= 1
+            self._retire()
+        if cancelled:
+            raise asyncio.CancelledError

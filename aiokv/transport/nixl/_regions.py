@@ -1,0 +1,90 @@
+"""The memory registered with a transport: counted ranges, looked up by address.
+
+Thread-safe: owners register from their own threads, links look up on the loop.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Region", "Regions"]
+
+
+@dataclass(slots=True)
+class Region:
+    addr: int
+    nbytes: int
+    count: int = 1
+    handle: Any = None  # the agent's registration, once made
+
+
+class Regions:
+    """Registered ``[addr, addr + nbytes)`` ranges; ``generation`` changes with them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._by_start: dict[int, Region] = {}
+        self.generation = 0
+
+    def add(self, addr: int, nbytes: int, register: Callable[[int, int], Any] | None) -> None:
+        """Count one registration of the range; the first one calls ``register`` (when
+        given) and keeps its handle.
+
+        Raises:
+            ValueError: the range overlaps another registered range (not the same one).
+        """
+        with self._lock:
+            r = self._by_start.get(addr)
+            if r is not None and r.nbytes == nbytes:
+                r.count += 1
+                return
+            i = bisect.bisect_right(self._starts, addr)
+            prev = self._by_start[self._starts[i - 1]] if i else None
+            if (
+                r is not None
+                or (prev is not None and prev.addr + prev.nbytes > addr)
+                or (i < len(self._starts) and self._starts[i] < addr + nbytes)
+            ):
+                raise ValueError(f"memory [{addr:#x}, +{nbytes}) overlaps a registered range")
+            region = Region(addr, nbytes)
+            if register is not None:
+                region.handle = register(addr, nbytes)
+            self._starts.insert(i, addr)
+            self._by_start[addr] = region
+            self.generation += 1
+
+    def remove(self, addr: int, nbytes: int) -> Region | None:
+        """Count one deregistration; the region once its count drops to 0, else None."""
+        with self._lock:
+            r = self._by_start.get(addr)
+            if r is None or r.nbytes != nbytes:
+                return None
+            r.count -= 1
+            if r.count:
+                return None
+            del self._by_start[addr]
+            self._starts.remove(addr)
+            self.generation += 1
+            return r
+
+    def covers(self, runs: Iterable[tuple[int, int]]) -> bool:
+        """Whether every ``(address, length)`` run lies inside one registered range."""
+        with self._lock:
+            starts, by_start = self._starts, self._by_start
+            for addr, n in runs:
+                i = bisect.bisect_right(starts, addr)
+                if not i:
+                    return False
+                r = by_start[starts[i - 1]]
+                if addr + n > r.addr + r.nbytes:
+                    return False
+            return True
+
+    def all(self) -> list[Region]:
+        with self._lock:
+            return list(self._by_start.values())

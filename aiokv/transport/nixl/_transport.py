@@ -1,0 +1,243 @@
+"""NixlTransport: TCP links as the control plane, NIXL moving the payload.
+
+Composition: it *is* a :class:`~aiokv.transport.tcp.TcpTransport` (listening, the
+authenticated handshake, ``link_secret``, TLS, pre-auth caps, PING/PONG, every request's
+meta, grant and refusal), whose links are :class:`NixlLink` s. A link that comes up
+sends this side's NIXL agent metadata over itself (``NIXL_MD``); the peer loads it
+(``add_remote_agent``) and unloads it when the last link to that agent ends. No etcd,
+no NIXL listener. A request whose buffers all lie in registered memory asks for a
+NIXL grant; the granter answers with the validated grant's memory as descriptors and the
+requester moves the bytes itself with one NIXL READ (pull) or WRITE (push, whose
+notification tells the granter it landed). Anything else moves as TCP ``DATA``.
+
+Progress without threads that spin: the requester polls its transfer's state, the
+granter polls notifications while it serves NIXL grants, both on the event loop with an
+exponential back-off from :data:`POLL_MIN_S` to :data:`POLL_MAX_S` (docs/design.md,
+"NIXL transport", has the measurement behind the choice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import uuid
+from typing import TYPE_CHECKING, Final
+
+from .. import _wire as wire
+from .._base import Link, LinkCallback, RequestHandler, check_address, check_connect_timeout
+from .._tls import TlsContexts
+from ..tcp import TcpTransport
+from ..tcp._ops import PeerOp, State
+from ._agent import Agent
+from ._link import POLL_MAX_S, POLL_MIN_S, NixlLink
+from ._regions import Regions
+
+if TYPE_CHECKING:
+    from ..tcp._link import TcpLink
+
+__all__ = ["POLL_MAX_S", "POLL_MIN_S", "NixlTransport"]
+
+_log = logging.getLogger("aiokv.transport.nixl")
+
+# how long aclose waits for transfers still being settled before it drops the agent
+_CLOSE_WAIT_S: Final = 5.0
+
+
+class NixlTransport(TcpTransport):
+    """The ``nixl`` transport: a :class:`TcpTransport` whose payload moves over NIXL
+    between memory registered with :meth:`register_memory` (host memory in this
+    version; other ranges, and peers without NIXL, use the TCP path).
+
+    Arguments as :class:`TcpTransport`. The NIXL agent (UCX backend) is created on the
+    first :meth:`listen` / :meth:`connect`, off the event loop; memory registered
+    before is registered with it then.
+    """
+
+    _link_class: type[TcpLink] = NixlLink
+
+    def __init__(
+        self,
+        local_cluster_id: int,
+        handler: RequestHandler,
+        *,
+        secret: bytes | None = None,
+        max_meta_bytes: int = 1 << 20,
+        on_link: LinkCallback | None = None,
+        on_link_lost: LinkCallback | None = None,
+        chunk_bytes: int = wire.MAX_CHUNK,
+        handshake_timeout: float = 10.0,
+        sock_buf_bytes: int | None = None,
+        max_handshakes: int = 256,
+        max_handshakes_per_host: int = 64,
+        tls: TlsContexts | None = None,
+    ) -> None:
+        super().__init__(
+            local_cluster_id,
+            handler,
+            secret=secret,
+            max_meta_bytes=max_meta_bytes,
+            on_link=on_link,
+            on_link_lost=on_link_lost,
+            chunk_bytes=chunk_bytes,
+            handshake_timeout=handshake_timeout,
+            sock_buf_bytes=sock_buf_bytes,
+            max_handshakes=max_handshakes,
+            max_handshakes_per_host=max_handshakes_per_host,
+            tls=tls,
+        )
+        self.regions = Regions()
+        #: this side's agent name; peers check it names the cluster they authenticated
+        self.agent_name = f"aiokv-{local_cluster_id}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.agent: Agent | None = None
+        self._starting: asyncio.Lock | None = None
+        self._md: tuple[int, bytes] | None = None  # (generation, metadata) cache
+        self._remote_refs: dict[str, int] = {}  # peer agent -> links using it
+        self._tags = itertools.count(1)
+        # NIXL grants being served, and the pushes whose notification is awaited
+        self._served: dict[PeerOp, NixlLink] = {}
+        self._expect: dict[bytes, tuple[NixlLink, PeerOp]] = {}
+        self._pump_task: asyncio.Task[None] | None = None
+        self.xfers = 0  # NIXL transfers not yet released (all links)
+        self.moved = 0  # requests whose payload this side moved over NIXL
+
+    # ------------------------------------------------------------------ memory hooks
+
+    def register_memory(self, addr: int, nbytes: int, *, device: str = "cpu") -> None:
+        if not device.startswith("cpu") or nbytes <= 0:
+            return  # device memory: a later version; such buffers move over TCP
+        agent = self.agent
+        try:
+            self.regions.add(addr, nbytes, agent.register if agent is not None else None)
+        except Exception as exc:  # an overlap, or NIXL refusing: that memory uses TCP
+            _log.warning("NIXL cannot register [%#x, +%d): %s", addr, nbytes, exc)
+
+    def deregister_memory(self, addr: int, nbytes: int) -> None:
+        region = self.regions.remove(addr, nbytes)
+        agent = self.agent
+        if region is not None and region.handle is not None and agent is not None:
+            try:
+                agent.deregister(region.handle)
+            except Exception:
+                _log.exception("NIXL deregistration of [%#x, +%d) failed", addr, nbytes)
+
+    # ------------------------------------------------------------------ the agent
+
+    async def listen(self, host: str, port: int) -> tuple[str, int]:
+        check_address("listen", host, port)
+        await self._start_agent("listen")
+        return await super().listen(host, port)
+
+    async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
+        check_address("connect", host, port)
+        check_connect_timeout("connect", timeout)
+        loop = self._bind_loop("connect")
+        end = loop.time() + timeout
+        await self._start_agent("connect")
+        link = await super().connect(host, port, timeout=end - loop.time())
+        # The accepting side sent its metadata as the link came up, before it reads our
+        # frames: once it answers a probe, its metadata (if it speaks NIXL) is loaded
+        # here, and the link's first request can already use NIXL.
+        left = end - loop.time()
+        if left > 0:
+            await link.probe(left)
+        return link
+
+    async def _start_agent(self, op: str) -> None:
+        loop = self._bind_loop(op)
+        if self.agent is not None:
+            return
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self.agent is None:
+                self.agent = await loop.run_in_executor(None, self._make_agent)
+
+    def _make_agent(self) -> Agent:
+        agent = Agent(self.agent_name)
+        for region in self.regions.all():  # memory registered before the agent existed
+            if region.handle is None:
+                region.handle = agent.register(region.addr, region.nbytes)
+        return agent
+
+    def metadata(self) -> tuple[int, bytes]:
+        """``(generation, metadata)``: this agent's metadata as of the regions' generation."""
+        gen = self.regions.generation
+        if self._md is None or self._md[0] != gen:
+            assert self.agent is not None
+            self._md = (gen, self.agent.metadata())
+        return self._md
+
+    def ref_remote(self, name: str) -> None:
+        self._remote_refs[name] = self._remote_refs.get(name, 0) + 1
+
+    def unref_remote(self, name: str) -> None:
+        left = self._remote_refs.get(name, 0) - 1
+        if left > 0:
+            self._remote_refs[name] = left
+            return
+        self._remote_refs.pop(name, None)
+        if self.agent is not None:
+            try:
+                self.agent.remove_remote(name)
+            except Exception as exc:
+                _log.debug("removing NIXL agent %s: %s", name, exc)
+
+    def new_tag(self) -> bytes:
+        return next(self._tags).to_bytes(8, "little")
+
+    # ------------------------------------------------------------------ serving side
+
+    def serve(self, link: NixlLink, op: PeerOp, tag: bytes | None) -> None:
+        """Track a NIXL grant being served (``tag``: the push notification it awaits) and
+        make sure notifications are polled (which is also UCX's progress here)."""
+        self._served[op] = link
+        if tag is not None:
+            self._expect[tag] = (link, op)
+        if self._pump_task is None:
+            self._pump_task = self._spawn(self._pump(), "aiokv-nixl-progress")
+
+    async def _pump(self) -> None:
+        """Poll notifications with back-off while NIXL grants are served."""
+        delay = POLL_MIN_S
+        try:
+            while self._served and self.agent is not None:
+                landed = False
+                for sender, msgs in self.agent.notifs().items():
+                    for msg in msgs:
+                        hit = self._expect.pop(msg, None)
+                        if hit is not None and hit[0].peer_agent == sender:
+                            hit[0].landed(hit[1])
+                            landed = True
+                for op in [op for op in self._served if op.state is State.OVER]:
+                    del self._served[op]
+                for tag in [t for t, (_, op) in self._expect.items() if op.state is State.OVER]:
+                    del self._expect[tag]
+                delay = POLL_MIN_S if landed else min(delay * 2, POLL_MAX_S)
+                await asyncio.sleep(delay)
+        finally:
+            self._pump_task = None
+
+    # ------------------------------------------------------------------ closing
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + _CLOSE_WAIT_S
+        # callers still settling their transfers (each bounded): a short, bounded poll
+        while self.xfers and loop.time() < end:  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+        agent, self.agent = self.agent, None
+        if agent is None or self.xfers:
+            return  # leaked transfers keep the agent alive; NIXL frees it with them
+        for name in list(self._remote_refs):
+            with contextlib.suppress(Exception):
+                agent.remove_remote(name)
+        self._remote_refs.clear()
+        for region in self.regions.all():
+            if region.handle is not None:
+                with contextlib.suppress(Exception):
+                    agent.deregister(region.handle)
+                region.handle = None

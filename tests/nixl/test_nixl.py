@@ -1,0 +1,97 @@
+"""The nixl transport's own promises: the install error, registration deciding the path
+(NIXL vs the TCP fallback), and the descriptor lists built from grants."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from aiokv._enums import LLMStatusCode as Code
+from aiokv._errors import LLMException
+from aiokv.transport import Grant, PeerInfo, get_transport
+
+
+def test_missing_nixl_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [m for m in sys.modules if m.startswith("aiokv.transport.nixl")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in ("nixl_cu12", "nixl_cu12._api", "nixl", "nixl._api"):
+        monkeypatch.setitem(sys.modules, name, None)  # None: "import fails"
+    with pytest.raises(LLMException) as info:
+        get_transport("nixl")
+    assert info.value.status_code == Code.LLM_FEATURE_NOT_ENABLED
+    assert "pip install 'aiokv[nixl]'" in str(info.value)
+    assert "torch==2.13.0" in str(info.value)
+
+
+try:
+    get_transport("nixl")
+    NIXL = None
+except LLMException as exc:
+    NIXL = str(exc)
+needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+
+
+def test_descriptors_coalesce_and_pair() -> None:
+    pytest.importorskip("numpy")
+    descs = importlib.import_module("aiokv.transport.nixl._descs") if NIXL is None else None
+    if descs is None:
+        pytest.skip(f"nixl: {NIXL}")
+    buf = bytearray(100)
+    mv = memoryview(buf)
+    base = descs.address_of(mv)
+    runs = descs.runs_of([mv[0:10], mv[10:30], mv[50:60]])
+    assert runs == [(base, 30), (base + 50, 10)]  # adjacent views merged
+    local, far = descs.pair(runs, [(7, 5), (100, 35)])
+    assert [n for _, n, _ in local] == [5, 25, 10] == [n for _, n, _ in far]
+    assert [a for a, _, _ in far] == [7, 100, 125]
+    meta = descs.encode_grant(b"T" * 8, runs)
+    assert descs.decode_grant(meta, 40) == (b"T" * 8, runs)
+    assert descs.decode_grant(meta, 41) is None  # totals must match
+    assert descs.decode_grant(meta[:-1], 40) is None  # torn
+    assert descs.decode_grant(b"T" * 8 + bytes(16), 0) is None  # empty run
+
+
+class Regions:
+    """Grants ``size`` bytes of ``buf`` from offset 0."""
+
+    def __init__(self, buf: bytearray) -> None:
+        self.buf = buf
+        self.done: list[bool] = []
+
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+        return Grant(Code.LLM_SUCCESS, [memoryview(self.buf)[: int(meta)]], self.done.append)
+
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+        return Grant(Code.LLM_SUCCESS, [memoryview(self.buf)[: int(meta)]], self.done.append)
+
+
+@needs_nixl
+async def test_registered_memory_moves_over_nixl_the_rest_over_tcp() -> None:
+    from aiokv.transport.nixl._descs import address_of
+
+    cls = get_transport("nixl")
+    owner_buf, mine = bytearray(range(256)) * 256, bytearray(1 << 16)
+    owner, me = cls(2, Regions(owner_buf)), cls(1, Regions(bytearray(1)))
+    try:
+        owner.register_memory(address_of(memoryview(owner_buf)), len(owner_buf))
+        me.register_memory(address_of(memoryview(mine)), len(mine))
+        link = await me.connect(*await owner.listen("127.0.0.1", 0), timeout=5)
+        await link.read(b"40000", [memoryview(mine)[:40000]], timeout=5)
+        assert mine[:40000] == owner_buf[:40000]
+        assert me.moved == 1  # type: ignore[attr-defined]
+        other = bytearray(40000)  # not registered: the TCP path, same bytes
+        await link.read(b"40000", [memoryview(other)], timeout=5)
+        assert other == owner_buf[:40000] and me.moved == 1  # type: ignore[attr-defined]
+        mine[:1000] = b"\x01" * 1000
+        await link.write(b"1000", [memoryview(mine)[:1000]], timeout=5)
+        assert owner_buf[:1000] == b"\x01" * 1000 and me.moved == 2  # type: ignore[attr-defined]
+        # deregistered on the owner: served over TCP from then on
+        owner.deregister_memory(address_of(memoryview(owner_buf)), len(owner_buf))
+        await link.read(b"500", [memoryview(mine)[:500]], timeout=5)
+        assert mine[:500] == owner_buf[:500] and me.moved == 2  # type: ignore[attr-defined]
+    finally:
+        await me.aclose()
+        await owner.aclose()
+    assert me.xfers == 0 and owner.agent is None  # type: ignore[attr-defined]
