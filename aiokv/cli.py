@@ -4,6 +4,7 @@ layerwise, latency, raw)."""
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -54,13 +55,41 @@ Tls = Annotated[
 ]
 
 
-@bench_app.command("transfer")
-def bench_transfer(quick: Quick = False, as_json: Json = False, tls: Tls = False) -> None:
-    """pull/push vs a raw socket stream (and over TLS); layer-wise overlap (+ overhead);
-    1,000 in flight."""
-    from ._bench.transfer import run_transfer_bench
+class BenchBackend(StrEnum):
+    """What ``aiokv bench transfer --backend`` adds to the throughput rounds."""
 
-    _emit(run_transfer_bench(quick=quick, tls=tls), as_json)
+    tcp = "tcp"
+    nixl = "nixl"
+
+
+BackendOpt = Annotated[
+    BenchBackend,
+    typer.Option(
+        "--backend",
+        help="nixl: also aiokv over NIXL and raw NIXL (UCX shm/CMA and UCX over TCP) "
+        "and memcpy, same blocks, same rounds (needs aiokv[nixl]).",
+    ),
+]
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    quick: Quick = False,
+    as_json: Json = False,
+    tls: Tls = False,
+    backend: BackendOpt = BenchBackend.tcp,
+) -> None:
+    """pull/push vs a raw socket stream (and over TLS, or NIXL); layer-wise overlap
+    (+ overhead); 1,000 in flight."""
+    from ._bench.transfer import run_transfer_bench
+    from ._errors import LLMException
+
+    try:
+        report = run_transfer_bench(quick=quick, tls=tls, backend=backend.value)
+    except LLMException as exc:  # NIXL missing: the install hint, no traceback
+        typer.echo(f"aiokv bench transfer: {exc}", err=True)
+        raise typer.Exit(1) from None
+    _emit(report, as_json)
 
 
 @bench_app.command("layerwise")

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import inspect
 import multiprocessing as mp
+import os
 import random
 import statistics
 import sys
@@ -23,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 from rich.console import Console
@@ -46,9 +47,12 @@ __all__ = [
     "MIB",
     "PEER_ID",
     "POOL_BYTES",
+    "Backend",
+    "Elapsed",
     "Peer",
     "PromptPeer",
     "Report",
+    "apply_env",
     "digest",
     "gbps",
     "interleave",
@@ -58,12 +62,16 @@ __all__ = [
     "run_loop",
     "run_remote",
     "scattered",
+    "serve_requests",
     "spawned",
+    "spawned_all",
     "time_call",
 ]
 
 KIB, MIB = 1 << 10, 1 << 20
 T = TypeVar("T")
+#: The transports the remote benchmarks link participants with.
+Backend = Literal["tcp", "nixl"]
 
 
 def run_loop(main: Callable[[], Coroutine[Any, Any, T]], *, use_uvloop: bool | None = None) -> T:
@@ -88,8 +96,15 @@ def run_loop(main: Callable[[], Coroutine[Any, Any, T]], *, use_uvloop: bool | N
 # ------------------------------------------------------------------------------ timing
 
 
+class Elapsed(float):
+    """Seconds a call took, measured where the work ran (a peer process driven over a
+    pipe): a contender that returns one is timed by it, not by the wall clock here,
+    which would add the pipe's round trip."""
+
+
 async def time_call(fn: Callable[[], object]) -> float:
-    """Seconds one call of ``fn`` takes, awaiting its result when it is awaitable.
+    """Seconds one call of ``fn`` takes, awaiting its result when it is awaitable; the
+    result itself when it is an :class:`Elapsed`.
 
     A plain function runs on the loop thread and blocks it meanwhile, on purpose: a raw
     baseline is measured with nothing else running.
@@ -97,8 +112,9 @@ async def time_call(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     result = fn()
     if inspect.isawaitable(result):
-        await result
-    return time.perf_counter() - t0
+        result = await result
+    t = time.perf_counter() - t0
+    return float(result) if isinstance(result, Elapsed) else t
 
 
 async def interleave(
@@ -188,7 +204,7 @@ class Peer:
         self.conn.close()
 
 
-async def _serve_requests(
+async def serve_requests(
     conn: Connection, handlers: Mapping[str, Callable[..., Awaitable[Any]]]
 ) -> None:
     """In a :class:`Peer` child: answer ``(name, *args)`` requests until ``("stop",)``.
@@ -212,10 +228,13 @@ DECODER_ID = 2
 POOL_BYTES = 1 << 30
 
 
-def participant_config(pool_bytes: int, tls: TlsFiles | None = None) -> LLMConfig:
-    """A CPU participant on loopback with a ``pool_bytes`` pool, remote accessible; its
-    links over TLS with ``tls``'s files when given."""
+def participant_config(
+    pool_bytes: int, tls: TlsFiles | None = None, backend: Backend = "tcp"
+) -> LLMConfig:
+    """A CPU participant on loopback with a ``pool_bytes`` pool, remote accessible,
+    linking with ``backend``; its links over TLS with ``tls``'s files when given."""
     return LLMConfig(
+        transfer_backend=backend,
         device_type="cpu",
         enable_cache_manager=True,
         listen_ip_info="127.0.0.1:0",
@@ -248,8 +267,11 @@ def digest(cache: Cache, blocks: Sequence[int]) -> str:
     return h.hexdigest()
 
 
-async def _prompt_main(conn: Connection, pool_bytes: int, tls: TlsFiles | None) -> None:
-    async with LLMDataDist(LLMRole.PROMPT, PEER_ID, participant_config(pool_bytes, tls)) as dd:
+async def _prompt_main(
+    conn: Connection, pool_bytes: int, tls: TlsFiles | None, backend: Backend
+) -> None:
+    config = participant_config(pool_bytes, tls, backend)
+    async with LLMDataDist(LLMRole.PROMPT, PEER_ID, config) as dd:
         cm = dd.cache_manager
         caches: list[Cache] = []
 
@@ -268,11 +290,36 @@ async def _prompt_main(conn: Connection, pool_bytes: int, tls: TlsFiles | None) 
 
         assert dd.listen_address is not None
         conn.send(dd.listen_address[1])
-        await _serve_requests(conn, {"cache": cache, "clear": clear, "digest": block_digest})
+        await serve_requests(conn, {"cache": cache, "clear": clear, "digest": block_digest})
 
 
-def _prompt_peer(conn: Connection, pool_bytes: int, tls: TlsFiles | None) -> None:
-    run_loop(lambda: _prompt_main(conn, pool_bytes, tls))
+def apply_env(env: Mapping[str, str | None]) -> None:
+    """In a peer process, before NIXL is imported (UCX reads its settings then): set
+    ``env`` (``None``: remove the variable).
+
+    Raises:
+        RuntimeError: NIXL is imported already.
+    """
+    if not env:
+        return
+    if any(m.split(".")[0] in ("nixl", "nixl_cu12") for m in sys.modules):
+        raise RuntimeError("UCX settings must be set before NIXL is imported")
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _prompt_peer(
+    conn: Connection,
+    pool_bytes: int,
+    tls: TlsFiles | None,
+    backend: Backend,
+    env: Mapping[str, str | None],
+) -> None:
+    apply_env(env)
+    run_loop(lambda: _prompt_main(conn, pool_bytes, tls, backend))
 
 
 class PromptPeer(Peer):
@@ -280,11 +327,18 @@ class PromptPeer(Peer):
 
     It holds one blocks cache at a time, keyed ``BlocksCacheKey(PEER_ID, 0)``, allocated
     from a ``pool_bytes`` pool (so remote accessible) and filled by :func:`random_fill`.
-    With ``tls``, it accepts links over TLS only.
+    With ``tls``, it accepts links over TLS only. It links with ``backend``, in a
+    process whose environment has ``env`` applied first (``None``: removed).
     """
 
-    def __init__(self, pool_bytes: int, tls: TlsFiles | None = None) -> None:
-        super().__init__(_prompt_peer, pool_bytes, tls)
+    def __init__(
+        self,
+        pool_bytes: int,
+        tls: TlsFiles | None = None,
+        backend: Backend = "tcp",
+        env: Mapping[str, str | None] | None = None,
+    ) -> None:
+        super().__init__(_prompt_peer, pool_bytes, tls, backend, dict(env or {}))
         self.port: int = self.hello
 
     async def cache(self, desc: CacheDesc) -> list[int]:
@@ -318,6 +372,21 @@ async def spawned(start: Callable[[], S]) -> AsyncIterator[S]:
         yield peer
     finally:
         await asyncio.to_thread(peer.stop)
+
+
+@contextlib.asynccontextmanager
+async def spawned_all(starts: Sequence[Callable[[], S]]) -> AsyncIterator[list[S]]:
+    """:func:`spawned` for several at once, started concurrently; all are stopped
+    afterwards, and those that started are stopped if another fails to."""
+    got = await asyncio.gather(*(asyncio.to_thread(s) for s in starts), return_exceptions=True)
+    ok = [p for p in got if not isinstance(p, BaseException)]
+    try:
+        for p in got:
+            if isinstance(p, BaseException):
+                raise p
+        yield ok
+    finally:
+        await asyncio.gather(*(asyncio.to_thread(p.stop) for p in ok))
 
 
 @contextlib.asynccontextmanager

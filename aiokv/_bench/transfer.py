@@ -8,7 +8,11 @@ In ONE run, with a prompt peer in a second process (spawn) on loopback:
    zeroed cache is checked byte for byte (digests) before the timed rounds. With
    ``--tls``, a second prompt peer and decoder linked over TLS (a throwaway CA and
    certificate pair made at the start) join the same rounds: a second table with their
-   GB/s, their ratio to the raw stream and to plain TCP.
+   GB/s, their ratio to the raw stream and to plain TCP. With ``--backend nixl``, aiokv
+   over NIXL and raw NIXL, each with UCX's default (shared memory / CMA) and with UCX
+   over loopback TCP (:mod:`.nixl`), and a one-thread ``memcpy`` of the same scattered
+   blocks join the same rounds: a table of GB/s and one of ratios (aiokv-nixl / raw
+   NIXL per UCX setting; the fastest path / memcpy).
 2. Layer-wise ``transfer_cache_async`` overlapped with simulated compute
    (:func:`.layerwise.overlap`) and, without ``--quick``, its overhead over one
    ``push_blocks`` (:func:`.layerwise.overhead`, also ``aiokv bench layerwise``).
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -28,12 +33,14 @@ from typing import Any
 import torch
 
 from .. import BlocksCacheKey, Cache, CacheDesc, CacheManager, DataType, LLMDataDist
+from ..transport import get_transport
 from ._harness import (
     DECODER_ID,
     KIB,
     MIB,
     PEER_ID,
     POOL_BYTES,
+    Backend,
     PromptPeer,
     Report,
     digest,
@@ -47,6 +54,7 @@ from ._harness import (
 )
 from ._pki import make_pki
 from .layerwise import overhead, overlap
+from .nixl import NixlContenders, nixl_contenders
 from .raw import RawStream
 
 __all__ = ["run_transfer_bench"]
@@ -87,12 +95,72 @@ async def _checked_pull(
     return dst
 
 
+class _Memcpy:
+    """One thread copying ``len(srcs)`` scattered blocks of one buffer into scattered
+    blocks of another, one ``memmove`` per block: the same bytes without a second
+    process, the ceiling of every same-host path."""
+
+    def __init__(self, block: int, srcs: list[int], dsts: list[int]) -> None:
+        n = 2 * len(srcs) * block
+        self._src = torch.full((n,), 0xA5, dtype=torch.uint8)
+        self._dst = torch.full((n,), 0, dtype=torch.uint8)  # every page touched
+        sa, da = self._src.data_ptr(), self._dst.data_ptr()
+        self._block = block
+        self._pairs = [(da + d * block, sa + s * block) for s, d in zip(srcs, dsts, strict=True)]
+
+    def __call__(self) -> None:
+        move, block = ctypes.memmove, self._block
+        for dst, src in self._pairs:
+            move(dst, src, block)
+
+
+#: The paths of the NIXL table, in its column order (``memcpy`` first, then transfers).
+_PATHS = ("memcpy", "socket", "tcp_pull", "tcp_push")
+
+
+def _nixl_rows(
+    t: dict[str, float], nbytes: int, block: int, count: int, build_ms: dict[str, float]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The GB/s row and the ratio row of one ``(B, K)`` from its median times."""
+    t = {**t, "socket": t["raw"], "tcp_pull": t["pull"], "tcp_push": t["push"]}
+    settings = list(build_ms)
+    paths = [*_PATHS] + [
+        f"{u}_{p}" for u in settings for p in ("pull", "push", "raw_read", "raw_write")
+    ]
+    speeds: dict[str, Any] = {"block_kib": block // KIB, "count": count}
+    speeds.update({p: gbps(nbytes, t[p]) for p in paths})
+    fastest = min(paths[1:], key=lambda p: t[p])
+    aiokv = min(
+        (p for p in paths[1:] if not p.startswith(("socket", *(f"{u}_raw" for u in settings)))),
+        key=lambda p: t[p],
+    )
+    ratios: dict[str, Any] = {"block_kib": block // KIB, "count": count}
+    for u in settings:
+        ratios[f"{u}_read"] = t[f"{u}_raw_read"] / t[f"{u}_pull"]
+        ratios[f"{u}_write"] = t[f"{u}_raw_write"] / t[f"{u}_push"]
+    for u in settings:
+        ratios[f"{u}_build_ms"] = build_ms[u]
+    ratios.update(
+        fastest=fastest,
+        fastest_vs_memcpy=t["memcpy"] / t[fastest],
+        best_aiokv=aiokv,
+        best_aiokv_vs_memcpy=t["memcpy"] / t[aiokv],
+        verified=True,
+    )
+    return speeds, ratios
+
+
 async def _throughput_row(
-    plain: Pair, raw: RawStream, block: int, count: int, tls: Pair | None
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """One ``(B, K)``: check that a pull delivers, then time raw, pull and push rounds
-    (and, with ``tls``, pull and push over TLS in the same rounds). Returns the plain
-    row and the TLS row (``None`` without ``tls``)."""
+    plain: Pair,
+    raw: RawStream,
+    block: int,
+    count: int,
+    tls: Pair | None,
+    nixl: NixlContenders | None,
+) -> tuple[dict[str, Any], dict[str, Any] | None, tuple[dict[str, Any], dict[str, Any]] | None]:
+    """One ``(B, K)``: check that every pull delivers, then time raw, pull and push
+    rounds (and, with ``tls`` or ``nixl``, theirs in the same rounds). Returns the plain
+    row, the TLS row and the NIXL rows (``None`` without them)."""
     srcs = scattered(count, seed=block + count)
     dsts = scattered(count, seed=block + count + 1)
     key = BlocksCacheKey(PEER_ID, 0)
@@ -110,6 +178,10 @@ async def _throughput_row(
             contenders[f"{prefix}push"] = lambda cm=cm, dst=dst: cm.push_blocks(
                 key, dst, dsts, srcs
             )
+        if nixl is not None:
+            await nixl.row(block, srcs, dsts)
+            contenders["memcpy"] = _Memcpy(block, srcs, dsts)
+            contenders.update(nixl.contenders())
         times = await interleave(contenders, max(3, min(30, (512 * MIB) // nbytes)))
     finally:
         for cm, dst in caches:
@@ -125,23 +197,34 @@ async def _throughput_row(
         "push_ratio": t["raw"] / t["push"],
         "pull_us_per_block": (t["pull"] - t["raw"]) / count * 1e6,
     }
+    nixl_rows = None
+    if nixl is not None:
+        nixl_rows = _nixl_rows(t, nbytes, block, count, await nixl.build_ms())
     if tls is None:
-        return row, None
-    return row, {
-        "block_kib": block // KIB,
-        "count": count,
-        "raw_gbps": row["raw_gbps"],
-        "tls_pull_gbps": gbps(nbytes, t["tls_pull"]),
-        "tls_pull_ratio": t["raw"] / t["tls_pull"],
-        "tls_push_gbps": gbps(nbytes, t["tls_push"]),
-        "tls_push_ratio": t["raw"] / t["tls_push"],
-        "vs_tcp_pull": t["pull"] / t["tls_pull"],
-        "vs_tcp_push": t["push"] / t["tls_push"],
-    }
+        return row, None, nixl_rows
+    return (
+        row,
+        {
+            "block_kib": block // KIB,
+            "count": count,
+            "raw_gbps": row["raw_gbps"],
+            "tls_pull_gbps": gbps(nbytes, t["tls_pull"]),
+            "tls_pull_ratio": t["raw"] / t["tls_pull"],
+            "tls_push_gbps": gbps(nbytes, t["tls_push"]),
+            "tls_push_ratio": t["raw"] / t["tls_push"],
+            "vs_tcp_pull": t["pull"] / t["tls_pull"],
+            "vs_tcp_push": t["push"] / t["tls_push"],
+        },
+        nixl_rows,
+    )
 
 
 async def _throughput(
-    report: Report, plain: Pair, grid: list[tuple[int, int]], tls: Pair | None
+    report: Report,
+    plain: Pair,
+    grid: list[tuple[int, int]],
+    tls: Pair | None,
+    nixl: NixlContenders | None,
 ) -> None:
     rows = report.table(
         "throughput",
@@ -154,12 +237,40 @@ async def _throughput(
             "the same over TLS, in the same rounds: ratio to the raw stream, vs_tcp = "
             "t_tcp / t_tls",
         )
+    nixl_rows = nixl_ratios = None
+    if nixl is not None:
+        nixl_rows = report.table(
+            "nixl",
+            "the same bytes, same rounds, GB/s: one-thread memcpy; raw socket; aiokv tcp; "
+            "per UCX setting (shm: UCX default, shared memory/CMA; utcp: UCX_TLS=tcp,self "
+            "on lo) aiokv-nixl pull/push and raw NIXL READ/WRITE",
+        )
+        nixl_ratios = report.table(
+            "nixl_ratios",
+            "aiokv-nixl / raw NIXL (t_raw / t_aiokv; read: pull, write: push) per UCX "
+            "setting; raw build_ms: initialize_xfer per transfer; fastest path / memcpy",
+        )
     async with spawned(lambda: RawStream(max(b * k for b, k in grid))) as raw:
         for block, count in grid:
-            row, tls_row = await _throughput_row(plain, raw, block, count, tls)
+            row, tls_row, nixl_row = await _throughput_row(plain, raw, block, count, tls, nixl)
             rows.append(row)
             if tls_rows is not None and tls_row is not None:
                 tls_rows.append(tls_row)
+            if nixl_rows is not None and nixl_ratios is not None and nixl_row is not None:
+                nixl_rows.append(nixl_row[0])
+                nixl_ratios.append(nixl_row[1])
+    if nixl_ratios:
+        report.summary(
+            "nixl_summary",
+            "aiokv-nixl / raw NIXL, worst row: shm read {shm_read:.2f} write {shm_write:.2f}, "
+            "utcp read {utcp_read:.2f} write {utcp_write:.2f} (target >= 0.9); fastest "
+            "same-host path / memcpy, best row: {fastest_vs_memcpy:.2f} (goal >= 0.6)",
+            **{
+                k: min(r[k] for r in nixl_ratios)
+                for k in ("shm_read", "shm_write", "utcp_read", "utcp_write")
+            },
+            fastest_vs_memcpy=max(r["fastest_vs_memcpy"] for r in nixl_ratios),
+        )
 
 
 @contextlib.asynccontextmanager
@@ -220,7 +331,9 @@ async def _concurrent(report: Report, peer: PromptPeer, links: int, transfers: i
     )
 
 
-def run_transfer_bench(*, quick: bool = False, tls: bool = False) -> Report:
+def run_transfer_bench(
+    *, quick: bool = False, tls: bool = False, backend: Backend = "tcp"
+) -> Report:
     """``aiokv bench transfer``: throughput, layer-wise overlap (and, without ``quick``,
     overhead), and concurrency, against one prompt peer, in one run.
 
@@ -229,17 +342,27 @@ def run_transfer_bench(*, quick: bool = False, tls: bool = False) -> Report:
             layer-wise overhead table (``aiokv bench layerwise`` runs it alone).
         tls: also time pull and push over TLS in the throughput rounds (a second peer
             process and decoder, throwaway certificates; needs the ``openssl`` command).
+        backend: ``"nixl"``: also aiokv over NIXL, raw NIXL and memcpy in the throughput
+            rounds (:mod:`.nixl`: eight more processes).
+
+    Raises:
+        LLMException: ``backend="nixl"`` without NIXL installed (``LLM_FEATURE_NOT_ENABLED``,
+            naming ``pip install 'aiokv[nixl]'``).
     """
-    report = Report("transfer", {"quick": quick, "tls": tls})
+    if backend == "nixl":
+        get_transport("nixl")  # NIXL missing: fail now, with the install hint
+    report = Report("transfer", {"quick": quick, "tls": tls, "backend": backend})
 
     async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
         cm = decoder.cache_manager
         grid = QUICK if quick else GRID
-        if tls:
-            async with _tls_pair() as secure:
-                await _throughput(report, (cm, peer), grid, secure)
-        else:
-            await _throughput(report, (cm, peer), grid, None)
+        async with contextlib.AsyncExitStack() as stack:
+            secure = await stack.enter_async_context(_tls_pair()) if tls else None
+            nixl = None
+            if backend == "nixl":
+                raw_bytes = 2 * max(b * k for b, k in grid)
+                nixl = await stack.enter_async_context(nixl_contenders(POOL_BYTES, raw_bytes))
+            await _throughput(report, (cm, peer), grid, secure, nixl)
         layers = 16 if quick else 32
         await overlap(report, cm, peer, layers=layers, block=64 * KIB, count=32)
         if not quick:

@@ -1,0 +1,376 @@
+"""The NIXL contenders of ``aiokv bench transfer --backend nixl``.
+
+Per UCX setting (:data:`SETTINGS`: UCX's default, shared memory / CMA on one host, and
+UCX over loopback TCP), four spawned processes, each with the setting's environment set
+before NIXL is imported (UCX reads it when an agent is made):
+
+* an aiokv pair: a :class:`~._harness.PromptPeer` and a :class:`NixlDecoder` linked to
+  it, both ``transfer_backend="nixl"``; the decoder times its own ``pull_blocks`` /
+  ``push_blocks`` and checks that each one moved over NIXL (not the TCP fallback);
+* a raw NIXL pair (:class:`RawNixl`): two bare agents that load each other's metadata
+  directly; the initiator READs / WRITEs the same scattered blocks with the same
+  descriptors aiokv builds for them — one descriptor per block (scattered blocks are
+  never neighbours, so aiokv merges none), local in destination order, remote in source
+  order — and waits as aiokv does for transfers of 1 MiB and more: posted and polled
+  from the calling thread, ``time.sleep`` back-off from 20 µs to 1 ms. Like aiokv, it
+  builds the transfer (``initialize_xfer``) in every round and releases it after; a
+  WRITE carries an 8-byte notification; the target polls notifications (UCX progress)
+  with the same back-off.
+
+Every timed call is measured in the process that makes it (:class:`~._harness.Elapsed`),
+so no contender pays for the pipe that drives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from multiprocessing.connection import Connection
+from typing import Any, Final
+
+from .. import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMDataDist,
+    LLMRole,
+    LLMStatusCode,
+)
+from ._harness import (
+    DECODER_ID,
+    PEER_ID,
+    Elapsed,
+    Peer,
+    PromptPeer,
+    apply_env,
+    digest,
+    participant_config,
+    run_loop,
+    serve_requests,
+    spawned_all,
+)
+
+__all__ = ["SETTINGS", "NixlContenders", "nixl_contenders"]
+
+#: UCX settings by short name: the environment each side's processes start with
+#: (``None``: the variable is removed, so UCX picks its default transports).
+SETTINGS: Final[dict[str, dict[str, str | None]]] = {
+    "shm": {"UCX_TLS": None, "UCX_NET_DEVICES": None},
+    "utcp": {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"},
+}
+
+
+def _desc(block: int, nblocks: int) -> CacheDesc:
+    return CacheDesc(1, [nblocks, block], DataType.DT_UINT8)
+
+
+# -------------------------------------------------------------------- aiokv over NIXL
+
+
+async def _decoder_main(conn: Connection, port: int, pool_bytes: int) -> None:
+    config = participant_config(pool_bytes, backend="nixl")
+    async with LLMDataDist(LLMRole.DECODER, DECODER_ID, config) as dd:
+        info = LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[("127.0.0.1", port)])
+        code, codes = await dd.link_clusters([info])
+        if code != LLMStatusCode.LLM_SUCCESS:
+            raise RuntimeError(f"link to the prompt peer failed: {code.name} {codes}")
+        cm, key = dd.cache_manager, BlocksCacheKey(PEER_ID, 0)
+        transport: Any = dd._transport  # its ``moved``: requests NIXL moved
+        state: dict[str, Any] = {}
+
+        async def setup(block: int, srcs: list[int], dsts: list[int]) -> tuple[str, bool]:
+            if "cache" in state:
+                await cm.deallocate_blocks_cache(state.pop("cache"))
+            dst = await cm.allocate_blocks_cache(_desc(block, 2 * len(srcs)))
+            state.update(cache=dst, srcs=srcs, dsts=dsts)
+            ok, _ = await timed(pull)
+            return digest(dst, dsts), ok
+
+        async def pull() -> None:
+            await cm.pull_blocks(key, state["cache"], state["srcs"], state["dsts"])
+
+        async def push() -> None:
+            await cm.push_blocks(key, state["cache"], state["dsts"], state["srcs"])
+
+        async def timed(op: Callable[[], Any]) -> tuple[bool, float]:
+            moved = transport.moved
+            t0 = time.perf_counter()
+            await op()
+            t = time.perf_counter() - t0
+            return transport.moved == moved + 1, t
+
+        conn.send("linked")
+        await serve_requests(
+            conn, {"setup": setup, "pull": lambda: timed(pull), "push": lambda: timed(push)}
+        )
+
+
+def _decoder(conn: Connection, env: dict[str, str | None], port: int, pool_bytes: int) -> None:
+    apply_env(env)
+    run_loop(lambda: _decoder_main(conn, port, pool_bytes))
+
+
+class NixlDecoder(Peer):
+    """A ``transfer_backend="nixl"`` decoder in a spawned process with ``env``, linked
+    to the prompt peer listening on ``port``; one cache of scattered blocks at a time."""
+
+    def __init__(self, env: dict[str, str | None], port: int, pool_bytes: int) -> None:
+        super().__init__(_decoder, env, port, pool_bytes)
+
+    async def setup(self, block: int, srcs: list[int], dsts: list[int]) -> tuple[str, bool]:
+        """A new zeroed cache of ``2 * len(srcs)`` blocks, pulled once: its digest of
+        ``dsts``, and whether that pull moved over NIXL."""
+        got: tuple[str, bool] = await self.request("setup", block, srcs, dsts)
+        return got
+
+    async def op(self, name: str) -> Elapsed:
+        """One timed ``pull`` (``srcs`` → ``dsts``) or ``push`` (back)."""
+        ok, t = await self.request(name)
+        if not ok:
+            raise AssertionError(f"aiokv-nixl {name} did not move over NIXL")
+        return Elapsed(t)
+
+
+# ------------------------------------------------------------------------- raw NIXL
+
+
+def _poll_bounds() -> tuple[float, float]:
+    """aiokv's back-off bounds (imported late: NIXL loads after
+    :func:`~._harness.apply_env`)."""
+    from ..transport.nixl._link import POLL_MAX_S, POLL_MIN_S
+
+    return POLL_MIN_S, POLL_MAX_S
+
+
+def _agent(name: str) -> Any:
+    """A bare NIXL agent configured as aiokv's (UCX; no progress or listener thread;
+    strict thread sync)."""
+    from ..transport.nixl._agent import _nixl
+
+    conf = _nixl.nixl_agent_config(
+        enable_prog_thread=False,
+        enable_listen_thread=False,
+        backends=["UCX"],
+        sync_mode=_nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    )
+    return _nixl.nixl_agent(name, conf)
+
+
+def _buffer(nbytes: int, fill: int | None) -> Any:
+    """A registered-to-be host buffer, every page touched: random bytes, or ``fill``."""
+    import numpy as np
+
+    if fill is None:
+        return np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    return np.full(nbytes, fill, dtype=np.uint8)
+
+
+def _raw_digest(buf: Any, block: int, blocks: Sequence[int]) -> str:
+    h = hashlib.blake2b()
+    for i in blocks:
+        h.update(buf[i * block : (i + 1) * block].data)
+    return h.hexdigest()
+
+
+def _raw_target(conn: Connection, env: dict[str, str | None], nbytes: int) -> None:
+    """Child: a registered random buffer; polls notifications with back-off between
+    requests (``add`` a peer's metadata, ``digest``) until ``stop``."""
+    apply_env(env)
+    agent = _agent(f"raw-target-{os.getpid()}")
+    buf = _buffer(nbytes, None)
+    agent.register_memory([(buf.ctypes.data, nbytes, 0, "")], "DRAM")
+    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
+    lo, hi = _poll_bounds()
+    delay = lo
+    while True:
+        if conn.poll(delay):
+            name, *args = conn.recv()
+            if name == "stop":
+                return
+            if name == "add":
+                conn.send(agent.add_remote_agent(args[0]))
+            else:
+                conn.send(_raw_digest(buf, *args))
+        got = agent.get_new_notifs()
+        delay = lo if got else min(delay * 2, hi)
+
+
+class _Initiator:
+    """The raw initiator's state: its agent and buffer, the target's, one row's blocks."""
+
+    def __init__(self, env: dict[str, str | None], nbytes: int, target: tuple[bytes, int]):
+        apply_env(env)
+        self.agent = _agent(f"raw-initiator-{os.getpid()}")
+        self.lo, self.hi = _poll_bounds()
+        self.buf = _buffer(nbytes, 0)
+        self.base = int(self.buf.ctypes.data)
+        self.agent.register_memory([(self.base, nbytes, 0, "")], "DRAM")
+        self.peer = self.agent.add_remote_agent(target[0])
+        self.peer_base = target[1]
+        self.local: list[tuple[int, int, int]] = []
+        self.remote: list[tuple[int, int, int]] = []
+        self.block, self.dsts, self.build_s = 0, list[int](), list[float]()
+
+    def row(self, block: int, srcs: list[int], dsts: list[int]) -> str:
+        """The descriptors of a new row; zero ``dsts``, READ once, return their digest."""
+        self.block, self.dsts, self.build_s = block, dsts, []
+        self.local = [(self.base + d * block, block, 0) for d in dsts]
+        self.remote = [(self.peer_base + s * block, block, 0) for s in srcs]
+        for d in dsts:
+            self.buf[d * block : (d + 1) * block] = 0
+        self.move("READ")
+        return _raw_digest(self.buf, block, dsts)
+
+    def move(self, kind: str) -> float:
+        """One transfer as aiokv makes it: build, post, poll with back-off, release."""
+        a = self.agent
+        t0 = time.perf_counter()
+        xfer = a.initialize_xfer(
+            kind,
+            a.get_xfer_descs(self.local, "DRAM"),
+            a.get_xfer_descs(self.remote, "DRAM"),
+            self.peer,
+            b"" if kind == "READ" else b"\x01" * 8,
+        )
+        t1 = time.perf_counter()
+        state, delay = a.transfer(xfer), self.lo
+        while state == "PROC":
+            time.sleep(delay)
+            delay = min(delay * 2, self.hi)
+            state = a.check_xfer_state(xfer)
+        a.release_xfer_handle(xfer)
+        t = time.perf_counter() - t0
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL {kind} ended {state}")
+        self.build_s.append(t1 - t0)
+        return t
+
+
+def _raw_initiator(
+    conn: Connection, env: dict[str, str | None], nbytes: int, target: tuple[bytes, int]
+) -> None:
+    """Child: answers ``row``, ``READ``, ``WRITE`` (seconds) and ``build_ms`` until ``stop``."""
+    me = _Initiator(env, nbytes, target)
+    conn.send(me.agent.get_agent_metadata())
+    while True:
+        name, *args = conn.recv()
+        if name == "stop":
+            return
+        if name == "row":
+            conn.send(me.row(*args))
+        elif name == "build_ms":
+            conn.send(statistics.median(me.build_s) * 1e3)
+        else:
+            conn.send(me.move(name))
+
+
+class RawNixl:
+    """A raw NIXL target and initiator (two spawned processes with ``env``) over
+    ``nbytes`` buffers, each having loaded the other's metadata."""
+
+    def __init__(self, env: dict[str, str | None], nbytes: int) -> None:
+        self.target = Peer(_raw_target, env, nbytes)
+        try:
+            self.initiator = Peer(_raw_initiator, env, nbytes, self.target.hello)
+        except BaseException:
+            self.target.stop()
+            raise
+        self.target.conn.send(("add", self.initiator.hello))
+        self.target.conn.recv()
+
+    async def row(self, block: int, srcs: list[int], dsts: list[int]) -> bool:
+        """New descriptors; True if a READ into zeroed blocks delivered the right bytes."""
+        got = await self.initiator.request("row", block, srcs, dsts)
+        want: str = await self.target.request("digest", block, srcs)
+        return bool(got == want)
+
+    async def move(self, kind: str) -> Elapsed:
+        """One timed ``READ`` or ``WRITE``."""
+        return Elapsed(await self.initiator.request(kind))
+
+    async def build_ms(self) -> float:
+        """Median time of building one transfer this row (descriptors, ``initialize_xfer``)."""
+        got: float = await self.initiator.request("build_ms")
+        return got
+
+    def stop(self) -> None:
+        self.initiator.stop()
+        self.target.stop()
+
+
+# ---------------------------------------------------------------------- the contenders
+
+
+@dataclass(slots=True)
+class _Side:
+    """One UCX setting: an aiokv pair and a raw pair."""
+
+    peer: PromptPeer
+    decoder: NixlDecoder
+    raw: RawNixl
+
+
+@dataclass(slots=True)
+class NixlContenders:
+    """Both UCX settings' contenders; :meth:`row` readies (and checks) one grid row."""
+
+    sides: dict[str, _Side]
+
+    async def row(self, block: int, srcs: list[int], dsts: list[int]) -> None:
+        """Fresh caches, new raw descriptors; every pull checked byte for byte.
+
+        Raises:
+            AssertionError: a pull delivered wrong bytes or did not move over NIXL.
+        """
+        for name, side in self.sides.items():
+            await side.peer.cache(_desc(block, 2 * len(srcs)))
+            got, over_nixl = await side.decoder.setup(block, srcs, dsts)
+            if got != await side.peer.digest(srcs) or not over_nixl:
+                raise AssertionError(f"aiokv-nixl ({name}) pull delivered wrong bytes")
+            if not await side.raw.row(block, srcs, dsts):
+                raise AssertionError(f"raw NIXL ({name}) READ delivered wrong bytes")
+
+    def contenders(self) -> dict[str, Callable[[], Any]]:
+        """``<setting>_pull``, ``_push``, ``_raw_read``, ``_raw_write``, per setting."""
+        out: dict[str, Callable[[], Any]] = {}
+        for name, s in self.sides.items():
+            out[f"{name}_pull"] = partial(s.decoder.op, "pull")
+            out[f"{name}_push"] = partial(s.decoder.op, "push")
+            out[f"{name}_raw_read"] = partial(s.raw.move, "READ")
+            out[f"{name}_raw_write"] = partial(s.raw.move, "WRITE")
+        return out
+
+    async def build_ms(self) -> dict[str, float]:
+        """Per setting, the raw side's median transfer-building time this row."""
+        return {name: await s.raw.build_ms() for name, s in self.sides.items()}
+
+
+@contextlib.asynccontextmanager
+async def nixl_contenders(pool_bytes: int, raw_bytes: int) -> AsyncIterator[NixlContenders]:
+    """Every process of :class:`NixlContenders` (``pool_bytes`` pools for aiokv,
+    ``raw_bytes`` buffers for raw NIXL), started at once, stopped afterwards."""
+    names = list(SETTINGS)
+    async with (
+        spawned_all([partial(_nixl_peer, pool_bytes, SETTINGS[n]) for n in names]) as peers,
+        spawned_all([partial(RawNixl, SETTINGS[n], raw_bytes) for n in names]) as raws,
+        spawned_all(
+            [
+                partial(NixlDecoder, SETTINGS[n], p.port, pool_bytes)
+                for n, p in zip(names, peers, strict=True)
+            ]
+        ) as decoders,
+    ):
+        yield NixlContenders(
+            {n: _Side(p, d, r) for n, p, d, r in zip(names, peers, decoders, raws, strict=True)}
+        )
+
+
+def _nixl_peer(pool_bytes: int, env: dict[str, str | None]) -> PromptPeer:
+    return PromptPeer(pool_bytes, backend="nixl", env=env)
