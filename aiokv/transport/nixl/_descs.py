@@ -3,6 +3,7 @@ form in a ``NIXL_GRANT`` and the pairing of two lists of the same total."""
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from collections.abc import Sequence
 from typing import Final
@@ -17,6 +18,8 @@ _RUN = struct.Struct("<QQ")
 
 def address_of(view: memoryview) -> int:
     """The address of a flat, non-empty ``'B'`` view (read-only ones too)."""
+    if not view.readonly:  # ctypes: ~5x faster than numpy, which read-only views need
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
@@ -34,7 +37,7 @@ def runs_of(views: Sequence[memoryview]) -> list[tuple[int, int]]:
 
 def encode_grant(tag: bytes, runs: Sequence[tuple[int, int]]) -> bytes:
     """The meta of a ``NIXL_GRANT``: the tag, then the runs as u64 pairs."""
-    return tag + b"".join(_RUN.pack(a, n) for a, n in runs)
+    return tag + np.array(runs, dtype="<u8").tobytes()
 
 
 def decode_grant(meta: bytes | bytearray, total: int) -> tuple[bytes, list[tuple[int, int]]] | None:
@@ -55,6 +58,8 @@ def pair(
 ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
     """Two run lists of the same total, split at their common boundaries: descriptor i of
     the first and of the second have the same length (device id 0: host memory)."""
+    if len(a) == len(b) and all(x[1] == y[1] for x, y in zip(a, b, strict=True)):
+        return [(p, n, 0) for p, n in a], [(p, n, 0) for p, n in b]  # already paired
     out_a: list[tuple[int, int, int]] = []
     out_b: list[tuple[int, int, int]] = []
     i = j = ao = bo = 0
