@@ -10,13 +10,15 @@ synchronous.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib
 import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 
@@ -137,15 +139,52 @@ def supports_pinning(device: torch.device) -> bool:
 def host_empty(nbytes: int, device: torch.device, pin: bool = True) -> torch.Tensor:
     """An uninitialised ``uint8`` host buffer of ``nbytes``.
 
-    Pinned when ``pin`` is true and ``device`` supports pinning; the caller owns it.
+    Pinned when ``pin`` is true and ``device`` supports pinning; the caller owns it. An
+    unpinned one of at least 2 MiB is advised to use transparent huge pages on Linux
+    (``madvise(MADV_HUGEPAGE)``, before its first touch): copies between processes over
+    shared memory / CMA ran ~1.7x faster on them (docs/benchmarks.md, NIXL).
     """
     pinned = pin and supports_pinning(device)
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    if not pinned and nbytes >= _HUGE_PAGE:
+        _advise_huge_pages(buf.data_ptr(), nbytes)
+    return buf
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` (Linux), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return cast("Callable[[int, int, int], int]", fn)
+
+
+def _advise_huge_pages(addr: int, nbytes: int) -> None:
+    """Advice only: where the kernel has no transparent huge pages it is ignored."""
+    madvise = _madvise()
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = -(-addr // page) * page, (addr + nbytes) // page * page
+    if madvise is not None and end > start:
+        madvise(start, end - start, _MADV_HUGEPAGE)
 
 
 def device_empty(nbytes: int, device: torch.device) -> torch.Tensor:
-    """An uninitialised ``uint8`` buffer of ``nbytes`` on ``device``; the caller owns it."""
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    """An uninitialised ``uint8`` buffer of ``nbytes`` on ``device``; the caller owns it.
+    On ``cpu`` it is host memory, advised as :func:`host_empty`'s."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if device.type == "cpu" and nbytes >= _HUGE_PAGE:
+        _advise_huge_pages(buf.data_ptr(), nbytes)
+    return buf
 
 
 def pre_touch(t: torch.Tensor) -> None:
