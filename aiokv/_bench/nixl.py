@@ -164,12 +164,18 @@ def _agent(name: str) -> Any:
 
 
 def _buffer(nbytes: int, fill: int | None) -> Any:
-    """A registered-to-be host buffer, every page touched: random bytes, or ``fill``."""
-    import numpy as np
+    """A host buffer allocated as aiokv's pools are (:func:`~aiokv._copy.host_empty`: the
+    same pages, huge or not), every page touched: random bytes, or ``fill``; as numpy."""
+    import torch
 
+    from .._copy import host_empty
+
+    buf = host_empty(nbytes, torch.device("cpu"))
     if fill is None:
-        return np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    return np.full(nbytes, fill, dtype=np.uint8)
+        buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    else:
+        buf.fill_(fill)
+    return buf.numpy()
 
 
 def _raw_digest(buf: Any, block: int, blocks: Sequence[int]) -> str:

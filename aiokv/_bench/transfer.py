@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .. import BlocksCacheKey, Cache, CacheDesc, CacheManager, DataType, LLMDataDist
+from .._copy import host_empty
 from ..transport import get_transport
 from ._harness import (
     DECODER_ID,
@@ -101,9 +102,9 @@ class _Memcpy:
     process, the ceiling of every same-host path."""
 
     def __init__(self, block: int, srcs: list[int], dsts: list[int]) -> None:
-        n = 2 * len(srcs) * block
-        self._src = torch.full((n,), 0xA5, dtype=torch.uint8)
-        self._dst = torch.full((n,), 0, dtype=torch.uint8)  # every page touched
+        n, cpu = 2 * len(srcs) * block, torch.device("cpu")
+        self._src = host_empty(n, cpu).fill_(0xA5)  # allocated as the pools are
+        self._dst = host_empty(n, cpu).fill_(0)  # every page touched
         sa, da = self._src.data_ptr(), self._dst.data_ptr()
         self._block = block
         self._pairs = [(da + d * block, sa + s * block) for s, d in zip(srcs, dsts, strict=True)]
