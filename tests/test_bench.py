@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from functools import partial
 from typing import Any
 
@@ -13,9 +14,11 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from aiokv import CacheManager, LLMDataDist
-from aiokv._bench import _harness, layerwise
+from aiokv._bench import _harness, layerwise, transfer
 from aiokv._bench._harness import PromptPeer, Report, interleave, run_loop, run_remote, scattered
+from aiokv._errors import LLMException
 from aiokv.cli import app
+from aiokv.transport import get_transport
 
 TINY = ((64, 256), (8, 4096))  # (blocks, block bytes): the benchmark's shapes, scaled down
 
@@ -115,3 +118,57 @@ def test_peer_that_never_greets_is_reported_and_stopped() -> None:
 def _silent(conn: Any) -> None:
     """A peer process that never sends its greeting."""
     conn.recv()  # until the parent's ("stop",)
+
+
+def _nixl_missing() -> str | None:
+    try:
+        get_transport("nixl")
+    except LLMException as exc:
+        return str(exc)
+    return None
+
+
+async def _skipped(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@pytest.mark.skipif(_nixl_missing() is not None, reason="NIXL is not installed")
+def test_cli_bench_transfer_nixl_times_every_path_on_checked_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # one small row; the overlap and concurrency parts have their own figures
+    monkeypatch.setattr(transfer, "QUICK", [(16 << 10, 128)])
+    monkeypatch.setattr(transfer, "overlap", _skipped)
+    monkeypatch.setattr(transfer, "_concurrent", _skipped)
+    result = CliRunner().invoke(
+        app, ["bench", "transfer", "--quick", "--json", "--backend", "nixl"]
+    )
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)
+    assert got["meta"]["backend"] == "nixl"
+    [speeds] = got["nixl"]
+    [ratios] = got["nixl_ratios"]
+    paths = ["memcpy", "socket", "tcp_pull", "tcp_push"] + [
+        f"{u}_{p}" for u in ("shm", "utcp") for p in ("pull", "push", "raw_read", "raw_write")
+    ]
+    assert list(speeds) == ["block_kib", "count", *paths]
+    assert all(speeds[p] > 0 for p in paths)
+    for u in ("shm", "utcp"):
+        for op in ("read", "write"):
+            assert ratios[f"{u}_{op}"] > 0
+    assert ratios["fastest"] in paths[1:] and ratios["fastest_vs_memcpy"] > 0
+    assert ratios["verified"] is True  # every pull, aiokv and raw, matched its digest
+    assert "shm_read" in got["nixl_summary"]
+
+
+def test_cli_bench_transfer_nixl_without_nixl_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in [m for m in sys.modules if m.startswith("aiokv.transport.nixl")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in ("nixl_cu12", "nixl_cu12._api", "nixl", "nixl._api"):
+        monkeypatch.setitem(sys.modules, name, None)  # None: "import fails"
+    result = CliRunner().invoke(app, ["bench", "transfer", "--backend", "nixl"])
+    assert result.exit_code == 1
+    assert "pip install 'aiokv[nixl]'" in result.output
+    assert "Traceback" not in result.output
