@@ -61,9 +61,10 @@ __all__ = ["SETTINGS", "NixlContenders", "nixl_contenders"]
 
 #: UCX settings by short name: the environment each side's processes start with
 #: (``None``: the variable is removed, so UCX picks its default transports).
+#: ``NIXL_LOG_LEVEL=WARN`` too: NIXL logs INFO lines to stdout, which ``--json`` owns.
 SETTINGS: Final[dict[str, dict[str, str | None]]] = {
-    "shm": {"UCX_TLS": None, "UCX_NET_DEVICES": None},
-    "utcp": {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"},
+    "shm": {"UCX_TLS": None, "UCX_NET_DEVICES": None, "NIXL_LOG_LEVEL": "WARN"},
+    "utcp": {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"},
 }
 
 
