@@ -216,7 +216,7 @@ def test_from_trio() -> None:
 
 def test_blocking_api_returns_a_blocking_task() -> None:
     with (
-        aiokv.sync.LLMDataDist(LLMRole.PROMPT, 1, LLMConfig(**options(sync_kv_timeout=100))) as p,
+        aiokv.sync.LLMDataDist(LLMRole.PROMPT, 1, LLMConfig(**options(sync_kv_timeout=400))) as p,
         aiokv.sync.LLMDataDist(LLMRole.DECODER, 2, LLMConfig(**options())) as d,
     ):
         code, _ = d.link_clusters([info(p.listen_address)])
@@ -225,7 +225,7 @@ def test_blocking_api_returns_a_blocking_task() -> None:
         src = p.cache_manager.allocate_blocks_cache(DESC)
         for t, want in zip(src.tensors, pattern(), strict=True):
             t.copy_(want)
-        sync = Recorder(hold_s=0.15)  # longer than sync_kv_timeout
+        sync = Recorder(hold_s=0.6)  # longer than sync_kv_timeout
         task = p.cache_manager.transfer_cache_async(src, sync, [TransferWithCacheKeyConfig(KEY)])
         assert isinstance(task, aiokv.sync.CacheTask)
         assert sync.first.wait(5)  # already running
