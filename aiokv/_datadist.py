@@ -23,6 +23,7 @@ from ._config import LLMConfig, MemPoolConfig
 from ._copy import (
     CopyScheduler,
     SchedulerConfig,
+    Stager,
     device_empty,
     host_empty,
     pre_touch,
@@ -253,6 +254,7 @@ class LLMDataDist:
             raise
         registry = CacheRegistry()
         links = LinkTable()
+        stager = Stager(scheduler)
         cls = CacheManager if config.enable_cache_manager else KvCacheManager
         mgr = cls(
             role=self._role,
@@ -260,7 +262,7 @@ class LLMDataDist:
             device=device,
             scheduler=scheduler,
             registry=registry,
-            client=RemoteClient(links, config),
+            client=RemoteClient(links, config, stager),
             engine=engine,
             device_pool=device_pool,
             host_pool=host_pool,
@@ -268,7 +270,7 @@ class LLMDataDist:
         secret = None if config.link_secret is None else config.link_secret.encode()
         transport = get_transport(config.transfer_backend)(
             self._cluster_id,
-            PeerService(self._cluster_id, registry, config),
+            PeerService(self._cluster_id, registry, config, stager),
             secret=secret,
             handshake_timeout=config.handshake_timeout / 1000,
             on_link=links.add,

@@ -2,9 +2,10 @@
 
 ``CacheManager.transfer_cache_async`` validates everything, then :func:`plan` turns each
 destination into a :class:`LayerPlan` ONCE: validated block lists, the source
-:class:`~aiokv._layout.ByteLayout`, one memoryview per source tensor, the encoded block
-list and the link. Sending a layer then costs one request and one slice per run — no
-re-validation and no per-block objects. :func:`run_layers` walks the layers in order:
+:class:`~aiokv._layout.ByteLayout`, the encoded block list and the link. Sending a
+layer then costs one request and one slice per run — no re-validation and no per-block
+objects (device memory: one staged copy per layer, see :mod:`aiokv._copy._staging`).
+:func:`run_layers` walks the layers in order:
 it awaits ``layer_synchronizer.synchronize_layer(i, None)`` (the model saying "layer i
 is written"; waited for as long as it takes, as llm_datadist), starts layer i's sends in
 its task group, and goes on to wait for layer i + 1 while they run; each send is bounded
@@ -26,14 +27,14 @@ from ._checks import Blocks, check_index, param_invalid
 from ._engine import Engine, Portal
 from ._enums import LLMStatusCode
 from ._errors import LLMException, status_of
-from ._layout import ByteLayout, tensor_bytes
+from ._layout import ByteLayout
 from ._models import (
     BlocksCacheKey,
     CacheKeyByIdAndIndex,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
-from ._remote import RemoteClient
+from ._remote import RemoteClient, Transfer
 from ._remote._protocol import (
     AddrsReq,
     BlocksReq,
@@ -123,12 +124,18 @@ def plan(
     paged = src.is_blocks_cache
     if not paged and not src.slots_contiguous:
         param_invalid(op, "remote slot transfers need batch_dim_index 0")
-    local = (
+    layout = (
         ByteLayout.of_blocks(source.srcs, src.block_bytes)
         if paged
         else ByteLayout.of_span(batch * src.slot_bytes, src.slot_bytes)
     )
-    buffers = [tensor_bytes(t) for t in src.tensors]
+
+    def transfer(req: Request, tensors: range) -> Transfer:
+        if paged:
+            return Transfer.of_blocks(
+                req, tensors, source.srcs, source.dsts, src.block_bytes, layout
+            )
+        return Transfer(req, tensors, layout, None, None, src.slot_bytes, batch * src.slot_bytes)
 
     if isinstance(cfg, TransferWithCacheKeyConfig):
         key = cfg.cache_key
@@ -172,8 +179,8 @@ def plan(
         about = {"cluster": cfg.dst_cluster_id}
 
     async def send(layer: int) -> None:
-        views = local.views(buffers[2 * layer : 2 * layer + 2])
-        await client.transfer(op, link, request(layer), views, write=True, about=about)
+        job = transfer(request(layer), range(2 * layer, 2 * layer + 2))
+        await client.move(op, link, src, job, write=True, about=about)
 
     return LayerPlan(layers, send)
 

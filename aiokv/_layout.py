@@ -47,15 +47,17 @@ class ByteLayout:
     memoryviews to hand to a transport. Immutable.
 
     Attributes:
+        starts / ends: the runs ``[start, end)`` of one buffer, in wire order.
         per_buffer: bytes moved from each buffer.
         extent: one past the last byte touched in a buffer: a buffer must be at least this
             long (the serving side checks it against the memory it registered).
     """
 
-    __slots__ = ("_slices", "extent", "per_buffer", "runs")
+    __slots__ = ("_slices", "ends", "extent", "per_buffer", "runs", "starts")
 
     def __init__(self, starts: Sequence[int], ends: Sequence[int]) -> None:
         self._slices = [slice(a, b) for a, b in zip(starts, ends, strict=True)]
+        self.starts, self.ends = starts, ends
         self.runs = len(self._slices)
         self.per_buffer = sum(ends) - sum(starts)
         self.extent = max(ends) if self.runs else 0

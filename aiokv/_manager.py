@@ -2,7 +2,7 @@
 
 Every operation checks its arguments (synchronously: a failed call changes nothing),
 plans, and delegates: bookkeeping to the registry, copies to the copy scheduler, remote
-transfers to the remote client (with a :class:`~aiokv._layout.ByteLayout` over this
+transfers to the remote client (as a :class:`~aiokv._remote._parts.Transfer` of this
 side's cache), layer-wise transfers to :mod:`aiokv._layerwise`. Caches an operation
 touches are pinned for its duration, so a concurrent ``deallocate_cache`` defers the free
 instead of handing the bytes to someone else mid-copy.
@@ -42,7 +42,6 @@ from ._engine import Engine, Portal, checkpoint, on_asyncio
 from ._enums import LLMRole, LLMStatusCode, Memtype, Placement
 from ._errors import LLMException, map_errors
 from ._layerwise import CacheTask, LayerSynchronizer, Source, plan, run_layers
-from ._layout import ByteLayout, tensor_bytes
 from ._models import (
     BlocksCacheKey,
     CacheDesc,
@@ -54,7 +53,7 @@ from ._models import (
 )
 from ._pool import MemPool, PoolStats, Span
 from ._registry import CacheRegistry, Entry, RegistryStats, is_placeholder
-from ._remote import RemoteClient
+from ._remote import RemoteClient, Transfer
 from ._remote._protocol import (
     MAX_TENSORS,
     BlocksReq,
@@ -659,19 +658,15 @@ class CacheManager:
         key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex,
         cache: Cache,
         entry: Entry | None,
-        tensors: range,
-        layout: ByteLayout,
-        request: Request,
+        job: Transfer,
         *,
         write: bool,
     ) -> None:
-        """Move the bytes ``layout`` names of ``tensors`` of ``cache`` to/from the peer."""
-        self._client.require_host(op, cache)
+        """Move the bytes ``job`` names of ``cache`` to/from the peer."""
         link = self._client.link(op, key.cluster_id)
-        views = layout.views([tensor_bytes(cache.tensors[t]) for t in tensors])
         with self._pinned(entry):
             await self._engine.run(
-                self._client.transfer, op, link, request, views, write=write, about={"key": key}
+                self._client.move, op, link, cache, job, write=write, about={"key": key}
             )
 
     def _slot(
@@ -684,9 +679,9 @@ class CacheManager:
         local_layers: Any,
         remote_layers: Any,
         per_layer: Any,
-    ) -> tuple[Entry | None, range, Tensors, ByteLayout, int]:
+    ) -> tuple[Entry | None, range, Tensors, int, int]:
         """Check a slot transfer (pull_cache / push_cache) on the local ``cache``:
-        ``(entry, local tensors, peer tensors, local layout, bytes per tensor)``."""
+        ``(entry, local tensors, peer tensors, slot offset, bytes per tensor)``."""
         entry = self._registry.entry(op, cache, name)
         if cache.is_blocks_cache:
             param_invalid(op, f"{name} must be a contiguous cache (use the *_blocks call)")
@@ -699,7 +694,7 @@ class CacheManager:
             param_invalid(op, f"size {size} is outside the {per_slot}-byte slot")
         n = per_slot if size == -1 else size
         tensors, wire = self._selection(op, cache, local_layers, remote_layers, per_layer)
-        return entry, tensors, wire, ByteLayout.of_span(slot * per_slot, n), n
+        return entry, tensors, wire, slot * per_slot, n
 
     async def pull_cache(
         self,
@@ -731,7 +726,7 @@ class CacheManager:
         check_instance(op, "cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
         if isinstance(cache_key, CacheKey):
             self.check_cache_key(cache_key)
-        entry, tensors, wire, layout, n = self._slot(
+        entry, tensors, wire, offset, n = self._slot(
             op,
             cache,
             "cache",
@@ -748,7 +743,8 @@ class CacheManager:
             exact=size == -1,
             release=isinstance(cache_key, CacheKey),
         )
-        await self._move(op, cache_key, cache, entry, tensors, layout, req, write=False)
+        job = Transfer.of_span(req, tensors, offset, n)
+        await self._move(op, cache_key, cache, entry, job, write=False)
 
     async def pull_blocks(
         self,
@@ -796,13 +792,14 @@ class CacheManager:
         key = wire_key(src_cache_key)
         req: Request
         if isinstance(src_cache_key, BlocksCacheKey):
+            remote = srcs
             req = BlocksReq(key, wire, pack_blocks(srcs), bb)
         else:
-            chunks = srcs if srcs.size else np.arange(dsts.size, dtype=np.int64)
+            remote = srcs if srcs.size else np.arange(dsts.size, dtype=np.int64)
             release = isinstance(src_cache_key, CacheKey)
-            req = ChunksReq(key, wire, pack_blocks(chunks), bb, release)  # type: ignore[arg-type]
-        layout = ByteLayout.of_blocks(dsts, bb)
-        await self._move(op, src_cache_key, dst_cache, entry, tensors, layout, req, write=False)
+            req = ChunksReq(key, wire, pack_blocks(remote), bb, release)  # type: ignore[arg-type]
+        job = Transfer.of_blocks(req, tensors, dsts, remote, bb)
+        await self._move(op, src_cache_key, dst_cache, entry, job, write=False)
 
     def _check_push(self, op: str) -> None:
         """Pushing needs ``enable_remote_cache_accessible`` on this side, as llm_datadist."""
@@ -833,7 +830,7 @@ class CacheManager:
         self._check_open(op)
         self._check_push(op)
         check_instance(op, "dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
-        entry, tensors, wire, layout, n = self._slot(
+        entry, tensors, wire, offset, n = self._slot(
             op,
             src_cache,
             "src_cache",
@@ -844,7 +841,8 @@ class CacheManager:
             tensor_num_per_layer,
         )
         req = SlotReq(wire_key(dst_cache_key), wire, n, exact=size == -1)  # type: ignore[arg-type]
-        await self._move(op, dst_cache_key, src_cache, entry, tensors, layout, req, write=True)
+        job = Transfer.of_span(req, tensors, offset, n)
+        await self._move(op, dst_cache_key, src_cache, entry, job, write=True)
 
     async def push_blocks(
         self,
@@ -878,8 +876,8 @@ class CacheManager:
         )
         bb = src_cache.block_bytes
         req = BlocksReq(wire_key(dst_cache_key), wire, pack_blocks(dsts), bb)
-        layout = ByteLayout.of_blocks(srcs, bb)
-        await self._move(op, dst_cache_key, src_cache, entry, tensors, layout, req, write=True)
+        job = Transfer.of_blocks(req, tensors, srcs, dsts, bb)
+        await self._move(op, dst_cache_key, src_cache, entry, job, write=True)
 
     # ---- layer-wise ---------------------------------------------------------------------
     def transfer_cache_async(
@@ -921,7 +919,6 @@ class CacheManager:
         op = "transfer_cache_async"
         self._check_open(op)
         entry = self._registry.entry(op, src_cache, "src_cache")
-        self._client.require_host(op, src_cache)
         sync = check_instance(op, "layer_synchronizer", layer_synchronizer, LayerSynchronizer)
         configs = check_list(
             op, "transfer_configs", transfer_configs, (TransferConfig, TransferWithCacheKeyConfig)

@@ -3,7 +3,8 @@
 Modules, one concept each: ``_plan`` (coalescing and the block-pair planner),
 ``_inline`` (small host copies on the caller's thread, below a measured size),
 ``_kernels`` (copy job bodies and the pinned staging ring), ``_workers`` (worker thread
-pools, jobs resolved on the loop), ``_scheduler`` (:class:`CopyScheduler`, the façade
+pools, jobs resolved on the loop), ``_staging`` (device bytes of a transfer through
+host buffers), ``_scheduler`` (:class:`CopyScheduler`, the façade
 the rest of the package awaits), ``_device`` (device resolution, pinning, streams).
 """
 
@@ -20,19 +21,26 @@ from ._device import (
 from ._inline import INLINE_MAX_BYTES, copy_rows, fits_inline
 from ._plan import Run, coalesce
 from ._scheduler import CopyScheduler, SchedulerConfig
+from ._staging import MAX_STAGED_BYTES, PART_BYTES, STAGE_LIMIT, Staged, Stager, is_staged
 
 __all__ = [
     "INLINE_MAX_BYTES",
+    "MAX_STAGED_BYTES",
+    "PART_BYTES",
+    "STAGE_LIMIT",
     "CopyScheduler",
     "DeviceContext",
     "Run",
     "SchedulerConfig",
+    "Staged",
+    "Stager",
     "coalesce",
     "copy_rows",
     "device_empty",
     "fits_inline",
     "host_empty",
     "is_accelerator",
+    "is_staged",
     "npu_device_count",
     "pre_touch",
     "resolve_device",

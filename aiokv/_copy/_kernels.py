@@ -17,7 +17,14 @@ import torch
 from ._device import DeviceContext, host_empty, is_accelerator
 from ._plan import Planner, row_nbytes, stage_like
 
-__all__ = ["DEFAULT_STAGING_BYTES", "Ring", "copy_blocks_job", "copy_cross", "copy_many_job"]
+__all__ = [
+    "DEFAULT_STAGING_BYTES",
+    "Ring",
+    "copy_blocks_job",
+    "copy_cross",
+    "copy_many_job",
+    "worker_context",
+]
 
 # Index paths on the host gather into a staging buffer of at most this size, then
 # scatter from it: small enough to stay in the last-level cache, large enough that the
@@ -82,7 +89,8 @@ def _host_stage(nbytes: int) -> torch.Tensor:
     return _state.stage
 
 
-def _context(device: torch.device) -> DeviceContext:
+def worker_context(device: torch.device) -> DeviceContext:
+    """This worker thread's :class:`DeviceContext` for ``device`` (made once, reused)."""
     ctx = _state.contexts.get(device)
     if ctx is None:
         ctx = _state.contexts[device] = DeviceContext(device)
@@ -274,7 +282,7 @@ def copy_blocks_job(
             if s.is_cpu and d.is_cpu:
                 _copy_host(s, d, planner, staging)
                 continue
-            ctx = _context(s.device if is_accelerator(s.device) else d.device)
+            ctx = worker_context(s.device if is_accelerator(s.device) else d.device)
             ring = rings.get(ctx.device)
             if ring is None:
                 ring = rings[ctx.device] = Ring(ctx, buffers, staging)
@@ -298,7 +306,7 @@ def copy_many_job(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             if s.is_cpu and d.is_cpu:
                 d.copy_(s)
                 continue
-            ctx = _context(s.device if is_accelerator(s.device) else d.device)
+            ctx = worker_context(s.device if is_accelerator(s.device) else d.device)
             used[ctx.device] = ctx
             with ctx.stream():
                 d.copy_(s, non_blocking=True)

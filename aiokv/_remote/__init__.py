@@ -11,7 +11,17 @@
 from ._client import RemoteClient
 from ._linker import Linker
 from ._links import LinkTable
+from ._parts import Part, Transfer
 from ._ranktable import Party, parse_link
 from ._service import PeerService
 
-__all__ = ["LinkTable", "Linker", "Party", "PeerService", "RemoteClient", "parse_link"]
+__all__ = [
+    "LinkTable",
+    "Linker",
+    "Part",
+    "Party",
+    "PeerService",
+    "RemoteClient",
+    "Transfer",
+    "parse_link",
+]

@@ -1,22 +1,28 @@
 """``RemoteClient``: the local half of pulls and pushes.
 
-Given a validated request and the local buffers of the bytes it moves (a
-:class:`~aiokv._layout.ByteLayout` over this side's cache), it finds the link, sends
-the encoded request, moves the bytes within ``sync_kv_timeout`` and reports failure as
-one ``LLMException`` carrying the public operation and what it was about — context
-added here, once. Pinning the local cache is the caller's business.
+Given a validated :class:`~aiokv._remote._parts.Transfer` (the request and the local
+bytes it moves), it sends the encoded request(s) over the link, moves the bytes within
+``sync_kv_timeout`` — through host staging when the local cache is in device memory —
+and reports failure as one ``LLMException`` carrying the public operation and what it
+was about: context added here, once. Pinning the local cache is the caller's business.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
+
+import torch
 
 from .._cache import Cache
 from .._config import LLMConfig
+from .._copy import MAX_STAGED_BYTES, PART_BYTES, Stager, is_staged
 from .._enums import LLMStatusCode
 from .._errors import LLMException, map_errors
+from .._layout import tensor_bytes
 from ..transport import Link
 from ._links import LinkTable
+from ._parts import Part, Transfer
 from ._protocol import Request, encode
 
 __all__ = ["RemoteClient"]
@@ -28,26 +34,103 @@ class RemoteClient:
     Args:
         links: the link table (owned by ``LLMDataDist``).
         config: read at each call for ``sync_kv_timeout``.
+        stager: host staging of device-resident bytes (shared with the peer service).
     """
 
-    def __init__(self, links: LinkTable, config: LLMConfig) -> None:
+    def __init__(self, links: LinkTable, config: LLMConfig, stager: Stager) -> None:
         self._links = links
         self._config = config
+        self._stager = stager
 
     def link(self, op: str, cluster_id: int) -> Link:
         """The live link to ``cluster_id`` (``LLM_NOT_YET_LINK`` when there is none)."""
         return self._links.require(op, cluster_id)
 
-    @staticmethod
-    def require_host(op: str, cache: Cache) -> None:
-        """Refuse a cache the transport cannot address (``LLM_FEATURE_NOT_ENABLED``)."""
-        if not cache.on_host:
-            raise LLMException(
-                f"{op}: cache {cache.cache_id} is on {cache.tensors[0].device}; the tcp "
-                "transport moves host-addressable memory",
-                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                op=op,
-            )
+    async def move(
+        self,
+        op: str,
+        link: Link,
+        cache: Cache,
+        job: Transfer,
+        *,
+        write: bool,
+        about: dict[str, Any],
+    ) -> None:
+        """Push (``write``) or pull the bytes ``job`` names of ``cache``, within
+        ``sync_kv_timeout``.
+
+        Host memory moves straight between the cache and the socket. Device memory moves
+        through host staging, in parts of at most :data:`~aiokv._copy.PART_BYTES`
+        pipelined :data:`DEPTH` deep: the device→host copy of one part overlaps the send
+        of the previous one (a pull: the host→device copy of one part overlaps the
+        receipt of the next). A transfer over :data:`~aiokv._copy.MAX_STAGED_BYTES` is
+        split too, whatever its memory, because that is what a peer serving from device
+        memory accepts in one request. Only the last part of a pull by ``CacheKey``
+        releases the key, once every other part has landed.
+
+        Raises:
+            LLMException: as :meth:`transfer`; ``LLM_TIMEOUT`` covers the whole transfer.
+        """
+        staged = is_staged(cache.tensors[0].device)
+        limit = PART_BYTES if staged else MAX_STAGED_BYTES
+        timeout = self._config.sync_kv_timeout / 1000
+        if not staged and job.nbytes <= limit:  # the common case: one request, no copies
+            views = job.layout.views([tensor_bytes(cache.tensors[t]) for t in job.tensors])
+            await self.transfer(op, link, job.request, views, write=write, about=about)
+            return
+        deadline = asyncio.get_running_loop().time() + timeout
+        parts = list(job.parts(limit))
+        releasing = getattr(job.request, "release", False) and len(parts) > 1
+        flat = [_flat(cache.tensors[t]) for t in job.tensors] if staged else []
+
+        async def one(part: Part) -> None:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                raise LLMException(
+                    f"{op}: not done within sync_kv_timeout",
+                    status_code=LLMStatusCode.LLM_TIMEOUT,
+                    op=op,
+                )
+            if not staged:
+                views = part.layout.views([tensor_bytes(cache.tensors[t]) for t in part.tensors])
+                await self.transfer(
+                    op, link, part.request, views, write=write, about=about, timeout=left
+                )
+                return
+            bufs = [flat[t - job.tensors.start] for t in part.tensors]
+            with map_errors(op):
+                if write:
+                    box = await self._stager.gather(bufs, part.layout, left)
+                else:
+                    box = await self._stager.reserve(part.nbytes, bufs[0].device, left)
+            try:
+                await self.transfer(
+                    op, link, part.request, [box.view], write=write, about=about, timeout=left
+                )
+                if not write:
+                    with map_errors(op):
+                        await self._stager.scatter(box, bufs, part.layout)
+            finally:
+                box.release()
+
+        body = parts[:-1] if releasing else parts
+        room = asyncio.Semaphore(DEPTH)
+
+        async def slot(part: Part) -> None:
+            try:
+                await one(part)
+            finally:
+                room.release()
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for part in body:
+                    await room.acquire()
+                    group.create_task(slot(part))
+        except BaseExceptionGroup as eg:
+            raise _first(eg) from None
+        if releasing:
+            await one(parts[-1])
 
     async def transfer(
         self,
@@ -58,16 +141,20 @@ class RemoteClient:
         *,
         write: bool,
         about: dict[str, Any],
+        timeout: float | None = None,  # noqa: ASYNC109
     ) -> None:
         """Push ``views`` (``write``) or pull into them, as ``request`` names on the peer.
 
+        ``timeout``: seconds (default ``sync_kv_timeout``).
+
         Raises:
-            LLMException: the peer's refusal code, ``LLM_TIMEOUT`` past
-                ``sync_kv_timeout``, ``LLM_LINK_FAILED``; ``op`` and ``about`` attached.
-                On failure the bytes of a pull's destination are unspecified.
+            LLMException: the peer's refusal code, ``LLM_TIMEOUT`` past the timeout,
+                ``LLM_LINK_FAILED``; ``op`` and ``about`` attached. On failure the
+                bytes of a pull's destination are unspecified.
         """
         meta = encode(request)
-        timeout = self._config.sync_kv_timeout / 1000
+        if timeout is None:
+            timeout = self._config.sync_kv_timeout / 1000
         try:
             with self._links.request(link.peer.cluster_id), map_errors(op):
                 if write:
@@ -79,3 +166,31 @@ class RemoteClient:
             if ctx is exc:
                 raise
             raise ctx from exc
+
+
+#: Parts of one transfer in flight at once.
+DEPTH = 2
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8).reshape(-1)
+
+
+def _first(eg: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error to raise for a failed group of parts: the first ``LLMException``, else
+    the first error (a ``CancelledError`` only if nothing else failed)."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for x in e.exceptions:
+                walk(x)
+        else:
+            leaves.append(e)
+
+    walk(eg)
+    for kinds in (LLMException, Exception):
+        for e in leaves:
+            if isinstance(e, kinds):
+                return e
+    return leaves[0]

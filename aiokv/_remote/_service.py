@@ -14,13 +14,16 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
+import torch
 
 from .._cache import Cache
 from .._checks import Blocks, tensor_range
 from .._config import LLMConfig
+from .._copy import MAX_STAGED_BYTES, Stager, is_staged
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._layout import ByteLayout, tensor_bytes
@@ -82,31 +85,49 @@ def _blocks(raw: bytes, limit: int, what: str, *, unique: bool, most: int | None
 
 
 class PeerService:
-    """Serves peers' requests for one ``LLMDataDist`` (a transport ``RequestHandler``)."""
+    """Serves peers' requests for one ``LLMDataDist`` (a transport ``RequestHandler``).
 
-    def __init__(self, cluster_id: int, registry: CacheRegistry, config: LLMConfig) -> None:
+    Args:
+        cluster_id: this side's cluster id (keys naming another are not ours).
+        registry: the caches requests may reach.
+        config: read at each request (``sync_kv_timeout``, remote access).
+        stager: host staging for device memory; without one, requests on device
+            memory are refused with ``LLM_FEATURE_NOT_ENABLED``.
+    """
+
+    def __init__(
+        self,
+        cluster_id: int,
+        registry: CacheRegistry,
+        config: LLMConfig,
+        stager: Stager | None = None,
+    ) -> None:
         self._cluster_id = cluster_id
         self._registry = registry
         self._config = config
+        self._stager = stager
 
     # ---- RequestHandler -----------------------------------------------------------------
     async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
         """A peer pulls from us: the buffers to send, or a refusal."""
-        return self._grant(peer, meta, write=False)
+        return await self._grant(peer, meta, write=False)
 
     async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
         """A peer pushes ``nbytes`` into us: the buffers to fill, or a refusal.
 
         The transport refuses a grant whose buffers do not total ``nbytes``.
         """
-        return self._grant(peer, meta, write=True)
+        return await self._grant(peer, meta, write=True)
 
     # ---- requests -----------------------------------------------------------------------
-    def _grant(self, peer: PeerInfo, meta: bytes, *, write: bool) -> Grant:
+    async def _grant(self, peer: PeerInfo, meta: bytes, *, write: bool) -> Grant:
         with self._registry.lock:  # look up and pin as one step (callers free concurrently)
-            return self._grant_locked(peer, meta, write=write)
+            answer = self._grant_locked(peer, meta, write=write)
+        if isinstance(answer, Grant):
+            return answer
+        return await self._staged(answer, write=write)
 
-    def _grant_locked(self, peer: PeerInfo, meta: bytes, *, write: bool) -> Grant:
+    def _grant_locked(self, peer: PeerInfo, meta: bytes, *, write: bool) -> Grant | _Device:
         try:
             try:
                 req = decode(meta)
@@ -115,24 +136,109 @@ class PeerService:
             if isinstance(req, AddrsReq):
                 if not write:
                     raise _invalid("address reads are not served")
-                entries, views = self._addrs(req)
+                entries, layout, places = self._addrs(req)
                 release = None
             else:
                 entry, slot, release = self._lookup(req.key)
                 self._check_access(entry, write=write, key=req.key)
-                views = self._views(req, entry.cache, slot, write=write)
+                layout, tensors = self._layout(req, entry.cache, slot, write=write)
                 entries = [entry]
+                places = [(entry, t, 0) for t in tensors]
                 if write or not req.release:
                     release = None
+            if not is_staged(entries[0].cache.tensors[0].device):
+                views = layout.views([_host_bytes(e, t, off) for e, t, off in places])
+                return self._issue(entries, views, release)
+            device = self._device_plan(entries, layout, places, release)
         except _Refused as r:
             log.warning("refused a %s from cluster %d: %s", _kind(write), peer.cluster_id, r)
             return Grant(r.code)
-        return self._issue(entries, views, release)
+        self._registry.pin(*entries)  # refuses memory being unregistered
+        return device
+
+    @staticmethod
+    def _device_plan(
+        entries: list[Entry],
+        layout: ByteLayout,
+        places: list[tuple[Entry, int, int]],
+        release: CacheKey | None,
+    ) -> _Device:
+        """A request into staged (device) memory: one device, at most
+        :data:`~aiokv._copy.MAX_STAGED_BYTES` bytes (the host memory serving it needs)."""
+        buffers = [_flat(e, t, off, layout.extent) for e, t, off in places]
+        if any(b.device != buffers[0].device for b in buffers):
+            raise _invalid("the destination addresses are on different devices")
+        total = layout.total(len(buffers))
+        if total > MAX_STAGED_BYTES:
+            raise _invalid(
+                f"a request on {buffers[0].device} memory moves at most {MAX_STAGED_BYTES} "
+                f"bytes, not {total} (the requester splits bigger transfers)"
+            )
+        return _Device(entries, buffers, layout, release)
+
+    async def _staged(self, plan: _Device, *, write: bool) -> Grant:
+        """Serve a pinned device plan through a host staging buffer: a read's bytes are
+        gathered into it before the grant; a write lands in it and is scattered to the
+        device by the grant's ``commit``, before the writer hears that it landed."""
+        timeout = self._config.sync_kv_timeout / 1000
+        stager = self._stager
+        if stager is None:
+            self._registry.unpin(*plan.entries)
+            return Grant(Code.LLM_FEATURE_NOT_ENABLED)
+        try:
+            if write:
+                nbytes = plan.layout.total(len(plan.buffers))
+                staged = await stager.reserve(nbytes, plan.buffers[0].device, timeout)
+            else:
+                staged = await stager.gather(plan.buffers, plan.layout, timeout)
+        except BaseException as exc:
+            self._registry.unpin(*plan.entries)
+            if isinstance(exc, LLMException):
+                log.warning("could not stage a %s: %s", _kind(write), exc)
+                return Grant(exc.status_code)
+            if isinstance(exc, Exception):
+                log.exception("staging a %s failed", _kind(write))
+                return Grant(Code.LLM_FAILED)
+            raise
+        grant = self._issue(plan.entries, [staged.view], plan.release, pinned=True)
+        finish = grant.done
+        assert finish is not None
+        committing = False
+        ended: list[bool] = []
+
+        def done(ok: bool) -> None:  # after a commit that is running: when it ends
+            if committing:
+                ended.append(ok)
+                return
+            staged.release()
+            finish(ok)
+
+        async def commit() -> LLMStatusCode:
+            nonlocal committing
+            committing = True
+            try:
+                await stager.scatter(staged, plan.buffers, plan.layout)
+            finally:
+                committing = False
+                if ended:
+                    done(ended[0])
+            return Code.LLM_SUCCESS
+
+        grant.done = done
+        if write:
+            grant.commit = commit
+        return grant
 
     def _issue(
-        self, entries: list[Entry], views: list[memoryview], release: CacheKey | None
+        self,
+        entries: list[Entry],
+        views: list[memoryview],
+        release: CacheKey | None,
+        *,
+        pinned: bool = False,
     ) -> Grant:
-        """Pin ``entries`` and hand out a grant over ``views``, bounded in time.
+        """Pin ``entries`` (unless ``pinned`` already) and hand out a grant over ``views``,
+        bounded in time.
 
         The grant is revocable: ``unregister_cache`` of its memory aborts it (through the
         registry's revokers), and so does its deadline — this side's ``sync_kv_timeout``
@@ -141,7 +247,8 @@ class PeerService:
         bound to the cache that was read.
         """
         loop = asyncio.get_running_loop()
-        self._registry.pin(*entries)  # refuses memory being unregistered
+        if not pinned:
+            self._registry.pin(*entries)  # refuses memory being unregistered
         grant = Grant(Code.LLM_SUCCESS, views)
         token = object()  # Grant is a dataclass, not hashable
 
@@ -201,8 +308,6 @@ class PeerService:
             )
         if write and isinstance(key, KeyByReq):
             raise _invalid("a push needs a CacheKeyByIdAndIndex")
-        if not entry.cache.on_host:
-            raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "device memory over tcp")
 
     @staticmethod
     def _tensors(sel: Tensors, cache: Cache) -> range:
@@ -221,9 +326,10 @@ class PeerService:
             raise _invalid(f"data types differ ({sel.dtype} vs {cache.cache_desc.data_type})")
         return tensors
 
-    def _views(
+    def _layout(
         self, req: BlocksReq | ChunksReq | SlotReq, cache: Cache, slot: int | None, *, write: bool
-    ) -> list[memoryview]:
+    ) -> tuple[ByteLayout, range]:
+        """What ``req`` moves of ``cache``: the layout and the tensors it applies to."""
         tensors = self._tensors(req.tensors, cache)
         if isinstance(req, BlocksReq):
             if not cache.is_blocks_cache:
@@ -246,13 +352,15 @@ class PeerService:
                 if req.size > per_slot or (req.exact and req.size != per_slot):
                     raise _invalid(f"slot sizes differ ({req.size} vs {per_slot} bytes)")
                 layout = ByteLayout.of_span(slot * per_slot, req.size)
-        return layout.views([tensor_bytes(cache.tensors[t]) for t in tensors])
+        return layout, tensors
 
-    def _addrs(self, req: AddrsReq) -> tuple[list[Entry], list[memoryview]]:
+    def _addrs(self, req: AddrsReq) -> tuple[list[Entry], ByteLayout, list[tuple[Entry, int, int]]]:
         """Raw destination addresses: each must lie inside ONE registered, remote-accessible
         host tensor, together with every byte the layout touches from it, and no two
         addresses' regions may overlap (a byte written twice, like a destination block
-        named twice) — which bounds the views of one request by the registered memory."""
+        named twice) — which bounds the views of one request by the registered memory.
+
+        Returns the entries, the layout and, per address, ``(entry, tensor, offset)``."""
         blocks = None
         extent = req.block_bytes
         if req.blocks is not None:
@@ -266,7 +374,7 @@ class PeerService:
         if any(b - a < extent for a, b in itertools.pairwise(bases)):
             raise _invalid("the regions of two destination addresses overlap")
         entries: list[Entry] = []
-        buffers: list[memoryview] = []
+        places: list[tuple[Entry, int, int]] = []
         for base in req.bases:
             hit = self._registry.find_region(base, extent) if base else None
             if hit is None:
@@ -274,15 +382,37 @@ class PeerService:
             entry, ti, off = hit
             if not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
                 raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "memory is not remote accessible")
-            if not entry.cache.on_host:
-                raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "device memory over tcp")
+            if entries and entry.cache.on_host != entries[0].cache.on_host:
+                raise _invalid("the destination addresses are in host and device memory")
             entries.append(entry)
-            buffers.append(tensor_bytes(entry.cache.tensors[ti])[off : off + extent])
+            places.append((entry, ti, off))
         if blocks is None:
             layout = ByteLayout.of_span(0, req.block_bytes)
         else:
             layout = ByteLayout.of_blocks(blocks, req.block_bytes, stride=req.stride)
-        return entries, layout.views(buffers)
+        return entries, layout, places
+
+
+@dataclass(frozen=True, slots=True)
+class _Device:
+    """A checked, pinned request on staged (device) memory, before its staging."""
+
+    entries: list[Entry]
+    buffers: list[torch.Tensor]
+    layout: ByteLayout
+    release: CacheKey | None
+
+
+def _host_bytes(entry: Entry, tensor: int, offset: int) -> memoryview:
+    """The bytes of host tensor ``tensor`` of ``entry``'s cache from ``offset`` on."""
+    view = tensor_bytes(entry.cache.tensors[tensor])
+    return view[offset:] if offset else view
+
+
+def _flat(entry: Entry, tensor: int, offset: int, extent: int) -> torch.Tensor:
+    """Bytes ``[offset, offset + extent)`` of a (device) tensor as a flat ``uint8`` view."""
+    t = entry.cache.tensors[tensor]
+    return t.view(torch.uint8).reshape(-1)[offset : offset + extent]
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

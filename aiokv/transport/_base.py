@@ -15,7 +15,7 @@ import abc
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, Self
@@ -64,6 +64,14 @@ class Grant:
             refused by the transport (e.g. size mismatch), cancelled by the peer,
             revoked (:meth:`abort`), or the link breaks. After it is called the
             transport no longer touches ``buffers``. It must not raise or block.
+        commit: for a write grant only, optional: awaited on the event loop once every
+            byte landed in ``buffers`` and before the writer is told anything; the
+            writer's operation ends with the code it returns (``LLM_SUCCESS``: landed),
+            and ``done`` runs after it (with ``True`` only on ``LLM_SUCCESS``). It lets
+            the handler move the bytes on (staged device memory: host→device) before
+            the push counts as landed. It must not take long; if it raises, the writer
+            gets ``LLM_FAILED``. The grant may be revoked, cancelled or lose its link
+            while it runs (``done(False)`` may then run before it returns).
 
     Revoking: the handler may end a grant early with :meth:`abort` (its memory is
     going away, or the grant outlived its deadline). The transport binds the means
@@ -73,6 +81,7 @@ class Grant:
     status: LLMStatusCode
     buffers: list[memoryview] = field(default_factory=list)
     done: Callable[[bool], None] | None = None
+    commit: Callable[[], Awaitable[LLMStatusCode]] | None = None
     _abort: Callable[[LLMStatusCode], None] | None = field(default=None, repr=False)
     _aborted: LLMStatusCode | None = field(default=None, repr=False)
 

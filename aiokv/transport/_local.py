@@ -33,7 +33,7 @@ import hmac
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
 from .._enums import LLMStatusCode
@@ -114,6 +114,7 @@ class _Op:
     """
 
     __slots__ = (
+        "commit",
         "done",
         "failed",
         "lock",
@@ -138,6 +139,7 @@ class _Op:
         self.views: list[memoryview] = []
         self.total = 0
         self.done: Callable[[bool], None] | None = None
+        self.commit: Callable[[], Awaitable[LLMStatusCode]] | None = None  # Grant.commit
         self.over = False  # given up, failed or finished: the grant is released
         self.failed = False  # the link broke under it
         self.revoked: LLMStatusCode | None = None  # the server revoked the grant (abort)
@@ -150,6 +152,8 @@ class _Op:
             late = self.over
             if not late:
                 self.status, self.views, self.total, self.done = status, views, total, done
+                if writable and isinstance(grant, Grant):
+                    self.commit = grant.commit
         if late and done is not None:
             _release(done, False)  # nobody waits for it any more
         elif not late and status is LLMStatusCode.LLM_SUCCESS and isinstance(grant, Grant):
@@ -296,6 +300,8 @@ class _LocalLink(Link):
                         status_code=_S.LLM_PARAM_INVALID,
                     )
                 await self._copy(name, op, *((op.views, views) if is_read else (views, op.views)))
+                if op.commit is not None:
+                    await self._commit(name, op, op.commit)
                 if (revoked := op.settle()) is not None:
                     raise self._revoked(name, revoked)
             ok = True
@@ -307,6 +313,26 @@ class _LocalLink(Link):
         finally:
             self._ops.discard(op)
             op.end(ok)
+
+    async def _commit(
+        self, name: str, op: _Op, commit: Callable[[], Awaitable[LLMStatusCode]]
+    ) -> None:
+        """Run the grant's commit on the server's loop; raise its failure code."""
+
+        async def run() -> LLMStatusCode:
+            try:
+                return LLMStatusCode(await commit())
+            except Exception:
+                _log.exception("the commit of a write grant failed")
+                return _S.LLM_FAILED
+
+        fut = asyncio.run_coroutine_threadsafe(run(), op.peer_loop)
+        status = await asyncio.shield(asyncio.wrap_future(fut))
+        if status is not _S.LLM_SUCCESS:
+            raise LLMException(
+                f"{name}: cluster {self.peer.cluster_id} answered {status.name}",
+                status_code=status,
+            )
 
     async def _copy(self, name: str, op: _Op, src: list[memoryview], dst: list[memoryview]) -> None:
         """Copy ``src`` into ``dst`` (equal totals, any split), yielding between steps."""

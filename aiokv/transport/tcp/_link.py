@@ -665,6 +665,7 @@ class TcpLink(Link):
         status, views, total = check_grant(grant, name, writable=not op.is_read)
         if isinstance(grant, Grant):
             op.bind(grant.done)
+            op.commit = None if op.is_read else grant.commit
         if self._theirs.get(op.rid) is not op or self._broken:
             op.finish(False)  # cancelled or link lost while the handler decided
             return

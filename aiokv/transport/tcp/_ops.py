@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from ..._enums import LLMStatusCode
@@ -158,7 +158,7 @@ class MyOp:
 class PeerOp:
     """A request the peer started, which this side serves."""
 
-    __slots__ = ("_done", "cursor", "is_read", "nixl", "rid", "state", "stream", "task")
+    __slots__ = ("_done", "commit", "cursor", "is_read", "nixl", "rid", "state", "stream", "task")
 
     def __init__(self, rid: int, is_read: bool) -> None:
         self.rid = rid
@@ -168,6 +168,7 @@ class PeerOp:
         self.cursor: Cursor | None = None
         self.stream: Stream | None = None
         self._done: Callable[[bool], None] | None = None
+        self.commit: Callable[[], Awaitable[LLMStatusCode]] | None = None  # Grant.commit
         self.nixl = False  # the peer asked for a NIXL transfer (NREAD_REQ / NWRITE_REQ)
 
     def bind(self, done: Callable[[bool], None] | None) -> None:
@@ -184,6 +185,28 @@ class PeerOp:
                 _log.exception("Grant.done callback failed")
 
     def on_filled(self, link: TcpLink) -> None:
+        """Every byte of the peer's write landed: confirm it, after the grant's commit."""
+        commit, self.commit = self.commit, None
+        if commit is None:
+            self.landed(link, _S.LLM_SUCCESS)
+        else:
+            link._spawn(self._committed(link, commit), f"commit-{self.rid}")
+
+    def landed(self, link: TcpLink, status: LLMStatusCode) -> None:
         link._theirs.pop(self.rid, None)
-        self.finish(True)
-        link._post(wire.encode_frame(_F.WRITE_DONE, self.rid, status=_S.LLM_SUCCESS))
+        self.finish(status is _S.LLM_SUCCESS)
+        link._post(wire.encode_frame(_F.WRITE_DONE, self.rid, status=status))
+
+    async def _committed(
+        self, link: TcpLink, commit: Callable[[], Awaitable[LLMStatusCode]]
+    ) -> None:
+        status = _S.LLM_FAILED
+        try:
+            status = LLMStatusCode(await commit())
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            _log.exception("%r: the commit of request %d failed", link, self.rid)
+        finally:
+            if link._theirs.get(self.rid) is self and self.state is not State.OVER:
+                self.landed(link, status)  # else revoked, cancelled or the link broke

@@ -1,0 +1,280 @@
+"""Staging: the bytes of a transfer that live in accelerator memory, through host buffers.
+
+Transports move host memory. A transfer whose local bytes are on a device (a ``cuda``
+or ``npu`` cache) is staged: :class:`Stager` copies them device→host into a host buffer
+before they are sent (:meth:`Stager.gather`), or lends a host buffer to receive into
+and copies it host→device afterwards (:meth:`Stager.reserve`, :meth:`Stager.scatter`).
+
+* The copies run on a copy worker thread, on that thread's side stream of the device
+  (after it waited for work queued on the device's current stream), and the worker —
+  never the event loop — waits for them. Host buffers are pinned, so the copies are
+  DMA at full speed.
+* Many runs of one size (the blocks of a paged cache) are gathered with one
+  ``index_select`` per tensor into device scratch and ONE device→host copy (scattered
+  likewise with one host→device copy and ``index_copy_``); a few runs are copied
+  directly.
+* The host memory in use at once is bounded by :data:`STAGE_LIMIT` per ``Stager``; a
+  caller waits for room (within its deadline). Pipelining — the copy of part i+1 while
+  part i is on the wire — comes from the caller running parts concurrently
+  (:mod:`aiokv._remote._client`), each part at most :data:`PART_BYTES` bytes.
+
+For tests on machines without an accelerator, ``AIOKV_TEST_STAGE_HOST=1`` in the
+environment makes CPU caches take the staged path too (:func:`is_staged`); it changes
+no result, only the route. It is a testing knob, not a setting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from .._enums import LLMStatusCode
+from .._errors import LLMException
+from .._layout import ByteLayout, tensor_bytes
+from ._device import supports_pinning
+from ._kernels import worker_context
+from ._scheduler import CopyScheduler
+
+__all__ = ["MAX_STAGED_BYTES", "PART_BYTES", "STAGE_LIMIT", "Staged", "Stager", "is_staged"]
+
+#: Bytes of one part of a staged transfer (the unit the pipeline overlaps).
+PART_BYTES: Final = 8 << 20
+#: Most bytes one request into or out of staged memory may move (a peer's request for
+#: more is refused, so that serving it needs no more host memory than this).
+MAX_STAGED_BYTES: Final = 64 << 20
+#: Host staging memory one ``Stager`` holds at once.
+STAGE_LIMIT: Final = 4 * MAX_STAGED_BYTES
+
+#: Runs below this many are copied one by one; above, gathered by row index.
+_FEW_RUNS: Final = 8
+#: Rows of an index gather must be at least this long (else per-run copies).
+_MIN_ROW: Final = 256
+
+_STAGE_HOST: Final = os.environ.get("AIOKV_TEST_STAGE_HOST") == "1"
+
+
+def is_staged(device: torch.device) -> bool:
+    """Whether memory on ``device`` moves through host staging: every accelerator (and,
+    under the ``AIOKV_TEST_STAGE_HOST=1`` testing knob, the CPU too)."""
+    return device.type != "cpu" or _STAGE_HOST
+
+
+@dataclass(slots=True, eq=False)
+class Staged:
+    """A host buffer lent by a :class:`Stager`; :meth:`release` gives it back (once).
+
+    Attributes:
+        host: the ``uint8`` host tensor (pinned where the device allows).
+        view: a writable memoryview of all of ``host``, for a transport.
+    """
+
+    host: torch.Tensor
+    view: memoryview
+    _stager: Stager | None = field(repr=False)
+
+    def release(self) -> None:
+        """Return the buffer's room to its stager; idempotent. The transport must be done
+        with :attr:`view` (a grant's ``done`` ran, or the request returned)."""
+        stager, self._stager = self._stager, None
+        if stager is not None:
+            stager._give(self.host.numel())
+
+
+class Stager:
+    """Host staging of device-resident transfer bytes, bounded by ``limit`` bytes.
+
+    Use it from one event loop (the engine's); the copies run as jobs of ``scheduler``.
+
+    Args:
+        scheduler: the copy scheduler whose workers issue and wait for the copies.
+        limit: host bytes lent at once; a request over it is refused, others wait.
+    """
+
+    def __init__(self, scheduler: CopyScheduler, limit: int = STAGE_LIMIT) -> None:
+        self._scheduler = scheduler
+        self._limit = limit
+        self._free = limit
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    @property
+    def in_use(self) -> int:
+        """Host bytes lent right now."""
+        return self._limit - self._free
+
+    async def gather(
+        self,
+        buffers: Sequence[torch.Tensor],
+        layout: ByteLayout,
+        timeout: float,  # noqa: ASYNC109
+    ) -> Staged:
+        """The bytes ``layout`` names of each flat ``uint8`` buffer (all on one device),
+        in wire order, copied into a host buffer.
+
+        Raises:
+            LLMException: ``LLM_PARAM_INVALID`` over the limit; ``LLM_TIMEOUT`` when no
+                room came within ``timeout`` seconds.
+            Exception: whatever torch raised in the worker.
+        """
+        device = buffers[0].device
+        nbytes = layout.total(len(buffers))
+        await self._take(nbytes, timeout)
+        try:
+            host = await self._scheduler.call(lambda: _gather(buffers, layout, device))
+        except BaseException:
+            self._give(nbytes)
+            raise
+        return Staged(host, tensor_bytes(host), self)
+
+    async def reserve(
+        self,
+        nbytes: int,
+        device: torch.device,
+        timeout: float,  # noqa: ASYNC109
+    ) -> Staged:
+        """An uninitialised host buffer of ``nbytes`` to receive bytes bound for ``device``.
+
+        Raises:
+            LLMException: as :meth:`gather`.
+        """
+        await self._take(nbytes, timeout)
+        try:
+            host = await self._scheduler.call(lambda: _host(nbytes, device))
+        except BaseException:
+            self._give(nbytes)
+            raise
+        return Staged(host, tensor_bytes(host), self)
+
+    async def scatter(
+        self, staged: Staged, buffers: Sequence[torch.Tensor], layout: ByteLayout
+    ) -> None:
+        """Copy ``staged`` (wire order) into the bytes ``layout`` names of each buffer;
+        returns once the bytes are in device memory. Cancelled while the copy runs, it
+        still waits for the copy to end (so the buffers are not written afterwards).
+
+        Raises:
+            Exception: whatever torch raised in the worker.
+        """
+        device = buffers[0].device
+        await self._scheduler.call(lambda: _scatter(staged.host, buffers, layout, device))
+
+    # ---- the byte budget: first come, first served ----------------------------------
+    async def _take(self, nbytes: int, timeout: float) -> None:  # noqa: ASYNC109
+        if nbytes > self._limit:
+            raise LLMException(
+                f"staging {nbytes} bytes exceeds the staging limit of {self._limit}",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        if not self._waiters and self._free >= nbytes:
+            self._free -= nbytes
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiter = (nbytes, fut)
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                await fut
+        except BaseException as exc:
+            if fut.done() and not fut.cancelled():
+                self._give(nbytes)  # the room came just as we gave up
+            else:
+                self._waiters.remove(waiter)
+                self._give(0)  # a smaller request behind us may fit now
+            if isinstance(exc, TimeoutError):
+                raise LLMException(
+                    f"no host staging room for {nbytes} bytes within {timeout:.3g} s",
+                    status_code=LLMStatusCode.LLM_TIMEOUT,
+                ) from None
+            raise
+
+    def _give(self, nbytes: int) -> None:
+        self._free += nbytes
+        waiters = self._waiters
+        while waiters and self._free >= waiters[0][0]:
+            n, fut = waiters.popleft()
+            self._free -= n
+            fut.set_result(None)
+
+
+# ---- the copy jobs (on a worker thread) ---------------------------------------------------
+
+
+def _host(nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=supports_pinning(device))
+
+
+def _rows(layout: ByteLayout) -> tuple[int, npt.NDArray[np.int64]] | None:
+    """``(row bytes, row indices)`` covering the layout's runs, when there are many runs
+    and a common row length of at least :data:`_MIN_ROW` bytes; else None."""
+    if layout.runs <= _FEW_RUNS:
+        return None
+    starts = np.asarray(layout.starts, dtype=np.int64)
+    ends = np.asarray(layout.ends, dtype=np.int64)
+    unit = int(np.gcd.reduce(np.concatenate((starts, ends))))
+    if unit < _MIN_ROW:
+        return None
+    counts = (ends - starts) // unit
+    before = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    idx = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts // unit - before, counts)
+    return unit, idx
+
+
+def _as_rows(buf: torch.Tensor, unit: int) -> torch.Tensor:
+    return buf[: buf.numel() // unit * unit].view(-1, unit)
+
+
+def _gather(
+    buffers: Sequence[torch.Tensor], layout: ByteLayout, device: torch.device
+) -> torch.Tensor:
+    per = layout.per_buffer
+    host = _host(per * len(buffers), device)
+    ctx = worker_context(device)
+    with ctx.stream():
+        rows = _rows(layout)
+        if rows is None:
+            pos = 0
+            for buf in buffers:
+                for a, b in zip(layout.starts, layout.ends, strict=True):
+                    host[pos : pos + b - a].copy_(buf[a:b], non_blocking=True)
+                    pos += b - a
+        else:
+            unit, idx = rows
+            index = torch.from_numpy(idx).to(device)
+            out = host if device.type == "cpu" else torch.empty_like(host, device=device)
+            for i, buf in enumerate(buffers):
+                dst = out[i * per : (i + 1) * per].view(-1, unit)
+                torch.index_select(_as_rows(buf, unit), 0, index, out=dst)
+            if out is not host:
+                host.copy_(out, non_blocking=True)
+    ctx.synchronize()
+    return host
+
+
+def _scatter(
+    host: torch.Tensor, buffers: Sequence[torch.Tensor], layout: ByteLayout, device: torch.device
+) -> None:
+    per = layout.per_buffer
+    ctx = worker_context(device)
+    with ctx.stream():
+        rows = _rows(layout)
+        if rows is None:
+            pos = 0
+            for buf in buffers:
+                for a, b in zip(layout.starts, layout.ends, strict=True):
+                    buf[a:b].copy_(host[pos : pos + b - a], non_blocking=True)
+                    pos += b - a
+        else:
+            unit, idx = rows
+            index = torch.from_numpy(idx).to(device)
+            src = host.to(device, non_blocking=True)
+            for i, buf in enumerate(buffers):
+                part = src[i * per : (i + 1) * per].view(-1, unit)
+                _as_rows(buf, unit).index_copy_(0, index, part)
+    ctx.synchronize()

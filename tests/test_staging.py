@@ -1,0 +1,331 @@
+"""Device-resident caches over the byte transports, through pinned host staging (#10).
+
+Every test runs on two routes: ``host-staged`` — CPU caches forced onto the staged path
+(the ``AIOKV_TEST_STAGE_HOST`` testing knob, patched in-process), so CI on a machine
+without an accelerator runs the whole pipeline — and ``cuda`` — real device caches,
+skipped without a GPU. Both sides of each test are linked ``LLMDataDist`` s over TCP
+(and the in-memory transport), moving more than one part so that the split, the
+pipeline and the last-part key release all run. Each test asserts the bytes that
+arrived and that no staging memory stays lent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aiokv import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+from aiokv._copy import Stager, _staging
+from aiokv._layout import ByteLayout
+from aiokv._remote import Transfer
+from aiokv._remote import _client as client_mod
+from aiokv._remote import _service as service_mod
+from aiokv._remote._protocol import BlocksReq, KeyByBlocks, SlotReq, Tensors, blocks_of, encode
+
+CODE = LLMStatusCode
+HAS_CUDA = torch.cuda.is_available()
+MiB = 1 << 20
+
+
+@pytest.fixture(params=["host-staged", "cuda"])
+def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "cuda":
+        if not HAS_CUDA:
+            pytest.skip("no CUDA device")
+    else:
+        monkeypatch.setattr(_staging, "_STAGE_HOST", True)
+    monkeypatch.setattr(client_mod, "PART_BYTES", 1 * MiB)  # many parts of small caches
+    return str(request.param)
+
+
+def config(route: str, backend: str, **kw: Any) -> LLMConfig:
+    base: dict[str, Any] = {
+        "device_type": "cuda" if route == "cuda" else "cpu",
+        "enable_cache_manager": True,
+        "listen_ip_info": "127.0.0.1:0",
+        "mem_pool_cfg": '{"memory_size": 67108864, "page_shift": 16}',
+        "host_mem_pool_cfg": '{"memory_size": 67108864, "page_shift": 16}',
+        "enable_remote_cache_accessible": True,
+        "transfer_backend": backend,
+        "sync_kv_timeout": 20000,
+    }
+    base.update(kw)
+    return LLMConfig(**base)
+
+
+@contextlib.asynccontextmanager
+async def linked(route: str, backend: str) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config(route, backend)) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config(route, backend)) as d,
+    ):
+        assert p.listen_address is not None
+        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        code, _ = await d.link_clusters([info])
+        assert code == CODE.LLM_SUCCESS
+        yield p, d
+        assert stager(p).in_use == 0 and stager(d).in_use == 0  # every host buffer back
+
+
+def stager(dd: LLMDataDist) -> Stager:
+    return dd.cache_manager._client._stager  # type: ignore[attr-defined,no-any-return]
+
+
+def paged(layers: int = 2, blocks: int = 96, placement: Placement = Placement.DEVICE) -> CacheDesc:
+    return CacheDesc(2 * layers, [blocks, 8192], DataType.DT_FLOAT16, placement)  # 16 KiB blocks
+
+
+def fill(cache: Cache, seed: int) -> None:
+    """Random bytes in every tensor."""
+    rng = np.random.default_rng(seed)
+    for t in cache.tensors:
+        raw = np.frombuffer(rng.bytes(t.numel() * t.element_size()), dtype=np.uint8)
+        t.view(torch.uint8).copy_(torch.from_numpy(raw.copy()).view(t.view(torch.uint8).shape))
+
+
+def host(cache: Cache) -> list[torch.Tensor]:
+    return [t.cpu() for t in cache.tensors]
+
+
+async def same_rows(dst: Cache, drows: Any, src: Cache | list[torch.Tensor], srows: Any) -> None:
+    """``dst[drows] == src[srows]`` in every tensor (compared off the event loop)."""
+
+    def check() -> None:
+        ts_all = src if isinstance(src, list) else host(src)
+        for td, ts in zip(host(dst), ts_all, strict=True):
+            assert torch.equal(td.view(torch.uint8)[drows], ts.view(torch.uint8)[srows])
+
+    await asyncio.to_thread(check)
+
+
+BACKENDS = ["tcp", "local"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_pull_and_push_blocks(route: str, backend: str) -> None:
+    async with linked(route, backend) as (p, d):
+        src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+        dst = await d.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(2, 0))
+        fill(src, 1)
+        fill(dst, 2)
+        rng = np.random.default_rng(0)
+        srcs = rng.permutation(96)[:80].tolist()  # 80 scattered blocks: 5 MiB, many parts
+        dsts = rng.permutation(96)[:80].tolist()
+        untouched = sorted(set(range(96)) - set(dsts))
+        before = host(dst)
+        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, srcs, dsts)
+        await same_rows(dst, dsts, src, srcs)
+        await same_rows(dst, untouched, before, untouched)
+        # and back: push P's blocks into other blocks of D
+        fill(src, 3)
+        await p.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, srcs[:40], dsts[40:])
+        await same_rows(dst, dsts[40:], src, srcs[:40])
+
+
+@pytest.mark.parametrize("placements", [("device", "host"), ("host", "device")])
+async def test_mixed_placements(route: str, placements: tuple[str, str]) -> None:
+    """A device cache on one side, a host cache on the other (llm_datadist allows it)."""
+    place = {"device": Placement.DEVICE, "host": Placement.HOST}
+    async with linked(route, "tcp") as (p, d):
+        src = await p.cache_manager.allocate_blocks_cache(
+            paged(placement=place[placements[0]]), BlocksCacheKey(1, 0)
+        )
+        dst = await d.cache_manager.allocate_blocks_cache(paged(placement=place[placements[1]]))
+        fill(src, 4)
+        blocks = list(range(0, 96, 2))
+        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks[::-1])
+        await same_rows(dst, blocks[::-1], src, blocks)
+
+
+async def test_pull_by_cache_key_releases_after_the_last_part(route: str) -> None:
+    """A contiguous source pulled in parts: the key goes only with the last part."""
+    async with linked(route, "tcp") as (p, d):
+        desc = CacheDesc(4, [1, 96 * 8192], DataType.DT_FLOAT16)  # one slot = 96 blocks
+        key = CacheKey(1, req_id=7)
+        src = await p.cache_manager.allocate_cache(desc, [key])
+        fill(src, 5)
+        dst = await d.cache_manager.allocate_blocks_cache(paged())
+        chunks = list(range(96))
+        await d.cache_manager.pull_blocks(key, dst, chunks, chunks[::-1])
+        await same_rows(dst, chunks[::-1], [t.view(96, 8192) for t in host(src)], chunks)
+        with pytest.raises(LLMException) as ei:  # released: a second pull finds nothing
+            await d.cache_manager.pull_blocks(key, dst, [0], [0])
+        assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+
+
+async def test_slot_transfers_split_by_layer(route: str) -> None:
+    async with linked(route, "tcp") as (p, d):
+        desc = CacheDesc(8, [2, 64 * 8192], DataType.DT_FLOAT16)  # 1 MiB a slot a tensor
+        src = await p.cache_manager.allocate_cache(desc, [CacheKey(1, req_id=1)])
+        dst = await d.cache_manager.allocate_cache(desc, [])
+        fill(src, 6)
+        key = CacheKeyByIdAndIndex(1, src.cache_id, 1)
+        await d.cache_manager.pull_cache(key, dst, batch_index=0)
+        await same_rows(dst, 0, src, 1)
+        fill(dst, 7)
+        await d.cache_manager.push_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst, 1)
+        await same_rows(src, 0, dst, 1)
+
+
+class Ready:
+    """Every layer is ready at once."""
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+async def test_layer_wise_push_from_device(route: str) -> None:
+    async with linked(route, "tcp") as (p, d):
+        layers = 3
+        src = await p.cache_manager.allocate_blocks_cache(paged(layers))
+        fill(src, 8)
+        by_key = await d.cache_manager.allocate_blocks_cache(paged(layers), BlocksCacheKey(2, 0))
+        by_addr = await d.cache_manager.allocate_blocks_cache(paged(layers), BlocksCacheKey(2, 1))
+        srcs, dsts = list(range(10, 90)), list(range(80))
+        task = p.cache_manager.transfer_cache_async(
+            src,
+            Ready(),
+            [
+                TransferWithCacheKeyConfig(BlocksCacheKey(2, 0)),
+                TransferConfig(2, by_addr.tensor_addrs),
+            ],
+            srcs,
+            dsts,
+        )
+        assert await task == [CODE.LLM_SUCCESS, CODE.LLM_SUCCESS]
+        for dst in (by_key, by_addr):
+            await same_rows(dst, dsts, src, srcs)
+
+
+async def test_a_device_request_over_the_staging_cap_is_refused(
+    route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's request into staged memory moves at most MAX_STAGED_BYTES: bigger ones
+    are refused before any host memory is lent (a requester splits its own)."""
+    monkeypatch.setattr(service_mod, "MAX_STAGED_BYTES", 1 * MiB)
+    async with linked(route, "tcp") as (p, d):
+        await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+        link = d.cache_manager._client.link("pull_blocks", 1)  # type: ignore[attr-defined]
+        blocks = np.arange(40, dtype="<i8")  # 4 tensors x 40 x 16 KiB = 2.5 MiB
+        req = BlocksReq(KeyByBlocks(1, 0), Tensors(4), blocks.tobytes(), 16384)
+        into = [memoryview(bytearray(40 * 4 * 16384))]
+        engine = d._engine  # type: ignore[attr-defined]
+        with pytest.raises(LLMException) as ei:
+            await engine.run(link.read, encode(req), into, timeout=5.0)
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        assert stager(p).in_use == 0
+        # the same blocks through the API are split below the cap and arrive
+        dst = await d.cache_manager.allocate_blocks_cache(paged())
+        monkeypatch.setattr(client_mod, "MAX_STAGED_BYTES", 1 * MiB)
+        await d.cache_manager.pull_blocks(
+            BlocksCacheKey(1, 0), dst, list(range(40)), list(range(40))
+        )
+
+
+# ---- pieces ------------------------------------------------------------------------------------
+def test_parts_cover_the_transfer_once() -> None:
+    """Cutting by layers and blocks: every (tensor, block) pair exactly once, the remote
+    block list cut alongside the local one, ``release`` only on the last part."""
+    local = np.arange(100, dtype=np.int64)[::-1].copy()
+    remote = np.arange(100, 200, dtype=np.int64)
+    pair = dict(zip(remote.tolist(), local.tolist(), strict=True))
+    req = BlocksReq(KeyByBlocks(1, 0), Tensors(6, (1, 4), 2, 1), remote.tobytes(), 4096, True)
+    job = Transfer.of_blocks(req, range(0, 6), local, remote, 4096)
+    parts = list(job.parts(64 << 10))  # 2 tensors x 8 blocks x 4 KiB per part
+    assert len(parts) == 3 * 13
+    seen: set[tuple[int, int]] = set()
+    for i, part in enumerate(parts):
+        assert isinstance(part.request, BlocksReq)
+        assert part.nbytes <= 64 << 10
+        assert part.request.release == (i == len(parts) - 1)
+        sel = part.request.tensors
+        assert sel.layers is not None and sel.count == 2 * (sel.layers[1] - sel.layers[0])
+        assert list(part.tensors) == list(range(2 * (sel.layers[0] - 1), 2 * (sel.layers[1] - 1)))
+        rblocks = blocks_of(part.request.blocks)
+        assert rblocks is not None
+        want = ByteLayout.of_blocks(np.array([pair[r] for r in rblocks.tolist()]), 4096)
+        assert (part.layout.starts, part.layout.ends) == (want.starts, want.ends)
+        for t in part.tensors:
+            for r in rblocks.tolist():
+                assert (t, r) not in seen
+                seen.add((t, r))
+    assert len(seen) == 6 * 100
+    whole = list(job.parts(1 << 30))
+    assert len(whole) == 1 and whole[0].request is req
+
+
+def test_slot_parts_cut_by_layer() -> None:
+    req = SlotReq(KeyByBlocks(1, 0), Tensors(8), 1 << 20, exact=True, release=True)  # type: ignore[arg-type]
+    job = Transfer.of_span(req, range(8), 0, 1 << 20)
+    parts = list(job.parts(2 << 20))
+    assert [p.tensors for p in parts] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert [p.request.tensors.layers for p in parts] == [(0, 1), (1, 2), (2, 3), (3, 4)]  # type: ignore[union-attr]
+    assert [p.request.release for p in parts] == [False, False, False, True]  # type: ignore[union-attr]
+
+
+async def test_stager_bounds_what_it_lends() -> None:
+    from aiokv._copy import CopyScheduler
+
+    sched = CopyScheduler(torch.device("cpu"))
+    try:
+        st = Stager(sched, limit=4 * MiB)
+        cpu = torch.device("cpu")
+        with pytest.raises(LLMException) as ei:
+            await st.reserve(5 * MiB, cpu, 1.0)
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID and st.in_use == 0
+        a = await st.reserve(3 * MiB, cpu, 1.0)
+        with pytest.raises(LLMException) as ei:  # no room within the deadline
+            await st.reserve(2 * MiB, cpu, 0.05)
+        assert ei.value.status_code == CODE.LLM_TIMEOUT and st.in_use == 3 * MiB
+        waiter = asyncio.ensure_future(st.reserve(2 * MiB, cpu, 5.0))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        a.release()
+        a.release()  # idempotent
+        b = await asyncio.wait_for(waiter, 5.0)
+        assert st.in_use == 2 * MiB
+        b.release()
+        assert st.in_use == 0
+        # gather / scatter of many runs (index path) and of few runs (copy path)
+        bufs = [torch.arange(64 * 1024, dtype=torch.int32).view(torch.uint8) for _ in range(2)]
+        for layout in (
+            ByteLayout.of_blocks(np.array([5, 3, 9, 10, 11, 0, 60, 2, 7, 1]), 1024),
+            ByteLayout.of_span(100, 3000),
+        ):
+            got = await st.gather(bufs, layout, 1.0)
+            want = b"".join(bytes(v) for v in layout.views([memoryview(b.numpy()) for b in bufs]))
+            assert bytes(got.view) == want
+            out = [torch.zeros_like(b) for b in bufs]
+            await st.scatter(got, out, layout)
+            got.release()
+            assert (
+                bytes(
+                    b"".join(bytes(v) for v in layout.views([memoryview(b.numpy()) for b in out]))
+                )
+                == want
+            )
+        assert st.in_use == 0
+    finally:
+        await sched.aclose()
