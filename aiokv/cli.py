@@ -92,6 +92,20 @@ def bench_transfer(
     _emit(report, as_json)
 
 
+@bench_app.command("device")
+def bench_device(quick: Quick = False, as_json: Json = False) -> None:
+    """Device (CUDA) caches over TCP through host staging vs raw socket + cudaMemcpy."""
+    from ._bench.device import run_device_bench
+    from ._errors import LLMException
+
+    try:
+        report = run_device_bench(quick=quick)
+    except LLMException as exc:  # no accelerator here
+        typer.echo(f"aiokv bench device: {exc}", err=True)
+        raise typer.Exit(1) from None
+    _emit(report, as_json)
+
+
 @bench_app.command("layerwise")
 def bench_layerwise(quick: Quick = False, as_json: Json = False) -> None:
     """transfer_cache_async (by key, by raw addresses) vs one push_blocks of the same bytes."""

@@ -222,6 +222,9 @@ async def serve_requests(
 
 #: The prompt peer's cluster id; its one blocks cache is ``BlocksCacheKey(PEER_ID, 0)``.
 PEER_ID = 1
+#: Where a benchmark participant keeps its pool.
+DeviceKind = Literal["cpu", "cuda", "npu"]
+
 #: The decoder's cluster id in :func:`run_remote`.
 DECODER_ID = 2
 #: The pool of each side of the remote benchmarks.
@@ -229,13 +232,17 @@ POOL_BYTES = 1 << 30
 
 
 def participant_config(
-    pool_bytes: int, tls: TlsFiles | None = None, backend: Backend = "tcp"
+    pool_bytes: int,
+    tls: TlsFiles | None = None,
+    backend: Backend = "tcp",
+    device_type: DeviceKind = "cpu",
 ) -> LLMConfig:
-    """A CPU participant on loopback with a ``pool_bytes`` pool, remote accessible,
-    linking with ``backend``; its links over TLS with ``tls``'s files when given."""
+    """A participant on loopback with a ``pool_bytes`` pool on ``device_type`` (``cpu``,
+    ``cuda``), remote accessible, linking with ``backend``; its links over TLS with
+    ``tls``'s files when given."""
     return LLMConfig(
         transfer_backend=backend,
-        device_type="cpu",
+        device_type=device_type,
         enable_cache_manager=True,
         listen_ip_info="127.0.0.1:0",
         mem_pool_cfg=f'{{"memory_size": {pool_bytes}, "page_shift": 16}}',
@@ -261,16 +268,20 @@ def digest(cache: Cache, blocks: Sequence[int]) -> str:
     prove that a transfer put every byte where it belongs.
     """
     h = hashlib.blake2b()
-    index = torch.tensor(list(blocks))
+    index = torch.tensor(list(blocks), device=cache.tensors[0].device)
     for t in cache.tensors:
-        h.update(t.view(torch.uint8).view(cache.num_blocks, -1)[index].numpy().data)
+        h.update(t.view(torch.uint8).view(cache.num_blocks, -1)[index].cpu().numpy().data)
     return h.hexdigest()
 
 
 async def _prompt_main(
-    conn: Connection, pool_bytes: int, tls: TlsFiles | None, backend: Backend
+    conn: Connection,
+    pool_bytes: int,
+    tls: TlsFiles | None,
+    backend: Backend,
+    device_type: DeviceKind,
 ) -> None:
-    config = participant_config(pool_bytes, tls, backend)
+    config = participant_config(pool_bytes, tls, backend, device_type)
     async with LLMDataDist(LLMRole.PROMPT, PEER_ID, config) as dd:
         cm = dd.cache_manager
         caches: list[Cache] = []
@@ -317,9 +328,10 @@ def _prompt_peer(
     tls: TlsFiles | None,
     backend: Backend,
     env: Mapping[str, str | None],
+    device_type: DeviceKind,
 ) -> None:
     apply_env(env)
-    run_loop(lambda: _prompt_main(conn, pool_bytes, tls, backend))
+    run_loop(lambda: _prompt_main(conn, pool_bytes, tls, backend, device_type))
 
 
 class PromptPeer(Peer):
@@ -328,7 +340,8 @@ class PromptPeer(Peer):
     It holds one blocks cache at a time, keyed ``BlocksCacheKey(PEER_ID, 0)``, allocated
     from a ``pool_bytes`` pool (so remote accessible) and filled by :func:`random_fill`.
     With ``tls``, it accepts links over TLS only. It links with ``backend``, in a
-    process whose environment has ``env`` applied first (``None``: removed).
+    process whose environment has ``env`` applied first (``None``: removed). Its pool
+    is on ``device_type``.
     """
 
     def __init__(
@@ -337,8 +350,9 @@ class PromptPeer(Peer):
         tls: TlsFiles | None = None,
         backend: Backend = "tcp",
         env: Mapping[str, str | None] | None = None,
+        device_type: DeviceKind = "cpu",
     ) -> None:
-        super().__init__(_prompt_peer, pool_bytes, tls, backend, dict(env or {}))
+        super().__init__(_prompt_peer, pool_bytes, tls, backend, dict(env or {}), device_type)
         self.port: int = self.hello
 
     async def cache(self, desc: CacheDesc) -> list[int]:
@@ -391,15 +405,19 @@ async def spawned_all(starts: Sequence[Callable[[], S]]) -> AsyncIterator[list[S
 
 @contextlib.asynccontextmanager
 async def linked(
-    peer: PromptPeer, cluster_id: int, pool_bytes: int, tls: TlsFiles | None = None
+    peer: PromptPeer,
+    cluster_id: int,
+    pool_bytes: int,
+    tls: TlsFiles | None = None,
+    device_type: DeviceKind = "cpu",
 ) -> AsyncIterator[LLMDataDist]:
-    """A decoder participant with a ``pool_bytes`` pool, linked to ``peer`` (over TLS with
-    ``tls``'s files), for the block.
+    """A decoder participant with a ``pool_bytes`` pool on ``device_type``, linked to
+    ``peer`` (over TLS with ``tls``'s files), for the block.
 
     Raises:
         RuntimeError: the link failed (its status code in the message).
     """
-    config = participant_config(pool_bytes, tls)
+    config = participant_config(pool_bytes, tls, device_type=device_type)
     async with LLMDataDist(LLMRole.DECODER, cluster_id, config) as dd:
         info = LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[("127.0.0.1", peer.port)])
         code, codes = await dd.link_clusters([info])
