@@ -90,7 +90,7 @@ def run_device_bench(*, quick: bool = False, device_type: str = "cuda") -> Repor
 
     run_loop(main)
     report.summary(
-        "device",
+        "baseline",
         "ratios are against receiving the bytes from a raw socket and then copying them "
         "host→device in one pinned cudaMemcpy; goal ≥ 0.85",
     )
