@@ -13,6 +13,8 @@ each ``(B, K)`` — K scattered blocks of B bytes — and round by round, interl
   cache, peer in host memory (staging on this side only).
 * ``pull_dd`` / ``push_dd``: the same with the peer's cache on the device too (staging
   on both sides).
+* ``pull_host``: for reference, ``pull_blocks`` between host caches (no staging), the
+  same bytes: what staging costs on top of the plain path.
 
 Every pull is checked byte for byte (digests) before the timed rounds. The table gives
 GB/s and each contender's ratio to ``raw``; the goal (issue #10) is ≥ 0.85.
@@ -78,6 +80,7 @@ def run_device_bench(*, quick: bool = False, device_type: str = "cuda") -> Repor
             spawned(lambda: RawStream(top)) as raw,
             linked(host_peer, DECODER_ID, POOL, device_type=kind) as d1,
             linked(dev_peer, DECODER_ID + 1, POOL, device_type=kind) as d2,
+            linked(host_peer, DECODER_ID + 2, POOL) as d3,
         ):
             pinned = torch.empty(top, dtype=torch.uint8, pin_memory=True)
             target = torch.empty(top, dtype=torch.uint8, device=device)
@@ -85,7 +88,9 @@ def run_device_bench(*, quick: bool = False, device_type: str = "cuda") -> Repor
             rows = report.table("device", f"device caches over TCP on {name}")
             for block, count in grid:
                 rows.append(
-                    await _row(block, count, (d1, host_peer), (d2, dev_peer), raw, pinned, target)
+                    await _row(
+                        block, count, (d1, host_peer), (d2, dev_peer), raw, pinned, target, d3
+                    )
                 )
 
     run_loop(main)
@@ -105,6 +110,7 @@ async def _row(
     raw: RawStream,
     pinned: torch.Tensor,
     target: torch.Tensor,
+    plain: Any,
 ) -> dict[str, Any]:
     nbytes = block * count
     srcs = scattered(count, seed=block + count)
@@ -113,16 +119,24 @@ async def _row(
     key = BlocksCacheKey(PEER_ID, 0)
     caches = []
     contenders: dict[str, Any] = {}
-    for suffix, (dd, peer) in (("", host_side), ("_dd", dev_side)):
+    for suffix, (dd, peer) in (
+        ("", host_side),
+        ("_dd", dev_side),
+        ("_host", (plain, host_side[1])),
+    ):
         cm = dd.cache_manager
-        await peer.cache(desc)
+        if suffix != "_host":  # the host peer's cache serves both of its decoders
+            await peer.cache(desc)
         dst = await cm.allocate_blocks_cache(desc)
         caches.append((cm, dst))
         await cm.pull_blocks(key, dst, srcs, dsts)
         if await asyncio.to_thread(digest, dst, dsts) != await peer.digest(srcs):
             raise AssertionError(f"device benchmark: pull{suffix} delivered wrong bytes")
         contenders[f"pull{suffix}"] = lambda cm=cm, dst=dst: cm.pull_blocks(key, dst, srcs, dsts)
-        contenders[f"push{suffix}"] = lambda cm=cm, dst=dst: cm.push_blocks(key, dst, dsts, srcs)
+        if suffix != "_host":
+            contenders[f"push{suffix}"] = lambda cm=cm, dst=dst: cm.push_blocks(
+                key, dst, dsts, srcs
+            )
 
     def baseline() -> None:
         raw.receive(nbytes)
@@ -139,6 +153,6 @@ async def _row(
     row: dict[str, Any] = {"block_kib": block // KIB, "count": count, "mib": nbytes // MIB}
     for name in contenders:
         row[f"{name}_gbps"] = gbps(nbytes, t[name])
-    for name in ("socket", "pull", "push", "pull_dd", "push_dd"):
+    for name in ("socket", "pull", "push", "pull_dd", "push_dd", "pull_host"):
         row[f"{name}_ratio"] = t["raw"] / t[name]
     return row

@@ -60,19 +60,24 @@ class RemoteClient:
         ``sync_kv_timeout``.
 
         Host memory moves straight between the cache and the socket. Device memory moves
-        through host staging, in parts of at most :data:`~aiokv._copy.PART_BYTES`
-        pipelined :data:`DEPTH` deep: the device→host copy of one part overlaps the send
-        of the previous one (a pull: the host→device copy of one part overlaps the
-        receipt of the next). A transfer over :data:`~aiokv._copy.MAX_STAGED_BYTES` is
-        split too, whatever its memory, because that is what a peer serving from device
-        memory accepts in one request. Only the last part of a pull by ``CacheKey``
-        releases the key, once every other part has landed.
+        through host staging, in parts (at least :data:`PIPELINE` parts of 1 MiB to
+        :data:`~aiokv._copy.PART_BYTES`) pipelined :data:`DEPTH` deep: the device→host
+        copy of one part overlaps the send of the previous one (a pull: the host→device
+        copy of one part overlaps the receipt of the next). A transfer over
+        :data:`~aiokv._copy.MAX_STAGED_BYTES` is split too, whatever its memory: that is
+        what a peer serving from device memory accepts in one request. Only the last
+        part of a pull by ``CacheKey`` releases the key, once every other part landed.
 
         Raises:
             LLMException: as :meth:`transfer`; ``LLM_TIMEOUT`` covers the whole transfer.
         """
         staged = is_staged(cache.tensors[0].device)
-        limit = PART_BYTES if staged else MAX_STAGED_BYTES
+        # staged: at least PIPELINE parts (so copies overlap the wire), of 1 MiB to PART_BYTES
+        limit = (
+            max(min(PART_BYTES, -(-job.nbytes // PIPELINE)), min(PART_BYTES, _MIN_PART))
+            if staged
+            else MAX_STAGED_BYTES
+        )
         timeout = self._config.sync_kv_timeout / 1000
         if not staged and job.nbytes <= limit:  # the common case: one request, no copies
             views = job.layout.views([tensor_bytes(cache.tensors[t]) for t in job.tensors])
@@ -169,7 +174,10 @@ class RemoteClient:
 
 
 #: Parts of one transfer in flight at once.
-DEPTH = 2
+DEPTH = 3
+#: A staged transfer is cut into at least this many parts (when they stay >= _MIN_PART).
+PIPELINE = 4
+_MIN_PART = 1 << 20
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
