@@ -1,8 +1,11 @@
 """NixlLink: a TCP link whose requests move their payload over NIXL when they can.
 
-See :mod:`aiokv.transport.nixl._transport` for the design. Requester side: a request
-whose buffers all lie in registered memory is sent as ``NREAD_REQ`` / ``NWRITE_REQ``;
-a ``NIXL_GRANT`` answer is moved with one NIXL transfer, any other answer as over TCP.
+See :mod:`aiokv.transport.nixl._transport` for the design. The operations are
+:class:`TcpLink`'s; this class fills in its two hooks. Requester side (``_direct``): a
+request whose buffers all lie in registered memory is sent as ``NREAD_REQ`` /
+``NWRITE_REQ``; a ``NIXL_GRANT`` answer is moved with one NIXL transfer
+(``_move_direct``), any other answer as over TCP. Descriptors are numpy rows throughout
+(:mod:`._descs`): no Python loop per block on either side.
 Granter side: a NIXL request whose validated grant lies in registered memory is answered
 with ``NIXL_GRANT`` (the grant's memory as coalesced runs) instead of DATA frames.
 
@@ -41,10 +44,11 @@ _SETTLE_S: Final = 5.0
 # Back-off bounds of every NIXL poll (transfer state, notifications), seconds.
 POLL_MIN_S: Final = 20e-6
 POLL_MAX_S: Final = 1e-3
-# Transfers at least this big are posted and polled from a worker thread: NIXL may move
-# the whole payload inside the post call (shared memory / CMA), which must not hold the
-# loop, and over CMA every poll does part of the copy, which a loop that wakes at most
-# once per millisecond (epoll's resolution) would starve (docs/design.md, "NIXL transport").
+# Transfers at least this big are polled from a worker thread (and posted there too past
+# _POST_ON_LOOP): NIXL may move the whole payload inside the post call (shared memory /
+# CMA), which must not hold the loop long, and over CMA every poll does part of the copy,
+# which a loop that wakes at most once per millisecond (epoll's resolution) would starve
+# (docs/design.md, "NIXL transport" and "NIXL descriptors and waits").
 _OFF_LOOP: Final = 1 << 20
 # Transfers up to this big are posted on the loop, and those the post completes (shared
 # memory / CMA moves a few MiB within it) cost no thread hop: holding the loop for
