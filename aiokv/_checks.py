@@ -129,9 +129,10 @@ def check_blocks(op: str, name: str, value: Any, nblocks: int) -> Blocks:
         LLMException: ``LLM_PARAM_INVALID`` for an entry ``>= nblocks``.
     """
     check_instance(op, name, value, (list, tuple))
-    for i, b in enumerate(value):
-        if isinstance(b, bool) or not isinstance(b, int):
-            check_int(op, f"{name}[{i}]", b)  # raises the right error for the type
+    if not set(map(type, value)) <= {int}:  # plain ints (the usual case) need no loop
+        for i, b in enumerate(value):
+            if isinstance(b, bool) or not isinstance(b, int):
+                check_int(op, f"{name}[{i}]", b)  # raises the right error for the type
     if not value:
         return np.empty(0, dtype=np.int64)
     lo, hi = min(value), max(value)

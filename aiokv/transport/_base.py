@@ -22,6 +22,7 @@ from typing import Any, Protocol, Self
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException
+from .._layout import LayoutViews
 
 __all__ = [
     "Grant",
@@ -413,7 +414,8 @@ class Transport(abc.ABC):
 
 
 def flatten_views(op: str, views: Sequence[Any], *, writable: bool) -> tuple[list[memoryview], int]:
-    """Flat, non-empty ``'B'`` views over ``views`` and their total length.
+    """Flat, non-empty ``'B'`` views over ``views`` and their total length (a
+    :class:`~aiokv._layout.LayoutViews` is returned as it is: checked when made).
 
     The argument check of every transport's ``read`` / ``write`` buffers and of grants.
 
@@ -422,6 +424,8 @@ def flatten_views(op: str, views: Sequence[Any], *, writable: bool) -> tuple[lis
         LLMException: ``LLM_PARAM_INVALID`` for a non-contiguous buffer, or a read-only
             one where bytes must be written.
     """
+    if type(views) is LayoutViews and not (writable and views.readonly):
+        return views, views.total  # checked when the layout made it
     if isinstance(views, bytes | bytearray | memoryview) or not isinstance(views, Sequence):
         raise TypeError(f"{op}: expected a sequence of memoryviews, got {type(views).__name__}")
     out: list[memoryview] = []

@@ -34,7 +34,7 @@ needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
 
 
 def test_descriptors_coalesce_and_pair() -> None:
-    pytest.importorskip("numpy")
+    np = pytest.importorskip("numpy")
     descs = importlib.import_module("aiokv.transport.nixl._descs") if NIXL is None else None
     if descs is None:
         pytest.skip(f"nixl: {NIXL}")
@@ -42,12 +42,14 @@ def test_descriptors_coalesce_and_pair() -> None:
     mv = memoryview(buf)
     base = descs.address_of(mv)
     runs = descs.runs_of([mv[0:10], mv[10:30], mv[50:60]])
-    assert runs == [(base, 30), (base + 50, 10)]  # adjacent views merged
-    local, far = descs.pair(runs, [(7, 5), (100, 35)])
-    assert [n for _, n, _ in local] == [5, 25, 10] == [n for _, n, _ in far]
-    assert [a for a, _, _ in far] == [7, 100, 125]
+    assert runs.tolist() == [[base, 30], [base + 50, 10]]  # adjacent views merged
+    local, far = descs.pair(runs, np.array([(7, 5), (100, 35)], dtype=np.uint64))
+    assert local[:, 1].tolist() == [5, 25, 10] == far[:, 1].tolist()
+    assert far[:, 0].tolist() == [7, 100, 125]
+    assert local[:, 0].tolist() == [base, base + 5, base + 50]
     meta = descs.encode_grant(b"T" * 8, runs)
-    assert descs.decode_grant(meta, 40) == (b"T" * 8, runs)
+    tag, back = descs.decode_grant(meta, 40)
+    assert tag == b"T" * 8 and back.tolist() == runs.tolist()
     assert descs.decode_grant(meta, 41) is None  # totals must match
     assert descs.decode_grant(meta[:-1], 40) is None  # torn
     assert descs.decode_grant(b"T" * 8 + bytes(16), 0) is None  # empty run

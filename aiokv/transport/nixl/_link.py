@@ -1,8 +1,11 @@
 """NixlLink: a TCP link whose requests move their payload over NIXL when they can.
 
-See :mod:`aiokv.transport.nixl._transport` for the design. Requester side: a request
-whose buffers all lie in registered memory is sent as ``NREAD_REQ`` / ``NWRITE_REQ``;
-a ``NIXL_GRANT`` answer is moved with one NIXL transfer, any other answer as over TCP.
+See :mod:`aiokv.transport.nixl._transport` for the design. The operations are
+:class:`TcpLink`'s; this class fills in its two hooks. Requester side (``_direct``): a
+request whose buffers all lie in registered memory is sent as ``NREAD_REQ`` /
+``NWRITE_REQ``; a ``NIXL_GRANT`` answer is moved with one NIXL transfer
+(``_move_direct``), any other answer as over TCP. Descriptors are numpy rows throughout
+(:mod:`._descs`): no Python loop per block on either side.
 Granter side: a NIXL request whose validated grant lies in registered memory is answered
 with ``NIXL_GRANT`` (the grant's memory as coalesced runs) instead of DATA frames.
 
@@ -17,16 +20,15 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 from ..._enums import LLMStatusCode
 from .. import _wire as wire
-from .._base import PeerInfo, flatten_views
+from .._base import PeerInfo
 from ..tcp._io import SockIO
 from ..tcp._link import TcpLink
-from ..tcp._ops import Cursor, MyOp, PeerOp, State, Stream
-from ._descs import decode_grant, encode_grant, pair, runs_of
+from ..tcp._ops import MyOp, PeerOp, State, Stream
+from ._descs import Runs, decode_grant, encode_grant, pair, runs_of
 
 if TYPE_CHECKING:
     from ..tcp._transport import TcpTransport
@@ -42,11 +44,16 @@ _SETTLE_S: Final = 5.0
 # Back-off bounds of every NIXL poll (transfer state, notifications), seconds.
 POLL_MIN_S: Final = 20e-6
 POLL_MAX_S: Final = 1e-3
-# Transfers at least this big are posted and polled from a worker thread: NIXL may move
-# the whole payload inside the post call (shared memory / CMA), which must not hold the
-# loop, and over CMA every poll does part of the copy, which a loop that wakes at most
-# once per millisecond (epoll's resolution) would starve (docs/design.md, "NIXL transport").
+# Transfers at least this big are polled from a worker thread (and posted there too past
+# _POST_ON_LOOP): NIXL may move the whole payload inside the post call (shared memory /
+# CMA), which must not hold the loop long, and over CMA every poll does part of the copy,
+# which a loop that wakes at most once per millisecond (epoll's resolution) would starve
+# (docs/design.md, "NIXL transport" and "NIXL descriptors and waits").
 _OFF_LOOP: Final = 1 << 20
+# Transfers up to this big are posted on the loop, and those the post completes (shared
+# memory / CMA moves a few MiB within it) cost no thread hop: holding the loop for
+# this many bytes is what the TCP link does between yields (tcp/_link._YIELD_BYTES).
+_POST_ON_LOOP: Final = 4 << 20
 
 
 def _failed(op: MyOp) -> bool:
@@ -170,94 +177,22 @@ class NixlLink(TcpLink):
         if op.is_read:
             op.state = State.RECEIVING
 
-    def _usable(self, views: list[memoryview], total: int) -> list[tuple[int, int]] | None:
-        """Our runs of ``views`` if NIXL can move them on this link, else None."""
+    def _direct(self, views: list[memoryview], total: int) -> Runs | None:
+        """Our ``(address, length)`` rows of ``views`` if NIXL can move them on this
+        link, else None (they move as DATA)."""
         if not total or self.peer_agent is None or self._n.agent is None or self._broken:
             return None
         runs = runs_of(views)
         return runs if self._n.regions.covers(runs) else None
 
-    async def read(
-        self,
-        meta: bytes,
-        into: Sequence[memoryview],
-        *,
-        timeout: float,  # noqa: ASYNC109
-    ) -> None:
-        views, total = flatten_views("Link.read", into, writable=True)
-        runs = self._usable(views, total)
-        if runs is None:
-            return await super().read(meta, views, timeout=timeout)
-        frame_meta = self._prepare("Link.read", meta, timeout)
-        op = self._start(is_read=True, total=total)
-        op.cursor = Cursor(views, total)  # the granter may answer with DATA instead
-        acked = False
-        try:
-            self._post(wire.encode_frame(_F.NREAD_REQ, op.rid, meta=frame_meta, size=total))
-            try:
-                async with asyncio.timeout(timeout):
-                    await op.until_granted_or_over()
-                    if op.remote is not None and op.result is None:
-                        await self._move(op, runs)
-                    await op.until_over()
-            except TimeoutError:
-                self._timed_out(op, "Link.read", timeout)
-            status = op.outcome()
-            if status is not _S.LLM_SUCCESS:
-                raise self._refused("Link.read", status)
-            self._post(wire.encode_frame(_F.READ_DONE, op.rid))
-            acked = True
-        finally:
-            self._end(op, cancel=not acked)
-
-    async def write(
-        self,
-        meta: bytes,
-        src: Sequence[memoryview],
-        *,
-        timeout: float,  # noqa: ASYNC109
-    ) -> None:
-        views, total = flatten_views("Link.write", src, writable=False)
-        runs = self._usable(views, total)
-        if runs is None:
-            return await super().write(meta, views, timeout=timeout)
-        frame_meta = self._prepare("Link.write", meta, timeout)
-        op = self._start(is_read=False, total=total)
-        deadline = self._loop.time() + timeout
-        ok = False
-        try:
-            self._post(wire.encode_frame(_F.NWRITE_REQ, op.rid, meta=frame_meta, size=total))
-            try:
-                async with asyncio.timeout(timeout):
-                    await op.until_granted_or_over()
-                    if op.state is State.SENDING and op.result is None:
-                        if op.remote is not None:
-                            await self._move(op, runs)
-                        else:  # a plain WRITE_GRANT: the bytes go as DATA
-                            op.stream = self._add_stream(op.rid, views, total)
-                    await op.until_over()
-            except TimeoutError:
-                self._timed_out(op, "Link.write", timeout)
-            status = op.outcome()
-            if status is not _S.LLM_SUCCESS:
-                raise self._refused("Link.write", status)
-            ok = True
-        finally:
-            tcp_data = op.stream is not None and op.remote is None
-            if op.stream is not None:
-                self._abort_stream(op.stream)
-            self._end(op, cancel=not ok)
-            if not ok and tcp_data and not op.peer_over:
-                await self._until_cancel_acked(op.rid, deadline)
-
-    async def _move(self, op: MyOp, runs: list[tuple[int, int]]) -> None:
+    async def _move_direct(self, op: MyOp, plan: Runs) -> None:
         """Move ``op``'s payload with one NIXL transfer; when this returns or raises the
         transfer is over (done, aborted or, at worst, the link broken)."""
         assert op.remote is not None and self.peer_agent is not None
         agent = self._n.agent
         assert agent is not None
         tag, remote = op.remote
-        local, far = pair(runs, remote)
+        local, far = pair(plan, remote)
         kind = "READ" if op.is_read else "WRITE"
         try:
             xfer = agent.xfer(kind, local, far, self.peer_agent, b"" if op.is_read else tag)
@@ -273,10 +208,12 @@ class NixlLink(TcpLink):
                 # peer's WRITE_DONE counts from now on
                 op.stream = Stream(op.rid, [], 0)
                 op.stream.sent = True
-            if op.total >= _OFF_LOOP:
-                state = await self._wait_off_loop(xfer, op)
+            if op.total > _POST_ON_LOOP:
+                state = await self._wait_off_loop(xfer, op, posted=None)
             else:
                 state = agent.post(xfer)
+                if state == "PROC" and op.total >= _OFF_LOOP:
+                    state = await self._wait_off_loop(xfer, op, posted=state)
                 delay = POLL_MIN_S
                 while state == "PROC" and not _failed(op):
                     await asyncio.sleep(delay)
@@ -291,15 +228,16 @@ class NixlLink(TcpLink):
         finally:
             await self._settle(xfer)
 
-    async def _wait_off_loop(self, xfer: object, op: MyOp) -> str:
-        """Post ``xfer`` and poll it from a worker thread (``time.sleep`` back-off) until
-        it ends, ``op`` fails or we are cancelled; the thread is always seen out."""
+    async def _wait_off_loop(self, xfer: object, op: MyOp, *, posted: str | None) -> str:
+        """Post ``xfer`` (unless ``posted``: its state after the post) and poll it from a
+        worker thread (``time.sleep`` back-off) until it ends, ``op`` fails or we are
+        cancelled; the thread is always seen out."""
         agent = self._n.agent
         assert agent is not None
         stop = threading.Event()
 
         def work() -> str:
-            state, delay = agent.post(xfer), POLL_MIN_S
+            state, delay = posted or agent.post(xfer), POLL_MIN_S
             while state == "PROC" and not stop.is_set() and not _failed(op):
                 time.sleep(delay)
                 delay = min(delay * 2, POLL_MAX_S)

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 __all__ = ["Region", "Regions"]
 
@@ -29,7 +32,13 @@ class Regions:
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._by_start: dict[int, Region] = {}
+        self._bounds = np.zeros((2, 0), dtype=np.uint64)  # starts, ends (sorted)
         self.generation = 0
+
+    def _changed(self) -> None:
+        self.generation += 1
+        ends = [self._by_start[a].addr + self._by_start[a].nbytes for a in self._starts]
+        self._bounds = np.array([self._starts, ends], dtype=np.uint64).reshape(2, -1)
 
     def add(self, addr: int, nbytes: int, register: Callable[[int, int], Any] | None) -> None:
         """Count one registration of the range; the first one calls ``register`` (when
@@ -56,7 +65,7 @@ class Regions:
                 region.handle = register(addr, nbytes)
             self._starts.insert(i, addr)
             self._by_start[addr] = region
-            self.generation += 1
+            self._changed()
 
     def remove(self, addr: int, nbytes: int) -> Region | None:
         """Count one deregistration; the region once its count drops to 0, else None."""
@@ -69,21 +78,16 @@ class Regions:
                 return None
             del self._by_start[addr]
             self._starts.remove(addr)
-            self.generation += 1
+            self._changed()
             return r
 
-    def covers(self, runs: Iterable[tuple[int, int]]) -> bool:
-        """Whether every ``(address, length)`` run lies inside one registered range."""
-        with self._lock:
-            starts, by_start = self._starts, self._by_start
-            for addr, n in runs:
-                i = bisect.bisect_right(starts, addr)
-                if not i:
-                    return False
-                r = by_start[starts[i - 1]]
-                if addr + n > r.addr + r.nbytes:
-                    return False
-            return True
+    def covers(self, runs: npt.NDArray[np.uint64]) -> bool:
+        """Whether every ``(address, length)`` row lies inside one registered range."""
+        starts, ends = self._bounds  # replaced, never changed in place: no lock needed
+        i = np.searchsorted(starts, runs[:, 0], side="right") - 1
+        if not starts.size or (i < 0).any():
+            return False
+        return bool((runs[:, 0] + runs[:, 1] <= ends[i]).all())
 
     def all(self) -> list[Region]:
         with self._lock:

@@ -132,13 +132,19 @@ class TcpLink(Link):
     ) -> None:
         views, total = flatten_views("Link.read", into, writable=True)
         frame_meta = self._prepare("Link.read", meta, timeout)
+        direct = self._direct(views, total)
         op = self._start(is_read=True, total=total)
-        op.cursor = Cursor(views, total)
+        op.cursor = Cursor(views, total)  # a direct request may be answered with DATA too
         acked = False
         try:
-            self._post(wire.encode_frame(_F.READ_REQ, op.rid, meta=frame_meta, size=total))
+            kind = _F.READ_REQ if direct is None else _F.NREAD_REQ
+            self._post(wire.encode_frame(kind, op.rid, meta=frame_meta, size=total))
             try:
                 async with asyncio.timeout(timeout):
+                    if direct is not None:
+                        await op.until_granted_or_over()
+                        if op.remote is not None and op.result is None:
+                            await self._move_direct(op, direct)
                     await op.until_over()
             except TimeoutError:
                 self._timed_out(op, "Link.read", timeout)
@@ -160,16 +166,21 @@ class TcpLink(Link):
     ) -> None:
         views, total = flatten_views("Link.write", src, writable=False)
         frame_meta = self._prepare("Link.write", meta, timeout)
+        direct = self._direct(views, total)
         op = self._start(is_read=False, total=total)
         deadline = self._loop.time() + timeout
         ok = False
         try:
-            self._post(wire.encode_frame(_F.WRITE_REQ, op.rid, meta=frame_meta, size=total))
+            kind = _F.WRITE_REQ if direct is None else _F.NWRITE_REQ
+            self._post(wire.encode_frame(kind, op.rid, meta=frame_meta, size=total))
             try:
                 async with asyncio.timeout(timeout):
                     await op.until_granted_or_over()
-                    if op.state is State.SENDING and total:
-                        op.stream = self._add_stream(op.rid, views, total)
+                    if op.state is State.SENDING and op.result is None and total:
+                        if op.remote is not None:
+                            await self._move_direct(op, direct)
+                        else:  # a WRITE_GRANT: the bytes go as DATA
+                            op.stream = self._add_stream(op.rid, views, total)
                     await op.until_over()
             except TimeoutError:
                 self._timed_out(op, "Link.write", timeout)
@@ -178,13 +189,27 @@ class TcpLink(Link):
                 raise self._refused("Link.write", status)
             ok = True
         finally:
+            data = op.stream is not None and op.remote is None  # DATA frames, not direct
             if op.stream is not None:
                 self._abort_stream(op.stream)
             self._end(op, cancel=not ok)
-            if not ok and op.stream is not None and not op.peer_over:
+            if not ok and data and not op.peer_over:
                 # DATA of it may be on the wire: return only once the peer confirmed
                 # that none of it lands any more (see Link.write)
                 await self._until_cancel_acked(op.rid, deadline)
+
+    def _direct(self, views: list[memoryview], total: int) -> Any | None:
+        """Hook: a plan to move ``views`` outside this socket (a NIXL link: their
+        memory's address runs), or None to move them as DATA frames. With a plan the
+        request is sent as ``NREAD_REQ`` / ``NWRITE_REQ``, and a ``NIXL_GRANT`` answer
+        is moved by :meth:`_move_direct`."""
+        return None
+
+    async def _move_direct(self, op: MyOp, plan: Any) -> None:
+        """Hook: move granted ``op``'s payload per ``plan`` (``op.remote``: the grant).
+        When it returns or raises, nothing touches the buffers any more. Never called
+        on a link whose :meth:`_direct` returns None."""
+        raise NotImplementedError
 
     async def aclose(self) -> None:
         if not self._broken and self._pos >= len(self._iov):

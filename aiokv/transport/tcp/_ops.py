@@ -7,7 +7,7 @@ import asyncio
 import enum
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..._enums import LLMStatusCode
 from .. import _wire as wire
@@ -119,8 +119,8 @@ class MyOp:
         self.granted = False  # a write's WRITE_GRANT said yes
         self.peer_over = False  # a write's WRITE_DONE came: the peer writes no more of it
         self.result: LLMStatusCode | None = None  # final outcome
-        # a NIXL grant: the tag and the granted (address, length) runs of peer memory
-        self.remote: tuple[bytes, list[tuple[int, int]]] | None = None
+        # a NIXL grant: the tag and the granted (address, length) rows of peer memory
+        self.remote: tuple[bytes, Any] | None = None
 
     def grant(self) -> None:
         self.granted = True
