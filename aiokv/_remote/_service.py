@@ -125,8 +125,14 @@ class PeerService:
                 if write or not req.release:
                     release = None
         except _Refused as r:
-            log.warning("refused a %s from cluster %d: %s", _kind(write), peer.cluster_id, r)
-            return Grant(r.code)
+            log.warning(
+                "refused a %s from cluster %d (%s): %s",
+                _kind(write),
+                peer.cluster_id,
+                r.code.name,
+                r,
+            )
+            return Grant(r.code, reason=str(r))
         return self._issue(entries, views, release)
 
     def _issue(

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Final
 
 from ..._enums import LLMStatusCode
 from .. import _wire as wire
-from .._base import PeerInfo, flatten_views
+from .._base import PeerInfo, decode_reason, flatten_views
 from ..tcp._io import SockIO
 from ..tcp._link import TcpLink
 from ..tcp._ops import Cursor, MyOp, PeerOp, State, Stream
@@ -158,7 +158,7 @@ class NixlLink(TcpLink):
         if op is None or op.state is not State.WAIT_REPLY:
             return  # late answer of a request we dropped
         if status is not _S.LLM_SUCCESS:
-            op.finish(status)
+            op.finish(status, decode_reason(meta) if meta else "")
             return
         parsed = None if meta is None or size != op.total else decode_grant(meta, size)
         if parsed is None:
@@ -204,7 +204,7 @@ class NixlLink(TcpLink):
                 self._timed_out(op, "Link.read", timeout)
             status = op.outcome()
             if status is not _S.LLM_SUCCESS:
-                raise self._refused("Link.read", status)
+                raise self._refused("Link.read", op)
             self._post(wire.encode_frame(_F.READ_DONE, op.rid))
             acked = True
         finally:
@@ -240,7 +240,7 @@ class NixlLink(TcpLink):
                 self._timed_out(op, "Link.write", timeout)
             status = op.outcome()
             if status is not _S.LLM_SUCCESS:
-                raise self._refused("Link.write", status)
+                raise self._refused("Link.write", op)
             ok = True
         finally:
             tcp_data = op.stream is not None and op.remote is None
