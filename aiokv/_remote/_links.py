@@ -85,7 +85,8 @@ class LinkTable:
         link = self.get(cluster_id)
         if link is None:
             raise LLMException(
-                f"{op}: cluster {cluster_id} is not linked",
+                f"{op}: cluster {cluster_id} is not linked; call link_clusters first (or "
+                "link() with a rank table, then wait for query_register_mem_status OK)",
                 status_code=LLMStatusCode.LLM_NOT_YET_LINK,
                 op=op,
             )

@@ -377,7 +377,11 @@ class Transport(abc.ABC):
         if self._loop is None:
             self._loop = loop
         elif self._loop is not loop:
-            raise RuntimeError(f"{op}: transport is bound to another event loop")
+            raise RuntimeError(
+                f"{op}: transport is bound to another event loop; a transport and its "
+                "links belong to the loop of its first listen/connect: use them there "
+                "(LLMDataDist runs its transport on its engine loop for you)"
+            )
         return loop
 
     def _loop_or_raise(self) -> asyncio.AbstractEventLoop:
