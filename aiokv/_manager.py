@@ -619,7 +619,8 @@ class CacheManager:
             ):
                 await checkpoint()
                 try:
-                    copy_rows(hs, hd, pairs)
+                    with self._scheduler.inline.measure(len(hs) * len(pairs) * hs[0].shape[1]):
+                        copy_rows(hs, hd, pairs)
                 except Exception:
                     with map_errors(op):  # the same codes as from a worker
                         raise

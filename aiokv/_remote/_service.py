@@ -26,6 +26,7 @@ from .._errors import LLMException
 from .._layout import ByteLayout, tensor_bytes
 from .._models import BlocksCacheKey, CacheKey
 from .._registry import CacheRegistry, Entry
+from .._stats import PeerCounters
 from ..transport import Grant, PeerInfo
 from ._protocol import (
     MAX_BLOCKS,
@@ -84,10 +85,17 @@ def _blocks(raw: bytes, limit: int, what: str, *, unique: bool, most: int | None
 class PeerService:
     """Serves peers' requests for one ``LLMDataDist`` (a transport ``RequestHandler``)."""
 
-    def __init__(self, cluster_id: int, registry: CacheRegistry, config: LLMConfig) -> None:
+    def __init__(
+        self,
+        cluster_id: int,
+        registry: CacheRegistry,
+        config: LLMConfig,
+        counters: PeerCounters | None = None,
+    ) -> None:
         self._cluster_id = cluster_id
         self._registry = registry
         self._config = config
+        self._counters = counters if counters is not None else PeerCounters()
 
     # ---- RequestHandler -----------------------------------------------------------------
     async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
@@ -132,8 +140,29 @@ class PeerService:
                 r.code.name,
                 r,
             )
+            self._counters.served(peer.cluster_id).refused(r.code)
             return Grant(r.code, reason=str(r))
-        return self._issue(entries, views, release)
+        served = self._counters.served(peer.cluster_id)
+        try:
+            grant = self._issue(entries, views, release)
+        except LLMException as exc:  # e.g. the memory is being unregistered
+            served.refused(exc.status_code)
+            raise
+        served.granted()
+        nbytes = sum(map(len, views))
+        done = grant.done
+        assert done is not None
+
+        def counted(ok: bool) -> None:
+            done(ok)
+            served.over(nbytes, ok)
+
+        grant.done = counted
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "granted a %s of %d bytes to cluster %d", _kind(write), nbytes, peer.cluster_id
+            )
+        return grant
 
     def _issue(
         self, entries: list[Entry], views: list[memoryview], release: CacheKey | None
@@ -235,7 +264,9 @@ class PeerService:
             if not cache.is_blocks_cache:
                 raise _invalid("the cache is not a blocks cache")
             if req.block_bytes != cache.block_bytes:
-                raise _invalid(f"block sizes differ ({req.block_bytes} vs {cache.block_bytes})")
+                raise _invalid(
+                    f"block sizes differ ({req.block_bytes} vs {cache.block_bytes} bytes)"
+                )
             blocks = _blocks(req.blocks, cache.num_blocks, "blocks", unique=write)
             layout = ByteLayout.of_blocks(blocks, req.block_bytes)
         else:
