@@ -116,10 +116,12 @@ class LinkTable:
         self._file(cid, link)
 
     def _file(self, cid: int, link: Link) -> None:
+        new = self._links.get(cid) is not link
         self._links[cid] = link
         self._wake(cid)
-        self._counters.links_up += 1
-        log.info("link to cluster %d up (%s:%d)", cid, *link.peer.address)
+        if new:  # the transport reports a link this side opened, then the linker files it
+            self._counters.links_up += 1
+            log.info("link to cluster %d up (%s:%d)", cid, *link.peer.address)
 
     def _claim(self, cid: int, filed: Link, claimant: Link) -> None:
         """An incoming ``claimant`` for ``cid`` while ``filed`` is live."""
