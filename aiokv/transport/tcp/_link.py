@@ -653,12 +653,15 @@ class TcpLink(Link):
         is_read = h.type is _F.READ_REQ or h.type is _F.NREAD_REQ
         reply = _F.READ_RESP if is_read else _F.WRITE_GRANT
         rid = h.req_id
+        # Refusals a conforming peer never causes (or a flood does) carry no reason: a
+        # small request must not be answered with a bigger reply.
+        why = ""
         if rid % 2 != self._peer_parity:
-            status, why = _S.LLM_PARAM_INVALID, f"request id {rid} has the wrong parity"
+            status = _S.LLM_PARAM_INVALID
         elif rid in self._theirs:
-            status, why = _S.LLM_REPEAT_REQUEST, f"request id {rid} is in use"
+            status = _S.LLM_REPEAT_REQUEST
         elif len(self._theirs) >= _MAX_PEER_REQUESTS:
-            status, why = _S.LLM_LINK_BUSY, f"{_MAX_PEER_REQUESTS} requests already pending"
+            status = _S.LLM_LINK_BUSY
         elif meta is None:  # meta over our cap, already skipped
             status = _S.LLM_PARAM_INVALID
             why = f"request meta of {h.meta_len} bytes exceeds {self._t.max_meta_bytes}"
