@@ -4,6 +4,8 @@ The API follows Huawei Ascend's ``llm_datadist`` name for name; every operation 
 awaitable. Everything public is importable from here; all other modules are private.
 """
 
+import logging as _logging
+
 from ._cache import Cache, KvCache
 from ._config import LLMConfig, LlmConfig, MemPoolConfig
 from ._datadist import LLMDataDist
@@ -22,8 +24,13 @@ from ._models import (
     TransferWithCacheKeyConfig,
 )
 from ._pool import PoolStats
+from ._stats import CopyStats, DataDistStats, Histogram, LinkStats, OpStats, ServedStats
 
 __version__ = "0.1.0"
+
+# Quiet by default: records of the "aiokv.*" loggers go nowhere (not even Python's
+# last-resort stderr handler) unless the application configures logging.
+_logging.getLogger("aiokv").addHandler(_logging.NullHandler())
 
 __all__ = [
     "BlocksCacheKey",
@@ -33,7 +40,10 @@ __all__ = [
     "CacheKeyByIdAndIndex",
     "CacheManager",
     "CacheTask",
+    "CopyStats",
+    "DataDistStats",
     "DataType",
+    "Histogram",
     "KvCache",
     "KvCacheManager",
     "LLMClusterInfo",
@@ -43,14 +53,17 @@ __all__ = [
     "LLMRole",
     "LLMStatusCode",
     "LayerSynchronizer",
+    "LinkStats",
     "LlmConfig",
     "MemInfo",
     "MemPoolConfig",
     "Memtype",
     "NoneArgumentError",
+    "OpStats",
     "Placement",
     "PoolStats",
     "RegisterMemStatus",
+    "ServedStats",
     "Status",
     "TransferConfig",
     "TransferWithCacheKeyConfig",

@@ -31,13 +31,14 @@ from ._copy import (
     supports_pinning,
 )
 from ._engine import Engine
-from ._enums import LLMRole, LLMStatusCode, RegisterMemStatus
+from ._enums import LLMRole, LLMStatusCode, Placement, RegisterMemStatus
 from ._errors import LLMException, map_errors
 from ._manager import CacheManager, KvCacheManager
 from ._models import LLMClusterInfo
-from ._pool import MemPool
-from ._registry import CacheRegistry
+from ._pool import MemPool, PoolStats
+from ._registry import CacheRegistry, RegistryStats
 from ._remote import Linker, LinkTable, PeerService, RemoteClient, parse_link
+from ._stats import CopyStats, DataDistStats, OpCounter, PeerCounters
 from .transport import Transport, get_transport, load_tls
 
 __all__ = ["LEGACY_POOL", "LLMDataDist"]
@@ -76,7 +77,11 @@ class LLMDataDist:
         self._scheduler: CopyScheduler | None = None
         self._transport: Transport | None = None
         self._linker: Linker | None = None
-        self._links = LinkTable()
+        # statistics: totals over the instance's life, across init / finalize cycles
+        self._counters = PeerCounters()
+        self._copy_jobs = OpCounter()
+        self._copy_inline = OpCounter()
+        self._links = LinkTable(self._counters)
         self._listen: tuple[str, int] | None = None
         self._engine: Engine | None = None
         self._closing = False  # finalize has begun: the teardown runs until the engine ends
@@ -242,6 +247,8 @@ class LLMDataDist:
             SchedulerConfig(
                 swap_out_threads=config.swap_out_threads, swap_in_buffers=config.swap_in_buffers
             ),
+            jobs=self._copy_jobs,
+            inline=self._copy_inline,
         )
         device_cfg, touch = config.mem_pool_cfg, True
         if device_cfg is None and not config.enable_cache_manager:
@@ -253,7 +260,7 @@ class LLMDataDist:
             await scheduler.aclose()
             raise
         registry = CacheRegistry()
-        links = LinkTable()
+        links = LinkTable(self._counters)
         stager = Stager(scheduler)
         cls = CacheManager if config.enable_cache_manager else KvCacheManager
         mgr = cls(
@@ -262,7 +269,7 @@ class LLMDataDist:
             device=device,
             scheduler=scheduler,
             registry=registry,
-            client=RemoteClient(links, config, stager),
+            client=RemoteClient(links, config, stager, self._counters),
             engine=engine,
             device_pool=device_pool,
             host_pool=host_pool,
@@ -270,7 +277,7 @@ class LLMDataDist:
         secret = None if config.link_secret is None else config.link_secret.encode()
         transport = get_transport(config.transfer_backend)(
             self._cluster_id,
-            PeerService(self._cluster_id, registry, config, stager),
+            PeerService(self._cluster_id, registry, config, stager, self._counters),
             secret=secret,
             handshake_timeout=config.handshake_timeout / 1000,
             on_link=links.add,
@@ -476,6 +483,40 @@ class LLMDataDist:
         if not infos:
             return LLMStatusCode.LLM_PARAM_INVALID, []
         return await engine.run(linker.unlink_all, infos, timeout, force)
+
+    def statistics(self) -> DataDistStats:
+        """A snapshot of this participant: per peer cluster its transfers (bytes, ops,
+        failures by code, in flight, latency histogram) and what it served; links up
+        and down; the copy engine (jobs, inline copies, queue depth); pool usage; the
+        registry's caches, keys and pins. See :class:`DataDistStats`.
+
+        Cheap (no hop to the engine, no I/O) and callable from any thread, also before
+        ``init`` and after ``finalize`` (then the gauges of pools, caches and the copy
+        queue are ``None`` / 0, the totals stay).
+        """
+        mgr = self._manager
+        scheduler = self._scheduler
+        if scheduler is not None and not scheduler.closed:
+            copies = scheduler.statistics()
+        else:
+            copies = CopyStats(self._copy_jobs.snapshot(), self._copy_inline.snapshot(), 0, 0)
+        pools: tuple[PoolStats | None, PoolStats | None] = (None, None)
+        caches: RegistryStats | None = None
+        if mgr is not None and not self._closing:
+            with contextlib.suppress(RuntimeError):  # finalized meanwhile: no gauges
+                pools = (mgr.get_pool_stats(Placement.DEVICE), mgr.get_pool_stats(Placement.HOST))
+                caches = mgr.statistics()
+        return DataDistStats(
+            cluster_id=self._cluster_id,
+            initialized=mgr is not None,
+            links_up=self._counters.links_up,
+            links_down=self._counters.links_down,
+            links=self._counters.snapshot(self._links.clusters()),
+            copies=copies,
+            device_pool=pools[0],
+            host_pool=pools[1],
+            caches=caches,
+        )
 
     def linked_clusters(self) -> list[int]:
         """Cluster ids with a live link (either direction)."""

@@ -265,7 +265,10 @@ class Engine:
             RuntimeError: called on the engine thread (it would wait for itself).
         """
         if self.on_engine():
-            raise RuntimeError("a blocking aiokv call on the engine thread would deadlock")
+            raise RuntimeError(
+                "a blocking aiokv.sync call on the engine thread (e.g. from an async "
+                "synchronizer) would deadlock; await the aiokv (async) method there instead"
+            )
         ended = threading.Event()
         call = _Call(self, _with_kwargs(fn, kwargs) if kwargs else fn, args, ended.set)
         try:
@@ -453,6 +456,13 @@ class Portal:
         if self._loop is not None:
             if self._loop is asyncio.get_running_loop():
                 return await fn(*args)
+            if self._loop.is_closed():
+                raise LLMException(
+                    "an async synchronizer runs on the event loop that called "
+                    "transfer_cache_async, which has closed: keep that loop running until "
+                    "the CacheTask ends, or pass a plain def synchronizer",
+                    status_code=LLMStatusCode.LLM_FAILED,
+                )
             return await asyncio.wrap_future(
                 asyncio.run_coroutine_threadsafe(fn(*args), self._loop)
             )

@@ -177,9 +177,11 @@ class CacheManager:
         try:
             for _ in range(desc.num_tensors):
                 spans.append(pool.allocate(desc.size))
-        except BaseException:
+        except BaseException as exc:
             for s in spans:
                 pool.free(s)
+            if isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY:
+                raise _pool_too_small(op, desc, pool) from exc
             raise
         tensors = [pool.view(s).view(desc.torch_dtype).view(desc.shape) for s in spans]
         return tensors, [(pool, s) for s in spans]
@@ -616,7 +618,8 @@ class CacheManager:
             ):
                 await checkpoint()
                 try:
-                    copy_rows(hs, hd, pairs)
+                    with self._scheduler.inline.measure(len(hs) * len(pairs) * hs[0].shape[1]):
+                        copy_rows(hs, hd, pairs)
                 except Exception:
                     with map_errors(op):  # the same codes as from a worker
                         raise
@@ -1021,6 +1024,22 @@ class CacheManager:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _pool_too_small(op: str, desc: CacheDesc, pool: MemPool) -> LLMException:
+    """The out-of-memory error of an allocation: how much was asked, what the pool has,
+    and the option that sizes it."""
+    stats = pool.stats()
+    which = "mem_pool_cfg" if desc.placement == Placement.DEVICE else "host_mem_pool_cfg"
+    need = desc.num_tensors * -(-desc.size // stats.page_size) * stats.page_size
+    return LLMException(
+        f"{op}: the {pool.name} cannot hold this cache: {desc.num_tensors} tensor(s) of "
+        f"{desc.size} bytes need {need} bytes; {stats.free} of {stats.total} bytes are free "
+        f"(largest free span {stats.largest_free}). Free caches, or raise "
+        f"{which}.memory_size (it reserves {stats.total} bytes now)",
+        status_code=LLMStatusCode.LLM_OUT_OF_MEMORY,
+        op=op,
+    )
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:

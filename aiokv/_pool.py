@@ -12,7 +12,7 @@ thread keep them atomic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from sortedcontainers import SortedDict, SortedList
@@ -34,7 +34,12 @@ class Span:
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
-    """A snapshot of a pool, in bytes (``allocations`` counts live spans)."""
+    """A snapshot of a pool, in bytes (``allocations`` counts live spans).
+
+    ``peak_used``: the most bytes ever in use at once; ``failed_allocations``: requests
+    refused for lack of a large enough free span (``LLM_OUT_OF_MEMORY``). These two
+    are history, not state: ``==`` compares the pool's state only.
+    """
 
     total: int
     used: int
@@ -42,6 +47,8 @@ class PoolStats:
     largest_free: int
     allocations: int
     page_size: int
+    peak_used: int = field(default=0, compare=False)
+    failed_allocations: int = field(default=0, compare=False)
 
 
 class MemPool:
@@ -67,6 +74,8 @@ class MemPool:
         self._by_start: SortedDict[int, int] = SortedDict()  # start -> npages
         self._live: dict[int, Span] = {}
         self._used_pages = 0
+        self._peak_pages = 0
+        self._failed = 0
         self._insert_free(0, self._pages)
 
     def _insert_free(self, start: int, npages: int) -> None:
@@ -90,6 +99,7 @@ class MemPool:
         need = -(-nbytes // self.page_size)
         i = self._by_size.bisect_left((need, -1))
         if i == len(self._by_size):
+            self._failed += 1
             raise LLMException(
                 f"{self.name}: out of memory allocating {nbytes} bytes "
                 f"({self.stats().free} free, largest span {self.stats().largest_free})",
@@ -102,6 +112,7 @@ class MemPool:
         span = Span(start, need, nbytes)
         self._live[start] = span
         self._used_pages += need
+        self._peak_pages = max(self._peak_pages, self._used_pages)
         return span
 
     def free(self, span: Span) -> None:
@@ -133,6 +144,10 @@ class MemPool:
         off = span.start * self.page_size
         return self.region[off : off + span.nbytes]
 
+    def statistics(self) -> PoolStats:
+        """Usage in bytes (the same as :meth:`stats`)."""
+        return self.stats()
+
     def stats(self) -> PoolStats:
         """Usage in bytes."""
         largest = self._by_size[-1][0] if self._by_size else 0
@@ -145,6 +160,8 @@ class MemPool:
             largest_free=largest * self.page_size,
             allocations=len(self._live),
             page_size=self.page_size,
+            peak_used=self._peak_pages * self.page_size,
+            failed_allocations=self._failed,
         )
 
     def check(self) -> None:

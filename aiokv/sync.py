@@ -41,6 +41,7 @@ from ._models import (
 )
 from ._pool import PoolStats
 from ._registry import RegistryStats
+from ._stats import CopyStats, DataDistStats, Histogram, LinkStats, OpStats, ServedStats
 
 __all__ = [
     "BlocksCacheKey",
@@ -50,7 +51,10 @@ __all__ = [
     "CacheKeyByIdAndIndex",
     "CacheManager",
     "CacheTask",
+    "CopyStats",
+    "DataDistStats",
     "DataType",
+    "Histogram",
     "KvCache",
     "KvCacheManager",
     "LLMClusterInfo",
@@ -60,14 +64,17 @@ __all__ = [
     "LLMRole",
     "LLMStatusCode",
     "LayerSynchronizer",
+    "LinkStats",
     "LlmConfig",
     "MemInfo",
     "MemPoolConfig",
     "Memtype",
     "NoneArgumentError",
+    "OpStats",
     "Placement",
     "PoolStats",
     "RegisterMemStatus",
+    "ServedStats",
     "Status",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
@@ -263,6 +270,10 @@ class LLMDataDist:
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Close the links to each cluster: ``(overall, per_cluster)``."""
         return self._engine().call(self._async.unlink_clusters, clusters, timeout, force)
+
+    def statistics(self) -> DataDistStats:
+        """A snapshot of this participant (see the async ``LLMDataDist.statistics``)."""
+        return self._async.statistics()
 
     def linked_clusters(self) -> list[int]:
         """Cluster ids with a live link."""

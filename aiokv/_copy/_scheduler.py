@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import torch
 
+from .._stats import CopyStats, OpCounter
 from ._device import is_accelerator
 from ._kernels import DEFAULT_STAGING_BYTES, copy_blocks_job, copy_many_job
 from ._workers import WorkerPool
@@ -71,9 +72,19 @@ class CopyScheduler:
     Args:
         device: the device this scheduler serves (``cpu``, ``cuda:N`` or ``npu:N``).
         config: thread and buffer sizes.
+        jobs: counts its jobs (:meth:`statistics`); a fresh one when not given.
+        inline: counts the small host copies its owner does inline (``record`` them
+            with ``inline.measure``); a fresh one when not given.
     """
 
-    def __init__(self, device: torch.device, config: SchedulerConfig = SchedulerConfig()) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        config: SchedulerConfig = SchedulerConfig(),
+        *,
+        jobs: OpCounter | None = None,
+        inline: OpCounter | None = None,
+    ) -> None:
         if not isinstance(device, torch.device):
             raise TypeError(f"CopyScheduler: device must be torch.device, got {type(device)}")
         if not isinstance(config, SchedulerConfig):
@@ -83,6 +94,8 @@ class CopyScheduler:
         self._swap_out = WorkerPool("swap-out", config.swap_out_threads)
         self._d2d = WorkerPool("d2d", config.d2d_threads)
         self._closed = False
+        self.jobs = jobs if jobs is not None else OpCounter()
+        self.inline = inline if inline is not None else OpCounter()
         # Dropped without aclose(): tell the threads to exit (they are not joined).
         self._finalizer = weakref.finalize(self, _stop_nowait, (self._swap_out, self._d2d))
 
@@ -95,6 +108,15 @@ class CopyScheduler:
     def threads(self) -> list[threading.Thread]:
         """The worker threads started so far."""
         return [*self._swap_out.threads, *self._d2d.threads]
+
+    def statistics(self) -> CopyStats:
+        """Jobs run (bytes copied, failures, latency), inline copies, the queue now."""
+        return CopyStats(
+            jobs=self.jobs.snapshot(),
+            inline=self.inline.snapshot(),
+            queue_depth=self._swap_out.queue_depth + self._d2d.queue_depth,
+            threads=len(self._swap_out.threads) + len(self._d2d.threads),
+        )
 
     async def copy_blocks(
         self,
@@ -124,7 +146,8 @@ class CopyScheduler:
         job = functools.partial(
             copy_blocks_job, src_l, dst_l, pairs_l, cfg.swap_in_buffers, cfg.staging_bytes
         )
-        await pool.run(job)
+        with self.jobs.measure(len(pairs_l) * sum(_block_bytes(t) for t in dst_l)):
+            await pool.run(job)
 
     async def copy_many(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """``dst.copy_(src)`` for every ``(src, dst)`` in order, as one job.
@@ -139,7 +162,8 @@ class CopyScheduler:
             return
         to_device = any(is_accelerator(d.device) for _, d in pairs_l)
         job = functools.partial(copy_many_job, pairs_l)
-        await (self._d2d if to_device else self._swap_out).run(job)
+        with self.jobs.measure(sum(d.nbytes for _, d in pairs_l)):
+            await (self._d2d if to_device else self._swap_out).run(job)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on a worker thread and return its result (same cancellation rules).
@@ -150,7 +174,8 @@ class CopyScheduler:
             Exception: whatever ``fn`` raised, unchanged.
         """
         self._check_open()
-        return await self._swap_out.run(fn)
+        with self.jobs.measure(0):
+            return await self._swap_out.run(fn)
 
     async def aclose(self) -> None:
         """Let queued jobs finish, stop every worker thread and join it. Idempotent.
@@ -166,6 +191,11 @@ class CopyScheduler:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("CopyScheduler is closed")
+
+
+def _block_bytes(t: torch.Tensor) -> int:
+    """Bytes of one block (one index of dim 0) of ``t``."""
+    return t.nbytes // t.shape[0] if t.dim() and t.shape[0] else 0
 
 
 def _stop_nowait(pools: tuple[WorkerPool, ...]) -> None:

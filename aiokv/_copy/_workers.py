@@ -125,6 +125,11 @@ class WorkerPool:
         self._idle = threading.Semaphore(0)
         _live_pools.add(self)
 
+    @property
+    def queue_depth(self) -> int:
+        """Jobs waiting for a thread now (approximate: read without a lock)."""
+        return self._queue.qsize()
+
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on a worker thread and return its result.
 

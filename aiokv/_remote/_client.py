@@ -10,6 +10,7 @@ was about: context added here, once. Pinning the local cache is the caller's bus
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import torch
@@ -20,12 +21,15 @@ from .._copy import MAX_STAGED_BYTES, PART_BYTES, Stager, is_staged
 from .._enums import LLMStatusCode
 from .._errors import LLMException, map_errors
 from .._layout import tensor_bytes
+from .._stats import PeerCounters
 from ..transport import Link
 from ._links import LinkTable
 from ._parts import Part, Transfer
 from ._protocol import Request, encode
 
 __all__ = ["RemoteClient"]
+
+log = logging.getLogger("aiokv.remote")
 
 
 class RemoteClient:
@@ -35,12 +39,20 @@ class RemoteClient:
         links: the link table (owned by ``LLMDataDist``).
         config: read at each call for ``sync_kv_timeout``.
         stager: host staging of device-resident bytes (shared with the peer service).
+        counters: where each transfer is counted, per peer cluster.
     """
 
-    def __init__(self, links: LinkTable, config: LLMConfig, stager: Stager) -> None:
+    def __init__(
+        self,
+        links: LinkTable,
+        config: LLMConfig,
+        stager: Stager,
+        counters: PeerCounters | None = None,
+    ) -> None:
         self._links = links
         self._config = config
         self._stager = stager
+        self._counters = counters if counters is not None else PeerCounters()
 
     def link(self, op: str, cluster_id: int) -> Link:
         """The live link to ``cluster_id`` (``LLM_NOT_YET_LINK`` when there is none)."""
@@ -160,17 +172,30 @@ class RemoteClient:
         meta = encode(request)
         if timeout is None:
             timeout = self._config.sync_kv_timeout / 1000
+        cid = link.peer.cluster_id
+        nbytes = sum(map(len, views))
         try:
-            with self._links.request(link.peer.cluster_id), map_errors(op):
+            with (
+                self._links.request(cid),
+                self._counters.requests(cid).measure(nbytes),
+                map_errors(op),
+            ):
                 if write:
                     await link.write(meta, views, timeout=timeout)
                 else:
                     await link.read(meta, views, timeout=timeout)
         except LLMException as exc:
             ctx = exc.in_context(op, **about)
+            log.debug("%s %s cluster %d failed: %s", op, _dir(write), cid, ctx)
             if ctx is exc:
                 raise
             raise ctx from exc
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s: %d bytes %s cluster %d", op, nbytes, _dir(write), cid)
+
+
+def _dir(write: bool) -> str:
+    return "to" if write else "from"
 
 
 #: Parts of one transfer in flight at once.

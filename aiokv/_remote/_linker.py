@@ -136,7 +136,10 @@ class Linker:
                 try:
                     link = await self._transport.connect(host, port, timeout=left)
                 except LLMException as exc:
-                    status_of(exc, log, f"link to {cid} at {host}:{port}, try {attempt + 1}")
+                    if exc.context.get("authenticated") is False:  # link_secret: say so
+                        log.warning("link to cluster %d at %s:%d: %s", cid, host, port, exc)
+                    else:
+                        status_of(exc, log, f"link to {cid} at {host}:{port}, try {attempt + 1}")
                     continue
                 if link.peer.cluster_id == cid:
                     return link

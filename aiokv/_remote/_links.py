@@ -41,6 +41,7 @@ from typing import Final
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException
+from .._stats import PeerCounters
 from ..transport import Link
 
 __all__ = ["LinkTable"]
@@ -56,7 +57,8 @@ PROBE_TIMEOUT_S: Final = 1.0
 class LinkTable:
     """Peer cluster id → live link; who linked it; attempts, holds and requests in flight."""
 
-    def __init__(self) -> None:
+    def __init__(self, counters: PeerCounters | None = None) -> None:
+        self._counters = counters if counters is not None else PeerCounters()
         self._links: dict[int, Link] = {}
         self._ours: set[int] = set()  # clusters this side linked, not only the peer
         self._dialed: set[int] = set()  # clusters whose filed link this side connected
@@ -85,7 +87,8 @@ class LinkTable:
         link = self.get(cluster_id)
         if link is None:
             raise LLMException(
-                f"{op}: cluster {cluster_id} is not linked",
+                f"{op}: cluster {cluster_id} is not linked; call link_clusters first (or "
+                "link() with a rank table, then wait for query_register_mem_status OK)",
                 status_code=LLMStatusCode.LLM_NOT_YET_LINK,
                 op=op,
             )
@@ -113,9 +116,12 @@ class LinkTable:
         self._file(cid, link)
 
     def _file(self, cid: int, link: Link) -> None:
+        new = self._links.get(cid) is not link
         self._links[cid] = link
         self._wake(cid)
-        log.info("link to cluster %d up (%s:%d)", cid, *link.peer.address)
+        if new:  # the transport reports a link this side opened, then the linker files it
+            self._counters.links_up += 1
+            log.info("link to cluster %d up (%s:%d)", cid, *link.peer.address)
 
     def _claim(self, cid: int, filed: Link, claimant: Link) -> None:
         """An incoming ``claimant`` for ``cid`` while ``filed`` is live."""
@@ -182,13 +188,18 @@ class LinkTable:
             del self._links[cid]
             self._ours.discard(cid)
             self._dialed.discard(cid)
+            self._counters.links_down += 1
             log.info("link to cluster %d down", cid)
 
     def pop(self, cluster_id: int) -> Link | None:
         """Remove and return the link filed for ``cluster_id`` (live or not), if any."""
         self._ours.discard(cluster_id)
         self._dialed.discard(cluster_id)
-        return self._links.pop(cluster_id, None)
+        link = self._links.pop(cluster_id, None)
+        if link is not None:
+            self._counters.links_down += 1
+            log.info("link to cluster %d down (unlinked or replaced)", cluster_id)
+        return link
 
     def clusters(self) -> list[int]:
         """Cluster ids with a live link, sorted."""

@@ -29,6 +29,7 @@ from .._errors import LLMException
 from .._layout import ByteLayout, tensor_bytes
 from .._models import BlocksCacheKey, CacheKey
 from .._registry import CacheRegistry, Entry
+from .._stats import PeerCounters
 from ..transport import Grant, PeerInfo
 from ._protocol import (
     MAX_BLOCKS,
@@ -93,6 +94,7 @@ class PeerService:
         config: read at each request (``sync_kv_timeout``, remote access).
         stager: host staging for device memory; without one, requests on device
             memory are refused with ``LLM_FEATURE_NOT_ENABLED``.
+        counters: where each request served is counted, per peer cluster.
     """
 
     def __init__(
@@ -101,11 +103,13 @@ class PeerService:
         registry: CacheRegistry,
         config: LLMConfig,
         stager: Stager | None = None,
+        counters: PeerCounters | None = None,
     ) -> None:
         self._cluster_id = cluster_id
         self._registry = registry
         self._config = config
         self._stager = stager
+        self._counters = counters if counters is not None else PeerCounters()
 
     # ---- RequestHandler -----------------------------------------------------------------
     async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
@@ -125,7 +129,7 @@ class PeerService:
             answer = self._grant_locked(peer, meta, write=write)
         if isinstance(answer, Grant):
             return answer
-        return await self._staged(answer, write=write)
+        return await self._staged(peer, answer, write=write)
 
     def _grant_locked(self, peer: PeerInfo, meta: bytes, *, write: bool) -> Grant | _Device:
         try:
@@ -146,16 +150,50 @@ class PeerService:
                 places = [(entry, t, 0) for t in tensors]
                 if write or not req.release:
                     release = None
-            if not is_staged(entries[0].cache.tensors[0].device):
+            device = views = None
+            if is_staged(entries[0].cache.tensors[0].device):
+                device = self._device_plan(entries, layout, places, release)
+            else:
                 views = layout.views([_host_bytes(e, t, off) for e, t, off in places])
-                return self._issue(entries, views, release)
-            device = self._device_plan(entries, layout, places, release)
         except _Refused as r:
-            log.warning("refused a %s from cluster %d: %s", _kind(write), peer.cluster_id, r)
-            return Grant(r.code)
-        self._registry.pin(*entries)  # refuses memory being unregistered
-        return device
+            return self._refuse(peer, write, r.code, str(r))
+        served = self._counters.served(peer.cluster_id)
+        try:
+            if device is not None:
+                self._registry.pin(*entries)  # refuses memory being unregistered
+                return device
+            assert views is not None
+            grant = self._issue(entries, views, release)
+        except LLMException as exc:  # e.g. the memory is being unregistered
+            served.refused(exc.status_code)
+            raise
+        return self._counted(peer, write, grant, sum(map(len, views)))
 
+    def _refuse(self, peer: PeerInfo, write: bool, code: LLMStatusCode, why: str) -> Grant:
+        """A refusal, logged, counted and carrying its reason to the peer."""
+        log.warning(
+            "refused a %s from cluster %d (%s): %s", _kind(write), peer.cluster_id, code.name, why
+        )
+        self._counters.served(peer.cluster_id).refused(code)
+        return Grant(code, reason=why)
+
+    def _counted(self, peer: PeerInfo, write: bool, grant: Grant, nbytes: int) -> Grant:
+        """``grant``, counted as granted now and as over (moved or not) at its ``done``."""
+        served = self._counters.served(peer.cluster_id)
+        served.granted()
+        done = grant.done
+        assert done is not None
+
+        def counted(ok: bool) -> None:
+            done(ok)
+            served.over(nbytes, ok)
+
+        grant.done = counted
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "granted a %s of %d bytes to cluster %d", _kind(write), nbytes, peer.cluster_id
+            )
+        return grant
     @staticmethod
     def _device_plan(
         entries: list[Entry],
@@ -176,7 +214,7 @@ class PeerService:
             )
         return _Device(entries, buffers, layout, release)
 
-    async def _staged(self, plan: _Device, *, write: bool) -> Grant:
+    async def _staged(self, peer: PeerInfo, plan: _Device, *, write: bool) -> Grant:
         """Serve a pinned device plan through a host staging buffer: a read's bytes are
         gathered into it before the grant; a write lands in it and is scattered to the
         device by the grant's ``commit``, before the writer hears that it landed."""
@@ -184,7 +222,7 @@ class PeerService:
         stager = self._stager
         if stager is None:
             self._registry.unpin(*plan.entries)
-            return Grant(Code.LLM_FEATURE_NOT_ENABLED)
+            return self._refuse(peer, write, Code.LLM_FEATURE_NOT_ENABLED, "no host staging")
         try:
             if write:
                 nbytes = plan.layout.total(len(plan.buffers))
@@ -194,11 +232,10 @@ class PeerService:
         except BaseException as exc:
             self._registry.unpin(*plan.entries)
             if isinstance(exc, LLMException):
-                log.warning("could not stage a %s: %s", _kind(write), exc)
-                return Grant(exc.status_code)
+                return self._refuse(peer, write, exc.status_code, f"staging: {exc}")
             if isinstance(exc, Exception):
                 log.exception("staging a %s failed", _kind(write))
-                return Grant(Code.LLM_FAILED)
+                return self._refuse(peer, write, Code.LLM_FAILED, "staging failed")
             raise
         grant = self._issue(plan.entries, [staged.view], plan.release, pinned=True)
         finish = grant.done
@@ -227,7 +264,7 @@ class PeerService:
         grant.done = done
         if write:
             grant.commit = commit
-        return grant
+        return self._counted(peer, write, grant, staged.host.numel())
 
     def _issue(
         self,
@@ -335,7 +372,9 @@ class PeerService:
             if not cache.is_blocks_cache:
                 raise _invalid("the cache is not a blocks cache")
             if req.block_bytes != cache.block_bytes:
-                raise _invalid(f"block sizes differ ({req.block_bytes} vs {cache.block_bytes})")
+                raise _invalid(
+                    f"block sizes differ ({req.block_bytes} vs {cache.block_bytes} bytes)"
+                )
             blocks = _blocks(req.blocks, cache.num_blocks, "blocks", unique=write)
             layout = ByteLayout.of_blocks(blocks, req.block_bytes)
         else:

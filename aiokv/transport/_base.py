@@ -18,13 +18,15 @@ import math
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Final, Protocol, Self
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._layout import LayoutViews
 
 __all__ = [
+    "AUTH_FAILED",
+    "REASON_CAP",
     "Grant",
     "Link",
     "LinkCallback",
@@ -34,6 +36,13 @@ __all__ = [
 ]
 
 _log = logging.getLogger("aiokv.transport")
+
+#: Most bytes of a refusal's reason (:attr:`Grant.reason`) that travel to the requester;
+#: a longer one is cut (at a UTF-8 character boundary) by the sender, and a receiver
+#: treats more as a protocol violation. The reason is untrusted text from the peer.
+REASON_CAP: Final = 512
+#: ``LLMException.context`` of a ``connect`` that failed authentication (``link_secret``).
+AUTH_FAILED: Final = {"authenticated": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +67,10 @@ class Grant:
             raised on the requesting side.
         buffers: flat byte buffers (format ``'B'``), in wire order; empty unless
             ``status`` is ``LLM_SUCCESS``. For a write grant they must be writable.
+        reason: why a refusal refuses, for a person (e.g. ``"block sizes differ (4096
+            vs 8192 bytes)"``); sent to the requester with the code (at most
+            :data:`REASON_CAP` bytes of it) and put in its ``LLMException``'s message.
+            Ignored on success.
         done: called exactly once when the I/O on ``buffers`` is over, on the event
             loop, with ``True`` only when the whole payload moved: for a read grant, when
             the reader confirmed receipt of every byte; for a write grant, when every
@@ -83,6 +96,7 @@ class Grant:
     buffers: list[memoryview] = field(default_factory=list)
     done: Callable[[bool], None] | None = None
     commit: Callable[[], Awaitable[LLMStatusCode]] | None = None
+    reason: str = ""
     _abort: Callable[[LLMStatusCode], None] | None = field(default=None, repr=False)
     _aborted: LLMStatusCode | None = field(default=None, repr=False)
 
@@ -373,7 +387,11 @@ class Transport(abc.ABC):
         if self._loop is None:
             self._loop = loop
         elif self._loop is not loop:
-            raise RuntimeError(f"{op}: transport is bound to another event loop")
+            raise RuntimeError(
+                f"{op}: transport is bound to another event loop; a transport and its "
+                "links belong to the loop of its first listen/connect: use them there "
+                "(LLMDataDist runs its transport on its engine loop for you)"
+            )
         return loop
 
     def _loop_or_raise(self) -> asyncio.AbstractEventLoop:
@@ -495,6 +513,11 @@ def check_request(op: str, meta: bytes, timeout: float, max_meta_bytes: int) -> 
         )
 
 
+def grant_reason(grant: object) -> str:
+    """The reason of a refusing grant (``""`` when it gives none or is no ``Grant``)."""
+    return grant.reason if isinstance(grant, Grant) and isinstance(grant.reason, str) else ""
+
+
 def check_grant(
     grant: object, name: str, *, writable: bool
 ) -> tuple[LLMStatusCode, list[memoryview], int]:
@@ -515,3 +538,43 @@ def check_grant(
         _log.error("handler %s granted unusable buffers: %s", name, exc)
         return LLMStatusCode.LLM_FAILED, [], 0
     return status, views, total
+
+
+def encode_reason(reason: object) -> bytes:
+    """A refusal's reason as the UTF-8 bytes that travel: at most :data:`REASON_CAP`
+    bytes, cut at a character boundary; ``b""`` for anything that is not a string."""
+    if not isinstance(reason, str) or not reason:
+        return b""
+    raw = reason.encode("utf-8", "replace")
+    if len(raw) <= REASON_CAP:
+        return raw
+    return raw[:REASON_CAP].decode("utf-8", "ignore").encode()
+
+
+def decode_reason(raw: bytes | bytearray | memoryview | str) -> str:
+    """A peer's reason made safe to show and log: at most :data:`REASON_CAP` bytes
+    read, invalid UTF-8 replaced, control characters (newlines included) replaced by
+    ``?``, surrounding blanks stripped. Untrusted text stays text: never parsed."""
+    if isinstance(raw, str):
+        raw = encode_reason(raw)
+    text = bytes(raw[:REASON_CAP]).decode("utf-8", "replace")
+    return "".join(c if c.isprintable() else "?" for c in text).strip()
+
+
+def refusal(op: str, cluster_id: int, status: LLMStatusCode, reason: str) -> LLMException:
+    """The requester's error for a peer's refusal: the code, and the peer's (already
+    sanitized) reason when it gave one."""
+    why = f": {reason}" if reason else ""
+    return LLMException(
+        f"{op}: cluster {cluster_id} refused ({status.name}){why}", status_code=status
+    )
+
+
+def auth_mismatch(mine: bool, theirs: bool) -> str:
+    """What a failed link authentication means, for a person: ``mine`` / ``theirs``:
+    whether this side / the peer holds a secret."""
+    if mine and not theirs:
+        return "this side has a link_secret and the peer has none; set the same on both"
+    if theirs and not mine:
+        return "the peer requires a link_secret and this side has none; set the same on both"
+    return "the two sides' link_secret differ; set the same on both"

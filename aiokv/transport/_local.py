@@ -39,18 +39,23 @@ from typing import Any, Final
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from ._base import (
+    AUTH_FAILED,
     Grant,
     Link,
     LinkCallback,
     PeerInfo,
     RequestHandler,
     Transport,
+    auth_mismatch,
     check_address,
     check_connect_timeout,
     check_grant,
     check_probe_timeout,
     check_request,
+    decode_reason,
     flatten_views,
+    grant_reason,
+    refusal,
 )
 
 __all__ = ["LocalTransport"]
@@ -121,6 +126,7 @@ class _Op:
         "loop",
         "over",
         "peer_loop",
+        "reason",
         "revoked",
         "status",
         "task",
@@ -136,6 +142,7 @@ class _Op:
         self.waiter: asyncio.Future[None] = loop.create_future()
         self.task: asyncio.Task[None] | None = None
         self.status = _S.LLM_FAILED  # unless the handler answers
+        self.reason = ""  # the server's reason for a refusal (sanitized)
         self.views: list[memoryview] = []
         self.total = 0
         self.done: Callable[[bool], None] | None = None
@@ -148,10 +155,12 @@ class _Op:
         """The peer's handler answered (called by the serving task, on ``peer_loop``)."""
         status, views, total = check_grant(grant, name, writable=writable)
         done = grant.done if isinstance(grant, Grant) else None
+        reason = decode_reason(grant_reason(grant)) if status is not _S.LLM_SUCCESS else ""
         with self.lock:
             late = self.over
             if not late:
                 self.status, self.views, self.total, self.done = status, views, total, done
+                self.reason = reason
                 if writable and isinstance(grant, Grant):
                     self.commit = grant.commit
         if late and done is not None:
@@ -287,10 +296,7 @@ class _LocalLink(Link):
                 if op.failed:
                     raise self._lost(name)
                 if status is not _S.LLM_SUCCESS:
-                    raise LLMException(
-                        f"{name}: cluster {self.peer.cluster_id} answered {status.name}",
-                        status_code=status,
-                    )
+                    raise refusal(name, self.peer.cluster_id, status, op.reason)
                 if op.revoked is not None:
                     raise self._revoked(name, op.revoked)
                 if op.total != total:
@@ -367,10 +373,10 @@ class _LocalLink(Link):
             else:
                 grant = await handler.grant_write(self.peer, meta, size)
         except LLMException as exc:
-            grant = Grant(exc.status_code)
+            grant = Grant(exc.status_code, reason=str(exc))
         except Exception:
             _log.exception("%r: handler %s failed", self, name)
-            grant = Grant(_S.LLM_FAILED)
+            grant = Grant(_S.LLM_FAILED, reason="the peer's handler failed")
         op.answer(grant, name, writable=not is_read)
 
     def _revoked(self, name: str, status: LLMStatusCode) -> LLMException:
@@ -459,7 +465,17 @@ class LocalTransport(Transport):
         if server is None:
             raise LLMException(f"{where}: connection refused", status_code=_S.LLM_LINK_FAILED)
         if not _same_secret(self.secret, server.secret):
-            raise LLMException(f"{where}: authentication failed", status_code=_S.LLM_LINK_FAILED)
+            why = auth_mismatch(self.secret is not None, server.secret is not None)
+            _log.warning(
+                "refused a link from cluster %d: authentication failed (%s)",
+                self.local_cluster_id,
+                why,
+            )
+            raise LLMException(
+                f"{where}: authentication failed: {why}",
+                status_code=_S.LLM_LINK_FAILED,
+                context=AUTH_FAILED,
+            )
         mine = _LocalLink(self, PeerInfo(server.local_cluster_id, (host, port)))
         theirs = _LocalLink(server, PeerInfo(self.local_cluster_id, (host, _free_port(host))))
         mine._other, theirs._other = theirs, mine

@@ -4,7 +4,7 @@ Every frame starts with one 30-byte little-endian header::
 
     offset  size  field
     0       4     magic      b"AIKV"
-    4       1     version    3
+    4       1     version    4
     5       1     type       FrameType
     6       4     status     LLMStatusCode of a reply (0 elsewhere)
     10      4     meta_len   bytes of meta that follow the header
@@ -14,6 +14,10 @@ Every frame starts with one 30-byte little-endian header::
 followed by ``meta_len`` bytes of meta and, for ``DATA`` frames only, ``size`` bytes of
 payload. Handshake and ``ERROR`` meta is a UTF-8 JSON object (:func:`encode_meta`);
 request meta is the layer above's opaque bytes, which the transport only caps.
+A reply that refuses (``READ_RESP``, ``WRITE_GRANT``, ``WRITE_DONE`` and
+``NIXL_GRANT`` with a status other than ``LLM_SUCCESS``) may carry the refuser's
+reason as meta: UTF-8 text of at most :data:`REASON_CAP` bytes (version 4; a longer
+one is a framing violation), which the receiver sanitizes and shows, never parses.
 ``size`` is the payload length of a ``DATA`` frame, the total number of bytes
 of a transfer in ``READ_REQ`` (bytes the reader expects), ``READ_RESP`` (bytes granted)
 and ``WRITE_REQ`` (bytes to push), their NIXL variants and ``NIXL_GRANT``, the meta
@@ -60,12 +64,15 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ._base import REASON_CAP
+
 __all__ = [
     "HANDSHAKE_META_CAP",
     "HEADER",
     "HEADER_SIZE",
     "MAGIC",
     "MAX_CHUNK",
+    "REASON_CAP",
     "VERSION",
     "FrameType",
     "Header",
@@ -79,7 +86,7 @@ __all__ = [
 ]
 
 MAGIC = b"AIKV"
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("<4sBBIIQQ")
 HEADER_SIZE = HEADER.size
 #: Protocol cap on one DATA frame's payload. Big transfers are cut into chunks no larger,
@@ -99,11 +106,11 @@ class FrameType(enum.IntEnum):
     HELLO = 1  # handshake: cluster id and nonce (both ways), server MAC (accept side)
     AUTH = 2  # handshake: client MAC (connect side), verdict (accept side)
     READ_REQ = 3  # "send me `size` bytes described by meta"
-    READ_RESP = 4  # status; on success `size` granted bytes follow as DATA frames
+    READ_RESP = 4  # status; on success `size` granted bytes follow as DATA; else reason
     WRITE_REQ = 5  # "accept `size` bytes described by meta"
-    WRITE_GRANT = 6  # status; on success the requester sends DATA frames
+    WRITE_GRANT = 6  # status; on success the requester sends DATA frames; else reason
     DATA = 7  # `size` payload bytes of request `req_id`
-    WRITE_DONE = 8  # status: the pushed bytes landed (or why not)
+    WRITE_DONE = 8  # status: the pushed bytes landed (or why not, the reason in meta)
     READ_DONE = 9  # the reader received the whole payload; the granter may release it
     CANCEL = 10  # the requester gave up on `req_id`; the granter drops it
     ERROR = 11  # link-level failure, reason in meta {"reason": str}; the link closes
@@ -114,7 +121,8 @@ class FrameType(enum.IntEnum):
     NIXL_MD = 16  # NIXL agent metadata in meta; `size`: the sender's meta cap
     NREAD_REQ = 17  # READ_REQ from a requester that can move the bytes over NIXL
     NWRITE_REQ = 18  # WRITE_REQ from a requester that can move the bytes over NIXL
-    NIXL_GRANT = 19  # status; on success meta = tag + granted (address, length) pairs
+    NIXL_GRANT = 19  # status; on success meta = tag + granted (address, length) pairs,
+    # else meta = the reason
 
 
 # Frame types allowed to carry meta, with the cap that applies (None: the owner's cap).
@@ -122,6 +130,9 @@ _META_TYPES = {
     FrameType.HELLO: HANDSHAKE_META_CAP,
     FrameType.AUTH: HANDSHAKE_META_CAP,
     FrameType.ERROR: HANDSHAKE_META_CAP,
+    FrameType.READ_RESP: REASON_CAP,
+    FrameType.WRITE_GRANT: REASON_CAP,
+    FrameType.WRITE_DONE: REASON_CAP,
     FrameType.READ_REQ: None,
     FrameType.WRITE_REQ: None,
     FrameType.NIXL_MD: None,

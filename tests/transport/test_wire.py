@@ -63,13 +63,36 @@ def test_reply_status_travels() -> None:
         ({"ftype": 200}, "frame type"),
         ({"ftype": FrameType.DATA, "size": wire.MAX_CHUNK + 1}, "exceeds"),
         ({"ftype": FrameType.DATA, "meta_len": 1}, "meta"),
-        ({"ftype": FrameType.READ_RESP, "meta_len": 5}, "meta"),
+        ({"ftype": FrameType.READ_RESP, "meta_len": wire.REASON_CAP + 1}, "exceeds"),
+        ({"ftype": FrameType.WRITE_GRANT, "meta_len": wire.REASON_CAP + 1}, "exceeds"),
+        ({"ftype": FrameType.WRITE_DONE, "meta_len": wire.REASON_CAP + 1}, "exceeds"),
+        ({"ftype": FrameType.READ_DONE, "meta_len": 1}, "meta"),
+        ({"ftype": FrameType.CANCEL_ACK, "meta_len": 1}, "meta"),
         ({"ftype": FrameType.HELLO, "meta_len": wire.HANDSHAKE_META_CAP + 1}, "exceeds"),
     ],
 )
 def test_malformed_header_rejected(fields: dict[str, int | bytes], match: str) -> None:
     with pytest.raises(WireError, match=match):
         wire.decode_header(raw_header(**fields))  # type: ignore[arg-type]
+
+
+def test_version_is_4_since_refusals_carry_reasons() -> None:
+    assert wire.VERSION == 4
+    assert wire.REASON_CAP == 512
+
+
+@pytest.mark.parametrize(
+    "ftype", [FrameType.READ_RESP, FrameType.WRITE_GRANT, FrameType.WRITE_DONE]
+)
+def test_refusal_reason_travels_up_to_the_cap(ftype: FrameType) -> None:
+    reason = b"block sizes differ (4096 vs 8192 bytes)"
+    frame = wire.encode_frame(ftype, 5, status=LLMStatusCode.LLM_PARAM_INVALID, meta=reason)
+    h = wire.decode_header(frame[: wire.HEADER_SIZE])
+    status = LLMStatusCode.LLM_PARAM_INVALID
+    assert (h.type, h.req_id, h.status, h.meta_len) == (ftype, 5, status, len(reason))
+    assert frame[wire.HEADER_SIZE :] == reason
+    full = wire.decode_header(raw_header(ftype=ftype, meta_len=wire.REASON_CAP))
+    assert full.meta_len == wire.REASON_CAP
 
 
 def test_request_meta_length_is_left_to_the_reader() -> None:

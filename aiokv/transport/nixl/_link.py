@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Final
 
 from ..._enums import LLMStatusCode
 from .. import _wire as wire
-from .._base import PeerInfo
+from .._base import PeerInfo, decode_reason
 from ..tcp._io import SockIO
 from ..tcp._link import TcpLink
 from ..tcp._ops import MyOp, PeerOp, State, Stream
@@ -165,7 +165,7 @@ class NixlLink(TcpLink):
         if op is None or op.state is not State.WAIT_REPLY:
             return  # late answer of a request we dropped
         if status is not _S.LLM_SUCCESS:
-            op.finish(status)
+            op.finish(status, decode_reason(meta) if meta else "")
             return
         parsed = None if meta is None or size != op.total else decode_grant(meta, size)
         if parsed is None:

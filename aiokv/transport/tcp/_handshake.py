@@ -14,10 +14,11 @@ from typing import Any, Final
 
 from ..._enums import LLMStatusCode
 from .. import _wire as wire
+from .._base import auth_mismatch, decode_reason
 from ._io import SockIO
 from ._ops import code_of
 
-__all__ = ["HandshakeError", "client_handshake", "mac", "server_handshake"]
+__all__ = ["AuthError", "HandshakeError", "client_handshake", "mac", "server_handshake"]
 
 _S = LLMStatusCode
 _F = wire.FrameType
@@ -39,6 +40,16 @@ def mac(secret: bytes, role: bytes, nonce_c: bytes, nonce_s: bytes, cid_c: int, 
 
 class HandshakeError(Exception):
     """The peer failed or refused the handshake."""
+
+
+class AuthError(HandshakeError):
+    """Authentication failed: the two sides' ``link_secret`` differ (or one has none).
+
+    The side that finds out tells the other in an ``ERROR`` frame (``{"reason", "auth":
+    true, "secret": whether it holds one}``), so both can say which it is."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"authentication failed: {why}")
 
 
 def _hs_int(meta: dict[str, Any], key: str) -> int:
@@ -71,8 +82,11 @@ def _mac_ok(expected: str, got: str | None) -> bool:
     return got is not None and got.isascii() and hmac.compare_digest(expected, got)
 
 
-async def _recv_frame(io: SockIO, expect: wire.FrameType) -> tuple[wire.Header, dict[str, Any]]:
-    """One handshake frame of type ``expect``; an ``ERROR`` frame raises its reason."""
+async def _recv_frame(
+    io: SockIO, expect: wire.FrameType, secret: bytes | None
+) -> tuple[wire.Header, dict[str, Any]]:
+    """One handshake frame of type ``expect``; an ``ERROR`` frame raises its reason
+    (:class:`AuthError` when it reports a failed authentication)."""
     hbuf = bytearray(wire.HEADER_SIZE)
     await io.recv_exact(memoryview(hbuf))
     h = wire.decode_header(hbuf)
@@ -84,7 +98,10 @@ async def _recv_frame(io: SockIO, expect: wire.FrameType) -> tuple[wire.Header, 
     await io.recv_exact(memoryview(raw))
     meta = wire.decode_meta(raw)
     if h.type is _F.ERROR:
-        raise HandshakeError(f"peer refused the link: {meta.get('reason', 'no reason')}")
+        if meta.get("auth") is True:
+            raise AuthError(auth_mismatch(secret is not None, meta.get("secret") is True))
+        why = decode_reason(str(meta.get("reason", "")))
+        raise HandshakeError(f"peer refused the link: {why or 'no reason'}")
     return h, meta
 
 
@@ -94,22 +111,31 @@ def _hs_frame(kind: wire.FrameType, meta: dict[str, Any], status: int = 0) -> by
     )
 
 
+def _auth_failed(io: SockIO, secret: bytes | None, mine: bool, theirs: bool) -> AuthError:
+    """Tell the peer, best effort and without waiting, that authentication failed; the
+    error to raise here."""
+    meta = {"reason": "authentication failed", "auth": True, "secret": secret is not None}
+    with contextlib.suppress(OSError):
+        io.sock.send(_hs_frame(_F.ERROR, meta, _S.LLM_LINK_FAILED))
+    return AuthError(auth_mismatch(mine, theirs))
+
+
 async def client_handshake(io: SockIO, me: int, secret: bytes | None) -> int:
     """Run the connecting side's handshake; returns the peer's cluster id."""
     nonce_c = secrets.token_bytes(_NONCE_BYTES)
     await io.send_all(_hs_frame(_F.HELLO, {"cluster_id": me, "nonce": nonce_c.hex()}))
-    _, hello = await _recv_frame(io, _F.HELLO)
+    _, hello = await _recv_frame(io, _F.HELLO, secret)
     peer_id, nonce_s, mac_s = _hs_int(hello, "cluster_id"), _hs_nonce(hello), _hs_mac(hello)
     if secret is not None:
         if not _mac_ok(mac(secret, b"server", nonce_c, nonce_s, me, peer_id), mac_s):
-            raise HandshakeError("peer failed authentication")
+            raise _auth_failed(io, secret, True, mac_s is not None)
         mac_c: str | None = mac(secret, b"client", nonce_c, nonce_s, me, peer_id)
     elif mac_s is not None:
-        raise HandshakeError("peer requires a shared secret; none configured")
+        raise _auth_failed(io, secret, False, True)
     else:
         mac_c = None
     await io.send_all(_hs_frame(_F.AUTH, {"mac": mac_c}))
-    h, _ = await _recv_frame(io, _F.AUTH)
+    h, _ = await _recv_frame(io, _F.AUTH, secret)
     if h.status != _S.LLM_SUCCESS:
         raise HandshakeError(f"peer refused the link ({code_of(h.status).name})")
     return peer_id
@@ -117,22 +143,18 @@ async def client_handshake(io: SockIO, me: int, secret: bytes | None) -> int:
 
 async def server_handshake(io: SockIO, me: int, secret: bytes | None) -> int:
     """Run the accepting side's handshake; returns the peer's cluster id."""
-    _, hello = await _recv_frame(io, _F.HELLO)
+    _, hello = await _recv_frame(io, _F.HELLO, secret)
     peer_id, nonce_c = _hs_int(hello, "cluster_id"), _hs_nonce(hello)
     nonce_s = secrets.token_bytes(_NONCE_BYTES)
     mac_s = None if secret is None else mac(secret, b"server", nonce_c, nonce_s, peer_id, me)
     await io.send_all(_hs_frame(_F.HELLO, {"cluster_id": me, "nonce": nonce_s.hex(), "mac": mac_s}))
-    _, auth = await _recv_frame(io, _F.AUTH)
+    _, auth = await _recv_frame(io, _F.AUTH, secret)
     mac_c = _hs_mac(auth)
     if secret is not None:
         ok = _mac_ok(mac(secret, b"client", nonce_c, nonce_s, peer_id, me), mac_c)
     else:
         ok = mac_c is None
     if not ok:
-        with contextlib.suppress(OSError):
-            io.sock.send(
-                _hs_frame(_F.ERROR, {"reason": "authentication failed"}, _S.LLM_LINK_FAILED)
-            )
-        raise HandshakeError("peer failed authentication")
+        raise _auth_failed(io, secret, secret is not None, mac_c is not None)
     await io.send_all(_hs_frame(_F.AUTH, {}, _S.LLM_SUCCESS))
     return peer_id

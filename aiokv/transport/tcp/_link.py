@@ -23,7 +23,11 @@ from .._base import (
     check_grant,
     check_probe_timeout,
     check_request,
+    decode_reason,
+    encode_reason,
     flatten_views,
+    grant_reason,
+    refusal,
 )
 from ._io import SockIO, wake
 from ._ops import Bufs, Cursor, MyOp, PeerOp, State, Stream, code_of
@@ -62,6 +66,8 @@ _REPLY_TYPES: Final = frozenset(
 )
 _REPLY_OVERHEAD: Final = 64
 _REQUEST_TYPES: Final = frozenset({_F.READ_REQ, _F.WRITE_REQ, _F.NREAD_REQ, _F.NWRITE_REQ})
+# Replies whose meta is a refusal's reason (capped by the wire at REASON_CAP): always read.
+_REASON_TYPES: Final = frozenset({_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE})
 _REPLY_BACKLOG_HIGH = 4 << 20
 _REPLY_BACKLOG_LOW = 1 << 20
 _REPLY_STALL_S = 30.0
@@ -150,7 +156,7 @@ class TcpLink(Link):
                 self._timed_out(op, "Link.read", timeout)
             status = op.outcome()
             if status is not _S.LLM_SUCCESS:
-                raise self._refused("Link.read", status)
+                raise self._refused("Link.read", op)
             # The ack lets the peer release what it granted (e.g. drop a pulled key).
             self._post(wire.encode_frame(_F.READ_DONE, op.rid))
             acked = True
@@ -186,7 +192,7 @@ class TcpLink(Link):
                 self._timed_out(op, "Link.write", timeout)
             status = op.outcome()
             if status is not _S.LLM_SUCCESS:
-                raise self._refused("Link.write", status)
+                raise self._refused("Link.write", op)
             ok = True
         finally:
             data = op.stream is not None and op.remote is None  # DATA frames, not direct
@@ -293,14 +299,21 @@ class TcpLink(Link):
         if cancelled:
             raise asyncio.CancelledError
 
-    def _refused(self, name: str, status: LLMStatusCode) -> LLMException:
+    def _refused(self, name: str, op: MyOp) -> LLMException:
+        """The error of our failed ``op``: a broken link, or the peer's code and reason."""
+        status = op.outcome()
         if status is _S.LLM_LINK_FAILED:
             return LLMException(
                 f"{name}: link to cluster {self.peer.cluster_id} broke", status_code=status
             )
-        return LLMException(
-            f"{name}: cluster {self.peer.cluster_id} answered {status.name}", status_code=status
-        )
+        return refusal(name, self.peer.cluster_id, status, op.reason)
+
+    def _reply(
+        self, kind: wire.FrameType, rid: int, status: LLMStatusCode, reason: str = ""
+    ) -> None:
+        """Post a reply frame; a refusal carries ``reason`` (capped) for the requester."""
+        meta = encode_reason(reason) if status is not _S.LLM_SUCCESS else b""
+        self._post(wire.encode_frame(kind, rid, status=status, meta=meta))
 
     def _end(self, op: MyOp, *, cancel: bool) -> None:
         """Synchronous clean-up of our op: after this its buffers are never touched again."""
@@ -447,8 +460,9 @@ class TcpLink(Link):
                     unyielded += h.size + _FRAME_COST
                 else:
                     meta: bytearray | None = None
-                    if h.meta_len > self._t.max_meta_bytes or (
-                        len(self._theirs) >= _MAX_PEER_REQUESTS and h.meta_len
+                    if h.type not in _REASON_TYPES and (
+                        h.meta_len > self._t.max_meta_bytes
+                        or (len(self._theirs) >= _MAX_PEER_REQUESTS and h.meta_len)
                     ):
                         # only requests get here (over our cap, or the link is busy):
                         # answered without reading their meta
@@ -545,11 +559,11 @@ class TcpLink(Link):
     def _fail_sink(self, sink: MyOp | PeerOp, why: str) -> None:
         _log.warning("%r: request %d failed: peer %s", self, sink.rid, why)
         if isinstance(sink, MyOp):
-            sink.finish(_S.LLM_PARAM_INVALID)
+            sink.finish(_S.LLM_PARAM_INVALID, f"the peer {why}")
         else:
             self._theirs.pop(sink.rid, None)
             sink.finish(False)
-            self._post(wire.encode_frame(_F.WRITE_DONE, sink.rid, status=_S.LLM_PARAM_INVALID))
+            self._reply(_F.WRITE_DONE, sink.rid, _S.LLM_PARAM_INVALID, f"you {why}")
 
     def _dispatch(self, h: wire.Header, meta: bytearray | None) -> None:
         """Handle one control frame; synchronous, so the reader never waits on anything else."""
@@ -559,7 +573,9 @@ class TcpLink(Link):
         elif kind is _F.READ_RESP or kind is _F.WRITE_GRANT or kind is _F.WRITE_DONE:
             op = self._mine.get(rid) if rid % 2 != self._peer_parity else None
             if op is not None:
-                self._on_reply(op, kind, code_of(h.status), h.size)
+                status = code_of(h.status)
+                why = decode_reason(meta) if meta and status is not _S.LLM_SUCCESS else ""
+                self._on_reply(op, kind, status, h.size, why)
         elif kind is _F.READ_DONE or kind is _F.CANCEL:
             peer_op = self._theirs.get(rid) if rid % 2 == self._peer_parity else None
             if peer_op is not None and (kind is _F.CANCEL or peer_op.is_read):
@@ -602,17 +618,19 @@ class TcpLink(Link):
         did. A TCP link never does: the bytes move as DATA frames."""
         return False
 
-    def _on_reply(self, op: MyOp, kind: wire.FrameType, status: LLMStatusCode, size: int) -> None:
+    def _on_reply(
+        self, op: MyOp, kind: wire.FrameType, status: LLMStatusCode, size: int, why: str
+    ) -> None:
         if kind is _F.READ_RESP:
             if op.is_read and op.state is State.RECEIVING and status is not _S.LLM_SUCCESS:
-                op.finish(status)  # the granter revoked its grant mid-transfer
+                op.finish(status, why)  # the granter revoked its grant mid-transfer
                 return
             if not op.is_read or op.state is not State.WAIT_REPLY:
                 return
             if status is not _S.LLM_SUCCESS:
-                op.finish(status)
+                op.finish(status, why)
             elif size != op.total:  # the peer should have refused; never trust it
-                op.finish(_S.LLM_PARAM_INVALID)
+                op.finish(_S.LLM_PARAM_INVALID, f"it granted {size} bytes, not {op.total}")
             elif size == 0:
                 op.finish(_S.LLM_SUCCESS)
             else:
@@ -623,7 +641,7 @@ class TcpLink(Link):
             if status is _S.LLM_SUCCESS:
                 op.grant()
             else:
-                op.finish(status)
+                op.finish(status, why)
         elif not op.is_read and op.state is not State.OVER:  # WRITE_DONE
             op.peer_over = True
             complete = op.state is State.SENDING and (
@@ -631,7 +649,8 @@ class TcpLink(Link):
             )
             if status is _S.LLM_SUCCESS and not complete:
                 status = _S.LLM_FAILED  # "landed" before we even sent it: a broken peer
-            op.finish(status)
+                why = "it confirmed bytes not yet sent"
+            op.finish(status, why)
 
     def _on_peer_end(self, op: PeerOp, *, acked: bool) -> None:
         """The peer acknowledged (READ_DONE) or cancelled one of its requests."""
@@ -653,26 +672,30 @@ class TcpLink(Link):
             self._abort_stream(op.stream)  # unsent bytes of the batch in flight: copies
         op.finish(False)  # a write's DATA still on its way is discarded (no sink)
         reply = _F.READ_RESP if op.is_read else _F.WRITE_DONE
-        self._post(wire.encode_frame(reply, op.rid, status=status))
+        self._reply(reply, op.rid, status, f"the grant was revoked ({status.name})")
 
     def _on_request(self, h: wire.Header, meta: bytearray | None) -> None:
         is_read = h.type is _F.READ_REQ or h.type is _F.NREAD_REQ
         reply = _F.READ_RESP if is_read else _F.WRITE_GRANT
         rid = h.req_id
+        # Refusals a conforming peer never causes (or a flood does) carry no reason: a
+        # small request must not be answered with a bigger reply.
+        why = ""
         if rid % 2 != self._peer_parity:
             status = _S.LLM_PARAM_INVALID
         elif rid in self._theirs:
             status = _S.LLM_REPEAT_REQUEST
         elif len(self._theirs) >= _MAX_PEER_REQUESTS:
             status = _S.LLM_LINK_BUSY
-        elif meta is None:
-            status = _S.LLM_PARAM_INVALID  # meta over our cap, already skipped
+        elif meta is None:  # meta over our cap, already skipped
+            status = _S.LLM_PARAM_INVALID
+            why = f"request meta of {h.meta_len} bytes exceeds {self._t.max_meta_bytes}"
         else:
             op = self._theirs[rid] = PeerOp(rid, is_read)
             op.nixl = h.type is _F.NREAD_REQ or h.type is _F.NWRITE_REQ
             op.task = self._spawn(self._serve(op, bytes(meta), h.size), f"serve-{rid}")
             return
-        self._post(wire.encode_frame(reply, rid, status=status))
+        self._reply(reply, rid, status, why)
 
     async def _serve(self, op: PeerOp, meta: bytes, size: int) -> None:
         """Ask the handler, then answer the peer and start the transfer."""
@@ -683,11 +706,12 @@ class TcpLink(Link):
             else:
                 grant = await self._t.handler.grant_write(self.peer, meta, size)
         except LLMException as exc:
-            grant = Grant(exc.status_code)
+            grant = Grant(exc.status_code, reason=str(exc))
         except Exception:
             _log.exception("%r: handler %s failed", self, name)
-            grant = Grant(_S.LLM_FAILED)
+            grant = Grant(_S.LLM_FAILED, reason="the peer's handler failed")
         status, views, total = check_grant(grant, name, writable=not op.is_read)
+        why = grant_reason(grant)
         if isinstance(grant, Grant):
             op.bind(grant.done)
             op.commit = None if op.is_read else grant.commit
@@ -695,12 +719,12 @@ class TcpLink(Link):
             op.finish(False)  # cancelled or link lost while the handler decided
             return
         if status is _S.LLM_SUCCESS and total != size:
-            status = _S.LLM_PARAM_INVALID
+            status, why = _S.LLM_PARAM_INVALID, f"the request is {size} bytes, not {total}"
         reply = _F.READ_RESP if op.is_read else _F.WRITE_GRANT
         if status is not _S.LLM_SUCCESS:
             self._theirs.pop(op.rid, None)
             op.finish(False)
-            self._post(wire.encode_frame(reply, op.rid, status=status))
+            self._reply(reply, op.rid, status, why)
             return
         assert isinstance(grant, Grant)  # check_grant fails anything else
         grant.bind_abort(lambda code: self._revoke(op, code))

@@ -99,6 +99,7 @@ class MyOp:
         "granted",
         "is_read",
         "peer_over",
+        "reason",
         "remote",
         "result",
         "rid",
@@ -119,6 +120,7 @@ class MyOp:
         self.granted = False  # a write's WRITE_GRANT said yes
         self.peer_over = False  # a write's WRITE_DONE came: the peer writes no more of it
         self.result: LLMStatusCode | None = None  # final outcome
+        self.reason = ""  # the peer's reason for a refusal (sanitized), with the outcome
         # a NIXL grant: the tag and the granted (address, length) rows of peer memory
         self.remote: tuple[bytes, Any] | None = None
 
@@ -127,11 +129,13 @@ class MyOp:
         self.state = State.SENDING
         self._notify()
 
-    def finish(self, status: LLMStatusCode) -> None:
-        """Record the outcome (the first one wins) and stop all I/O on our buffers."""
+    def finish(self, status: LLMStatusCode, reason: str = "") -> None:
+        """Record the outcome (the first one wins; ``reason``: the peer's, sanitized) and
+        stop all I/O on our buffers."""
         self.state = State.OVER
         if self.result is None:
             self.result = status
+            self.reason = reason
         self._notify()
 
     def outcome(self) -> LLMStatusCode:

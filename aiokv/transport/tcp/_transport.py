@@ -13,6 +13,7 @@ from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from .. import _wire as wire
 from .._base import (
+    AUTH_FAILED,
     Link,
     LinkCallback,
     PeerInfo,
@@ -22,7 +23,7 @@ from .._base import (
     check_connect_timeout,
 )
 from .._tls import TlsContexts
-from ._handshake import HandshakeError, client_handshake, server_handshake
+from ._handshake import AuthError, HandshakeError, client_handshake, server_handshake
 from ._io import SockIO
 from ._link import TcpLink
 from ._tls_io import TlsSockIO
@@ -163,6 +164,10 @@ class TcpTransport(Transport):
             raise LLMException(
                 f"{where}: timed out after {timeout:.3g} s", status_code=_S.LLM_TIMEOUT
             ) from None
+        except AuthError as exc:
+            raise LLMException(
+                f"{where}: {exc}", status_code=_S.LLM_LINK_FAILED, context=AUTH_FAILED
+            ) from exc
         except _HANDSHAKE_ERRORS as exc:
             raise LLMException(f"{where}: {exc}", status_code=_S.LLM_LINK_FAILED) from exc
         if self._closed:
@@ -289,6 +294,9 @@ class TcpTransport(Transport):
                 async with asyncio.timeout(self.handshake_timeout):
                     await io.start()  # TLS, when set, within the same time
                     peer_id = await server_handshake(io, self.local_cluster_id, self.secret)
+        except AuthError as exc:
+            _log.warning("refused a link from %s: %s", addr, exc)
+            return
         except (TimeoutError, *_HANDSHAKE_ERRORS) as exc:
             _log.info("handshake with %s failed: %s", addr, exc)
             return

@@ -1,0 +1,346 @@
+"""Statistics: cheap counters on the paths that already exist, read as typed snapshots.
+
+A counter (:class:`OpCounter`, :class:`ServedCounter`) is updated once per operation —
+never per byte — under a lock of its own, from whichever thread runs the operation;
+``snapshot()`` returns a frozen dataclass (:class:`OpStats`, :class:`ServedStats`).
+Counters only grow (except ``in_flight``): they are process-lifetime totals, as a
+Prometheus scrape expects. Failures are keyed by the ``LLMStatusCode`` name of the
+error, ``"CANCELLED"`` for a cancelled operation, ``"LLM_FAILED"`` for any other
+exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Final
+
+from ._enums import LLMStatusCode
+
+if TYPE_CHECKING:
+    from ._pool import PoolStats
+    from ._registry import RegistryStats
+
+__all__ = [
+    "LATENCY_BOUNDS",
+    "CopyStats",
+    "DataDistStats",
+    "Histogram",
+    "LinkStats",
+    "OpCounter",
+    "OpStats",
+    "PeerCounters",
+    "ServedCounter",
+    "ServedStats",
+    "failure_name",
+]
+
+#: Upper bounds (seconds) of the latency histogram buckets; one more bucket counts
+#: everything slower than the last bound.
+LATENCY_BOUNDS: Final = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+
+
+def failure_name(exc: BaseException) -> str:
+    """The key an exception is counted under in ``failures``."""
+    if isinstance(exc, asyncio.CancelledError):
+        return "CANCELLED"
+    code = getattr(exc, "status_code", None)
+    return code.name if isinstance(code, LLMStatusCode) else LLMStatusCode.LLM_FAILED.name
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """Latencies of finished operations, in seconds.
+
+    Attributes:
+        bounds: the buckets' upper bounds (:data:`LATENCY_BOUNDS`).
+        counts: operations per bucket, ``len(bounds) + 1`` of them (not cumulative):
+            ``counts[i]`` took at most ``bounds[i]`` and more than ``bounds[i - 1]``;
+            the last counts those slower than every bound.
+        count: operations measured (the sum of ``counts``).
+        sum: their total time.
+    """
+
+    bounds: tuple[float, ...] = LATENCY_BOUNDS
+    counts: tuple[int, ...] = (0,) * (len(LATENCY_BOUNDS) + 1)
+    count: int = 0
+    sum: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class OpStats:
+    """Operations of one kind (transfers to a peer, copy jobs, ...).
+
+    Attributes:
+        ops: finished operations, successful or not.
+        bytes: payload bytes of the successful ones.
+        failures: failed operations by error (see the module docstring).
+        in_flight: operations started and not finished now.
+        latency: how long the finished ones took, start to end.
+    """
+
+    ops: int = 0
+    bytes: int = 0
+    failures: Mapping[str, int] = field(default_factory=dict)
+    in_flight: int = 0
+    latency: Histogram = field(default_factory=Histogram)
+
+
+class OpCounter:
+    """Counts operations: ``with counter.measure(nbytes):`` around each one (any thread).
+
+    The cost is two lock round trips, a clock read and a bisect per operation.
+    """
+
+    __slots__ = ("_buckets", "_bytes", "_failures", "_in_flight", "_lock", "_ops", "_sum")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ops = 0
+        self._bytes = 0
+        self._failures: dict[str, int] = {}
+        self._in_flight = 0
+        self._buckets = [0] * (len(LATENCY_BOUNDS) + 1)
+        self._sum = 0.0
+
+    def measure(self, nbytes: int) -> _Measure:
+        """A context manager counting one operation of ``nbytes`` payload bytes: in
+        flight while inside, then finished (failed if it raises, by its error)."""
+        return _Measure(self, nbytes)
+
+    def _start(self) -> None:
+        with self._lock:
+            self._in_flight += 1
+
+    def _end(self, nbytes: int, seconds: float, failure: str | None) -> None:
+        i = bisect.bisect_left(LATENCY_BOUNDS, seconds)
+        with self._lock:
+            self._in_flight -= 1
+            self._ops += 1
+            self._buckets[i] += 1
+            self._sum += seconds
+            if failure is None:
+                self._bytes += nbytes
+            else:
+                self._failures[failure] = self._failures.get(failure, 0) + 1
+
+    def snapshot(self) -> OpStats:
+        """A consistent copy of the counts."""
+        with self._lock:
+            return OpStats(
+                ops=self._ops,
+                bytes=self._bytes,
+                failures=MappingProxyType(dict(self._failures)),
+                in_flight=self._in_flight,
+                latency=Histogram(LATENCY_BOUNDS, tuple(self._buckets), self._ops, self._sum),
+            )
+
+
+class _Measure:
+    __slots__ = ("_counter", "_nbytes", "_t0")
+
+    def __init__(self, counter: OpCounter, nbytes: int) -> None:
+        self._counter = counter
+        self._nbytes = nbytes
+        self._t0 = 0.0
+
+    def __enter__(self) -> None:
+        self._counter._start()
+        self._t0 = time.perf_counter()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        failure = None if exc is None else failure_name(exc)
+        self._counter._end(self._nbytes, time.perf_counter() - self._t0, failure)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedStats:
+    """Requests a peer made of this side (pulls from it, pushes into it).
+
+    Attributes:
+        granted: requests granted.
+        bytes: payload bytes of the grants whose transfer completed.
+        completed: grants whose transfer completed.
+        refused: requests refused, by the ``LLMStatusCode`` name sent back.
+        in_flight: grants not over yet (memory pinned for a peer).
+    """
+
+    granted: int = 0
+    bytes: int = 0
+    completed: int = 0
+    refused: Mapping[str, int] = field(default_factory=dict)
+    in_flight: int = 0
+
+
+class ServedCounter:
+    """Counts what this side serves to one peer (``PeerService``, any thread)."""
+
+    __slots__ = ("_bytes", "_completed", "_granted", "_in_flight", "_lock", "_refused")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._granted = 0
+        self._bytes = 0
+        self._completed = 0
+        self._refused: dict[str, int] = {}
+        self._in_flight = 0
+
+    def refused(self, code: LLMStatusCode) -> None:
+        """One request refused with ``code``."""
+        with self._lock:
+            self._refused[code.name] = self._refused.get(code.name, 0) + 1
+
+    def granted(self) -> None:
+        """One request granted; :meth:`over` follows when its transfer ends."""
+        with self._lock:
+            self._granted += 1
+            self._in_flight += 1
+
+    def over(self, nbytes: int, ok: bool) -> None:
+        """A grant ended; ``ok``: its ``nbytes`` moved."""
+        with self._lock:
+            self._in_flight -= 1
+            if ok:
+                self._completed += 1
+                self._bytes += nbytes
+
+    def snapshot(self) -> ServedStats:
+        """A consistent copy of the counts."""
+        with self._lock:
+            return ServedStats(
+                granted=self._granted,
+                bytes=self._bytes,
+                completed=self._completed,
+                refused=MappingProxyType(dict(self._refused)),
+                in_flight=self._in_flight,
+            )
+
+
+class PeerCounters:
+    """The per-peer counters of one ``LLMDataDist``, kept across ``init`` cycles: its
+    requests to each cluster, what it served each cluster, links up and down."""
+
+    __slots__ = ("_requests", "_served", "links_down", "links_up")
+
+    def __init__(self) -> None:
+        self._requests: dict[int, OpCounter] = {}
+        self._served: dict[int, ServedCounter] = {}
+        self.links_up = 0  # changed on the engine thread only
+        self.links_down = 0
+
+    def requests(self, cluster_id: int) -> OpCounter:
+        """The counter of this side's requests (pulls, pushes) to ``cluster_id``."""
+        c = self._requests.get(cluster_id)
+        return c if c is not None else self._requests.setdefault(cluster_id, OpCounter())
+
+    def served(self, cluster_id: int) -> ServedCounter:
+        """The counter of what this side serves to ``cluster_id``."""
+        c = self._served.get(cluster_id)
+        return c if c is not None else self._served.setdefault(cluster_id, ServedCounter())
+
+    def snapshot(self, linked: list[int]) -> dict[int, LinkStats]:
+        """Per cluster ever seen (or linked now), its :class:`LinkStats`."""
+        cids = sorted({*self._requests, *self._served, *linked})
+        up = set(linked)
+        none = OpCounter()
+        quiet = ServedCounter()
+        return {
+            cid: LinkStats(
+                cluster_id=cid,
+                linked=cid in up,
+                requests=self._requests.get(cid, none).snapshot(),
+                served=self._served.get(cid, quiet).snapshot(),
+            )
+            for cid in cids
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LinkStats:
+    """One peer cluster, as this side sees it.
+
+    Attributes:
+        cluster_id: the peer.
+        linked: whether a live link to it is filed now.
+        requests: this side's pulls from and pushes to it (``bytes``: payload moved).
+        served: its pulls from and pushes into this side.
+    """
+
+    cluster_id: int
+    linked: bool
+    requests: OpStats
+    served: ServedStats
+
+
+@dataclass(frozen=True, slots=True)
+class CopyStats:
+    """The local copy engine (``CopyScheduler``).
+
+    Attributes:
+        jobs: copy jobs run on the worker threads (``bytes``: bytes copied).
+        inline: small host copies done on the caller's thread, without a job.
+        queue_depth: jobs waiting for a worker thread now.
+        threads: worker threads started.
+    """
+
+    jobs: OpStats
+    inline: OpStats
+    queue_depth: int
+    threads: int
+
+
+@dataclass(frozen=True, slots=True)
+class DataDistStats:
+    """A snapshot of one ``LLMDataDist`` (``LLMDataDist.statistics()``).
+
+    Counters are totals since the instance was created (they survive ``finalize`` and
+    a new ``init``); gauges (``in_flight``, ``queue_depth``, pools, registry) are now.
+
+    Attributes:
+        cluster_id: this participant.
+        initialized: whether it is initialized (else the gauges below are ``None``/0).
+        links_up: links filed since creation (incoming and outgoing).
+        links_down: filed links lost since creation.
+        links: per peer cluster seen: :class:`LinkStats`.
+        copies: the copy engine: :class:`CopyStats`.
+        device_pool: the device pool's usage, ``None`` without one.
+        host_pool: the host pool's usage, ``None`` without one.
+        caches: the registry's bookkeeping, ``None`` when not initialized.
+    """
+
+    cluster_id: int
+    initialized: bool
+    links_up: int
+    links_down: int
+    links: Mapping[int, LinkStats]
+    copies: CopyStats
+    device_pool: PoolStats | None
+    host_pool: PoolStats | None
+    caches: RegistryStats | None

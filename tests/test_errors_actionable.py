@@ -1,0 +1,292 @@
+"""Errors a person can act on (issue #11 item 4): the peer's reason travels with its
+refusal over every transport, bounded and sanitized; a wrong ``link_secret`` says so on
+both sides; common misuses name the fix."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from aiokv import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aiokv.transport import Grant, PeerInfo, get_transport
+from aiokv.transport import _wire as wire
+from aiokv.transport._base import REASON_CAP, decode_reason, encode_reason
+from aiokv.transport._wire import FrameType
+from aiokv.transport.tcp import TcpTransport
+
+CODE = LLMStatusCode
+HOST = "127.0.0.1"
+pytestmark = pytest.mark.timeout(60)
+
+
+def config(backend: str, **kw: Any) -> LLMConfig:
+    base: dict[str, Any] = {
+        "device_type": "cpu",
+        "enable_cache_manager": True,
+        "listen_ip_info": "127.0.0.1:0",
+        "mem_pool_cfg": '{"memory_size": 4194304, "page_shift": 12}',
+        "enable_remote_cache_accessible": True,
+        "transfer_backend": backend,
+        "sync_kv_timeout": 3000,
+    }
+    base.update(kw)
+    return LLMConfig(**base)
+
+
+def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
+    assert address is not None
+    return LLMClusterInfo(remote_cluster_id=cluster_id, remote_ip_info=[address])
+
+
+@pytest.fixture(params=["local", "tcp"])
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config(request.param)) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config(request.param)) as d,
+    ):
+        code, _ = await d.link_clusters([info(1, p.listen_address)])
+        assert code == CODE.LLM_SUCCESS
+        yield p, d
+
+
+async def test_peer_reason_reaches_the_requester(
+    pair: tuple[LLMDataDist, LLMDataDist], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pull whose block size differs from the owner's: the requester's error carries
+    the owner's reason, and the owner logs the refusal at WARNING."""
+    p, d = pair
+    await p.cache_manager.allocate_blocks_cache(
+        CacheDesc(2, [8, 4, 2, 64], DataType.DT_BF16), BlocksCacheKey(1, 0)
+    )
+    dst = await d.cache_manager.allocate_blocks_cache(CacheDesc(2, [8, 4, 2, 32], DataType.DT_BF16))
+    with caplog.at_level(logging.WARNING, logger="aiokv"), pytest.raises(LLMException) as ei:
+        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
+    assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+    assert "block sizes differ (512 vs 1024 bytes)" in str(ei.value)
+    assert "pull_blocks" in str(ei.value)  # the public operation, once
+    refusals = [r for r in caplog.records if r.name == "aiokv.remote" and "refused" in r.message]
+    assert refusals and refusals[0].levelno == logging.WARNING
+    assert "block sizes differ" in refusals[0].getMessage()
+
+    missing = await d.cache_manager.allocate_blocks_cache(
+        CacheDesc(2, [8, 4, 2, 32], DataType.DT_BF16)
+    )
+    with pytest.raises(LLMException) as ei:
+        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 9), missing, [0], [0])
+    assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+    assert "no cache for" in str(ei.value)
+
+
+def test_reason_is_capped_and_sanitized() -> None:
+    raw = encode_reason("é" * 400)  # 800 bytes of UTF-8
+    assert len(raw) <= REASON_CAP and raw.decode() == "é" * (REASON_CAP // 2)
+    assert encode_reason(None) == b"" and encode_reason("") == b""
+    hostile = b"evil\n\x1b[31mred\x00\xff\xfe" + b"x" * 1000
+    text = decode_reason(hostile)
+    assert "\n" not in text and "\x1b" not in text and "\x00" not in text
+    assert text.startswith("evil??[31mred?") and "\ufffd" in text
+    assert len(text.encode()) <= REASON_CAP + 3 * 2  # replacement chars may widen
+
+
+# ------------------------------------------------------------ a raw peer's reason (TCP)
+
+
+@contextlib.asynccontextmanager
+async def raw_peer(reason: bytes) -> AsyncIterator[int]:
+    """A TCP peer that completes the handshake, then refuses the first request with
+    ``reason`` as the refusal's meta."""
+    tasks: list[asyncio.Task[None]] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+            await reader.readexactly(h.meta_len)
+            meta = wire.encode_meta({"cluster_id": 9, "nonce": secrets.token_hex(32)}, 4096)
+            writer.write(wire.encode_frame(FrameType.HELLO, meta=meta))
+            h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+            await reader.readexactly(h.meta_len)
+            writer.write(wire.encode_frame(FrameType.AUTH, status=0))
+            h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+            await reader.readexactly(h.meta_len)
+            code = int(CODE.LLM_KV_CACHE_NOT_EXIST)
+            # built by hand: the peer may send anything, even over the cap
+            head = wire.HEADER.pack(
+                wire.MAGIC, wire.VERSION, FrameType.READ_RESP, code, len(reason), h.req_id, 0
+            )
+            writer.write(head + reason)
+            await writer.drain()
+            await reader.read()  # until the requester closes
+        writer.close()
+
+    server = await asyncio.start_server(
+        lambda r, w: tasks.append(asyncio.ensure_future(serve(r, w))), HOST, 0
+    )
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.wait_closed()
+
+
+class _NoHandler:
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+        return Grant(CODE.LLM_FAILED)
+
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+        return Grant(CODE.LLM_FAILED)
+
+
+async def test_hostile_reason_is_sanitized_by_the_requester() -> None:
+    reason = b"gone\r\n\x1b[2J" + "ü".encode() + b"\xff" * 3
+    async with raw_peer(reason) as port:
+        t = TcpTransport(1, _NoHandler())
+        try:
+            link = await t.connect(HOST, port, timeout=5)
+            with pytest.raises(LLMException) as ei:
+                await link.read(b"{}", [memoryview(bytearray(16))], timeout=5)
+        finally:
+            await t.aclose()
+    assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+    msg = str(ei.value)
+    assert "cluster 9 refused (LLM_KV_CACHE_NOT_EXIST): gone???[2Jü\ufffd\ufffd\ufffd" in msg
+    assert "\n" not in msg and "\x1b" not in msg
+
+
+async def test_reason_over_the_cap_is_a_protocol_violation() -> None:
+    async with raw_peer(b"x" * (REASON_CAP + 1)) as port:
+        t = TcpTransport(1, _NoHandler())
+        try:
+            link = await t.connect(HOST, port, timeout=5)
+            with pytest.raises(LLMException) as ei:
+                await link.read(b"{}", [memoryview(bytearray(16))], timeout=5)
+            assert link.broken
+        finally:
+            await t.aclose()
+    assert ei.value.status_code == CODE.LLM_LINK_FAILED
+
+
+# ------------------------------------------------------------------------ link_secret
+
+
+@pytest.mark.parametrize(
+    ("client", "server", "says"),
+    [
+        (b"a" * 16, b"b" * 16, "link_secret differ"),
+        (None, b"b" * 16, "the peer requires a link_secret and this side has none"),
+        (b"a" * 16, None, "this side has a link_secret and the peer has none"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["tcp", "local"])
+async def test_wrong_link_secret_says_so_on_both_sides(
+    backend: str,
+    client: bytes | None,
+    server: bytes | None,
+    says: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cls = get_transport(backend)
+    srv, cli = cls(2, _NoHandler(), secret=server), cls(1, _NoHandler(), secret=client)
+    try:
+        with caplog.at_level(logging.WARNING, logger="aiokv"):
+            host, port = await srv.listen(HOST, 0)
+            with pytest.raises(LLMException) as ei:
+                await cli.connect(host, port, timeout=5)
+            for _ in range(100):  # the acceptor logs once its handshake task ends
+                if any("refused a link" in r.getMessage() for r in caplog.records):
+                    break
+                await asyncio.sleep(0.01)
+    finally:
+        await cli.aclose()
+        await srv.aclose()
+    assert ei.value.status_code == CODE.LLM_LINK_FAILED
+    assert "authentication failed" in str(ei.value) and says in str(ei.value)
+    assert ei.value.context.get("authenticated") is False
+    accepted = [r for r in caplog.records if "refused a link" in r.getMessage()]
+    assert accepted and accepted[0].levelno == logging.WARNING
+    assert "link_secret" in accepted[0].getMessage()
+    assert srv.links() == [] and cli.links() == []
+
+
+async def test_link_clusters_with_a_wrong_secret_warns(caplog: pytest.LogCaptureFixture) -> None:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config("tcp", link_secret="s" * 16)) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config("tcp", link_secret="t" * 16)) as d,
+    ):
+        with caplog.at_level(logging.WARNING, logger="aiokv"):
+            code, codes = await d.link_clusters([info(1, p.listen_address)], timeout=500)
+        assert code == CODE.LLM_LINK_FAILED and codes == [CODE.LLM_LINK_FAILED]
+    mine = [r for r in caplog.records if r.name == "aiokv.links" and r.levelno == logging.WARNING]
+    assert any("link_secret differ" in r.getMessage() for r in mine)
+
+
+# ---------------------------------------------------------------- misuses name the fix
+
+
+async def _raises(code: LLMStatusCode, call: Callable[[], Awaitable[Any]], *needles: str) -> None:
+    with pytest.raises(LLMException) as ei:
+        await call()
+    assert ei.value.status_code == code
+    for needle in needles:
+        assert needle in str(ei.value), str(ei.value)
+
+
+async def test_unlinked_cluster_says_link_clusters_first() -> None:
+    async with LLMDataDist(LLMRole.DECODER, 2, config("tcp")) as d:
+        dst = await d.cache_manager.allocate_blocks_cache(
+            CacheDesc(2, [8, 4, 2, 32], DataType.DT_BF16)
+        )
+        await _raises(
+            CODE.LLM_NOT_YET_LINK,
+            lambda: d.cache_manager.pull_blocks(BlocksCacheKey(7, 0), dst, [0], [0]),
+            "cluster 7 is not linked",
+            "call link_clusters first",
+        )
+        await _raises(CODE.LLM_NOT_YET_LINK, lambda: d.check_link_status(7), "link_clusters")
+
+
+async def test_pool_too_small_says_how_big_and_which_option() -> None:
+    cfg = config(
+        "tcp",
+        host_mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
+        listen_ip_info=None,
+    )
+    async with LLMDataDist(LLMRole.DECODER, 2, cfg) as d:
+        cm = d.cache_manager
+        await _raises(
+            CODE.LLM_OUT_OF_MEMORY,
+            lambda: cm.allocate_cache(CacheDesc(5, [1024, 1024], DataType.DT_UINT8)),
+            "5 tensor(s) of 1048576 bytes need 5242880 bytes",
+            "4194304 of 4194304 bytes are free",
+            "mem_pool_cfg.memory_size",
+        )
+        await _raises(
+            CODE.LLM_OUT_OF_MEMORY,
+            lambda: cm.allocate_cache(
+                CacheDesc(2, [1024, 1024], DataType.DT_UINT8, Placement.HOST)
+            ),
+            "host pool",
+            "host_mem_pool_cfg.memory_size",
+        )
+        # the failed allocations took nothing
+        stats = cm.get_pool_stats(Placement.DEVICE)
+        assert stats is not None and stats.used == 0 and stats.failed_allocations == 1
