@@ -117,8 +117,18 @@ def bench_raw(quick: Quick = False, as_json: Json = False) -> None:
 
 
 def main() -> None:
-    """Entry point of the ``aiokv`` console script."""
-    app()
+    """Entry point of the ``aiokv`` console script: ``app`` with Ctrl-C handled
+    (:mod:`aiokv._bench._interrupt`): exit status 130 within a second, children reaped."""
+    from ._bench._interrupt import EXIT_INTERRUPTED, interruptible
+
+    with interruptible() as interrupt:
+        try:
+            app()
+        except SystemExit:
+            if interrupt.interrupted:
+                typer.echo("aiokv: interrupted", err=True)
+                raise SystemExit(EXIT_INTERRUPTED) from None
+            raise
 
 
 if __name__ == "__main__":

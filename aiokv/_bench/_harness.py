@@ -40,6 +40,7 @@ from .. import (
     LLMRole,
     LLMStatusCode,
 )
+from ._interrupt import sigint_blocked
 from ._pki import TlsFiles
 
 __all__ = [
@@ -171,7 +172,9 @@ class Peer:
     first (a port, for instance: :attr:`hello`), then answer requests as it likes.
     :meth:`stop` sends ``("stop",)``, waits 10 s for the child to exit and kills it
     otherwise; :func:`spawned` starts and stops one off the event loop. ``fork`` is
-    never used: forking after torch was imported hangs.
+    never used: forking after torch was imported hangs. The child is born with SIGINT
+    blocked (:func:`~._interrupt.sigint_blocked`): Ctrl-C reaches the parent, which
+    ends it.
 
     Raises:
         RuntimeError: the child sent no greeting within ``start_timeout`` seconds.
@@ -181,7 +184,8 @@ class Peer:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.proc.start()
+        with sigint_blocked():
+            self.proc.start()
         child.close()
         if not self.conn.poll(start_timeout):
             self.stop()
