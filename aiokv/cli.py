@@ -4,6 +4,8 @@ transfer, layerwise, latency, raw). Ctrl-C ends any of them within a second."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
@@ -252,10 +254,17 @@ def main() -> None:
         try:
             app()
         except SystemExit:
-            if interrupt.interrupted:
-                typer.echo("aiokv: interrupted", err=True)
-                raise SystemExit(EXIT_INTERRUPTED) from None
-            raise
+            if not interrupt.interrupted:
+                raise
+    if not interrupt.interrupted:
+        return
+    # Interrupted: the command's own cleanup has run and its children are reaped; the
+    # interpreter's teardown (torch's included) can take a second on a busy machine
+    # and serves nothing now.
+    typer.echo("aiokv: interrupted", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":
