@@ -1,10 +1,14 @@
-"""The ``aiokv`` command: ``aiokv demo`` and ``aiokv bench ...`` (local, transfer,
-layerwise, latency, raw)."""
+"""The ``aiokv`` command: ``aiokv demo``, ``aiokv info`` and ``aiokv bench ...`` (local,
+transfer, layerwise, latency, raw). Ctrl-C ends any of them within a second."""
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+from collections.abc import Callable
 from enum import StrEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -17,14 +21,44 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks with ratios again
 app.add_typer(bench_app, name="bench")
 
 Quick = Annotated[bool, typer.Option(help="Fewer sizes or rounds: checks that it works.")]
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")]
+Json = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object on stdout, nothing else there.")
+]
+Plot = Annotated[
+    Path | None,
+    typer.Option(
+        "--plot",
+        metavar="FILE.png",
+        dir_okay=False,
+        help="Also draw the tables into FILE.png (needs matplotlib: aiokv[plot]).",
+    ),
+]
 
 
-def _emit(report: Report, as_json: bool) -> None:
+def _run_bench(name: str, run: Callable[[], Report], as_json: bool, plot: Path | None) -> None:
+    """Run a benchmark with progress bars on stderr; print its report (tables, or one
+    JSON object on stdout); draw it into ``plot``. Errors a user can act on (NIXL or
+    matplotlib missing, a listener unreachable) print one line and exit 1."""
+    from ._bench._plot import check_plotting, plot_report
+    from ._bench._progress import shown
+    from ._errors import LLMException
+
+    if plot is not None and (hint := check_plotting()) is not None:
+        typer.echo(f"aiokv bench {name}: {hint}", err=True)
+        raise typer.Exit(1)
+    try:
+        with shown():
+            report = run()
+    except (LLMException, OSError) as exc:
+        typer.echo(f"aiokv bench {name}: {exc}", err=True)
+        raise typer.Exit(1) from None
     if as_json:
-        print(json.dumps(report.as_dict()))
+        print(json.dumps(report.as_dict()), flush=True)
     else:
         report.render()
+    if plot is not None:
+        charts = plot_report(report.as_dict(), plot)
+        typer.echo(f"aiokv bench {name}: {charts} chart(s) drawn into {plot}", err=True)
 
 
 @app.command()
@@ -36,14 +70,51 @@ def demo() -> None:
     run_loop(run_demo)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"aiokv {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print aiokv's version and exit."
+        ),
+    ] = False,
+) -> None:
+    """aiokv: asyncio-first KV-cache transfer (llm_datadist's API)."""
+
+
+@app.command()
+def info(as_json: Json = False) -> None:
+    """Devices (cpu, cuda, npu), transports (tcp, tls, nixl: available or why not,
+    NIXL/UCX versions), versions and the event loop."""
+    from ._info import collect, render
+
+    found = collect()
+    if as_json:
+        print(json.dumps(found), flush=True)
+    else:
+        render(found)
+
+
 @bench_app.command("local")
-def bench_local(quick: Quick = False, as_json: Json = False) -> None:
+def bench_local(quick: Quick = False, as_json: Json = False, plot: Plot = None) -> None:
     """swap_blocks of N paged blocks vs the best plain-torch method; small-op latency."""
     from ._bench.local import run_local_bench
 
-    _emit(
-        run_local_bench(repeat=2, layers=8, small_rounds=300) if quick else run_local_bench(),
+    _run_bench(
+        "local",
+        lambda: (
+            run_local_bench(repeat=2, layers=8, small_rounds=300) if quick else run_local_bench()
+        ),
         as_json,
+        plot,
     )
 
 
@@ -72,67 +143,136 @@ BackendOpt = Annotated[
 ]
 
 
+Listen = Annotated[
+    str | None,
+    typer.Option(
+        "--listen",
+        metavar="HOST:PORT",
+        help="Serve as the peer of a --connect run on another host (port 0: any; the "
+        "bound port is printed) until Ctrl-C. Trusted networks only: no authentication.",
+    ),
+]
+Connect = Annotated[
+    str | None,
+    typer.Option(
+        "--connect",
+        metavar="HOST:PORT",
+        help="Run against `aiokv bench transfer --listen` at HOST:PORT instead of a "
+        "loopback peer, and report (plain TCP: no --tls, no --backend nixl).",
+    ),
+]
+DataPort = Annotated[
+    int,
+    typer.Option(
+        "--data-port",
+        min=0,
+        max=65535,
+        help="With --listen: the port of the aiokv participant (0: any; sent to the driver).",
+    ),
+]
+Once = Annotated[
+    bool, typer.Option("--once", help="With --listen: exit when the first driver is done.")
+]
+
+
+def _address(option: str, text: str) -> tuple[str, int]:
+    from ._bench.remote import parse_address
+
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=option) from None
+
+
 @bench_app.command("transfer")
 def bench_transfer(
     quick: Quick = False,
     as_json: Json = False,
     tls: Tls = False,
     backend: BackendOpt = BenchBackend.tcp,
+    listen: Listen = None,
+    connect: Connect = None,
+    data_port: DataPort = 0,
+    once: Once = False,
+    plot: Plot = None,
 ) -> None:
     """pull/push vs a raw socket stream (and over TLS, or NIXL); layer-wise overlap
-    (+ overhead); 1,000 in flight."""
+    (+ overhead); 1,000 in flight. Across two hosts: --listen on one, --connect on the
+    other."""
     from ._bench.transfer import run_transfer_bench
-    from ._errors import LLMException
 
-    try:
-        report = run_transfer_bench(quick=quick, tls=tls, backend=backend.value)
-    except LLMException as exc:  # NIXL missing: the install hint, no traceback
-        typer.echo(f"aiokv bench transfer: {exc}", err=True)
-        raise typer.Exit(1) from None
-    _emit(report, as_json)
+    if listen is not None:
+        if connect is not None or tls or backend != BenchBackend.tcp:
+            raise typer.BadParameter("--listen takes no --connect, --tls or --backend nixl")
+        from ._bench._harness import run_loop
+        from ._bench.remote import serve_peer
+
+        host, port = _address("--listen", listen)
+        run_loop(lambda: serve_peer(host, port, data_port=data_port, once=once))
+        return
+    if connect is not None and (tls or backend != BenchBackend.tcp):
+        raise typer.BadParameter("--connect runs plain TCP: no --tls, no --backend nixl")
+    target = _address("--connect", connect) if connect is not None else None
+    _run_bench(
+        "transfer",
+        lambda: run_transfer_bench(quick=quick, tls=tls, backend=backend.value, connect=target),
+        as_json,
+        plot,
+    )
 
 
 @bench_app.command("device")
-def bench_device(quick: Quick = False, as_json: Json = False) -> None:
+def bench_device(quick: Quick = False, as_json: Json = False, plot: Plot = None) -> None:
     """Device (CUDA) caches over TCP through host staging vs raw socket + cudaMemcpy."""
     from ._bench.device import run_device_bench
-    from ._errors import LLMException
 
-    try:
-        report = run_device_bench(quick=quick)
-    except LLMException as exc:  # no accelerator here
-        typer.echo(f"aiokv bench device: {exc}", err=True)
-        raise typer.Exit(1) from None
-    _emit(report, as_json)
+    _run_bench("device", lambda: run_device_bench(quick=quick), as_json, plot)
 
 
 @bench_app.command("layerwise")
-def bench_layerwise(quick: Quick = False, as_json: Json = False) -> None:
+def bench_layerwise(quick: Quick = False, as_json: Json = False, plot: Plot = None) -> None:
     """transfer_cache_async (by key, by raw addresses) vs one push_blocks of the same bytes."""
     from ._bench.layerwise import run_layerwise_bench
 
-    _emit(run_layerwise_bench(quick=quick), as_json)
+    _run_bench("layerwise", lambda: run_layerwise_bench(quick=quick), as_json, plot)
 
 
 @bench_app.command("latency")
-def bench_latency(quick: Quick = False, as_json: Json = False) -> None:
+def bench_latency(quick: Quick = False, as_json: Json = False, plot: Plot = None) -> None:
     """One-block pull_blocks (async and aiokv.sync) vs a raw socket request/response."""
     from ._bench.latency import run_latency_bench
 
-    _emit(run_latency_bench(quick=quick), as_json)
+    _run_bench("latency", lambda: run_latency_bench(quick=quick), as_json, plot)
 
 
 @bench_app.command("raw")
-def bench_raw(quick: Quick = False, as_json: Json = False) -> None:
+def bench_raw(quick: Quick = False, as_json: Json = False, plot: Plot = None) -> None:
     """Transport level: Link.read / Link.write of scattered blocks vs a raw socket stream."""
     from ._bench.raw import run_raw_bench
 
-    _emit(run_raw_bench(quick=quick), as_json)
+    _run_bench("raw", lambda: run_raw_bench(quick=quick), as_json, plot)
 
 
 def main() -> None:
-    """Entry point of the ``aiokv`` console script."""
-    app()
+    """Entry point of the ``aiokv`` console script: ``app`` with Ctrl-C handled
+    (:mod:`aiokv._bench._interrupt`): exit status 130 within a second, children reaped."""
+    from ._bench._interrupt import EXIT_INTERRUPTED, interruptible
+
+    with interruptible() as interrupt:
+        try:
+            app()
+        except SystemExit:
+            if not interrupt.interrupted:
+                raise
+    if not interrupt.interrupted:
+        return
+    # Interrupted: the command's own cleanup has run and its children are reaped; the
+    # interpreter's teardown (torch's included) can take a second on a busy machine
+    # and serves nothing now.
+    typer.echo("aiokv: interrupted", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":

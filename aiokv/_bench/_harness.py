@@ -40,7 +40,9 @@ from .. import (
     LLMRole,
     LLMStatusCode,
 )
+from ._interrupt import sigint_blocked
 from ._pki import TlsFiles
+from ._progress import steps
 
 __all__ = [
     "KIB",
@@ -131,12 +133,14 @@ async def interleave(
     ``rounds * per_round`` times in seconds.
     """
     times: dict[str, list[float]] = {name: [] for name in contenders}
-    for r in range(warmup + rounds):
-        for name, fn in contenders.items():
-            for _ in range(per_round):
-                t = await time_call(fn)
-                if r >= warmup:
-                    times[name].append(t)
+    with steps(f"rounds: {', '.join(contenders)}", warmup + rounds) as bar:
+        for r in range(warmup + rounds):
+            for name, fn in contenders.items():
+                for _ in range(per_round):
+                    t = await time_call(fn)
+                    if r >= warmup:
+                        times[name].append(t)
+            bar.advance()
     return times
 
 
@@ -171,7 +175,9 @@ class Peer:
     first (a port, for instance: :attr:`hello`), then answer requests as it likes.
     :meth:`stop` sends ``("stop",)``, waits 10 s for the child to exit and kills it
     otherwise; :func:`spawned` starts and stops one off the event loop. ``fork`` is
-    never used: forking after torch was imported hangs.
+    never used: forking after torch was imported hangs. The child is born with SIGINT
+    blocked (:func:`~._interrupt.sigint_blocked`): Ctrl-C reaches the parent, which
+    ends it.
 
     Raises:
         RuntimeError: the child sent no greeting within ``start_timeout`` seconds.
@@ -181,7 +187,8 @@ class Peer:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.proc.start()
+        with sigint_blocked():
+            self.proc.start()
         child.close()
         if not self.conn.poll(start_timeout):
             self.stop()
@@ -236,15 +243,16 @@ def participant_config(
     tls: TlsFiles | None = None,
     backend: Backend = "tcp",
     device_type: DeviceKind = "cpu",
+    listen: str = "127.0.0.1:0",
 ) -> LLMConfig:
-    """A participant on loopback with a ``pool_bytes`` pool on ``device_type`` (``cpu``,
-    ``cuda``), remote accessible, linking with ``backend``; its links over TLS with
-    ``tls``'s files when given."""
+    """A participant listening on ``listen`` with a ``pool_bytes`` pool on ``device_type``
+    (``cpu``, ``cuda``), remote accessible, linking with ``backend``; its links over TLS
+    with ``tls``'s files when given."""
     return LLMConfig(
         transfer_backend=backend,
         device_type=device_type,
         enable_cache_manager=True,
-        listen_ip_info="127.0.0.1:0",
+        listen_ip_info=listen,
         mem_pool_cfg=f'{{"memory_size": {pool_bytes}, "page_shift": 16}}',
         enable_remote_cache_accessible=True,
         sync_kv_timeout=60_000,
@@ -341,8 +349,10 @@ class PromptPeer(Peer):
     from a ``pool_bytes`` pool (so remote accessible) and filled by :func:`random_fill`.
     With ``tls``, it accepts links over TLS only. It links with ``backend``, in a
     process whose environment has ``env`` applied first (``None``: removed). Its pool
-    is on ``device_type``.
+    is on ``device_type``. Decoders link to it at ``(host, port)``.
     """
+
+    host = "127.0.0.1"
 
     def __init__(
         self,
@@ -381,7 +391,8 @@ S = TypeVar("S", bound=_Stoppable)
 async def spawned(start: Callable[[], S]) -> AsyncIterator[S]:
     """``start()`` (a :class:`Peer`, a :class:`~.raw.RawStream`) for the block, started
     and stopped on a worker thread: both wait for another process, never on the loop."""
-    peer = await asyncio.to_thread(start)
+    with steps("starting a peer process"):
+        peer = await asyncio.to_thread(start)
     try:
         yield peer
     finally:
@@ -419,7 +430,7 @@ async def linked(
     """
     config = participant_config(pool_bytes, tls, device_type=device_type)
     async with LLMDataDist(LLMRole.DECODER, cluster_id, config) as dd:
-        info = LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[("127.0.0.1", peer.port)])
+        info = LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[(peer.host, peer.port)])
         code, codes = await dd.link_clusters([info])
         if code != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link to the prompt peer failed: {code.name} {codes}")
@@ -427,15 +438,18 @@ async def linked(
 
 
 def run_remote(
-    main: Callable[[PromptPeer, LLMDataDist], Awaitable[None]], pool_bytes: int = POOL_BYTES
+    main: Callable[[PromptPeer, LLMDataDist], Awaitable[None]],
+    pool_bytes: int = POOL_BYTES,
+    start: Callable[[], PromptPeer] | None = None,
 ) -> None:
     """Run ``main(peer, decoder)`` on a new loop (uvloop where installed): a
-    :class:`PromptPeer` and a decoder linked to it, both with ``pool_bytes`` pools,
-    stopped afterwards whatever happens."""
+    :class:`PromptPeer` (``start()``'s, by default a new one with a ``pool_bytes`` pool)
+    and a decoder linked to it with a ``pool_bytes`` pool, stopped afterwards whatever
+    happens."""
 
     async def run() -> None:
         async with (
-            spawned(lambda: PromptPeer(pool_bytes)) as peer,
+            spawned(start or (lambda: PromptPeer(pool_bytes))) as peer,
             linked(peer, DECODER_ID, pool_bytes) as decoder,
         ):
             await main(peer, decoder)

@@ -50,6 +50,7 @@ from ._harness import (
     scattered,
     time_call,
 )
+from ._progress import steps
 
 __all__ = ["SHAPES", "overhead", "overlap", "run_layerwise_bench"]
 
@@ -121,7 +122,8 @@ async def overhead(
         f"{layers} layers x K,V, scattered blocks; ms = median; ratio = t / t_push_blocks",
     )
     for count, block in shapes:
-        rows.append(await _overhead_row(cm, peer, count, block, layers, rounds))
+        with steps(f"layer-wise overhead {count} x {block} B"):
+            rows.append(await _overhead_row(cm, peer, count, block, layers, rounds))
 
 
 async def _overhead_row(

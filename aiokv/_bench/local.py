@@ -26,6 +26,7 @@ import torch
 
 from .. import Cache, CacheDesc, CacheManager, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
 from ._harness import Report, gbps, interleave, median, run_loop
+from ._progress import steps
 
 __all__ = ["run_local_bench"]
 
@@ -216,7 +217,8 @@ async def _bench(
                     ),
                 }
                 for case, (pairs, raw) in cases.items():
-                    t_raw, method, t_aiokv = await _swap_case(cm, src, dst, pairs, raw, repeat)
+                    with steps(f"swap_blocks {case} {kib} KiB x {n}"):
+                        t_raw, method, t_aiokv = await _swap_case(cm, src, dst, pairs, raw, repeat)
                     rows.append(
                         {
                             "case": case,
@@ -231,7 +233,8 @@ async def _bench(
                             "overhead_us_per_block": (t_aiokv - t_raw) / n * 1e6,
                         }
                     )
-        small = await _small_ops(cm, small_rounds)
+        with steps("small ops"):
+            small = await _small_ops(cm, small_rounds)
     report.table(
         "small_ops",
         "one small op, then another await, repeated (interleaved); vs_executor = "

@@ -33,6 +33,7 @@ from ._harness import (
     scattered,
     spawned,
 )
+from ._progress import steps
 
 __all__ = ["RawStream", "run_raw_bench"]
 
@@ -152,7 +153,8 @@ async def _grid(
     ):
         link = await transport.connect("127.0.0.1", server.hello, timeout=60)
         for size, count in configs:
-            rows.append(await _link_row(raw, link, pool, size, count, repeat))
+            with steps(f"link {_fmt_bytes(size)} x {count}"):
+                rows.append(await _link_row(raw, link, pool, size, count, repeat))
         await link.aclose()
 
 

@@ -26,7 +26,8 @@ import contextlib
 import ctypes
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,11 @@ from ._harness import (
     spawned,
 )
 from ._pki import make_pki
+from ._progress import steps
 from .layerwise import overhead, overlap
 from .nixl import NixlContenders, nixl_contenders
 from .raw import RawStream
+from .remote import RemotePeer, RemoteRawStream
 
 __all__ = ["run_transfer_bench"]
 
@@ -226,6 +229,7 @@ async def _throughput(
     grid: list[tuple[int, int]],
     tls: Pair | None,
     nixl: NixlContenders | None,
+    raw_stream: Callable[[int], RawStream] = RawStream,
 ) -> None:
     rows = report.table(
         "throughput",
@@ -251,9 +255,10 @@ async def _throughput(
             "aiokv-nixl / raw NIXL (t_raw / t_aiokv; read: pull, write: push) per UCX "
             "setting; raw build_ms: initialize_xfer per transfer; fastest path / memcpy",
         )
-    async with spawned(lambda: RawStream(max(b * k for b, k in grid))) as raw:
+    async with spawned(lambda: raw_stream(max(b * k for b, k in grid))) as raw:
         for block, count in grid:
-            row, tls_row, nixl_row = await _throughput_row(plain, raw, block, count, tls, nixl)
+            with steps(f"throughput {block // KIB} KiB x {count}"):
+                row, tls_row, nixl_row = await _throughput_row(plain, raw, block, count, tls, nixl)
             rows.append(row)
             if tls_rows is not None and tls_row is not None:
                 tls_rows.append(tls_row)
@@ -309,12 +314,14 @@ async def _concurrent(report: Report, peer: PromptPeer, links: int, transfers: i
             t0 = time.perf_counter()
             await cm.pull_blocks(BlocksCacheKey(PEER_ID, 0), dst, src, [2 * slot, 2 * slot + 1])
             lat.append(time.perf_counter() - t0)
+            bar.advance()
             if not torch.equal(dst.tensors[0][2 * slot], want[src[0]]):
                 bad += 1
 
         t0 = time.perf_counter()
         # i // links < 128: every pull of one link lands in its own pair of blocks
-        await asyncio.gather(*(one(i) for i in range(transfers)))
+        with steps(f"{transfers} concurrent pulls", transfers) as bar:
+            await asyncio.gather(*(one(i) for i in range(transfers)))
         wall = time.perf_counter() - t0
     lat.sort()
     report.summary(
@@ -333,7 +340,11 @@ async def _concurrent(report: Report, peer: PromptPeer, links: int, transfers: i
 
 
 def run_transfer_bench(
-    *, quick: bool = False, tls: bool = False, backend: Backend = "tcp"
+    *,
+    quick: bool = False,
+    tls: bool = False,
+    backend: Backend = "tcp",
+    connect: tuple[str, int] | None = None,
 ) -> Report:
     """``aiokv bench transfer``: throughput, layer-wise overlap (and, without ``quick``,
     overhead), and concurrency, against one prompt peer, in one run.
@@ -345,14 +356,29 @@ def run_transfer_bench(
             process and decoder, throwaway certificates; needs the ``openssl`` command).
         backend: ``"nixl"``: also aiokv over NIXL, raw NIXL and memcpy in the throughput
             rounds (:mod:`.nixl`: eight more processes).
+        connect: ``(host, port)`` of ``aiokv bench transfer --listen`` (:mod:`.remote`):
+            the prompt peer and the raw stream's sender are there instead of in child
+            processes here (neither ``tls`` nor ``backend="nixl"`` then).
 
     Raises:
+        ValueError: ``connect`` with ``tls`` or ``backend="nixl"``.
+        OSError: the listener cannot be reached.
         LLMException: ``backend="nixl"`` without NIXL installed (``LLM_FEATURE_NOT_ENABLED``,
             naming ``pip install 'aiokv[nixl]'``).
     """
+    if connect is not None and (tls or backend != "tcp"):
+        raise ValueError("--connect runs plain TCP only: no --tls, no --backend nixl")
     if backend == "nixl":
         get_transport("nixl")  # NIXL missing: fail now, with the install hint
-    report = Report("transfer", {"quick": quick, "tls": tls, "backend": backend})
+    meta: dict[str, object] = {"quick": quick, "tls": tls, "backend": backend}
+    start: Callable[[], PromptPeer] | None = None
+    raw_stream: Callable[[int], RawStream] = RawStream
+    if connect is not None:
+        host, port = connect
+        meta["connect"] = f"{host}:{port}"
+        start = partial(RemotePeer, host, port)
+        raw_stream = partial(RemoteRawStream, host, port)
+    report = Report("transfer", meta)
 
     async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
         cm = decoder.cache_manager
@@ -363,12 +389,12 @@ def run_transfer_bench(
             if backend == "nixl":
                 raw_bytes = 2 * max(b * k for b, k in grid)
                 nixl = await stack.enter_async_context(nixl_contenders(POOL_BYTES, raw_bytes))
-            await _throughput(report, (cm, peer), grid, secure, nixl)
+            await _throughput(report, (cm, peer), grid, secure, nixl, raw_stream)
         layers = 16 if quick else 32
         await overlap(report, cm, peer, layers=layers, block=64 * KIB, count=32)
         if not quick:
             await overhead(report, cm, peer, rounds=7)
         await _concurrent(report, peer, links=8, transfers=400 if quick else 1000)
 
-    run_remote(main)
+    run_remote(main, start=start)
     return report

@@ -194,6 +194,7 @@ class PeerService:
                 "granted a %s of %d bytes to cluster %d", _kind(write), nbytes, peer.cluster_id
             )
         return grant
+
     @staticmethod
     def _device_plan(
         entries: list[Entry],
