@@ -122,11 +122,10 @@ class LayerEvents:
 def _child(name: str, conn: Conn, main: Coroutine[Any, Any, None]) -> None:
     """Run a role's ``main`` on a new loop; report a failure as an ``error`` message.
 
-    Ctrl-C belongs to the parent (it stops the children): SIGINT is ignored here.
+    Ctrl-C belongs to the parent (it stops the children): SIGINT is ignored here, as
+    it was already while the process started (inherited from the parent).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):  # blocked by the parent while it started us
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO to stdout otherwise
     torch.set_num_threads(1)  # 2+ processes share the cores; also: the same kernels
     try:

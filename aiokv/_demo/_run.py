@@ -15,6 +15,7 @@ import contextlib
 import multiprocessing as mp
 import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -144,17 +145,22 @@ def _started(procs: dict[str, Any], conns: dict[str, Connection]) -> Iterator[No
     """Start ``procs`` deaf to SIGINT (Ctrl-C is the parent's to handle); stop them
     on the way out: ask them to finish (terminate them at once when the demo was
     interrupted or failed), wait, and kill any left, so no child outlives the demo."""
-    # Blocked, not ignored, while they start: the children inherit the blocked mask (and
-    # ignore SIGINT once running); a Ctrl-C meanwhile reaches this process afterwards.
-    mask = hasattr(signal, "pthread_sigmask")
+    # While they start, SIGINT is ignored (the children inherit that; they keep ignoring
+    # it) and blocked here: on Linux a Ctrl-C meanwhile stays pending and is raised here
+    # once the handler is back and the signal unblocked.
+    main = threading.current_thread() is threading.main_thread()
+    mask = main and hasattr(signal, "pthread_sigmask")
     interrupted = False
     try:
         if mask:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
             for proc in procs.values():
                 proc.start()
         finally:
+            if main:
+                signal.signal(signal.SIGINT, old)
             if mask:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         yield
