@@ -30,7 +30,10 @@ import torch
 
 from .. import (
     BlocksCacheKey,
+    Cache,
     CacheDesc,
+    CacheManager,
+    CacheTask,
     DataType,
     LLMClusterInfo,
     LLMConfig,
@@ -182,7 +185,6 @@ async def _prefill(conn: Conn, opts: DemoOptions) -> None:
                     "addr": dd.listen_address,
                     "device": str(cm.device),
                     "tables": tables,
-                    "block_bytes": cache.block_bytes,
                 },
             )
         )
@@ -197,9 +199,9 @@ async def _prefill(conn: Conn, opts: DemoOptions) -> None:
 
 
 async def _round(
-    cm: Any,
+    cm: CacheManager,
     model: TinyDecoder,
-    cache: Any,
+    cache: Cache,
     reqs: list[Request],
     tables: list[list[int]],
     mode: str,
@@ -218,7 +220,7 @@ async def _round(
         src += tables[r.index]
         dst += dst_tables[r.index][:n]
 
-    def start() -> dict[int, Any]:
+    def start() -> dict[int, CacheTask]:
         return {
             k: cm.transfer_cache_async(
                 cache,
@@ -233,7 +235,7 @@ async def _round(
     sent: dict[int, float] = {}
     first: list[int] = []
 
-    async def deliver(k: int, task: Any) -> None:
+    async def deliver(k: int, task: CacheTask) -> None:
         code = await task.synchronize()
         if code != LLMStatusCode.LLM_SUCCESS:
             raise LLMException(f"transfer to decoder {k}: {code.name}", status_code=code)
