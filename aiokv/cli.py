@@ -61,13 +61,58 @@ def _run_bench(name: str, run: Callable[[], Report], as_json: bool, plot: Path |
         typer.echo(f"aiokv bench {name}: {charts} chart(s) drawn into {plot}", err=True)
 
 
-@app.command()
-def demo() -> None:
-    """Allocate, swap and copy KV blocks, and move them between two linked participants."""
-    from ._bench._harness import run_loop
-    from ._demo import run_demo
+class DemoBackend(StrEnum):
+    """The transport between the demo's processes."""
 
-    run_loop(run_demo)
+    tcp = "tcp"
+    nixl = "nixl"
+
+
+class DemoDevice(StrEnum):
+    """Where the demo's model and KV caches live (``auto``: npu, cuda, else cpu)."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    npu = "npu"
+
+
+@app.command()
+def demo(
+    prompts: Annotated[int, typer.Option(help="Requests in the batch.")] = 4,
+    prompt_len: Annotated[int, typer.Option(help="Longest prompt (others down to half).")] = 96,
+    layers: Annotated[int, typer.Option(help="Transformer layers.")] = 4,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
+    steps: Annotated[int, typer.Option(help="Tokens each decoder generates per request.")] = 16,
+    backend: Annotated[DemoBackend, typer.Option(help="nixl needs aiokv[nixl].")] = DemoBackend.tcp,
+    decoders: Annotated[int, typer.Option(help="Decode processes fed by the one prefill.")] = 1,
+    device: Annotated[DemoDevice, typer.Option(help="Model and cache device.")] = DemoDevice.auto,
+) -> None:
+    """Serve a tiny transformer disaggregated: a prefill process sends each layer's KV
+    blocks (transfer_cache_async) to decode processes, whose tokens must be identical to
+    a colocated run. Exits 1 if they are not."""
+    from ._demo import DemoError, DemoOptions, reap_tracker, run_demo
+
+    opts = DemoOptions(
+        prompts=prompts,
+        prompt_len=prompt_len,
+        layers=layers,
+        block_size=block_size,
+        steps=steps,
+        backend=backend.value,
+        decoders=decoders,
+        device=device.value,
+    )
+    try:
+        run_demo(opts)
+    except (ValueError, DemoError) as exc:
+        typer.echo(f"aiokv demo: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.echo("aiokv demo: interrupted", err=True)
+        raise typer.Exit(130) from None
+    finally:
+        reap_tracker()
 
 
 def _version(value: bool) -> None:

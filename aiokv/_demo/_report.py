@@ -1,0 +1,70 @@
+"""The demo's printed report: per request whether the decoder's tokens equal the
+colocated run's, then bytes moved, times to first token, overlap and throughput."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from ._run import DemoResult
+
+__all__ = ["render"]
+
+
+def _blocks(table: list[int], limit: int = 6) -> str:
+    shown = ", ".join(map(str, table[:limit]))
+    return f"[{shown}{', …' if len(table) > limit else ''}]"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def render(result: DemoResult, console: Console) -> None:
+    """Print ``result`` as a table of requests and a summary."""
+    table = Table(title="prefill → decode, per request", title_justify="left")
+    for col in ("req", "prompt", "decoder", "blocks: prefill → decoder", "tokens", ""):
+        table.add_column(col, no_wrap=col != "blocks: prefill → decoder")
+    for i, ok in sorted(result.identical.items()):
+        table.add_row(
+            str(i),
+            str(result.prompt_lens[i]),
+            str(result.decoder_of[i]),
+            f"{_blocks(result.src_tables[i], 3)} → {_blocks(result.dst_tables[i], 3)}",
+            " ".join(map(str, result.tokens[i][:4])) + " …",
+            "[green]tokens identical" if ok else "[bold red]tokens DIFFER",
+        )
+    console.print(table)
+    lw, serial, colo = (result.ttft[k] for k in ("layerwise", "serial", "colocated"))
+    mib = result.bytes_moved / 2**20
+    rows = [
+        ("model on", f"{result.device}; {result.layers} layers; transport {result.backend}"),
+        ("bytes moved", f"{mib:.2f} MiB of KV per round (prefill → decoders)"),
+        (
+            "time to first token (decoder)",
+            f"layer-wise {_ms(lw)}  |  without overlap {_ms(serial)}  |  colocated {_ms(colo)}",
+        ),
+        (
+            "without overlap",
+            f"prefill {_ms(result.compute)}, then {_ms(result.transfer)} to send "
+            f"({result.bytes_moved / max(result.transfer, 1e-9) / 1e9:.2f} GB/s)",
+        ),
+        (
+            "layer-wise",
+            f"prefill {_ms(result.compute_layerwise)}, sends done {_ms(result.tail)} after it",
+        ),
+        ("overlap achieved", f"{result.overlap:.0%} of the transfer hidden behind compute"),
+        ("decode throughput", f"{result.decode_tps:,.0f} tokens/s over all decoders"),
+    ]
+    summary = Table(show_header=False, box=None)
+    for k, v in rows:
+        summary.add_row(f"[bold]{k}", v)
+    console.print(summary)
+    n = len(result.identical)
+    same = sum(result.identical.values())
+    if same == n:
+        console.print(
+            f"[bold green]tokens identical[/] for all {n} requests (decoders vs colocated)"
+        )
+    else:
+        console.print(f"[bold red]MISMATCH[/]: {n - same} of {n} requests decoded other tokens")
