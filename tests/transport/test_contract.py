@@ -896,6 +896,7 @@ async def test_grant_revoked_mid_transfer(pair: Pair, is_read: bool) -> None:
     n = 64 * MIB
     pair.hb.regions["r"] = region = bytearray(b"\x01" * n if is_read else n)
     mine = bytearray(n if is_read else b"\xab" * n)
+    marker = b"\x5a" * n  # made now: building 64 MiB would block the loop at the abort
     meta = js({"spans": [[0, n]], "tag": "t"})
     op = pair.link_a.read if is_read else pair.link_a.write
     task = asyncio.create_task(op(meta, [memoryview(mine)], timeout=30))
@@ -907,12 +908,12 @@ async def test_grant_revoked_mid_transfer(pair: Pair, is_read: bool) -> None:
     assert not task.done(), "the transfer ended before it could be revoked"
     pair.hb.granted["t"].abort(Code.LLM_TIMEOUT)
     assert pair.hb.calls["t"] == [False]  # synchronously, before abort returned
-    region[:] = b"\x5a" * n  # the memory is the owner's again
+    region[:] = marker  # the memory is the owner's again
     await raises(Code.LLM_TIMEOUT, task)
     pair.hb.granted["t"].abort(Code.LLM_FAILED)  # idempotent
     await asyncio.sleep(0.05)
     assert pair.hb.calls["t"] == [False]
-    assert region == b"\x5a" * n, "bytes landed after the grant was revoked"
+    assert region == marker, "bytes landed after the grant was revoked"
     small = bytearray(4)
     await pair.link_a.read(js({"spans": [[0, 4]]}), [memoryview(small)], timeout=5)
     assert small == b"\x5a" * 4  # the link stays usable
