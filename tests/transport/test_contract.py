@@ -894,9 +894,16 @@ async def test_grant_revoked_mid_transfer(pair: Pair, is_read: bool) -> None:
     runs once with False before abort returns, and the granted memory is never touched
     again (a marker written right after abort survives)."""
     n = 64 * MIB
-    pair.hb.regions["r"] = region = bytearray(b"\x01" * n if is_read else n)
-    mine = bytearray(n if is_read else b"\xab" * n)
-    marker = b"\x5a" * n  # made now: building 64 MiB would block the loop at the abort
+
+    def buffers() -> tuple[bytearray, bytearray, bytes]:  # 3 x 64 MiB: off the loop
+        return (
+            bytearray(b"\x01" * n if is_read else n),
+            bytearray(n if is_read else b"\xab" * n),
+            b"\x5a" * n,  # the marker, made now rather than at the abort
+        )
+
+    region, mine, marker = await asyncio.to_thread(buffers)
+    pair.hb.regions["r"] = region
     meta = js({"spans": [[0, n]], "tag": "t"})
     op = pair.link_a.read if is_read else pair.link_a.write
     task = asyncio.create_task(op(meta, [memoryview(mine)], timeout=30))
