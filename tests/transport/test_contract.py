@@ -424,7 +424,9 @@ async def test_zero_bytes_and_any_format(pair: Pair) -> None:
 async def test_big_transfer_lets_the_loop_run(pair: Pair, op: str) -> None:
     """64 MiB in one request: the loop keeps turning while the bytes move."""
     size = 64 * MIB
-    pair.hb.regions["r"] = bytearray(size)
+    pair.hb.regions["r"], mine = await asyncio.to_thread(
+        lambda: (bytearray(size), bytearray(size))  # off the loop: it is timed for blocking
+    )
     ticks = 0
 
     async def ticker() -> None:
@@ -437,7 +439,7 @@ async def test_big_transfer_lets_the_loop_run(pair: Pair, op: str) -> None:
     await asyncio.sleep(0)
     try:
         method = pair.link_a.read if op == "read" else pair.link_a.write
-        await method(js({"spans": [[0, size]]}), [memoryview(bytearray(size))], timeout=20)
+        await method(js({"spans": [[0, size]]}), [memoryview(mine)], timeout=20)
         during = ticks
     finally:
         tick.cancel()
@@ -784,9 +786,11 @@ async def test_peer_loss_mid_transfer(pair: Pair, op: str, steps: int) -> None:
     fails with LLM_LINK_FAILED (unless it just finished), the grant ends once, with False
     if the op failed; the buffer is never touched afterwards."""
     size = 32 * MIB
-    region = pair.hb.regions["r"] = bytearray(b"\xab") * size
+    region, mine = await asyncio.to_thread(  # off the loop: it is timed for blocking
+        lambda: (bytearray(b"\xab") * size, bytearray(b"\xcd") * size)
+    )
+    pair.hb.regions["r"] = region
     method = pair.link_a.read if op == "read" else pair.link_a.write
-    mine = bytearray(b"\xcd") * size
     granted = asyncio.Event()
     base = pair.hb._done
 
@@ -810,9 +814,10 @@ async def test_peer_loss_mid_transfer(pair: Pair, op: str, steps: int) -> None:
         assert isinstance(failed, LLMException) and failed.status_code == Code.LLM_LINK_FAILED
         if op == "read":  # for a push, the last bytes may land as the confirmation is lost
             assert await pair.hb.done("t") is False
-    snapshot = bytes(mine), bytes(region)
+    snapshot = await asyncio.to_thread(lambda: (bytes(mine), bytes(region)))
     await asyncio.sleep(0.05)
-    assert (bytes(mine), bytes(region)) == snapshot  # nothing moves after the op ended
+    after = await asyncio.to_thread(lambda: (bytes(mine), bytes(region)))
+    assert after == snapshot  # nothing moves after the op ended
     assert len(pair.hb.calls["t"]) == 1
     await eventually(lambda: pair.link_a.broken)
     assert pair.lost_a == [pair.link_a]
