@@ -228,7 +228,7 @@ class LLMConfig(Model):
         ge_options: ``dict[str, str]`` of GE (``ge.*``) and other llm_datadist keys
             aiokv does not act on: stored, passed through ``generate_options()``, logged
             at debug by ``init``.
-        enable_switch_role, rdma_traffic_class, rdma_service_level (uint32), buf_pool_cfg,
+        enable_switch_role, rdma_traffic_class, rdma_service_level, buf_pool_cfg: these,
             mem_utilization (0..1), and the offline-mode deploy_res_path, output_max_size,
             cluster_info (JSON), global_resource_config: llm_datadist's, validated as
             there, stored and echoed; no meaning on aiokv's transports (``init`` logs them

@@ -222,6 +222,7 @@ class LLMDataDist:
         return config, engine
 
     def _started(self) -> None:
+        _warn_twins(self)
         _live.add(self)
         log.info(
             "LLMDataDist %d (%s) initialized on %s", self._cluster_id, self._role.name, self._device
@@ -411,7 +412,9 @@ class LLMDataDist:
     def __del__(self) -> None:
         if getattr(self, "_engine", None) is None or self._closing:
             return  # finalized, or its teardown under way: the engine ends by itself
-        warnings.warn(f"{self!r} was dropped without finalize()", ResourceWarning, stacklevel=2)
+        msg = f"{self!r} was dropped without finalize()"
+        warnings.warn(msg, ResourceWarning, stacklevel=2)
+        log.warning("%s: finalizing it now", msg)  # shown where ResourceWarning is not
         # Not here: a collection may run on any thread, even one the teardown waits for.
         threading.Thread(target=self._finalize_blocking, name="aiokv-finalize", daemon=True).start()
 
@@ -698,6 +701,23 @@ class LLMDataDist:
 
 #: instances initialized and not yet finalized, finalized at interpreter exit
 _live: weakref.WeakSet[LLMDataDist] = weakref.WeakSet()
+
+
+def _warn_twins(dd: LLMDataDist) -> None:
+    """Warn (``ResourceWarning`` and a log warning, which notebooks show) when another
+    initialized instance has ``dd``'s cluster id: most often a notebook cell re-run
+    without ``finalize``, whose old instance (kept alive by the output history) still
+    holds its pools, listener and threads."""
+    twin = next((o for o in _live if o._cluster_id == dd._cluster_id and not o._closing), None)
+    if twin is None:
+        return
+    msg = (
+        f"LLMDataDist {dd._cluster_id} initialized while another instance with cluster id "
+        f"{dd._cluster_id} is still initialized, holding its pools, listener and threads: "
+        "finalize the old one (await dd.finalize(), or use `async with LLMDataDist(...)`)"
+    )
+    warnings.warn(msg, ResourceWarning, stacklevel=4)
+    log.warning("%s", msg)
 
 
 @atexit.register

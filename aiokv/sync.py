@@ -189,7 +189,9 @@ class LLMDataDist:
     """The blocking ``LLMDataDist``: ``LLMDataDist(role, cluster_id).init(options)``.
 
     Args:
-        role, cluster_id, config: as the async ``LLMDataDist``; with ``config``,
+        role: as the async ``LLMDataDist``.
+        cluster_id: as the async ``LLMDataDist``.
+        config: as the async ``LLMDataDist``; with it,
             ``with LLMDataDist(role, cluster_id, config) as dd:`` initializes.
     """
 

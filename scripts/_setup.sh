@@ -13,8 +13,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --disable-pip-version-check "torch==2.13.0"
   extras=$1
   # the dev environment runs the suite over NIXL too (nixl-cu12 needs the torch above),
-  # and the Prometheus exporter's test (metrics)
-  if [ "$1" = dev ]; then extras="$1,nixl,metrics"; fi
+  # the Prometheus exporter's test (metrics) and the docs site's strict build (docs)
+  if [ "$1" = dev ]; then extras="$1,nixl,metrics,docs"; fi
   python -m pip install -q --disable-pip-version-check -e ".[$extras]"
   touch "$stamp"
 fi
