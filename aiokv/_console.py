@@ -20,9 +20,7 @@ def main() -> None:
     """Run ``aiokv.cli``; without its dependencies print the install hint, exit 1."""
     missing = [m for m in CLI_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        sys.exit(
-            f"aiokv: the command line needs {', '.join(missing)}: pip install 'aiokv[cli]'"
-        )
+        sys.exit(f"aiokv: the command line needs {', '.join(missing)}: pip install 'aiokv[cli]'")
     from .cli import main as cli_main
 
     cli_main()
