@@ -122,7 +122,8 @@ def aiokv_config():
 @pytest.mark.parametrize("round", range(3))
 async def test_used_from_another_loop(shared, round):
     from aiokv import CacheDesc, DataType
-    cache = await shared.cache_manager.allocate_blocks_cache(CacheDesc(1, [4, 16], DataType.DT_FLOAT))
+    desc = CacheDesc(1, [4, 16], DataType.DT_FLOAT)
+    cache = await shared.cache_manager.allocate_blocks_cache(desc)
     await shared.cache_manager.deallocate_blocks_cache(cache)
 '''
 
