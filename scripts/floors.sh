@@ -22,6 +22,7 @@ pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "$VENV/bin/aiokv" --help >/dev/null
 cp -r tests "$VENV/tests"
 cp pyproject.toml "$VENV/"
+mkdir "$VENV/scripts" && cp scripts/floors.txt "$VENV/scripts/"
 cd "$VENV"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -x \
   tests/test_packaging.py tests/test_testing_plugin.py tests/test_config_env.py \
