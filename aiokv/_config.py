@@ -15,6 +15,7 @@ import contextvars
 import ipaddress
 import json
 import math
+import os
 import re
 import types
 from collections.abc import Iterator
@@ -565,6 +566,8 @@ def _env_defaults() -> dict[str, Any]:
     """
     op = "LLMConfig (environment)"
     out: dict[str, Any] = {}
+    if not any(name[:6].upper() == ENV_PREFIX for name in os.environ):
+        return out  # the common case, without pydantic-settings' ~3 ms
     for field, raw in _Environment().model_dump(exclude_none=True).items():
         if raw == "":
             continue

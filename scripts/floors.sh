@@ -26,5 +26,5 @@ mkdir "$VENV/scripts" && cp scripts/floors.txt "$VENV/scripts/"
 cd "$VENV"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -x \
   tests/test_packaging.py tests/test_testing_plugin.py tests/test_config_env.py \
-  tests/compat/test_config.py tests/test_models.py tests/test_public_api.py tests/test_cli.py \
+  tests/compat/test_config.py tests/test_models.py tests/test_cli.py \
   "tests/test_remote.py::test_pull_blocks_exact"
