@@ -11,23 +11,38 @@ range is also what llm_datadist raises, ``LLMException(LLM_PARAM_INVALID)``
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import ipaddress
 import json
 import math
+import os
 import re
 import types
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ._enums import LLMStatusCode
 from ._errors import LLMException, NoneArgumentError
 from ._models import Model
 
-__all__ = ["HOST_POOL_LIMIT", "InvalidOptionError", "LLMConfig", "LlmConfig", "MemPoolConfig"]
+__all__ = [
+    "ENV_PREFIX",
+    "HOST_POOL_LIMIT",
+    "SECRET_MASK",
+    "InvalidOptionError",
+    "LLMConfig",
+    "LlmConfig",
+    "MemPoolConfig",
+]
 
 HOST_POOL_LIMIT = 20 << 30
+#: ``AIOKV_<FIELD>`` environment variables supply ``LLMConfig`` defaults
+ENV_PREFIX = "AIOKV_"
+#: what ``generate_options()`` shows for a secret unless ``reveal_secrets=True``
+SECRET_MASK = "**********"
 
 
 class InvalidOptionError(LLMException, ValueError):
@@ -181,6 +196,8 @@ _IGNORED_FIELDS = (
     "cluster_info",
     "global_resource_config",
 )
+#: fields whose value is a secret (``SecretStr``): masked in ``generate_options()``
+_SECRET_FIELDS = frozenset({"link_secret"})
 #: llm_datadist's transfer-backend names -> the aiokv transport that stands in for them
 _BACKEND_ALIASES: dict[str, str] = {"hixl": "tcp"}  # tcp: the best backend between processes
 
@@ -201,6 +218,14 @@ class LLMConfig(Model):
     ``host_mem_pool_cfg`` accept the JSON string form, ``sync_kv_timeout`` a digit string.
     ``generate_options()`` gives the ``dict[str, str]`` form of the options that were set;
     ``LLMConfig.from_options`` reads it back. ``LlmConfig`` is the same class.
+
+    Environment: an ``AIOKV_<FIELD>`` variable (``AIOKV_DEVICE_ID=1``,
+    ``AIOKV_LINK_SECRET=...``; the option-string form, as ``from_options`` reads it; empty
+    counts as unset) supplies the default of every field but ``ge_options``, in every
+    ``LLMConfig`` made (``from_options`` and ``LLMDataDist.init`` with a dict included).
+    Arguments and assignments win; such defaults are not "set" options, so
+    ``generate_options()`` leaves them out. A bad value raises :class:`InvalidOptionError`
+    naming the variable.
 
     Attributes:
         device_id: device ordinal.
@@ -233,7 +258,9 @@ class LLMConfig(Model):
             cluster_info (JSON), global_resource_config: llm_datadist's, validated as
             there, stored and echoed; no meaning on aiokv's transports (``init`` logs them
             at debug).
-        link_secret: shared secret; when set, links need mutual challenge-response auth.
+        link_secret: shared secret (a ``SecretStr``: ``repr``, logs and
+            ``generate_options()`` show ``**********``; ``link_secret.get_secret_value()``
+            reads it); when set, links need mutual challenge-response auth.
         handshake_timeout: milliseconds an incoming connection gets to complete the link
             handshake (authentication included) before it is dropped, 1..2**31-1.
         tls_cert_file, tls_key_file, tls_ca_file: TLS for every link (``"tcp"`` only):
@@ -275,7 +302,7 @@ class LLMConfig(Model):
             output_max_size: int | None = ...,
             cluster_info: str | None = ...,
             global_resource_config: str | None = ...,
-            link_secret: str | None = ...,
+            link_secret: str | SecretStr | None = ...,
             handshake_timeout: int = ...,
             tls_cert_file: str | None = ...,
             tls_key_file: str | None = ...,
@@ -289,7 +316,11 @@ class LLMConfig(Model):
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             with _param_invalid(type(self).__name__):
-                super().__init__(*args, **kwargs)
+                env = {} if _CHECKING_ENV.get() else _env_defaults()
+                super().__init__(*args, **(env | kwargs))
+            if env:  # defaults from the environment are not options that were set
+                unset = env.keys() - kwargs.keys()
+                object.__setattr__(self, "__pydantic_fields_set__", self.model_fields_set - unset)
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     device_id: int = Field(default=0, ge=0, le=1 << 16)
@@ -314,7 +345,7 @@ class LLMConfig(Model):
     output_max_size: int | None = Field(default=None, ge=0, le=2**63 - 1)
     cluster_info: str | None = None
     global_resource_config: str | None = None
-    link_secret: str | None = Field(default=None, min_length=1, max_length=4096)
+    link_secret: SecretStr | None = Field(default=None, min_length=1, max_length=4096)
     handshake_timeout: int = Field(default=10000, gt=0, le=2**31 - 1)
     tls_cert_file: str | None = Field(default=None, min_length=1, max_length=4096)
     tls_key_file: str | None = Field(default=None, min_length=1, max_length=4096)
@@ -401,15 +432,20 @@ class LLMConfig(Model):
         """``listen_ip_info`` as ``(host, port)``."""
         return None if self.listen_ip_info is None else _ip_port(self.listen_ip_info)
 
-    def generate_options(self) -> dict[str, str]:
+    def generate_options(self, *, reveal_secrets: bool = False) -> dict[str, str]:
         """The ``dict[str, str]`` form accepted by ``LLMDataDist.init``: only the options
-        that were set (by keyword or assignment), ``ge_options`` first, as llm_datadist."""
+        that were set (by keyword or assignment), ``ge_options`` first, as llm_datadist.
+
+        A secret (``link_secret``) shows as ``**********`` unless ``reveal_secrets=True``;
+        ``from_options`` (and so ``init``) refuses that mask, naming this argument."""
         out = dict(self.ge_options)
         for field, key in _OPTION_KEYS.items():
             value = getattr(self, field)
             if field not in self.model_fields_set or value is None:
                 continue
-            if isinstance(value, MemPoolConfig):
+            if isinstance(value, SecretStr):
+                out[key] = value.get_secret_value() if reveal_secrets else SECRET_MASK
+            elif isinstance(value, MemPoolConfig):
                 out[key] = value.to_json()
             elif isinstance(value, bool):
                 out[key] = "1" if value else "0"
@@ -468,6 +504,12 @@ class LLMConfig(Model):
                 continue
             if field in kwargs:
                 raise InvalidOptionError(f"{op}: {key} given twice (also as another key)", op)
+            if raw == SECRET_MASK and field in _SECRET_FIELDS:
+                raise InvalidOptionError(
+                    f"{op}: {key} is the mask that generate_options() shows for a secret: "
+                    "pass generate_options(reveal_secrets=True), or the LLMConfig itself",
+                    op,
+                )
             kwargs[field] = cls._parse(op, field, key, raw)
             try:  # alone first: an error names the key
                 cls(**{field: kwargs[field]})
@@ -500,6 +542,48 @@ class LLMConfig(Model):
             except ValueError:
                 raise InvalidOptionError(f"{op}: {key}={raw!r} is not a number", op) from None
         return raw
+
+
+#: set while ``_env_defaults`` checks a value by building an ``LLMConfig`` from it
+_CHECKING_ENV: contextvars.ContextVar[bool] = contextvars.ContextVar("aiokv_env", default=False)
+
+
+class _Environment(BaseSettings):
+    """The ``AIOKV_<FIELD>`` variables, as strings (read by pydantic-settings)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    # one field per option (the option-string form, parsed as ``from_options`` does)
+    __annotations__ = {field: str | None for field in _OPTION_KEYS}
+    locals().update(dict.fromkeys(_OPTION_KEYS))
+
+
+def _env_defaults() -> dict[str, Any]:
+    """The fields the environment sets (``AIOKV_<FIELD>``, non-empty), each checked alone.
+
+    Raises:
+        InvalidOptionError: a value that is not its field's type or is out of range,
+            naming the variable (never showing a secret's value).
+    """
+    op = "LLMConfig (environment)"
+    out: dict[str, Any] = {}
+    if not any(name[:6].upper() == ENV_PREFIX for name in os.environ):
+        return out  # the common case, without pydantic-settings' ~3 ms
+    for field, raw in _Environment().model_dump(exclude_none=True).items():
+        if raw == "":
+            continue
+        name = ENV_PREFIX + field.upper()
+        shown = SECRET_MASK if field in _SECRET_FIELDS else repr(raw)
+        value = LLMConfig._parse(op, field, name, raw)
+        token = _CHECKING_ENV.set(True)  # the check below builds an LLMConfig: no env there
+        try:
+            LLMConfig(**{field: value})
+        except (InvalidOptionError, TypeError) as exc:
+            msg = str(exc).rsplit(": ", 1)[-1]  # pydantic's message: never the value
+            raise InvalidOptionError(f"{op}: {name}={shown}: {msg}", op) from None
+        finally:
+            _CHECKING_ENV.reset(token)
+        out[field] = value
+    return out
 
 
 #: llm_datadist's spelling of the class name

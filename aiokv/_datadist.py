@@ -213,7 +213,9 @@ class LLMDataDist:
         check_instance(op, "options", options, (LLMConfig, dict))
         # through the dict form, as llm_datadist: ge_options' keys meet the fields there
         config = LLMConfig.from_options(
-            options.generate_options() if isinstance(options, LLMConfig) else options
+            options.generate_options(reveal_secrets=True)
+            if isinstance(options, LLMConfig)
+            else options
         )
         for key, value in config.ignored_options().items():
             log.debug("%s: option %s=%r accepted, not used by aiokv", op, key, value)
@@ -275,7 +277,9 @@ class LLMDataDist:
             device_pool=device_pool,
             host_pool=host_pool,
         )
-        secret = None if config.link_secret is None else config.link_secret.encode()
+        secret = (
+            None if config.link_secret is None else config.link_secret.get_secret_value().encode()
+        )
         transport = get_transport(config.transfer_backend)(
             self._cluster_id,
             PeerService(self._cluster_id, registry, config, stager, self._counters),

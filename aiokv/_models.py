@@ -69,7 +69,9 @@ def _translate(model: str, exc: ValidationError, *, args_invalid: bool = False) 
 class Model(BaseModel):
     """Base: strict types, positional construction, SPEC error translation."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    # protected_namespaces=(): llm_datadist names fields ``model_id``; pydantic < 2.10
+    # warns about every ``model_`` field at class creation (an ``import aiokv`` warning)
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, protected_namespaces=())
     _positional: ClassVar[tuple[str, ...]] = ()
     #: argument-count and unknown/missing-argument errors are LLM_PARAM_INVALID (keys)
     _args_invalid: ClassVar[bool] = False

@@ -1,4 +1,5 @@
-# Sourced by scripts/demo.sh and scripts/test.sh: create .venv (once) and install aiokv.
+# Sourced by scripts/demo.sh and scripts/test.sh: create .venv (once) and install aiokv
+# with the extras named in $1 (demo.sh: cli,uvloop; test.sh: dev, which includes cli).
 # torch==2.13.0 goes in FIRST: any other torch spec pulls a multi-GB CUDA build here.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -7,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-stamp=.venv/.aiokv-installed-$1
+stamp=.venv/.aiokv-installed-${1//,/-}
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --disable-pip-version-check --upgrade pip
   python -m pip install -q --disable-pip-version-check "torch==2.13.0"

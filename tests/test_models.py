@@ -158,7 +158,7 @@ def test_llm_config_options_round_trip() -> None:
         host_mem_pool_cfg='{"memory_size": 65536, "page_shift": 10}',  # type: ignore[arg-type]
         link_secret="s3cret",
     )
-    opts = cfg.generate_options()
+    opts = cfg.generate_options(reveal_secrets=True)  # the secret too (masked otherwise)
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in opts.items())
     assert opts["llm.EnableCacheManager"] == "1"
     assert LLMConfig.from_options(opts) == cfg

@@ -1,0 +1,142 @@
+"""The pytest plugin ``aiokv.testing`` (issue #12, testing support), run as a user's suite
+would run it: in a pytest subprocess (pytester) on a test file of its own."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import aiokv
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _same_aiokv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pytest subprocess imports the aiokv this test imported."""
+    where = str(Path(aiokv.__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([where, os.environ.get("PYTHONPATH", "")]))
+
+
+def _entry_point_installed() -> bool:
+    eps = importlib.metadata.entry_points(group="pytest11")
+    return any(ep.value == "aiokv.testing" for ep in eps)
+
+
+# where aiokv is installed from a wheel (or a fresh editable install) the entry point
+# loads the plugin; a checkout on PYTHONPATH over an older install names it
+PLUGIN = () if _entry_point_installed() else ("-p", "aiokv.testing")
+
+USER_TESTS = """
+import threading
+
+import pytest
+import torch
+
+from aiokv import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole
+
+pytestmark = pytest.mark.asyncio
+SEEN = []
+
+
+def desc():
+    return CacheDesc(2, [8, 64], DataType.DT_FLOAT)
+
+
+async def test_datadist(aiokv_datadist, aiokv_config):
+    assert isinstance(aiokv_datadist, LLMDataDist) and aiokv_datadist.initialized
+    assert aiokv_datadist.role == LLMRole.PROMPT and aiokv_config.transfer_backend == "local"
+    cache = await aiokv_datadist.cache_manager.allocate_blocks_cache(desc())
+    await aiokv_datadist.cache_manager.deallocate_blocks_cache(cache)
+    SEEN.append(aiokv_datadist)
+
+
+@pytest.mark.parametrize("aiokv_transport", ["local", "tcp"])
+async def test_pair_pulls(aiokv_pair, aiokv_transport):
+    prompt, decoder = aiokv_pair
+    assert prompt.config.transfer_backend == aiokv_transport
+    assert decoder.linked_clusters() == [1]
+    src = await prompt.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
+    dst = await decoder.cache_manager.allocate_blocks_cache(desc())
+    for i, t in enumerate(src.tensors):
+        t.copy_(torch.arange(t.numel(), dtype=t.dtype).reshape(t.shape) + i)
+    await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [5, 6], [0, 1])
+    for s, d in zip(src.tensors, dst.tensors):
+        assert torch.equal(d[0:2], s[5:7])
+    SEEN.extend(aiokv_pair)
+
+
+def test_everything_was_finalised():
+    assert len(SEEN) == 5
+    assert not any(d.initialized for d in SEEN)
+    left = [t.name for t in threading.enumerate() if t.name.startswith("aiokv")]
+    assert not left, left
+"""
+
+BAD_TRANSPORT = """
+import pytest
+
+@pytest.mark.parametrize("aiokv_transport", ["rdma"])
+def test_x(aiokv_config):
+    pass
+"""
+
+
+def test_fixtures_in_a_users_suite(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_user=USER_TESTS, test_bad=BAD_TRANSPORT)
+    result = pytester.runpytest_subprocess(*PLUGIN, "-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=4, errors=1)
+    result.stdout.fnmatch_lines(["*aiokv_transport must be one of ('local', 'tcp'), got 'rdma'*"])
+
+
+WIDER_SCOPE = '''
+import pytest
+import pytest_asyncio
+
+from aiokv import LLMRole
+
+pytestmark = pytest.mark.asyncio  # each test on a function-scoped loop of its own
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def shared(aiokv_config):
+    """A user's wider-scoped instance, built on the module's loop."""
+    from aiokv import LLMDataDist
+    async with LLMDataDist(LLMRole.DECODER, 9, aiokv_config) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def aiokv_config():
+    from aiokv import LLMConfig
+    return LLMConfig(device_type="cpu", enable_cache_manager=True, transfer_backend="local",
+                     mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}')
+
+
+@pytest.mark.parametrize("round", range(3))
+async def test_used_from_another_loop(shared, round):
+    from aiokv import CacheDesc, DataType
+    desc = CacheDesc(1, [4, 16], DataType.DT_FLOAT)
+    cache = await shared.cache_manager.allocate_blocks_cache(desc)
+    await shared.cache_manager.deallocate_blocks_cache(cache)
+'''
+
+
+def test_wider_scoped_instance_works_from_function_loops(pytester: pytest.Pytester) -> None:
+    """The loop-scope mistake of the issue: an instance made on a module/session loop and
+    awaited from function-scoped test loops. It works (the engine thread does the work)."""
+    pytester.makepyfile(test_scope=WIDER_SCOPE)
+    result = pytester.runpytest_subprocess(*PLUGIN, "-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=3)
+
+
+def test_entry_point_declared() -> None:
+    """pyproject registers the plugin as a pytest11 entry point named ``aiokv``."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["entry-points"]["pytest11"] == {"aiokv": "aiokv.testing"}
