@@ -165,6 +165,19 @@ class Stager:
         device = buffers[0].device
         await self._scheduler.call(lambda: _scatter(staged.host, buffers, layout, device))
 
+    async def settle(self, device: torch.device) -> None:
+        """Return once work already queued on ``device``'s current stream has finished
+        (waited for on a copy worker, as the staging copies wait for it): what device
+        memory moved by address (NIXL) needs first. Lends nothing."""
+
+        def wait() -> None:
+            ctx = worker_context(device)
+            with ctx.stream():
+                pass
+            ctx.synchronize()
+
+        await self._scheduler.call(wait)
+
     # ---- the byte budget: first come, first served ----------------------------------
     async def _take(self, nbytes: int, timeout: float) -> None:  # noqa: ASYNC109
         if nbytes > self._limit:

@@ -22,7 +22,7 @@ from .._enums import LLMStatusCode
 from .._errors import LLMException, map_errors
 from .._layout import tensor_bytes
 from .._stats import PeerCounters
-from ..transport import Link
+from ..transport import DeviceRuns, Link
 from ._links import LinkTable
 from ._parts import Part, Transfer
 from ._protocol import Request, encode
@@ -71,8 +71,13 @@ class RemoteClient:
         """Push (``write``) or pull the bytes ``job`` names of ``cache``, within
         ``sync_kv_timeout``.
 
-        Host memory moves straight between the cache and the socket. Device memory moves
-        through host staging, in parts (at least :data:`PIPELINE` parts of 1 MiB to
+        Host memory moves straight between the cache and the socket. Device memory that
+        the link moves by address (:meth:`~aiokv.transport.Link.addressable`: NIXL with
+        the cache registered as VRAM) moves directly, in parts of at most
+        :data:`~aiokv._copy.MAX_STAGED_BYTES`, once work queued on the device's current
+        stream is done; a part the peer grants from memory the link cannot reach by
+        address moves through host staging instead. Other device memory moves through
+        host staging, in parts (at least :data:`PIPELINE` parts of 1 MiB to
         :data:`~aiokv._copy.PART_BYTES`) pipelined :data:`DEPTH` deep: the device→host
         copy of one part overlaps the send of the previous one (a pull: the host→device
         copy of one part overlaps the receipt of the next). A transfer over
@@ -83,11 +88,13 @@ class RemoteClient:
         Raises:
             LLMException: as :meth:`transfer`; ``LLM_TIMEOUT`` covers the whole transfer.
         """
-        staged = is_staged(cache.tensors[0].device)
+        device = cache.tensors[0].device
+        staged = is_staged(device)
+        direct = staged and _addressable(link, [cache.tensors[t] for t in job.tensors])
         # staged: at least PIPELINE parts (so copies overlap the wire), of 1 MiB to PART_BYTES
         limit = (
             max(min(PART_BYTES, -(-job.nbytes // PIPELINE)), min(PART_BYTES, _MIN_PART))
-            if staged
+            if staged and not direct
             else MAX_STAGED_BYTES
         )
         timeout = self._config.sync_kv_timeout / 1000
@@ -99,8 +106,11 @@ class RemoteClient:
         parts = list(job.parts(limit))
         releasing = getattr(job.request, "release", False) and len(parts) > 1
         flat = [_flat(cache.tensors[t]) for t in job.tensors] if staged else []
+        if direct:  # NIXL reads / writes the memory as it is: settle queued work first
+            with map_errors(op):
+                await self._stager.settle(device)
 
-        async def one(part: Part) -> None:
+        def time_left() -> float:
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 raise LLMException(
@@ -108,6 +118,20 @@ class RemoteClient:
                     status_code=LLMStatusCode.LLM_TIMEOUT,
                     op=op,
                 )
+            return left
+
+        async def one(part: Part) -> None:
+            left = time_left()
+            if direct:
+                bases = [flat[t - job.tensors.start].data_ptr() for t in part.tensors]
+                runs = DeviceRuns(str(device), part.layout.addresses(bases))
+                try:
+                    await self.transfer(
+                        op, link, part.request, runs, write=write, about=about, timeout=left
+                    )
+                    return
+                except _NotDirect:  # the peer granted host memory NIXL cannot reach
+                    left = time_left()
             if not staged:
                 views = part.layout.views([tensor_bytes(cache.tensors[t]) for t in part.tensors])
                 await self.transfer(
@@ -154,7 +178,7 @@ class RemoteClient:
         op: str,
         link: Link,
         request: Request,
-        views: list[memoryview],
+        views: list[memoryview] | DeviceRuns,
         *,
         write: bool,
         about: dict[str, Any],
@@ -162,7 +186,9 @@ class RemoteClient:
     ) -> None:
         """Push ``views`` (``write``) or pull into them, as ``request`` names on the peer.
 
-        ``timeout``: seconds (default ``sync_kv_timeout``).
+        ``timeout``: seconds (default ``sync_kv_timeout``). ``views`` may be device
+        memory by address where the link takes it; a grant it cannot reach that way
+        raises :class:`_NotDirect` (nothing moved).
 
         Raises:
             LLMException: the peer's refusal code, ``LLM_TIMEOUT`` past the timeout,
@@ -173,7 +199,7 @@ class RemoteClient:
         if timeout is None:
             timeout = self._config.sync_kv_timeout / 1000
         cid = link.peer.cluster_id
-        nbytes = sum(map(len, views))
+        nbytes = views.total if isinstance(views, DeviceRuns) else sum(map(len, views))
         try:
             with (
                 self._links.request(cid),
@@ -185,6 +211,8 @@ class RemoteClient:
                 else:
                     await link.read(meta, views, timeout=timeout)
         except LLMException as exc:
+            if isinstance(views, DeviceRuns) and exc.context.get("direct") is False:
+                raise _NotDirect from exc
             ctx = exc.in_context(op, **about)
             log.debug("%s %s cluster %d failed: %s", op, _dir(write), cid, ctx)
             if ctx is exc:
@@ -203,6 +231,18 @@ DEPTH = 3
 #: A staged transfer is cut into at least this many parts (when they stay >= _MIN_PART).
 PIPELINE = 4
 _MIN_PART = 1 << 20
+
+
+class _NotDirect(Exception):
+    """A request on device memory by address was granted memory the link cannot reach
+    by address (``DIRECT_REFUSED``): nothing moved; stage it instead."""
+
+
+def _addressable(link: Link, tensors: list[torch.Tensor]) -> bool:
+    """Whether ``link`` moves all of each (accelerator) tensor by address."""
+    return tensors[0].device.type != "cpu" and all(
+        link.addressable(str(t.device), t.data_ptr(), t.numel() * t.element_size()) for t in tensors
+    )
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from .._layout import ByteLayout, tensor_bytes
 from .._models import BlocksCacheKey, CacheKey
 from .._registry import CacheRegistry, Entry
 from .._stats import PeerCounters
-from ..transport import Grant, PeerInfo
+from ..transport import DeviceRuns, DirectCheck, Grant, PeerInfo
 from ._protocol import (
     MAX_BLOCKS,
     AddrsReq,
@@ -112,26 +112,36 @@ class PeerService:
         self._counters = counters if counters is not None else PeerCounters()
 
     # ---- RequestHandler -----------------------------------------------------------------
-    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
-        """A peer pulls from us: the buffers to send, or a refusal."""
-        return await self._grant(peer, meta, write=False)
+    async def grant_read(
+        self, peer: PeerInfo, meta: bytes, *, direct: DirectCheck | None = None
+    ) -> Grant:
+        """A peer pulls from us: the buffers to send, or a refusal. Device memory that
+        ``direct`` accepts is granted by address (:attr:`Grant.device`), else staged."""
+        return await self._grant(peer, meta, write=False, direct=direct)
 
-    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
-        """A peer pushes ``nbytes`` into us: the buffers to fill, or a refusal.
+    async def grant_write(
+        self, peer: PeerInfo, meta: bytes, nbytes: int, *, direct: DirectCheck | None = None
+    ) -> Grant:
+        """A peer pushes ``nbytes`` into us: the buffers to fill, or a refusal
+        (``direct`` as for :meth:`grant_read`).
 
         The transport refuses a grant whose buffers do not total ``nbytes``.
         """
-        return await self._grant(peer, meta, write=True)
+        return await self._grant(peer, meta, write=True, direct=direct)
 
     # ---- requests -----------------------------------------------------------------------
-    async def _grant(self, peer: PeerInfo, meta: bytes, *, write: bool) -> Grant:
+    async def _grant(
+        self, peer: PeerInfo, meta: bytes, *, write: bool, direct: DirectCheck | None
+    ) -> Grant:
         with self._registry.lock:  # look up and pin as one step (callers free concurrently)
-            answer = self._grant_locked(peer, meta, write=write)
+            answer = self._grant_locked(peer, meta, write=write, direct=direct)
         if isinstance(answer, Grant):
             return answer
         return await self._staged(peer, answer, write=write)
 
-    def _grant_locked(self, peer: PeerInfo, meta: bytes, *, write: bool) -> Grant | _Device:
+    def _grant_locked(
+        self, peer: PeerInfo, meta: bytes, *, write: bool, direct: DirectCheck | None
+    ) -> Grant | _Device:
         try:
             try:
                 req = decode(meta)
@@ -152,7 +162,7 @@ class PeerService:
                     release = None
             device = views = None
             if is_staged(entries[0].cache.tensors[0].device):
-                device = self._device_plan(entries, layout, places, release)
+                device = self._device_plan(entries, layout, places, release, direct)
             else:
                 views = layout.views([_host_bytes(e, t, off) for e, t, off in places])
         except _Refused as r:
@@ -201,31 +211,46 @@ class PeerService:
         layout: ByteLayout,
         places: list[tuple[Entry, int, int]],
         release: CacheKey | None,
+        direct: DirectCheck | None,
     ) -> _Device:
-        """A request into staged (device) memory: one device, at most
-        :data:`~aiokv._copy.MAX_STAGED_BYTES` bytes (the host memory serving it needs)."""
+        """A request into staged (device) memory: one device; by address when the
+        transport can reach every buffer so (``direct``), else through host staging, at
+        most :data:`~aiokv._copy.MAX_STAGED_BYTES` bytes (the host memory serving it
+        needs). The buffers come from validated indices only."""
         buffers = [_flat(e, t, off, layout.extent) for e, t, off in places]
-        if any(b.device != buffers[0].device for b in buffers):
+        device = buffers[0].device
+        if any(b.device != device for b in buffers):
             raise _invalid("the destination addresses are on different devices")
+        runs = None
+        name = str(device)
+        if (
+            direct is not None
+            and device.type != "cpu"
+            and all(direct(name, b.data_ptr(), layout.extent) for b in buffers)
+        ):
+            runs = DeviceRuns(name, layout.addresses([b.data_ptr() for b in buffers]))
         total = layout.total(len(buffers))
-        if total > MAX_STAGED_BYTES:
+        if runs is None and total > MAX_STAGED_BYTES:
             raise _invalid(
-                f"a request on {buffers[0].device} memory moves at most {MAX_STAGED_BYTES} "
+                f"a request on {device} memory moves at most {MAX_STAGED_BYTES} "
                 f"bytes, not {total} (the requester splits bigger transfers)"
             )
-        return _Device(entries, buffers, layout, release)
+        return _Device(entries, buffers, layout, release, runs)
 
     async def _staged(self, peer: PeerInfo, plan: _Device, *, write: bool) -> Grant:
-        """Serve a pinned device plan through a host staging buffer: a read's bytes are
-        gathered into it before the grant; a write lands in it and is scattered to the
-        device by the grant's ``commit``, before the writer hears that it landed."""
+        """Serve a pinned device plan by address (``plan.runs``: once work queued on the
+        device is done) or through a host staging buffer: a read's bytes are gathered
+        into it before the grant; a write lands in it and is scattered to the device by
+        the grant's ``commit``, before the writer hears that it landed."""
         timeout = self._config.sync_kv_timeout / 1000
         stager = self._stager
         if stager is None:
             self._registry.unpin(*plan.entries)
             return self._refuse(peer, write, Code.LLM_FEATURE_NOT_ENABLED, "no host staging")
         try:
-            if write:
+            if plan.runs is not None:  # by address: once queued work on it is done
+                await stager.settle(plan.buffers[0].device)
+            elif write:
                 nbytes = plan.layout.total(len(plan.buffers))
                 staged = await stager.reserve(nbytes, plan.buffers[0].device, timeout)
             else:
@@ -238,6 +263,9 @@ class PeerService:
                 log.exception("staging a %s failed", _kind(write))
                 return self._refuse(peer, write, Code.LLM_FAILED, "staging failed")
             raise
+        if plan.runs is not None:
+            grant = self._issue(plan.entries, [], plan.release, pinned=True, device=plan.runs)
+            return self._counted(peer, write, grant, plan.runs.total)
         grant = self._issue(plan.entries, [staged.view], plan.release, pinned=True)
         finish = grant.done
         assert finish is not None
@@ -274,9 +302,10 @@ class PeerService:
         release: CacheKey | None,
         *,
         pinned: bool = False,
+        device: DeviceRuns | None = None,
     ) -> Grant:
-        """Pin ``entries`` (unless ``pinned`` already) and hand out a grant over ``views``,
-        bounded in time.
+        """Pin ``entries`` (unless ``pinned`` already) and hand out a grant over ``views``
+        (or ``device`` memory by address), bounded in time.
 
         The grant is revocable: ``unregister_cache`` of its memory aborts it (through the
         registry's revokers), and so does its deadline — this side's ``sync_kv_timeout``
@@ -287,7 +316,7 @@ class PeerService:
         loop = asyncio.get_running_loop()
         if not pinned:
             self._registry.pin(*entries)  # refuses memory being unregistered
-        grant = Grant(Code.LLM_SUCCESS, views)
+        grant = Grant(Code.LLM_SUCCESS, views, device=device)
         token = object()  # Grant is a dataclass, not hashable
 
         def revoke(status: LLMStatusCode) -> None:  # from any thread
@@ -435,12 +464,14 @@ class PeerService:
 
 @dataclass(frozen=True, slots=True)
 class _Device:
-    """A checked, pinned request on staged (device) memory, before its staging."""
+    """A checked, pinned request on staged (device) memory, before its staging;
+    ``runs``: its memory by address when the transport moves it so (no staging)."""
 
     entries: list[Entry]
     buffers: list[torch.Tensor]
     layout: ByteLayout
     release: CacheKey | None
+    runs: DeviceRuns | None = None
 
 
 def _host_bytes(entry: Entry, tensor: int, offset: int) -> memoryview:

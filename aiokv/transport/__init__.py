@@ -13,10 +13,23 @@ import importlib
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException
-from ._base import Grant, Link, LinkCallback, PeerInfo, RequestHandler, Transport
+from ._base import (
+    DIRECT_REFUSED,
+    DeviceRuns,
+    DirectCheck,
+    Grant,
+    Link,
+    LinkCallback,
+    PeerInfo,
+    RequestHandler,
+    Transport,
+)
 from ._tls import TlsContexts, load_tls
 
 __all__ = [
+    "DIRECT_REFUSED",
+    "DeviceRuns",
+    "DirectCheck",
     "Grant",
     "Link",
     "LinkCallback",

@@ -20,13 +20,19 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Final, Protocol, Self
 
+import numpy as np
+import numpy.typing as npt
+
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._layout import LayoutViews
 
 __all__ = [
     "AUTH_FAILED",
+    "DIRECT_REFUSED",
     "REASON_CAP",
+    "DeviceRuns",
+    "DirectCheck",
     "Grant",
     "Link",
     "LinkCallback",
@@ -43,6 +49,37 @@ _log = logging.getLogger("aiokv.transport")
 REASON_CAP: Final = 512
 #: ``LLMException.context`` of a ``connect`` that failed authentication (``link_secret``).
 AUTH_FAILED: Final = {"authenticated": False}
+#: ``LLMException.context`` of a ``read`` / ``write`` of :class:`DeviceRuns` that the
+#: peer answered with a grant this link cannot move by address (it would need DATA
+#: frames, which device memory cannot take): nothing moved and the peer let go; the
+#: caller may retry through host staging.
+DIRECT_REFUSED: Final = {"direct": False}
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRuns:
+    """Accelerator memory named by address, for a link that moves it without host
+    staging (:meth:`Link.addressable`): the request buffers of a ``read`` / ``write``,
+    or the memory of a :class:`Grant` (its ``device``).
+
+    Attributes:
+        device: the memory's device, as torch names it (``"cuda:0"``).
+        runs: ``(address, length)`` rows, ``uint64``, shape ``(n, 2)``, wire order;
+            every length > 0.
+    """
+
+    device: str
+    runs: npt.NDArray[np.uint64]
+
+    @property
+    def total(self) -> int:
+        """Bytes over all runs."""
+        return int(self.runs[:, 1].sum()) if self.runs.size else 0
+
+
+#: ``direct(device, addr, nbytes)``: whether a grant may name ``[addr, addr + nbytes)``
+#: of ``device`` memory by address (:attr:`Grant.device`) for the request being served.
+DirectCheck = Callable[[str, int, int], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +123,11 @@ class Grant:
             the push counts as landed. It must not take long; if it raises, the writer
             gets ``LLM_FAILED``. The grant may be revoked, cancelled or lose its link
             while it runs (``done(False)`` may then run before it returns).
+        device: instead of ``buffers`` (which stay empty), device memory by address; only
+            for a request whose handler call received ``direct``, and only memory that
+            ``direct`` accepted. The transport moves it by address or refuses the
+            request (``LLM_FAILED``); it never sends or receives it as socket payload.
+            ``commit`` is not used with it (the bytes land where they belong).
 
     Revoking: the handler may end a grant early with :meth:`abort` (its memory is
     going away, or the grant outlived its deadline). The transport binds the means
@@ -97,6 +139,7 @@ class Grant:
     done: Callable[[bool], None] | None = None
     commit: Callable[[], Awaitable[LLMStatusCode]] | None = None
     reason: str = ""
+    device: DeviceRuns | None = None
     _abort: Callable[[LLMStatusCode], None] | None = field(default=None, repr=False)
     _aborted: LLMStatusCode | None = field(default=None, repr=False)
 
@@ -131,7 +174,15 @@ class Grant:
 
 
 class RequestHandler(Protocol):
-    """Serves a peer's requests; implemented by the cache layer, runs on the event loop."""
+    """Serves a peer's requests; implemented by the cache layer, runs on the event loop.
+
+    A transport that moves device memory by address (NIXL with memory registered on a
+    ``cuda`` device) passes ``direct=`` (a :data:`DirectCheck`) to a call whose request
+    it could serve from such memory; then, and only for memory ``direct`` accepts, the
+    handler may answer with a :attr:`Grant.device` grant instead of host buffers. The
+    keyword is never passed to a handler of a transport that has no device memory
+    registered; a handler that never registers any need not accept it.
+    """
 
     async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
         """The peer wants to READ (pull) from us: return the buffers to send.
@@ -176,16 +227,29 @@ class Link(abc.ABC):
     def broken(self) -> bool:
         """True once the link can no longer carry requests (closed, reset, protocol error)."""
 
+    def addressable(self, device: str, addr: int, nbytes: int) -> bool:
+        """Whether ``[addr, addr + nbytes)`` of accelerator memory on ``device``
+        (``"cuda:0"``) can be passed to :meth:`read` / :meth:`write` as
+        :class:`DeviceRuns` now: moved by address, without host staging. The default
+        (every transport that moves bytes over sockets) is False.
+
+        Even when True, the peer may grant memory this link cannot reach by address:
+        the operation then raises ``LLMException`` with :data:`DIRECT_REFUSED` as its
+        context, having moved nothing, and the caller stages instead.
+        """
+        return False
+
     @abc.abstractmethod
     async def read(
         self,
         meta: bytes,
-        into: Sequence[memoryview],
+        into: Sequence[memoryview] | DeviceRuns,
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
         """Pull the payload described by ``meta`` (opaque bytes, at most
-        ``max_meta_bytes``) from the peer straight into ``into``.
+        ``max_meta_bytes``) from the peer straight into ``into`` (:class:`DeviceRuns`
+        only where :meth:`addressable`; elsewhere ``LLM_PARAM_INVALID``).
 
         The total length of ``into`` must equal what the peer grants, otherwise
         ``LLM_PARAM_INVALID`` and the peer reports nothing done. Once this returns or
@@ -197,11 +261,12 @@ class Link(abc.ABC):
     async def write(
         self,
         meta: bytes,
-        src: Sequence[memoryview],
+        src: Sequence[memoryview] | DeviceRuns,
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        """Push ``src`` to the peer into the buffers it grants for ``meta``.
+        """Push ``src`` to the peer into the buffers it grants for ``meta``
+        (:class:`DeviceRuns` as for :meth:`read`).
 
         Two-phase: no payload is sent before the peer grants the request. Returns once
         the peer confirms that every byte landed. Once this returns or raises, ``src`` is
@@ -431,7 +496,9 @@ class Transport(abc.ABC):
 # ---------------------------------------------------------- shared by the implementations
 
 
-def flatten_views(op: str, views: Sequence[Any], *, writable: bool) -> tuple[list[memoryview], int]:
+def flatten_views(
+    op: str, views: Sequence[Any] | DeviceRuns, *, writable: bool
+) -> tuple[list[memoryview], int]:
     """Flat, non-empty ``'B'`` views over ``views`` and their total length (a
     :class:`~aiokv._layout.LayoutViews` is returned as it is: checked when made).
 
@@ -439,9 +506,15 @@ def flatten_views(op: str, views: Sequence[Any], *, writable: bool) -> tuple[lis
 
     Raises:
         TypeError: ``views`` is not a sequence of buffers.
-        LLMException: ``LLM_PARAM_INVALID`` for a non-contiguous buffer, or a read-only
-            one where bytes must be written.
+        LLMException: ``LLM_PARAM_INVALID`` for a non-contiguous buffer, a read-only
+            one where bytes must be written, or :class:`DeviceRuns` (device memory is
+            moved by address only by a link that takes it, never as socket payload).
     """
+    if isinstance(views, DeviceRuns):
+        raise LLMException(
+            f"{op}: this link cannot move {views.device} memory by address",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
     if type(views) is LayoutViews and not (writable and views.readonly):
         return views, views.total  # checked when the layout made it
     if isinstance(views, bytes | bytearray | memoryview) or not isinstance(views, Sequence):
@@ -519,12 +592,15 @@ def grant_reason(grant: object) -> str:
 
 
 def check_grant(
-    grant: object, name: str, *, writable: bool
+    grant: object, name: str, *, writable: bool, device_ok: bool = False
 ) -> tuple[LLMStatusCode, list[memoryview], int]:
     """A handler's answer as ``(status, flat buffers, total)``.
 
     Anything unusable (not a :class:`Grant`, an unknown status, buffers that are not flat
-    byte buffers, read-only buffers for a write) is logged and becomes ``LLM_FAILED``.
+    byte buffers, read-only buffers for a write, a :attr:`Grant.device` grant unless
+    ``device_ok`` — the request was offered ``direct`` — or one with buffers or bad
+    runs) is logged and becomes ``LLM_FAILED``. A device grant gives no buffers and its
+    :attr:`DeviceRuns.total`.
     """
     if not isinstance(grant, Grant):
         _log.error("handler %s returned %r, not a Grant", name, type(grant).__name__)
@@ -533,11 +609,29 @@ def check_grant(
         status = LLMStatusCode(grant.status)
         if status is not LLMStatusCode.LLM_SUCCESS:
             return status, [], 0
+        if grant.device is not None:
+            dev = grant.device
+            if not device_ok or grant.buffers or not _valid_runs(dev.runs):
+                raise ValueError(f"a device grant it may not make ({dev.device})")
+            return status, [], dev.total
         views, total = flatten_views(name, grant.buffers, writable=writable)
     except (ValueError, TypeError, LLMException) as exc:
         _log.error("handler %s granted unusable buffers: %s", name, exc)
         return LLMStatusCode.LLM_FAILED, [], 0
     return status, views, total
+
+
+def _valid_runs(runs: object) -> bool:
+    """``(address, length)`` rows: a non-empty ``uint64`` array of shape ``(n, 2)``,
+    every length > 0."""
+    return (
+        isinstance(runs, np.ndarray)
+        and runs.dtype == np.uint64
+        and runs.ndim == 2
+        and runs.shape[0] > 0
+        and runs.shape[1] == 2
+        and bool(runs[:, 1].all())
+    )
 
 
 def encode_reason(reason: object) -> bytes:

@@ -40,6 +40,7 @@ from .._enums import LLMStatusCode
 from .._errors import LLMException
 from ._base import (
     AUTH_FAILED,
+    DeviceRuns,
     Grant,
     Link,
     LinkCallback,
@@ -233,10 +234,22 @@ class _LocalLink(Link):
     def broken(self) -> bool:
         return self._broken
 
-    async def read(self, meta: bytes, into: Sequence[memoryview], *, timeout: float) -> None:  # noqa: ASYNC109
+    async def read(
+        self,
+        meta: bytes,
+        into: Sequence[memoryview] | DeviceRuns,
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
         await self._request("Link.read", meta, into, timeout, is_read=True)
 
-    async def write(self, meta: bytes, src: Sequence[memoryview], *, timeout: float) -> None:  # noqa: ASYNC109
+    async def write(
+        self,
+        meta: bytes,
+        src: Sequence[memoryview] | DeviceRuns,
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
         await self._request("Link.write", meta, src, timeout, is_read=False)
 
     async def aclose(self) -> None:
@@ -268,7 +281,13 @@ class _LocalLink(Link):
         return not self._broken
 
     async def _request(
-        self, name: str, meta: bytes, bufs: Sequence[memoryview], seconds: float, *, is_read: bool
+        self,
+        name: str,
+        meta: bytes,
+        bufs: Sequence[memoryview] | DeviceRuns,
+        seconds: float,
+        *,
+        is_read: bool,
     ) -> None:
         views, total = flatten_views(name, bufs, writable=is_read)
         # Our cap, then the peer's (which would refuse it without asking its handler).

@@ -39,8 +39,9 @@ needs newer metadata. A TCP-only side ignores it and so never receives the other
 frames. ``NREAD_REQ`` / ``NWRITE_REQ`` are ``READ_REQ`` / ``WRITE_REQ`` from a requester
 whose buffers NIXL can reach; the granter answers either as for the plain request
 (``READ_RESP`` / ``WRITE_GRANT``, the bytes then move as ``DATA``) or with
-``NIXL_GRANT``: status, ``size`` granted bytes, and meta = an 8-byte tag followed by
-the granted memory as little-endian ``(address, length)`` u64 pairs. The requester then
+``NIXL_GRANT``: status, ``size`` granted bytes, and meta = an 8-byte tag, the granted
+memory's NIXL kind (u32: 0 ``DRAM``, 1 ``VRAM``) and device id (u32), then the granted
+memory as little-endian ``(address, length)`` u64 pairs. The requester then
 moves the bytes itself with a NIXL READ (and sends ``READ_DONE``) or a NIXL WRITE
 that carries the tag as its notification (and waits for ``WRITE_DONE``).
 
@@ -86,7 +87,8 @@ __all__ = [
 ]
 
 MAGIC = b"AIKV"
-VERSION = 4
+#: 5: a ``NIXL_GRANT`` names its memory kind and device (VRAM grants, nixlvram)
+VERSION = 5
 HEADER = struct.Struct("<4sBBIIQQ")
 HEADER_SIZE = HEADER.size
 #: Protocol cap on one DATA frame's payload. Big transfers are cut into chunks no larger,
@@ -121,7 +123,7 @@ class FrameType(enum.IntEnum):
     NIXL_MD = 16  # NIXL agent metadata in meta; `size`: the sender's meta cap
     NREAD_REQ = 17  # READ_REQ from a requester that can move the bytes over NIXL
     NWRITE_REQ = 18  # WRITE_REQ from a requester that can move the bytes over NIXL
-    NIXL_GRANT = 19  # status; on success meta = tag + granted (address, length) pairs,
+    NIXL_GRANT = 19  # status; on success meta = tag + kind + device + (address, length) pairs,
     # else meta = the reason
 
 

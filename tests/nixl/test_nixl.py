@@ -47,12 +47,12 @@ def test_descriptors_coalesce_and_pair() -> None:
     assert local[:, 1].tolist() == [5, 25, 10] == far[:, 1].tolist()
     assert far[:, 0].tolist() == [7, 100, 125]
     assert local[:, 0].tolist() == [base, base + 5, base + 50]
-    meta = descs.encode_grant(b"T" * 8, runs)
-    tag, back = descs.decode_grant(meta, 40)
-    assert tag == b"T" * 8 and back.tolist() == runs.tolist()
+    meta = descs.encode_grant(b"T" * 8, ("DRAM", 0, runs))
+    tag, (mem, dev, back) = descs.decode_grant(meta, 40)
+    assert tag == b"T" * 8 and back.tolist() == runs.tolist() and (mem, dev) == ("DRAM", 0)
     assert descs.decode_grant(meta, 41) is None  # totals must match
     assert descs.decode_grant(meta[:-1], 40) is None  # torn
-    assert descs.decode_grant(b"T" * 8 + bytes(16), 0) is None  # empty run
+    assert descs.decode_grant(b"T" * 8 + bytes(8 + 16), 0) is None  # empty run
 
 
 class Regions:

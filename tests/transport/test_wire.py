@@ -76,8 +76,8 @@ def test_malformed_header_rejected(fields: dict[str, int | bytes], match: str) -
         wire.decode_header(raw_header(**fields))  # type: ignore[arg-type]
 
 
-def test_version_is_4_since_refusals_carry_reasons() -> None:
-    assert wire.VERSION == 4
+def test_version_is_5_since_nixl_grants_name_their_memory_kind() -> None:
+    assert wire.VERSION == 5  # 4: refusals carry reasons
     assert wire.REASON_CAP == 512
 
 

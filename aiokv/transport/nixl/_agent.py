@@ -1,4 +1,4 @@
-"""A NIXL agent as the transport uses it: DRAM over UCX, no NIXL threads.
+"""A NIXL agent as the transport uses it: DRAM and VRAM over UCX, no NIXL threads.
 
 NIXL's own progress thread spins (its poll delay is fixed at 0 by the Python API: a
 whole core per agent, measured), and its listener thread would be a second, unauthen-
@@ -67,9 +67,10 @@ class Agent:
             raise RuntimeError("NIXL has no UCX backend here")
         self.name = name
 
-    def register(self, addr: int, nbytes: int) -> Any:
-        """Register host memory; returns the handle :meth:`deregister` takes."""
-        return self._a.register_memory([(addr, nbytes, 0, "")], "DRAM")
+    def register(self, addr: int, nbytes: int, mem: str = "DRAM", dev: int = 0) -> Any:
+        """Register memory of kind ``mem`` ("DRAM": host, "VRAM": CUDA device ``dev``);
+        returns the handle :meth:`deregister` takes."""
+        return self._a.register_memory([(addr, nbytes, dev, "")], mem)
 
     def deregister(self, handle: Any) -> None:
         self._a.deregister_memory(handle)
@@ -93,13 +94,15 @@ class Agent:
         remote: npt.NDArray[np.uint64],
         peer: str,
         notif: bytes,
+        mems: tuple[str, str] = ("DRAM", "DRAM"),
     ) -> Xfer:
         """A transfer request: ``kind`` "READ" (remote → local) or "WRITE"; ``local`` and
-        ``remote``: ``(address, length, 0)`` rows of the same lengths (numpy arrays go
-        to NIXL without a Python loop: 0.03 ms for 1024 rows, 0.17 ms as tuples)."""
+        ``remote``: ``(address, length, device)`` rows of the same lengths (numpy arrays
+        go to NIXL without a Python loop: 0.03 ms for 1024 rows, 0.17 ms as tuples) of
+        the memory kinds ``mems`` (local, remote)."""
         a = self._a
         return a.initialize_xfer(
-            kind, a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"), peer, notif
+            kind, a.get_xfer_descs(local, mems[0]), a.get_xfer_descs(remote, mems[1]), peer, notif
         )
 
     def post(self, xfer: Xfer) -> str:

@@ -15,11 +15,25 @@ import numpy.typing as npt
 
 from ..._layout import LayoutViews, address_of
 
-__all__ = ["TAG_BYTES", "Runs", "address_of", "decode_grant", "encode_grant", "pair", "runs_of"]
+__all__ = [
+    "MEMS",
+    "TAG_BYTES",
+    "Place",
+    "Runs",
+    "address_of",
+    "decode_grant",
+    "encode_grant",
+    "pair",
+    "runs_of",
+]
 
 TAG_BYTES: Final = 8
+#: NIXL memory kinds by their code in a ``NIXL_GRANT``
+MEMS: Final = ("DRAM", "VRAM")
 #: ``(address, length)`` rows, ``uint64``, shape ``(n, 2)``
 Runs = npt.NDArray[np.uint64]
+#: memory by address: NIXL's kind ("DRAM" / "VRAM"), device id, rows
+Place = tuple[str, int, Runs]
 
 
 def runs_of(views: Sequence[memoryview]) -> Runs:
@@ -38,30 +52,40 @@ def runs_of(views: Sequence[memoryview]) -> Runs:
     return np.stack((addr, n), axis=1)
 
 
-def encode_grant(tag: bytes, runs: Runs) -> bytes:
-    """The meta of a ``NIXL_GRANT``: the tag, then the rows as little-endian u64 pairs."""
-    return tag + runs.astype("<u8", copy=False).tobytes()
+def encode_grant(tag: bytes, place: Place) -> bytes:
+    """The meta of a ``NIXL_GRANT``: the tag, the memory kind's code and the device id
+    (little-endian u32 each), then the rows as little-endian u64 pairs."""
+    mem, dev, runs = place
+    head = MEMS.index(mem).to_bytes(4, "little") + dev.to_bytes(4, "little")
+    return tag + head + runs.astype("<u8", copy=False).tobytes()
 
 
-def decode_grant(meta: bytes | bytearray, total: int) -> tuple[bytes, Runs] | None:
-    """``(tag, runs)`` of a peer's ``NIXL_GRANT``, or None unless the runs are non-empty
-    and total exactly ``total`` bytes (the addresses are the peer's own business: NIXL
-    refuses any outside the memory it registered)."""
-    body = len(meta) - TAG_BYTES
+def decode_grant(meta: bytes | bytearray, total: int) -> tuple[bytes, Place] | None:
+    """``(tag, (mem, dev, runs))`` of a peer's ``NIXL_GRANT``, or None unless the kind
+    is known and the runs are non-empty and total exactly ``total`` bytes (the addresses
+    and device are the peer's own business: NIXL refuses any outside the memory it
+    registered)."""
+    body = len(meta) - TAG_BYTES - 8
     if body <= 0 or body % 16:
         return None
-    runs = np.frombuffer(meta, dtype="<u8", offset=TAG_BYTES).reshape(-1, 2).astype(np.uint64)
+    code = int.from_bytes(meta[TAG_BYTES : TAG_BYTES + 4], "little")
+    dev = int.from_bytes(meta[TAG_BYTES + 4 : TAG_BYTES + 8], "little")
+    if code >= len(MEMS):
+        return None
+    runs = np.frombuffer(meta, dtype="<u8", offset=TAG_BYTES + 8).reshape(-1, 2).astype(np.uint64)
     n = runs[:, 1]
     # lengths are at most `total` each, so their sum cannot wrap before the check
     if not n.all() or int(n.max()) > total or int(n.sum()) != total:
         return None
-    return bytes(meta[:TAG_BYTES]), runs
+    return bytes(meta[:TAG_BYTES]), (MEMS[code], dev, runs)
 
 
-def pair(a: Runs, b: Runs) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+def pair(
+    a: Runs, b: Runs, dev_a: int = 0, dev_b: int = 0
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
     """Two run lists of the same total, split at their common boundaries: NIXL
-    descriptor rows ``(address, length, 0)`` (device 0: host memory), row i of both of
-    the same length."""
+    descriptor rows ``(address, length, device)`` (``dev_a`` / ``dev_b``; 0 for host
+    memory), row i of both of the same length."""
     if a.shape == b.shape and np.array_equal(a[:, 1], b[:, 1]):
         cuts, da, db = a[:, 1], a[:, 0], b[:, 0]  # already paired
     else:
@@ -73,5 +97,6 @@ def pair(a: Runs, b: Runs) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint6
         ib = np.searchsorted(eb, starts, side="right")
         da = a[ia, 0] + (starts - (ea[ia] - a[ia, 1]))
         db = b[ib, 0] + (starts - (eb[ib] - b[ib, 1]))
-    zero = np.zeros_like(cuts)
-    return np.stack((da, cuts, zero), axis=1), np.stack((db, cuts, zero), axis=1)
+    ia_dev = np.full_like(cuts, dev_a)
+    ib_dev = np.full_like(cuts, dev_b)
+    return np.stack((da, cuts, ia_dev), axis=1), np.stack((db, cuts, ib_dev), axis=1)

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Final
 
 from ..._enums import LLMStatusCode
 from .. import _wire as wire
-from .._base import PeerInfo, decode_reason
+from .._base import DeviceRuns, DirectCheck, PeerInfo, decode_reason
 from ..tcp._io import SockIO
 from ..tcp._link import TcpLink
 from ..tcp._ops import MyOp, PeerOp, State, Stream
-from ._descs import Runs, decode_grant, encode_grant, pair, runs_of
+from ._descs import Place, decode_grant, encode_grant, pair, runs_of
 
 if TYPE_CHECKING:
     from ..tcp._transport import TcpTransport
@@ -131,17 +131,34 @@ class NixlLink(TcpLink):
     # ------------------------------------------------------------------ granter side
 
     def _serve_nixl(self, op: PeerOp, views: list[memoryview], total: int) -> bool:
-        n = self._n
-        if self.peer_agent is None or n.agent is None:
-            return False
         runs = runs_of(views)
-        if not n.regions.covers(runs):
+        return self._n.regions.covers(runs) and self._grant_place(op, ("DRAM", 0, runs), total)
+
+    def _direct_check(self, op: PeerOp) -> DirectCheck | None:
+        n = self._n
+        if not (op.nixl and n.vram and self.peer_agent is not None and n.agent is not None):
+            return None
+        return n.addressable
+
+    def _serve_device(self, op: PeerOp, dev: DeviceRuns) -> bool:
+        table = self._n._table(dev.device)
+        return (
+            table is not None
+            and table.covers(dev.runs)
+            and self._grant_place(op, (table.mem, table.dev, dev.runs), dev.total)
+        )
+
+    def _grant_place(self, op: PeerOp, place: Place, total: int) -> bool:
+        """Answer ``op`` with a NIXL grant of registered memory ``place``; False when
+        it cannot (no peer agent, meta too big for the peer)."""
+        n = self._n
+        if self.peer_agent is None or n.agent is None or self._broken:
             return False
         tag = n.new_tag()
-        meta = encode_grant(tag, runs)
+        meta = encode_grant(tag, place)
         if len(meta) > min(self._peer_cap, n.max_meta_bytes):
             return False
-        if n.regions.generation != self._md_gen:
+        if n.generation() != self._md_gen:
             self._send_md()  # before the grant: the peer must know the regions it names
         if op.is_read:
             op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL
@@ -177,25 +194,39 @@ class NixlLink(TcpLink):
         if op.is_read:
             op.state = State.RECEIVING
 
-    def _direct(self, views: list[memoryview], total: int) -> Runs | None:
-        """Our ``(address, length)`` rows of ``views`` if NIXL can move them on this
-        link, else None (they move as DATA)."""
-        if not total or self.peer_agent is None or self._n.agent is None or self._broken:
+    def addressable(self, device: str, addr: int, nbytes: int) -> bool:
+        return self._usable() and self._n.addressable(device, addr, nbytes)
+
+    def _usable(self) -> bool:
+        return self.peer_agent is not None and self._n.agent is not None and not self._broken
+
+    def _direct(self, views: list[memoryview], total: int) -> Place | None:
+        """Our ``("DRAM", 0, rows)`` of ``views`` if NIXL can move them on this link,
+        else None (they move as DATA)."""
+        if not total or not self._usable():
             return None
         runs = runs_of(views)
-        return runs if self._n.regions.covers(runs) else None
+        return ("DRAM", 0, runs) if self._n.regions.covers(runs) else None
 
-    async def _move_direct(self, op: MyOp, plan: Runs) -> None:
+    def _direct_device(self, dev: DeviceRuns) -> Place | None:
+        table = self._n._table(dev.device)
+        if table is None or not dev.runs.size or not self._usable():
+            return None
+        return (table.mem, table.dev, dev.runs) if table.covers(dev.runs) else None
+
+    async def _move_direct(self, op: MyOp, plan: Place) -> None:
         """Move ``op``'s payload with one NIXL transfer; when this returns or raises the
         transfer is over (done, aborted or, at worst, the link broken)."""
         assert op.remote is not None and self.peer_agent is not None
         agent = self._n.agent
         assert agent is not None
-        tag, remote = op.remote
-        local, far = pair(plan, remote)
+        tag, (far_mem, far_dev, remote) = op.remote
+        mem, dev, runs = plan
+        local, far = pair(runs, remote, dev, far_dev)
         kind = "READ" if op.is_read else "WRITE"
         try:
-            xfer = agent.xfer(kind, local, far, self.peer_agent, b"" if op.is_read else tag)
+            notif = b"" if op.is_read else tag
+            xfer = agent.xfer(kind, local, far, self.peer_agent, notif, (mem, far_mem))
         except Exception as exc:  # e.g. a grant outside the peer's registered memory
             _log.warning("%r: NIXL refused a %s of request %d: %s", self, kind, op.rid, exc)
             op.finish(_S.LLM_FAILED)

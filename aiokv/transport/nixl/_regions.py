@@ -26,9 +26,15 @@ class Region:
 
 
 class Regions:
-    """Registered ``[addr, addr + nbytes)`` ranges; ``generation`` changes with them."""
+    """Registered ``[addr, addr + nbytes)`` ranges of one memory kind: NIXL's ``mem``
+    (``"DRAM"``, ``"VRAM"``) on device ``dev`` (0 for host memory); ``generation``
+    changes with them. ``failed``: NIXL refused a registration of this kind, which is
+    then not used by address at all."""
 
-    def __init__(self) -> None:
+    def __init__(self, mem: str = "DRAM", dev: int = 0) -> None:
+        self.mem = mem
+        self.dev = dev
+        self.failed = False
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._by_start: dict[int, Region] = {}
@@ -83,6 +89,8 @@ class Regions:
 
     def covers(self, runs: npt.NDArray[np.uint64]) -> bool:
         """Whether every ``(address, length)`` row lies inside one registered range."""
+        if self.failed:
+            return False
         starts, ends = self._bounds  # replaced, never changed in place: no lock needed
         i = np.searchsorted(starts, runs[:, 0], side="right") - 1
         if not starts.size or (i < 0).any():

@@ -10,6 +10,13 @@ NIXL grant; the granter answers with the validated grant's memory as descriptors
 requester moves the bytes itself with one NIXL READ (pull) or WRITE (push, whose
 notification tells the granter it landed). Anything else moves as TCP ``DATA``.
 
+Memory is registered by kind: host memory as ``DRAM``, ``cuda:N`` memory as ``VRAM``
+of device N (one region table each). Device memory moves only by address: requester
+buffers as :class:`~aiokv.transport.DeviceRuns` (where :meth:`NixlLink.addressable`),
+grants as :attr:`~aiokv.transport.Grant.device` (offered to the handler as ``direct``
+for a NIXL request); either side's device memory pairs with the other's host or device
+memory in one transfer (UCX moves it GPU-direct where it can).
+
 Progress without threads that spin: the requester polls its transfer's state, the
 granter polls notifications while it serves NIXL grants, both on the event loop with an
 exponential back-off from :data:`POLL_MIN_S` to :data:`POLL_MAX_S` (docs/design.md,
@@ -25,6 +32,8 @@ import logging
 import os
 import uuid
 from typing import TYPE_CHECKING, Final
+
+import numpy as np
 
 from .. import _wire as wire
 from .._base import Link, LinkCallback, RequestHandler, check_address, check_connect_timeout
@@ -48,8 +57,8 @@ _CLOSE_WAIT_S: Final = 5.0
 
 class NixlTransport(TcpTransport):
     """The ``nixl`` transport: a :class:`TcpTransport` whose payload moves over NIXL
-    between memory registered with :meth:`register_memory` (host memory in this
-    version; other ranges, and peers without NIXL, use the TCP path).
+    between memory registered with :meth:`register_memory` (host memory, and ``cuda``
+    memory as VRAM; other ranges, and peers without NIXL, use the TCP path).
 
     Arguments as :class:`TcpTransport`. The NIXL agent (UCX backend) is created on the
     first :meth:`listen` / :meth:`connect`, off the event loop; memory registered
@@ -88,7 +97,8 @@ class NixlTransport(TcpTransport):
             max_handshakes_per_host=max_handshakes_per_host,
             tls=tls,
         )
-        self.regions = Regions()
+        self.regions = Regions()  # host memory ("DRAM")
+        self.vram: dict[int, Regions] = {}  # CUDA memory by device id ("VRAM")
         #: this side's agent name; peers check it names the cluster they authenticated
         self.agent_name = f"aiokv-{local_cluster_id}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.agent: Agent | None = None
@@ -106,22 +116,61 @@ class NixlTransport(TcpTransport):
     # ------------------------------------------------------------------ memory hooks
 
     def register_memory(self, addr: int, nbytes: int, *, device: str = "cpu") -> None:
-        if not device.startswith("cpu") or nbytes <= 0:
-            return  # device memory: a later version; such buffers move over TCP
-        agent = self.agent
+        """Host memory is registered as NIXL ``DRAM``, ``cuda:N`` memory as ``VRAM`` of
+        device N; other devices (and ``cuda`` without an index) are not: their bytes
+        move through host staging above the transport."""
+        if nbytes <= 0:
+            return
+        table = self._table(device, create=True)
+        if table is None:
+            return
+        agent, mem, dev = self.agent, table.mem, table.dev
+        register = None
+        if agent is not None:
+
+            def register(a: int, n: int) -> object:
+                return agent.register(a, n, mem, dev)
+
         try:
-            self.regions.add(addr, nbytes, agent.register if agent is not None else None)
-        except Exception as exc:  # an overlap, or NIXL refusing: that memory uses TCP
-            _log.warning("NIXL cannot register [%#x, +%d): %s", addr, nbytes, exc)
+            table.add(addr, nbytes, register)
+        except Exception as exc:  # an overlap, or NIXL refusing: that memory is not used
+            _log.warning("NIXL cannot register %s [%#x, +%d): %s", device, addr, nbytes, exc)
 
     def deregister_memory(self, addr: int, nbytes: int) -> None:
-        region = self.regions.remove(addr, nbytes)
         agent = self.agent
-        if region is not None and region.handle is not None and agent is not None:
-            try:
-                agent.deregister(region.handle)
-            except Exception:
-                _log.exception("NIXL deregistration of [%#x, +%d) failed", addr, nbytes)
+        for table in (self.regions, *self.vram.values()):
+            region = table.remove(addr, nbytes)
+            if region is not None and region.handle is not None and agent is not None:
+                try:
+                    agent.deregister(region.handle)
+                except Exception:
+                    _log.exception("NIXL deregistration of [%#x, +%d) failed", addr, nbytes)
+
+    def _table(self, device: str, *, create: bool = False) -> Regions | None:
+        """The region table of ``device`` ("cpu", "cuda:N"), or None for memory NIXL is
+        not given here."""
+        if device.startswith("cpu"):
+            return self.regions
+        kind, _, index = device.partition(":")
+        if kind != "cuda" or not index.isdigit():
+            return None
+        dev = int(index)
+        table = self.vram.get(dev)
+        if table is None and create:
+            table = self.vram.setdefault(dev, Regions("VRAM", dev))
+        return table
+
+    def addressable(self, device: str, addr: int, nbytes: int) -> bool:
+        """Whether ``[addr, addr + nbytes)`` of ``device`` lies in memory registered with
+        NIXL (the agent running)."""
+        table = self._table(device)
+        if table is None or self.agent is None or nbytes <= 0 or addr < 0:
+            return False
+        return table.covers(np.array([[addr, nbytes]], dtype=np.uint64))
+
+    def generation(self) -> int:
+        """Changes whenever any region table does (its registrations)."""
+        return self.regions.generation + sum(t.generation for t in self.vram.values())
 
     # ------------------------------------------------------------------ the agent
 
@@ -160,11 +209,21 @@ class NixlTransport(TcpTransport):
         for region in self.regions.all():  # memory registered before the agent existed
             if region.handle is None:
                 region.handle = agent.register(region.addr, region.nbytes)
+        for table in list(self.vram.values()):
+            for region in table.all():
+                if region.handle is None:
+                    try:
+                        region.handle = agent.register(
+                            region.addr, region.nbytes, "VRAM", table.dev
+                        )
+                    except Exception as exc:  # e.g. a NIXL/UCX built without CUDA
+                        _log.warning("NIXL cannot register cuda:%d memory: %s", table.dev, exc)
+                        table.failed = True  # staged, as without NIXL
         return agent
 
     def metadata(self) -> tuple[int, bytes]:
         """``(generation, metadata)``: this agent's metadata as of the regions' generation."""
-        gen = self.regions.generation
+        gen = self.generation()
         if self._md is None or self._md[0] != gen:
             assert self.agent is not None
             self._md = (gen, self.agent.metadata())
@@ -236,8 +295,9 @@ class NixlTransport(TcpTransport):
             with contextlib.suppress(Exception):
                 agent.remove_remote(name)
         self._remote_refs.clear()
-        for region in self.regions.all():
-            if region.handle is not None:
-                with contextlib.suppress(Exception):
-                    agent.deregister(region.handle)
-                region.handle = None
+        for table in (self.regions, *self.vram.values()):
+            for region in table.all():
+                if region.handle is not None:
+                    with contextlib.suppress(Exception):
+                        agent.deregister(region.handle)
+                    region.handle = None

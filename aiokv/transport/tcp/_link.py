@@ -17,6 +17,9 @@ from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from .. import _wire as wire
 from .._base import (
+    DIRECT_REFUSED,
+    DeviceRuns,
+    DirectCheck,
     Grant,
     Link,
     PeerInfo,
@@ -37,6 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = ["TcpLink"]
 
+# the reason of our own op that a grant this link cannot move by address ended
+_NOT_DIRECT: Final = "granted memory not reachable by address"
 _log = logging.getLogger("aiokv.transport.tcp")
 _S = LLMStatusCode
 _F = wire.FrameType
@@ -132,15 +137,16 @@ class TcpLink(Link):
     async def read(
         self,
         meta: bytes,
-        into: Sequence[memoryview],
+        into: Sequence[memoryview] | DeviceRuns,
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        views, total = flatten_views("Link.read", into, writable=True)
+        views, total, direct = self._buffers("Link.read", into, writable=True)
         frame_meta = self._prepare("Link.read", meta, timeout)
-        direct = self._direct(views, total)
         op = self._start(is_read=True, total=total)
-        op.cursor = Cursor(views, total)  # a direct request may be answered with DATA too
+        op.device = isinstance(into, DeviceRuns)
+        if not op.device:  # a direct request may be answered with DATA too
+            op.cursor = Cursor(views, total)
         acked = False
         try:
             kind = _F.READ_REQ if direct is None else _F.NREAD_REQ
@@ -166,14 +172,14 @@ class TcpLink(Link):
     async def write(
         self,
         meta: bytes,
-        src: Sequence[memoryview],
+        src: Sequence[memoryview] | DeviceRuns,
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        views, total = flatten_views("Link.write", src, writable=False)
+        views, total, direct = self._buffers("Link.write", src, writable=False)
         frame_meta = self._prepare("Link.write", meta, timeout)
-        direct = self._direct(views, total)
         op = self._start(is_read=False, total=total)
+        op.device = isinstance(src, DeviceRuns)
         deadline = self._loop.time() + timeout
         ok = False
         try:
@@ -185,6 +191,8 @@ class TcpLink(Link):
                     if op.state is State.SENDING and op.result is None and total:
                         if op.remote is not None:
                             await self._move_direct(op, direct)
+                        elif op.device:  # a WRITE_GRANT: device memory cannot go as DATA
+                            op.finish(_S.LLM_FAILED, _NOT_DIRECT)
                         else:  # a WRITE_GRANT: the bytes go as DATA
                             op.stream = self._add_stream(op.rid, views, total)
                     await op.until_over()
@@ -203,6 +211,32 @@ class TcpLink(Link):
                 # DATA of it may be on the wire: return only once the peer confirmed
                 # that none of it lands any more (see Link.write)
                 await self._until_cancel_acked(op.rid, deadline)
+
+    def _buffers(
+        self, name: str, bufs: Sequence[memoryview] | DeviceRuns, *, writable: bool
+    ) -> tuple[list[memoryview], int, Any | None]:
+        """``(flat views, total, direct plan)`` of a request's buffers; device memory
+        has no views and always a plan (else ``LLM_PARAM_INVALID``)."""
+        if isinstance(bufs, DeviceRuns):
+            plan = self._direct_device(bufs)
+            if plan is None:
+                flatten_views(name, bufs, writable=writable)  # raises: not addressable
+            return [], bufs.total, plan
+        views, total = flatten_views(name, bufs, writable=writable)
+        return views, total, self._direct(views, total)
+
+    def _direct_device(self, dev: DeviceRuns) -> Any | None:
+        """Hook: as :meth:`_direct`, for device memory (which can move no other way)."""
+        return None
+
+    def _direct_check(self, op: PeerOp) -> DirectCheck | None:
+        """Hook: the ``direct`` to offer the handler for the peer's request ``op``, or
+        None when this link could not serve it from device memory by address."""
+        return None
+
+    def _serve_device(self, op: PeerOp, dev: DeviceRuns) -> bool:
+        """Hook: as :meth:`_serve_nixl`, for a device grant (False: refused)."""
+        return False
 
     def _direct(self, views: list[memoryview], total: int) -> Any | None:
         """Hook: a plan to move ``views`` outside this socket (a NIXL link: their
@@ -302,6 +336,13 @@ class TcpLink(Link):
     def _refused(self, name: str, op: MyOp) -> LLMException:
         """The error of our failed ``op``: a broken link, or the peer's code and reason."""
         status = op.outcome()
+        if op.device and op.reason is _NOT_DIRECT:
+            return LLMException(
+                f"{name}: cluster {self.peer.cluster_id} granted memory this link cannot "
+                "reach by address",
+                status_code=status,
+                context=DIRECT_REFUSED,
+            )
         if status is _S.LLM_LINK_FAILED:
             return LLMException(
                 f"{name}: link to cluster {self.peer.cluster_id} broke", status_code=status
@@ -633,6 +674,8 @@ class TcpLink(Link):
                 op.finish(_S.LLM_PARAM_INVALID, f"it granted {size} bytes, not {op.total}")
             elif size == 0:
                 op.finish(_S.LLM_SUCCESS)
+            elif op.device:  # DATA cannot land in device memory: we cancel it
+                op.finish(_S.LLM_FAILED, _NOT_DIRECT)
             else:
                 op.state = State.RECEIVING
         elif kind is _F.WRITE_GRANT:
@@ -700,21 +743,30 @@ class TcpLink(Link):
     async def _serve(self, op: PeerOp, meta: bytes, size: int) -> None:
         """Ask the handler, then answer the peer and start the transfer."""
         name = "grant_read" if op.is_read else "grant_write"
+        direct = self._direct_check(op)
+        handler = self._t.handler
         try:
-            if op.is_read:
-                grant = await self._t.handler.grant_read(self.peer, meta)
+            if direct is not None:  # only then: handlers without device memory lack it
+                if op.is_read:
+                    grant = await handler.grant_read(self.peer, meta, direct=direct)  # type: ignore[call-arg]
+                else:
+                    grant = await handler.grant_write(self.peer, meta, size, direct=direct)  # type: ignore[call-arg]
+            elif op.is_read:
+                grant = await handler.grant_read(self.peer, meta)
             else:
-                grant = await self._t.handler.grant_write(self.peer, meta, size)
+                grant = await handler.grant_write(self.peer, meta, size)
         except LLMException as exc:
             grant = Grant(exc.status_code, reason=str(exc))
         except Exception:
             _log.exception("%r: handler %s failed", self, name)
             grant = Grant(_S.LLM_FAILED, reason="the peer's handler failed")
-        status, views, total = check_grant(grant, name, writable=not op.is_read)
+        status, views, total = check_grant(
+            grant, name, writable=not op.is_read, device_ok=direct is not None
+        )
         why = grant_reason(grant)
         if isinstance(grant, Grant):
             op.bind(grant.done)
-            op.commit = None if op.is_read else grant.commit
+            op.commit = None if op.is_read or grant.device is not None else grant.commit
         if self._theirs.get(op.rid) is not op or self._broken:
             op.finish(False)  # cancelled or link lost while the handler decided
             return
@@ -729,6 +781,12 @@ class TcpLink(Link):
         assert isinstance(grant, Grant)  # check_grant fails anything else
         grant.bind_abort(lambda code: self._revoke(op, code))
         if op.state is State.OVER:  # revoked before it was even answered
+            return
+        if grant.device is not None:  # never as DATA: by address, or refused
+            if not self._serve_device(op, grant.device):
+                self._theirs.pop(op.rid, None)
+                op.finish(False)
+                self._reply(reply, op.rid, _S.LLM_FAILED, "device memory not reachable by NIXL")
             return
         if op.nixl and total and self._serve_nixl(op, views, total):
             return

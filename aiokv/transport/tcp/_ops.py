@@ -96,6 +96,7 @@ class MyOp:
         "_loop",
         "_wake",
         "cursor",
+        "device",
         "granted",
         "is_read",
         "peer_over",
@@ -117,6 +118,7 @@ class MyOp:
         self.cursor: Cursor | None = None
         self.stream: Stream | None = None
         self.total = 0
+        self.device = False  # its buffers are device memory (DeviceRuns): never DATA
         self.granted = False  # a write's WRITE_GRANT said yes
         self.peer_over = False  # a write's WRITE_DONE came: the peer writes no more of it
         self.result: LLMStatusCode | None = None  # final outcome

@@ -1,0 +1,304 @@
+"""Device memory over ``nixl`` by address (issue #10 item 3): ``cuda`` memory registered
+as NIXL VRAM moves GPU-direct, with no host staging on a side whose memory NIXL reaches;
+the staged path stays for everything else (a TCP peer, memory NIXL could not register).
+
+The CUDA tests skip without a CUDA device (or NIXL); the contract tests run anywhere:
+device memory by address never becomes socket payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aiokv import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aiokv._copy import Stager
+from aiokv.transport import DeviceRuns, Grant, PeerInfo, get_transport
+from aiokv.transport._base import check_grant
+
+CODE = LLMStatusCode
+HAS_CUDA = torch.cuda.is_available()
+
+try:
+    get_transport("nixl")
+    NIXL = None
+except LLMException as exc:
+    NIXL = str(exc)
+needs_cuda_nixl = pytest.mark.skipif(
+    not HAS_CUDA or NIXL is not None, reason=f"needs CUDA and NIXL (nixl: {NIXL})"
+)
+
+
+# ---------------------------------------------------------------- contract, anywhere
+
+
+def _runs(*rows: tuple[int, int]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+    return np.array(rows, dtype=np.uint64).reshape(-1, 2)
+
+
+def test_a_device_grant_is_refused_unless_direct_was_offered() -> None:
+    dev = DeviceRuns("cuda:0", _runs((4096, 100), (9000, 28)))
+    assert dev.total == 128
+    grant = Grant(CODE.LLM_SUCCESS, device=dev)
+    assert check_grant(grant, "grant_read", writable=False)[0] is CODE.LLM_FAILED
+    assert check_grant(grant, "grant_read", writable=False, device_ok=True) == (
+        CODE.LLM_SUCCESS,
+        [],
+        128,
+    )
+    bad = [
+        Grant(CODE.LLM_SUCCESS, [memoryview(bytearray(8))], device=dev),  # both kinds
+        Grant(CODE.LLM_SUCCESS, device=DeviceRuns("cuda:0", _runs((1, 0)))),  # empty run
+        Grant(CODE.LLM_SUCCESS, device=DeviceRuns("cuda:0", _runs())),  # no run
+    ]
+    for g in bad:
+        assert check_grant(g, "grant_read", writable=False, device_ok=True)[0] is CODE.LLM_FAILED
+
+
+class DeviceGranter:
+    """A handler that answers every request with device memory by address."""
+
+    def __init__(self) -> None:
+        self.done: list[bool] = []
+        self.direct: list[object] = []
+
+    def _grant(self, direct: object) -> Grant:
+        self.direct.append(direct)
+        dev = DeviceRuns("cuda:0", _runs((1 << 40, 64)))
+        return Grant(CODE.LLM_SUCCESS, device=dev, done=self.done.append)
+
+    async def grant_read(self, peer: PeerInfo, meta: bytes, *, direct: object = None) -> Grant:
+        return self._grant(direct)
+
+    async def grant_write(
+        self, peer: PeerInfo, meta: bytes, nbytes: int, *, direct: object = None
+    ) -> Grant:
+        return self._grant(direct)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "local"])
+async def test_device_memory_never_travels_as_socket_payload(backend: str) -> None:
+    """A link without device access refuses DeviceRuns, is never offered ``direct``, and
+    refuses a handler's device grant instead of sending anything."""
+    cls = get_transport(backend)
+    handler = DeviceGranter()
+    async with cls(1, handler) as a, cls(2, DeviceGranter()) as b:
+        host, port = await a.listen("127.0.0.1", 0)
+        link = await b.connect(host, port, timeout=5)
+        dev = DeviceRuns("cuda:0", _runs((1 << 40, 64)))
+        assert not link.addressable("cuda:0", 1 << 40, 64)
+        for op in (link.read, link.write):
+            with pytest.raises(LLMException) as ei:
+                await op(b"m", dev, timeout=5)
+            assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        buf = memoryview(bytearray(64))
+        with pytest.raises(LLMException) as ei:
+            await link.read(b"m", [buf], timeout=5)
+        assert ei.value.status_code == CODE.LLM_FAILED
+        with pytest.raises(LLMException) as ei:
+            await link.write(b"m", [buf], timeout=5)
+        assert ei.value.status_code == CODE.LLM_FAILED
+        assert handler.direct == [None, None] and handler.done == [False, False]
+
+
+@pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+def test_nixl_keeps_one_region_table_per_memory_kind() -> None:
+    t = get_transport("nixl")(1, DeviceGranter())
+    t.register_memory(1 << 40, 4096, device="cuda:1")
+    t.register_memory(1 << 40, 4096, device="cuda:1")  # counted
+    t.register_memory(1 << 41, 4096, device="npu:0")  # not NIXL's: staged above
+    t.register_memory(1 << 42, 4096, device="cuda")  # no index: staged above
+    assert list(t.vram) == [1] and t.vram[1].mem == "VRAM" and t.vram[1].dev == 1
+    assert len(t.vram[1].all()) == 1 and not t.regions.all()
+    assert not t.addressable("cuda:1", 1 << 40, 4096)  # no agent yet
+    gen = t.generation()
+    t.deregister_memory(1 << 40, 4096)
+    assert len(t.vram[1].all()) == 1 and t.generation() == gen
+    t.deregister_memory(1 << 40, 4096)
+    assert not t.vram[1].all() and t.generation() > gen
+
+
+# ---------------------------------------------------------------- on a CUDA device
+
+
+def config(device: str, backend: str) -> LLMConfig:
+    return LLMConfig(
+        device_type=device,
+        enable_cache_manager=True,
+        listen_ip_info="127.0.0.1:0",
+        mem_pool_cfg='{"memory_size": 67108864, "page_shift": 16}',
+        host_mem_pool_cfg='{"memory_size": 67108864, "page_shift": 16}',
+        enable_remote_cache_accessible=True,
+        transfer_backend=backend,
+        sync_kv_timeout=20000,
+    )
+
+
+@contextlib.asynccontextmanager
+async def linked(
+    backends: tuple[str, str] = ("nixl", "nixl"),
+) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config("cuda", backends[0])) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config("cuda", backends[1])) as d,
+    ):
+        assert p.listen_address is not None
+        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        code, _ = await d.link_clusters([info])
+        assert code == CODE.LLM_SUCCESS
+        yield p, d
+        assert stager(p).in_use == 0 and stager(d).in_use == 0
+
+
+def stager(dd: LLMDataDist) -> Stager:
+    return dd.cache_manager._client._stager  # type: ignore[attr-defined,no-any-return]
+
+
+def moved(dd: LLMDataDist) -> int:
+    return int(dd._transport.moved)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def staging(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every staging buffer lent (``gather`` / ``reserve``), by kind."""
+    lent: list[str] = []
+    gather, reserve = Stager.gather, Stager.reserve
+
+    async def spy_gather(self: Stager, *a: Any, **kw: Any) -> Any:
+        lent.append("gather")
+        return await gather(self, *a, **kw)
+
+    async def spy_reserve(self: Stager, *a: Any, **kw: Any) -> Any:
+        lent.append("reserve")
+        return await reserve(self, *a, **kw)
+
+    monkeypatch.setattr(Stager, "gather", spy_gather)
+    monkeypatch.setattr(Stager, "reserve", spy_reserve)
+    return lent
+
+
+def paged(placement: Placement = Placement.DEVICE) -> CacheDesc:
+    return CacheDesc(4, [96, 8192], DataType.DT_FLOAT16, placement)  # 16 KiB blocks
+
+
+def fill(cache: Cache, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for t in cache.tensors:
+        raw = np.frombuffer(rng.bytes(t.numel() * t.element_size()), dtype=np.uint8)
+        t.view(torch.uint8).copy_(torch.from_numpy(raw.copy()).view(t.view(torch.uint8).shape))
+
+
+async def same_rows(dst: Cache, drows: Any, src: Cache | list[torch.Tensor], srows: Any) -> None:
+    def check() -> None:
+        tsrc = src if isinstance(src, list) else [t.cpu() for t in src.tensors]
+        for td, ts in zip([t.cpu() for t in dst.tensors], tsrc, strict=True):
+            assert torch.equal(td.view(torch.uint8)[drows], ts.view(torch.uint8)[srows])
+
+    await asyncio.to_thread(check)
+
+
+@needs_cuda_nixl
+async def test_device_caches_move_gpu_direct_both_ways(staging: list[str]) -> None:
+    async with linked() as (p, d):
+        assert p._transport.vram[0].all(), "the device pool is registered as VRAM"  # type: ignore[attr-defined]
+        src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+        dst = await d.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(2, 0))
+        fill(src, 1)
+        fill(dst, 2)
+        rng = np.random.default_rng(0)
+        srcs = rng.permutation(96)[:80].tolist()
+        dsts = rng.permutation(96)[:80].tolist()
+        untouched = sorted(set(range(96)) - set(dsts))
+        before = [t.cpu() for t in dst.tensors]
+        n = moved(d)
+        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, srcs, dsts)
+        await same_rows(dst, dsts, src, srcs)
+        await same_rows(dst, untouched, before, untouched)
+        fill(src, 3)
+        await p.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, srcs[:40], dsts[40:])
+        await same_rows(dst, dsts[40:], src, srcs[:40])
+        assert moved(d) > n and moved(p) > 0
+    assert staging == []  # no host buffer lent on either side
+
+
+@needs_cuda_nixl
+@pytest.mark.parametrize("placements", [("device", "host"), ("host", "device")])
+async def test_device_and_host_caches_mix(staging: list[str], placements: tuple[str, str]) -> None:
+    """One side's VRAM with the other side's DRAM, in one NIXL transfer."""
+    place = {"device": Placement.DEVICE, "host": Placement.HOST}
+    async with linked() as (p, d):
+        src = await p.cache_manager.allocate_blocks_cache(
+            paged(place[placements[0]]), BlocksCacheKey(1, 0)
+        )
+        dst = await d.cache_manager.allocate_blocks_cache(paged(place[placements[1]]))
+        fill(src, 4)
+        blocks = list(range(0, 96, 2))
+        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks[::-1])
+        await same_rows(dst, blocks[::-1], src, blocks)
+    assert staging == []
+
+
+@needs_cuda_nixl
+async def test_a_contiguous_device_cache_is_pulled_by_key_directly(staging: list[str]) -> None:
+    async with linked() as (p, d):
+        desc = CacheDesc(4, [1, 96 * 8192], DataType.DT_FLOAT16)
+        key = CacheKey(1, req_id=7)
+        src = await p.cache_manager.allocate_cache(desc, [key])
+        fill(src, 5)
+        dst = await d.cache_manager.allocate_blocks_cache(paged())
+        chunks = list(range(96))
+        await d.cache_manager.pull_blocks(key, dst, chunks, chunks[::-1])
+        await same_rows(dst, chunks[::-1], [t.cpu().view(96, 8192) for t in src.tensors], chunks)
+        with pytest.raises(LLMException) as ei:  # released with the (last) part
+            await d.cache_manager.pull_blocks(key, dst, [0], [0])
+        assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+    assert staging == []
+
+
+@needs_cuda_nixl
+async def test_memory_nixl_cannot_reach_is_staged(staging: list[str]) -> None:
+    """P's VRAM registration failed (as with a UCX built without CUDA): P stages, and
+    D, asked for DATA into its VRAM, takes the staged path for that part."""
+    async with linked() as (p, d):
+        p._transport.vram[0].failed = True  # type: ignore[attr-defined]
+        src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+        dst = await d.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(2, 0))
+        fill(src, 6)
+        blocks = list(range(96))
+        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks[::-1])
+        await same_rows(dst, blocks[::-1], src, blocks)
+        fill(src, 7)
+        await d.cache_manager.push_blocks(BlocksCacheKey(1, 0), dst, blocks[:8], blocks[8:16])
+        await same_rows(src, blocks[8:16], dst, blocks[:8])
+    assert "gather" in staging and "reserve" in staging
+
+
+@needs_cuda_nixl
+async def test_a_tcp_peer_of_a_nixl_side_is_staged(staging: list[str]) -> None:
+    async with linked(("nixl", "tcp")) as (p, d):
+        src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+        dst = await d.cache_manager.allocate_blocks_cache(paged())
+        fill(src, 8)
+        blocks = list(range(0, 96, 3))
+        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks)
+        await same_rows(dst, blocks, src, blocks)
+    assert staging  # staged on both sides, as before
