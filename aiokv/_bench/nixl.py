@@ -6,7 +6,8 @@ before NIXL is imported (UCX reads it when an agent is made):
 
 * an aiokv pair: a :class:`~._harness.PromptPeer` and a :class:`NixlDecoder` linked to
   it, both ``transfer_backend="nixl"``; the decoder times its own ``pull_blocks`` /
-  ``push_blocks`` and checks that each one moved over NIXL (not the TCP fallback);
+  ``push_blocks`` and checks that each one moved over NIXL (not the TCP fallback): one
+  NIXL transfer per part (a transfer over 64 MiB goes in parts of at most 64 MiB);
 * a raw NIXL pair (:class:`RawNixl`): two bare agents that load each other's metadata
   directly; the initiator READs / WRITEs the same scattered blocks with the same
   descriptors aiokv builds for them — one descriptor per block (scattered blocks are
@@ -43,6 +44,7 @@ from .. import (
     LLMRole,
     LLMStatusCode,
 )
+from .._copy import MAX_STAGED_BYTES
 from ._harness import (
     DECODER_ID,
     PEER_ID,
@@ -90,7 +92,10 @@ async def _decoder_main(conn: Connection, port: int, pool_bytes: int) -> None:
             if "cache" in state:
                 await cm.deallocate_blocks_cache(state.pop("cache"))
             dst = await cm.allocate_blocks_cache(_desc(block, 2 * len(srcs)))
-            state.update(cache=dst, srcs=srcs, dsts=dsts)
+            # a transfer over MAX_STAGED_BYTES is sent in parts of at most that much (what
+            # a peer serving from device memory accepts): one NIXL transfer per part
+            per_part = max(1, MAX_STAGED_BYTES // block)
+            state.update(cache=dst, srcs=srcs, dsts=dsts, parts=-(-len(srcs) // per_part))
             ok, _ = await timed(pull)
             return digest(dst, dsts), ok
 
@@ -105,7 +110,7 @@ async def _decoder_main(conn: Connection, port: int, pool_bytes: int) -> None:
             t0 = time.perf_counter()
             await op()
             t = time.perf_counter() - t0
-            return transport.moved == moved + 1, t
+            return transport.moved == moved + state["parts"], t
 
         conn.send("linked")
         await serve_requests(
