@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -243,6 +243,17 @@ def _as_rows(buf: torch.Tensor, unit: int) -> torch.Tensor:
     return buf[: buf.numel() // unit * unit].view(-1, unit)
 
 
+def _runs(
+    host: torch.Tensor, buffers: Sequence[torch.Tensor], layout: ByteLayout
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(run of a buffer, its place in host)`` for each run, in wire order."""
+    pos = 0
+    for buf in buffers:
+        for a, b in zip(layout.starts, layout.ends, strict=True):
+            yield buf[a:b], host[pos : pos + b - a]
+            pos += b - a
+
+
 def _gather(
     buffers: Sequence[torch.Tensor], layout: ByteLayout, device: torch.device
 ) -> torch.Tensor:
@@ -252,11 +263,8 @@ def _gather(
     with ctx.stream():
         rows = _rows(layout)
         if rows is None:
-            pos = 0
-            for buf in buffers:
-                for a, b in zip(layout.starts, layout.ends, strict=True):
-                    host[pos : pos + b - a].copy_(buf[a:b], non_blocking=True)
-                    pos += b - a
+            for dev, part in _runs(host, buffers, layout):
+                part.copy_(dev, non_blocking=True)
         else:
             unit, idx = rows
             index = torch.from_numpy(idx).to(device)
@@ -278,11 +286,8 @@ def _scatter(
     with ctx.stream():
         rows = _rows(layout)
         if rows is None:
-            pos = 0
-            for buf in buffers:
-                for a, b in zip(layout.starts, layout.ends, strict=True):
-                    buf[a:b].copy_(host[pos : pos + b - a], non_blocking=True)
-                    pos += b - a
+            for dev, part in _runs(host, buffers, layout):
+                dev.copy_(part, non_blocking=True)
         else:
             unit, idx = rows
             index = torch.from_numpy(idx).to(device)
