@@ -8,9 +8,10 @@ each side merges its own consecutive memory into one run, and buffer boundaries 
 need to match. Pull, push, the serving side and layer-wise transfers all use this one
 definition.
 
-Runs are computed once per layout (numpy for long block lists, plain Python for short
-ones); turning a layout into buffers costs one
-memoryview slice (~0.1 µs) per run per buffer, never a fresh view over raw memory.
+Runs are computed once per layout (numpy for long block lists, kept as numpy arrays, so
+a layout that is only ever turned into addresses — NIXL — costs no Python per run;
+plain Python for short ones); turning a layout into buffers costs one memoryview slice
+(~0.1 µs) per run per buffer, never a fresh view over raw memory.
 """
 
 from __future__ import annotations
@@ -55,11 +56,21 @@ class ByteLayout:
 
     __slots__ = ("_nonempty", "_slices", "ends", "extent", "per_buffer", "runs", "starts")
 
-    def __init__(self, starts: Sequence[int], ends: Sequence[int]) -> None:
+    def __init__(
+        self,
+        starts: Sequence[int] | npt.NDArray[np.int64],
+        ends: Sequence[int] | npt.NDArray[np.int64],
+    ) -> None:
         self.starts, self.ends = starts, ends
-        self._slices = [slice(a, b) for a, b in zip(starts, ends, strict=True)]
-        self._nonempty = all(s.stop > s.start for s in self._slices)
-        self.runs = len(self._slices)
+        self._slices: list[slice] | None = None  # built on the first views()
+        self.runs = len(starts)
+        if isinstance(starts, np.ndarray) and isinstance(ends, np.ndarray):
+            lens = ends - starts  # long lists stay numpy: no Python object per run
+            self._nonempty = bool((lens > 0).all())
+            self.per_buffer = int(lens.sum())
+            self.extent = int(ends.max()) if self.runs else 0
+            return
+        self._nonempty = all(b > a for a, b in zip(starts, ends, strict=True))
         self.per_buffer = sum(ends) - sum(starts)
         self.extent = max(ends) if self.runs else 0
 
@@ -84,12 +95,12 @@ class ByteLayout:
             return cls._of_few(b.tolist(), block_bytes, step, base)
         if step != block_bytes:  # gaps between blocks: every block is its own run
             starts = base + b * step
-            return cls(starts.tolist(), (starts + block_bytes).tolist())
+            return cls(starts, starts + block_bytes)
         breaks = np.flatnonzero(np.diff(b) != 1) + 1
         first = np.concatenate(([0], breaks))
         counts = np.diff(np.concatenate((first, [b.size])))
         starts = base + b[first] * step
-        return cls(starts.tolist(), (starts + counts * block_bytes).tolist())
+        return cls(starts, starts + counts * block_bytes)
 
     @classmethod
     def _of_few(cls, blocks: list[int], block_bytes: int, step: int, base: int) -> ByteLayout:
@@ -124,7 +135,7 @@ class ByteLayout:
         """
         out: list[memoryview] = []
         for buf in buffers:
-            out.extend(map(buf.__getitem__, self._slices))
+            out.extend(map(buf.__getitem__, self.slices()))
         if (
             self.runs
             and all(b.format == "B" and b.ndim == 1 and len(b) >= self.extent for b in buffers)
@@ -132,6 +143,21 @@ class ByteLayout:
         ):
             return LayoutViews(out, buffers, self)
         return out
+
+    def slices(self) -> list[slice]:
+        """The runs of one buffer as slices, in wire order (built once)."""
+        if self._slices is None:
+            self._slices = [slice(a, b) for a, b in self.bounds()]
+        return self._slices
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """The runs of one buffer as ``(start, end)`` Python ints, in wire order."""
+        starts, ends = self.starts, self.ends
+        if isinstance(starts, np.ndarray):
+            starts = starts.tolist()
+        if isinstance(ends, np.ndarray):
+            ends = ends.tolist()
+        return list(zip(starts, ends, strict=True))
 
     def addresses(self, bases: Sequence[int]) -> npt.NDArray[np.uint64]:
         """``(address, length)`` rows of every run over buffers at ``bases``, wire order,

@@ -249,7 +249,7 @@ def _runs(
     """``(run of a buffer, its place in host)`` for each run, in wire order."""
     pos = 0
     for buf in buffers:
-        for a, b in zip(layout.starts, layout.ends, strict=True):
+        for a, b in layout.bounds():
             yield buf[a:b], host[pos : pos + b - a]
             pos += b - a
 
