@@ -37,9 +37,9 @@ from ._manager import CacheManager, KvCacheManager
 from ._models import LLMClusterInfo
 from ._pool import MemPool, PoolStats
 from ._registry import CacheRegistry, RegistryStats
-from ._remote import Linker, LinkTable, PeerService, RemoteClient, parse_link
+from ._remote import Leases, Linker, LinkTable, PeerService, RemoteClient, parse_link
 from ._stats import CopyStats, DataDistStats, OpCounter, PeerCounters
-from .transport import Transport, get_transport, load_tls
+from .transport import Link, LinkCallback, Transport, get_transport, load_tls
 
 __all__ = ["LEGACY_POOL", "LLMDataDist"]
 
@@ -265,6 +265,7 @@ class LLMDataDist:
         registry = CacheRegistry()
         links = LinkTable(self._counters)
         stager = Stager(scheduler)
+        leases = Leases(registry, config)
         cls = CacheManager if config.enable_cache_manager else KvCacheManager
         mgr = cls(
             role=self._role,
@@ -272,7 +273,7 @@ class LLMDataDist:
             device=device,
             scheduler=scheduler,
             registry=registry,
-            client=RemoteClient(links, config, stager, self._counters),
+            client=RemoteClient(links, config, stager, self._counters, leases),
             engine=engine,
             device_pool=device_pool,
             host_pool=host_pool,
@@ -282,11 +283,11 @@ class LLMDataDist:
         )
         transport = get_transport(config.transfer_backend)(
             self._cluster_id,
-            PeerService(self._cluster_id, registry, config, stager, self._counters),
+            PeerService(self._cluster_id, registry, config, stager, self._counters, leases),
             secret=secret,
             handshake_timeout=config.handshake_timeout / 1000,
-            on_link=links.add,
-            on_link_lost=links.lost,
+            on_link=_each(leases.on_link, links.add),
+            on_link_lost=_each(leases.on_link_lost, links.lost),
             **extra,
         )
         # memory that grants and requests use, registered once (NIXL needs it; a
@@ -731,3 +732,13 @@ def _finalize_forgotten() -> None:
             dd._finalize_blocking()
         except Exception:  # exit goes on; say what could not be released
             log.exception("finalizing %r at exit failed", dd)
+
+
+def _each(*callbacks: LinkCallback) -> LinkCallback:
+    """One link callback that calls ``callbacks`` in order."""
+
+    def call(link: Link) -> None:
+        for callback in callbacks:
+            callback(link)
+
+    return call

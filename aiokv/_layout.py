@@ -159,7 +159,7 @@ class ByteLayout:
             ends = ends.tolist()
         return list(zip(starts, ends, strict=True))
 
-    def addresses(self, bases: Sequence[int]) -> npt.NDArray[np.uint64]:
+    def addresses(self, bases: Sequence[int] | npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
         """``(address, length)`` rows of every run over buffers at ``bases``, wire order,
         adjacent runs merged (numpy: no per-run Python)."""
         starts = np.asarray(self.starts, dtype=np.uint64)

@@ -322,7 +322,8 @@ class CacheManager:
             remote_accessible=remote_accessible,
         )
 
-    def _release(self, op: str, cache: Any, *, blocks: bool) -> None:
+    def _release(self, op: str, cache: Any, *, blocks: bool) -> Entry | None:
+        """Drop ``cache``'s id reference; the entry, or None if it was released already."""
         self._check_open(op)
         check_instance(op, "cache", cache, Cache)
         if cache._owner is not self._registry:
@@ -330,9 +331,9 @@ class CacheManager:
                 param_invalid(op, f"cache {cache.cache_id} was not allocated by this manager")
             param_invalid(op, f"cache {cache.cache_id} belongs to another LLMDataDist")
         with self._registry.lock:
-            entry = self._registry.by_id(cache.cache_id)
+            entry: Entry | None = self._registry.by_id(cache.cache_id)
             if entry is None:
-                return  # already released: a no-op, as llm_datadist
+                return None  # already released: a no-op, as llm_datadist
             if not entry.owned:
                 param_invalid(
                     op, f"cache {cache.cache_id} is registered memory; use unregister_cache"
@@ -343,6 +344,14 @@ class CacheManager:
                 )
                 param_invalid(op, f"cache {cache.cache_id} must be released with {other}")
             self._registry.release_id(entry)
+            return entry
+
+    async def _end_leases(self, entry: Entry | None) -> None:
+        """Take back the leases of ``entry``'s cache (:mod:`aiokv._remote._leases`):
+        returns once no peer uses one any more."""
+        leases = self._client.leases
+        if entry is not None and leases is not None and leases.lent(entry):
+            await self._engine.run(leases.revoke, entry)
 
     async def deallocate_cache(self, cache: Cache) -> None:
         """Release the cache id reference; memory returns once no key references it either.
@@ -352,8 +361,14 @@ class CacheManager:
         self._release("deallocate_cache", cache, blocks=False)
 
     async def deallocate_blocks_cache(self, cache: Cache) -> None:
-        """Release a blocks cache from ``allocate_blocks_cache`` (a no-op if already released)."""
-        self._release("deallocate_blocks_cache", cache, blocks=True)
+        """Release a blocks cache from ``allocate_blocks_cache`` (a no-op if already released).
+
+        If the cache is lent to peers (leases, over NIXL), it returns once each of them
+        stopped using it (a round trip each; one that does not answer within the revoke
+        timeout loses its link).
+        """
+        entry = self._release("deallocate_blocks_cache", cache, blocks=True)
+        await self._end_leases(entry)
 
     async def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Unbind ``cache_key`` so peers can no longer pull it (a no-op if not bound)."""
@@ -389,6 +404,7 @@ class CacheManager:
             self._registry.revoke(entry, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
             if not entry.pins:
                 return
+        await self._end_leases(entry)
         await self._engine.run(self._until_unpinned, entry)
 
     async def _until_unpinned(self, entry: Entry) -> None:
@@ -1024,6 +1040,8 @@ class CacheManager:
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._client.leases is not None:
+            await self._client.leases.aclose()
 
 
 def _pool_too_small(op: str, desc: CacheDesc, pool: MemPool) -> LLMException:

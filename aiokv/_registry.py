@@ -76,6 +76,8 @@ class RegistryStats:
         keys: bound ``CacheKey`` s.
         blocks_keys: bound ``BlocksCacheKey`` s.
         pins: operations (local copies, remote grants, layer-wise tasks) holding a cache.
+        leases: caches lent to peers by address (leases, over NIXL), each holding its
+            cache until it is taken back (``deallocate_blocks_cache`` does that).
     """
 
     caches: int
@@ -85,6 +87,7 @@ class RegistryStats:
     keys: int
     blocks_keys: int
     pins: int
+    leases: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -102,6 +105,7 @@ class Entry:
     keys: set[KeyId] = field(default_factory=set)
     blocks_key: BlocksCacheKey | None = None
     pins: int = 0
+    leases: int = 0  # of the pins, those of leases
     freed: bool = False
     #: how to revoke the operations that may be ended early (served grants, layer-wise
     #: tasks): token -> ``revoke(status)``, callable from any thread
@@ -266,8 +270,8 @@ class CacheRegistry:
         return True
 
     @_locked
-    def pin(self, *entries: Entry) -> None:
-        """Keep memory alive while an operation uses it.
+    def pin(self, *entries: Entry, lease: bool = False) -> None:
+        """Keep memory alive while an operation (or, with ``lease``, a lease) uses it.
 
         Raises:
             LLMException: ``LLM_KV_CACHE_NOT_EXIST`` if one was freed meanwhile (another
@@ -282,12 +286,15 @@ class CacheRegistry:
                 )
         for e in entries:
             e.pins += 1
+            e.leases += lease
 
     @_locked
-    def unpin(self, *entries: Entry) -> None:
-        """End a :meth:`pin`; frees memory whose last reference went meanwhile."""
+    def unpin(self, *entries: Entry, lease: bool = False) -> None:
+        """End a :meth:`pin` (of the same ``lease``); frees memory whose last reference
+        went meanwhile."""
         for e in entries:
             e.pins -= 1
+            e.leases -= lease
             if not e.pins and e.unpinned:
                 waiters, e.unpinned = e.unpinned, []
                 for wake in waiters:
@@ -355,5 +362,6 @@ class CacheRegistry:
             released=sum(1 for e in live if not e.id_held),
             keys=len(self.keys),
             blocks_keys=len(self.blocks_keys),
-            pins=sum(e.pins for e in live),
+            pins=sum(e.pins - e.leases for e in live),
+            leases=sum(e.leases for e in live),
         )

@@ -6,8 +6,10 @@ before NIXL is imported (UCX reads it when an agent is made):
 
 * an aiokv pair: a :class:`~._harness.PromptPeer` and a :class:`NixlDecoder` linked to
   it, both ``transfer_backend="nixl"``; the decoder times its own ``pull_blocks`` /
-  ``push_blocks`` and checks that each one moved over NIXL (not the TCP fallback): one
-  NIXL transfer per part (a transfer over 64 MiB goes in parts of at most 64 MiB);
+  ``push_blocks`` and checks that each one moved over NIXL (not the TCP fallback): all
+  its bytes counted by the transport's NIXL transfers. From the second transfer of a
+  row on, they move under a lease (one one-sided transfer, no request; the first pull
+  of a row asks for it);
 * a raw NIXL pair (:class:`RawNixl`): two bare agents that load each other's metadata
   directly; the initiator READs / WRITEs the same scattered blocks with the same
   descriptors aiokv builds for them — one descriptor per block (scattered blocks are
@@ -44,7 +46,6 @@ from .. import (
     LLMRole,
     LLMStatusCode,
 )
-from .._copy import MAX_STAGED_BYTES
 from ._harness import (
     DECODER_ID,
     PEER_ID,
@@ -85,17 +86,14 @@ async def _decoder_main(conn: Connection, port: int, pool_bytes: int) -> None:
         if code != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link to the prompt peer failed: {code.name} {codes}")
         cm, key = dd.cache_manager, BlocksCacheKey(PEER_ID, 0)
-        transport: Any = dd._transport  # its ``moved``: requests NIXL moved
+        transport: Any = dd._transport  # its ``moved_bytes``: bytes NIXL moved
         state: dict[str, Any] = {}
 
         async def setup(block: int, srcs: list[int], dsts: list[int]) -> tuple[str, bool]:
             if "cache" in state:
                 await cm.deallocate_blocks_cache(state.pop("cache"))
             dst = await cm.allocate_blocks_cache(_desc(block, 2 * len(srcs)))
-            # a transfer over MAX_STAGED_BYTES is sent in parts of at most that much (what
-            # a peer serving from device memory accepts): one NIXL transfer per part
-            per_part = max(1, MAX_STAGED_BYTES // block)
-            state.update(cache=dst, srcs=srcs, dsts=dsts, parts=-(-len(srcs) // per_part))
+            state.update(cache=dst, srcs=srcs, dsts=dsts, nbytes=block * len(srcs))
             ok, _ = await timed(pull)
             return digest(dst, dsts), ok
 
@@ -106,11 +104,11 @@ async def _decoder_main(conn: Connection, port: int, pool_bytes: int) -> None:
             await cm.push_blocks(key, state["cache"], state["dsts"], state["srcs"])
 
         async def timed(op: Callable[[], Any]) -> tuple[bool, float]:
-            moved = transport.moved
+            moved = transport.moved_bytes
             t0 = time.perf_counter()
             await op()
             t = time.perf_counter() - t0
-            return transport.moved == moved + state["parts"], t
+            return transport.moved_bytes == moved + state["nbytes"], t
 
         conn.send("linked")
         await serve_requests(

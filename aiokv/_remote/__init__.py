@@ -6,9 +6,11 @@
 * :mod:`._ranktable` — the arguments of a two-sided ``link``.
 * :mod:`._client` — the local half of pulls and pushes.
 * :mod:`._service` — the serving half: answers peers against the registry.
+* :mod:`._leases` — a blocks cache's memory lent by address over one-sided links.
 """
 
 from ._client import RemoteClient
+from ._leases import Leases
 from ._linker import Linker
 from ._links import LinkTable
 from ._parts import Part, Transfer
@@ -16,6 +18,7 @@ from ._ranktable import Party, parse_link
 from ._service import PeerService
 
 __all__ = [
+    "Leases",
     "LinkTable",
     "Linker",
     "Part",

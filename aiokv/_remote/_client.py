@@ -23,9 +23,10 @@ from .._errors import LLMException, map_errors
 from .._layout import tensor_bytes
 from .._stats import PeerCounters
 from ..transport import DeviceRuns, Link
+from ._leases import LeaseKey, Leases, reply_size
 from ._links import LinkTable
 from ._parts import Part, Transfer
-from ._protocol import Request, encode
+from ._protocol import BlocksReq, KeyByBlocks, KeyById, LeaseReq, Request, encode
 
 __all__ = ["RemoteClient"]
 
@@ -40,6 +41,7 @@ class RemoteClient:
         config: read at each call for ``sync_kv_timeout``.
         stager: host staging of device-resident bytes (shared with the peer service).
         counters: where each transfer is counted, per peer cluster.
+        leases: the leases this side holds (and lends); shared with the peer service.
     """
 
     def __init__(
@@ -48,11 +50,13 @@ class RemoteClient:
         config: LLMConfig,
         stager: Stager,
         counters: PeerCounters | None = None,
+        leases: Leases | None = None,
     ) -> None:
         self._links = links
         self._config = config
         self._stager = stager
         self._counters = counters if counters is not None else PeerCounters()
+        self.leases = leases
 
     def link(self, op: str, cluster_id: int) -> Link:
         """The live link to ``cluster_id`` (``LLM_NOT_YET_LINK`` when there is none)."""
@@ -85,9 +89,101 @@ class RemoteClient:
         what a peer serving from device memory accepts in one request. Only the last
         part of a pull by ``CacheKey`` releases the key, once every other part landed.
 
+        Blocks of a blocks cache that a lease covers (:mod:`._leases`: one-sided links,
+        memory both sides reach by address) move with one one-sided transfer and no
+        request; after a transfer by request that a lease could have served, one is
+        asked for in the background.
+
         Raises:
             LLMException: as :meth:`transfer`; ``LLM_TIMEOUT`` covers the whole transfer.
         """
+        lease_key = self._lease_key(link, cache, job, write)
+        if lease_key is not None and await self._leased(op, link, cache, job, lease_key, about):
+            return
+        await self._move(op, link, cache, job, write=write, about=about)
+        if lease_key is not None:  # it moved: ask for a lease, so that the next one is quicker
+            count = len(job.tensors)
+            assert self.leases is not None
+            self.leases.want(link, lease_key, self._ask(link, lease_key, count), count)
+
+    def _lease_key(self, link: Link, cache: Cache, job: Transfer, write: bool) -> LeaseKey | None:
+        """What a lease for ``job`` would cover, when one could serve it: blocks of a
+        blocks cache named by ``BlocksCacheKey`` / ``CacheKeyByIdAndIndex``, over a
+        one-sided link, from host memory or device memory the link moves by address
+        (whether host memory is registered is up to :meth:`~aiokv.transport.Link.move_at`)."""
+        req = job.request
+        if (
+            self.leases is None
+            or not isinstance(req, BlocksReq)
+            or not isinstance(req.key, KeyByBlocks | KeyById)
+            or req.release
+            or job.remote is None
+            or not link.one_sided
+        ):
+            return None
+        tensors = [cache.tensors[t] for t in job.tensors]
+        if is_staged(tensors[0].device) and not _addressable(link, tensors):
+            return None
+        return LeaseKey(req.key, req.tensors, req.block_bytes, write)
+
+    async def _leased(
+        self,
+        op: str,
+        link: Link,
+        cache: Cache,
+        job: Transfer,
+        key: LeaseKey,
+        about: dict[str, Any],
+    ) -> bool:
+        """Move ``job`` one-sidedly under a lease held for ``key``; False (nothing moved)
+        when no lease covers it, or this side's memory is not registered with the link."""
+        assert self.leases is not None and job.remote is not None
+        held = self.leases.held(link, key)
+        remote = None if held is None else held.remote(job.remote, write=key.write)
+        if held is None or remote is None:
+            return False
+        tensors = [_flat(cache.tensors[t]) for t in job.tensors]
+        device = tensors[0].device
+        if is_staged(device):  # device memory by address: once queued work is done
+            with map_errors(op):
+                await self._stager.settle(device)
+        local = DeviceRuns(str(device), job.layout.addresses([t.data_ptr() for t in tensors]))
+        try:
+            with held.using():
+                await self.transfer(
+                    op, link, job.request, local, write=key.write, about=about, at=remote
+                )
+        except LLMException as exc:
+            if exc.status_code is not LLMStatusCode.LLM_FEATURE_NOT_ENABLED:
+                raise
+            return False  # nothing moved: this memory goes by request
+        return True
+
+    async def _ask(self, link: Link, key: LeaseKey, count: int) -> bytes | None:
+        """Read the lease for ``key`` (on ``count`` tensors) from the peer; None if it
+        refused (logged at DEBUG: the transfers just keep their requests)."""
+        buf = bytearray(reply_size(count))
+        req = LeaseReq(key.key, key.tensors, key.block_bytes, key.write)
+        try:
+            await link.read(
+                encode(req), [memoryview(buf)], timeout=self._config.sync_kv_timeout / 1000
+            )
+        except LLMException as exc:
+            log.debug("no lease from cluster %d: %s", link.peer.cluster_id, exc)
+            return None
+        return bytes(buf)
+
+    async def _move(
+        self,
+        op: str,
+        link: Link,
+        cache: Cache,
+        job: Transfer,
+        *,
+        write: bool,
+        about: dict[str, Any],
+    ) -> None:
+        """:meth:`move` by request(s) (see there)."""
         device = cache.tensors[0].device
         staged = is_staged(device)
         direct = staged and _addressable(link, [cache.tensors[t] for t in job.tensors])
@@ -183,19 +279,21 @@ class RemoteClient:
         write: bool,
         about: dict[str, Any],
         timeout: float | None = None,  # noqa: ASYNC109
+        at: DeviceRuns | None = None,
     ) -> None:
         """Push ``views`` (``write``) or pull into them, as ``request`` names on the peer.
 
         ``timeout``: seconds (default ``sync_kv_timeout``). ``views`` may be device
         memory by address where the link takes it; a grant it cannot reach that way
-        raises :class:`_NotDirect` (nothing moved).
+        raises :class:`_NotDirect` (nothing moved). ``at``: the peer's memory under a
+        lease: moved one-sidedly (:meth:`~aiokv.transport.Link.move_at`), no request.
 
         Raises:
             LLMException: the peer's refusal code, ``LLM_TIMEOUT`` past the timeout,
                 ``LLM_LINK_FAILED``; ``op`` and ``about`` attached. On failure the
                 bytes of a pull's destination are unspecified.
         """
-        meta = encode(request)
+        meta = b"" if at is not None else encode(request)
         if timeout is None:
             timeout = self._config.sync_kv_timeout / 1000
         cid = link.peer.cluster_id
@@ -206,7 +304,9 @@ class RemoteClient:
                 self._counters.requests(cid).measure(nbytes),
                 map_errors(op),
             ):
-                if write:
+                if at is not None:
+                    await link.move_at(write, views, at, timeout=timeout)
+                elif write:
                     await link.write(meta, views, timeout=timeout)
                 else:
                     await link.read(meta, views, timeout=timeout)

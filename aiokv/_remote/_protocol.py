@@ -18,6 +18,8 @@ Requests:
       push_cache).
     * :class:`AddrsReq`: a write to raw addresses the peer registered (layer-wise
       ``TransferConfig``).
+    * :class:`LeaseReq` / :class:`RevokeReq`: lend a blocks cache's memory by address to
+      a one-sided link, and end that loan (:mod:`._leases`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ __all__ = [
     "KeyByBlocks",
     "KeyById",
     "KeyByReq",
+    "LeaseReq",
+    "Message",
     "Request",
+    "RevokeReq",
     "SlotReq",
     "Tensors",
     "blocks_of",
@@ -151,24 +156,46 @@ class AddrsReq(msgspec.Struct, frozen=True, tag="addrs"):
     blocks: BlockBytes | None = None
 
 
+class LeaseReq(msgspec.Struct, frozen=True, tag="lease"):
+    """Lend the memory of ``tensors`` of a blocks cache by address, for reads (and for
+    writes with ``write``), until revoked: a one-sided link (NIXL) then moves blocks of
+    it with no request per transfer (:mod:`aiokv._remote._leases`). Sent as a read of
+    the lease's description."""
+
+    key: KeyByBlocks | KeyById
+    tensors: Tensors
+    block_bytes: Count
+    write: bool = False
+
+
+class RevokeReq(msgspec.Struct, frozen=True, tag="revoke"):
+    """The lease ``lease`` that the sender granted ends (a write of 0 bytes, answered
+    once the holder no longer uses it)."""
+
+    lease: U64
+
+
+#: A transfer's request.
 Request = BlocksReq | ChunksReq | SlotReq | AddrsReq
+#: Anything a peer may send: a transfer's request, or a lease's.
+Message = Request | LeaseReq | RevokeReq
 
 
 class _Envelope(msgspec.Struct, frozen=True, array_like=True):
     v: Literal[1]
-    req: Request
+    req: Message
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(_Envelope)
 
 
-def encode(req: Request) -> bytes:
+def encode(req: Message) -> bytes:
     """The wire form of ``req`` (MessagePack, with the protocol version)."""
     return _encoder.encode(_Envelope(PROTOCOL, req))
 
 
-def decode(raw: bytes) -> Request:
+def decode(raw: bytes) -> Message:
     """Parse and bound-check a peer's request.
 
     Raises:

@@ -31,6 +31,7 @@ from .._models import BlocksCacheKey, CacheKey
 from .._registry import CacheRegistry, Entry
 from .._stats import PeerCounters
 from ..transport import DeviceRuns, DirectCheck, Grant, PeerInfo
+from ._leases import Leases
 from ._protocol import (
     MAX_BLOCKS,
     AddrsReq,
@@ -40,6 +41,8 @@ from ._protocol import (
     KeyByBlocks,
     KeyById,
     KeyByReq,
+    LeaseReq,
+    RevokeReq,
     SlotReq,
     Tensors,
     blocks_of,
@@ -95,6 +98,8 @@ class PeerService:
         stager: host staging for device memory; without one, requests on device
             memory are refused with ``LLM_FEATURE_NOT_ENABLED``.
         counters: where each request served is counted, per peer cluster.
+        leases: the leases this side lends and holds; without them, lease requests are
+            refused with ``LLM_FEATURE_NOT_ENABLED``.
     """
 
     def __init__(
@@ -104,12 +109,14 @@ class PeerService:
         config: LLMConfig,
         stager: Stager | None = None,
         counters: PeerCounters | None = None,
+        leases: Leases | None = None,
     ) -> None:
         self._cluster_id = cluster_id
         self._registry = registry
         self._config = config
         self._stager = stager
         self._counters = counters if counters is not None else PeerCounters()
+        self._leases = leases
 
     # ---- RequestHandler -----------------------------------------------------------------
     async def grant_read(
@@ -137,16 +144,22 @@ class PeerService:
             answer = self._grant_locked(peer, meta, write=write, direct=direct)
         if isinstance(answer, Grant):
             return answer
+        if isinstance(answer, RevokeReq):
+            assert self._leases is not None
+            await self._leases.release(peer, answer.lease)
+            return Grant(Code.LLM_SUCCESS, [], done=_ignore)
         return await self._staged(peer, answer, write=write)
 
     def _grant_locked(
         self, peer: PeerInfo, meta: bytes, *, write: bool, direct: DirectCheck | None
-    ) -> Grant | _Device:
+    ) -> Grant | _Device | RevokeReq:
         try:
             try:
                 req = decode(meta)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise _invalid(f"malformed request: {exc}") from None
+            if isinstance(req, LeaseReq | RevokeReq):
+                return self._lease_req(peer, req, write=write)
             if isinstance(req, AddrsReq):
                 if not write:
                     raise _invalid("address reads are not served")
@@ -178,6 +191,36 @@ class PeerService:
             served.refused(exc.status_code)
             raise
         return self._counted(peer, write, grant, sum(map(len, views)))
+
+    def _lease_req(
+        self, peer: PeerInfo, req: LeaseReq | RevokeReq, *, write: bool
+    ) -> Grant | RevokeReq:
+        """A lease asked for (a read: its reply) or revoked by its granter (a write of
+        nothing: answered once this side stopped using it)."""
+        if self._leases is None:
+            raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "no leases here")
+        if isinstance(req, RevokeReq):
+            if not write:
+                raise _invalid("a revocation is a write")
+            return req
+        if write:
+            raise _invalid("a lease is asked for with a read")
+        entry, _, _ = self._lookup(req.key)
+        self._check_access(entry, write=req.write, key=req.key)
+        tensors = self._tensors(req.tensors, entry.cache)
+        _check_blocks_cache(entry.cache, req.block_bytes)
+        try:
+            lid, reply = self._leases.lend(peer, entry, tensors, write=req.write)
+        except LLMException as exc:
+            raise _Refused(exc.status_code, str(exc)) from None
+        leases = self._leases
+
+        def done(ok: bool) -> None:
+            if not ok:  # the holder did not get it: it never started
+                leases.cancel(lid)
+
+        grant = Grant(Code.LLM_SUCCESS, [memoryview(bytearray(reply))], done=done)
+        return self._counted(peer, False, grant, len(reply))
 
     def _refuse(self, peer: PeerInfo, write: bool, code: LLMStatusCode, why: str) -> Grant:
         """A refusal, logged, counted and carrying its reason to the peer."""
@@ -399,12 +442,7 @@ class PeerService:
         """What ``req`` moves of ``cache``: the layout and the tensors it applies to."""
         tensors = self._tensors(req.tensors, cache)
         if isinstance(req, BlocksReq):
-            if not cache.is_blocks_cache:
-                raise _invalid("the cache is not a blocks cache")
-            if req.block_bytes != cache.block_bytes:
-                raise _invalid(
-                    f"block sizes differ ({req.block_bytes} vs {cache.block_bytes} bytes)"
-                )
+            _check_blocks_cache(cache, req.block_bytes)
             blocks = _blocks(req.blocks, cache.num_blocks, "blocks", unique=write)
             layout = ByteLayout.of_blocks(blocks, req.block_bytes)
         else:
@@ -472,6 +510,19 @@ class _Device:
     layout: ByteLayout
     release: CacheKey | None
     runs: DeviceRuns | None = None
+
+
+def _check_blocks_cache(cache: Cache, block_bytes: int) -> None:
+    """Blocks of ``block_bytes`` of ``cache`` may be named: it is a blocks cache of that
+    block size."""
+    if not cache.is_blocks_cache:
+        raise _invalid("the cache is not a blocks cache")
+    if block_bytes != cache.block_bytes:
+        raise _invalid(f"block sizes differ ({block_bytes} vs {cache.block_bytes} bytes)")
+
+
+def _ignore(ok: bool) -> None:
+    """``done`` of a grant with nothing to release."""
 
 
 def _host_bytes(entry: Entry, tensor: int, offset: int) -> memoryview:

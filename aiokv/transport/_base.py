@@ -231,13 +231,62 @@ class Link(abc.ABC):
         """Whether ``[addr, addr + nbytes)`` of accelerator memory on ``device``
         (``"cuda:0"``) can be passed to :meth:`read` / :meth:`write` as
         :class:`DeviceRuns` now: moved by address, without host staging. The default
-        (every transport that moves bytes over sockets) is False.
+        (every transport that moves bytes over sockets) is False. (For ``"cpu"``:
+        whether that host memory moves by address on this link, as :meth:`move_at`
+        needs of ``local`` memory and a lease of the peer's.)
 
         Even when True, the peer may grant memory this link cannot reach by address:
         the operation then raises ``LLMException`` with :data:`DIRECT_REFUSED` as its
         context, having moved nothing, and the caller stages instead.
         """
         return False
+
+    @property
+    def one_sided(self) -> bool:
+        """Whether :meth:`move_at` works on this link now (NIXL, with the peer's agent
+        loaded). The default, every transport that moves bytes over sockets: False."""
+        return False
+
+    def publish(self) -> None:
+        """Make sure the peer can reach this side's memory as it is registered now
+        (NIXL: resend the agent metadata if registrations changed since it was last
+        sent). Frames of one link arrive in order, so whatever this side sends after
+        it may name that memory. The default does nothing."""
+        return
+
+    def lend(self) -> Callable[[], None]:
+        """This side's memory is lent to the peer for :meth:`move_at`: keep whatever
+        the peer's one-sided transfers need of this side going (NIXL: UCX progress, with
+        back-off) until the returned function is called (idempotent). The default needs
+        nothing."""
+        return _nothing
+
+    async def move_at(
+        self,
+        write: bool,
+        local: Sequence[memoryview] | DeviceRuns,
+        remote: DeviceRuns,
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
+        """One-sided: read the peer's memory ``remote`` (by address; ``remote.device``
+        names where it lives on the peer: ``"cpu"``, ``"cuda:N"``) into ``local``, or
+        write ``local`` into it (``write``), in wire order. No request and no grant:
+        the peer's code is not involved, so the caller must know that the peer lent
+        that memory (a lease, :mod:`aiokv._remote._leases`). Once this returns or
+        raises, the transfer is over.
+
+        Raises:
+            LLMException: ``LLM_FEATURE_NOT_ENABLED`` when the link is not
+                :attr:`one_sided` or ``local`` is not memory it can move by address
+                (nothing moved); ``LLM_PARAM_INVALID`` when the lengths differ;
+                ``LLM_TIMEOUT`` past ``timeout`` seconds; ``LLM_FAILED`` when the transfer
+                failed (the link is then broken).
+        """
+        raise LLMException(
+            "this link has no one-sided transfers",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
 
     @abc.abstractmethod
     async def read(
@@ -300,6 +349,10 @@ class Link(abc.ABC):
         Raises:
             TypeError / ValueError: ``timeout`` not a positive finite number.
         """
+
+
+def _nothing() -> None:
+    return
 
 
 def check_probe_timeout(timeout: object) -> float:

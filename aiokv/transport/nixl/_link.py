@@ -20,9 +20,12 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from ..._enums import LLMStatusCode
+from ..._errors import LLMException
+from ..._layout import LayoutViews
 from .. import _wire as wire
 from .._base import DeviceRuns, DirectCheck, PeerInfo, decode_reason
 from ..tcp._io import SockIO
@@ -214,6 +217,75 @@ class NixlLink(TcpLink):
             return None
         return (table.mem, table.dev, dev.runs) if table.covers(dev.runs) else None
 
+    @property
+    def one_sided(self) -> bool:
+        return self._usable()
+
+    def publish(self) -> None:
+        if self._usable() and self._n.generation() != self._md_gen:
+            self._send_md()
+
+    def lend(self) -> Callable[[], None]:
+        return self._n.lend()
+
+    async def move_at(
+        self,
+        write: bool,
+        local: Sequence[memoryview] | DeviceRuns,
+        remote: DeviceRuns,
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
+        if isinstance(local, DeviceRuns):
+            total = local.total
+            plan = self._direct_device(local)
+        else:
+            total = local.total if isinstance(local, LayoutViews) else sum(map(len, local))
+            plan = self._direct(local if isinstance(local, list) else list(local), total)
+        far = _far_place(remote)
+        if plan is None or far is None or self.peer_agent is None:
+            raise LLMException(
+                "one-sided NIXL transfer: the memory is not registered on both sides",
+                status_code=_S.LLM_FEATURE_NOT_ENABLED,
+            )
+        if remote.total != total:
+            raise LLMException(
+                f"one-sided NIXL transfer of {total} bytes into {remote.total}",
+                status_code=_S.LLM_PARAM_INVALID,
+            )
+        agent = self._n.agent
+        assert agent is not None
+        mem, dev, runs = plan
+        far_mem, far_dev, far_runs = far
+        kind = "WRITE" if write else "READ"
+        local_rows, far_rows = pair(runs, far_runs, dev, far_dev)
+        try:
+            xfer = agent.xfer(kind, local_rows, far_rows, self.peer_agent, b"", (mem, far_mem))
+        except Exception as exc:  # e.g. memory the peer has not registered (any more)
+            raise LLMException(
+                f"NIXL refused a one-sided {kind}: {exc}", status_code=_S.LLM_FAILED
+            ) from None
+        self._xfers += 1
+        self._n.xfers += 1
+        state = "PROC"
+        try:
+            async with asyncio.timeout(timeout):
+                state = await self._run(xfer, total, lambda: self._broken)
+        except TimeoutError:
+            raise LLMException(
+                f"one-sided NIXL {kind} not done within {timeout:.3g} s",
+                status_code=_S.LLM_TIMEOUT,
+            ) from None
+        finally:
+            await self._settle(xfer)
+        if state == "DONE":
+            self._n.moved += 1
+            self._n.moved_bytes += total
+            return
+        if state == "ERR":
+            self._break("NIXL transfer failed")
+        raise LLMException(f"one-sided NIXL {kind} failed", status_code=_S.LLM_LINK_FAILED)
+
     async def _move_direct(self, op: MyOp, plan: Place) -> None:
         """Move ``op``'s payload with one NIXL transfer; when this returns or raises the
         transfer is over (done, aborted or, at worst, the link broken)."""
@@ -239,37 +311,48 @@ class NixlLink(TcpLink):
                 # peer's WRITE_DONE counts from now on
                 op.stream = Stream(op.rid, [], 0)
                 op.stream.sent = True
-            if op.total > _POST_ON_LOOP:
-                state = await self._wait_off_loop(xfer, op, posted=None)
-            else:
-                state = agent.post(xfer)
-                if state == "PROC" and op.total >= _OFF_LOOP:
-                    state = await self._wait_off_loop(xfer, op, posted=state)
-                delay = POLL_MIN_S
-                while state == "PROC" and not _failed(op):
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, POLL_MAX_S)
-                    state = agent.state(xfer)
+            state = await self._run(xfer, op.total, lambda: _failed(op))
             if state == "ERR":
                 self._break("NIXL transfer failed")
             elif state == "DONE":
                 self._n.moved += 1
+                self._n.moved_bytes += op.total
                 if op.is_read:
                     op.finish(_S.LLM_SUCCESS)
         finally:
             await self._settle(xfer)
 
-    async def _wait_off_loop(self, xfer: object, op: MyOp, *, posted: str | None) -> str:
+    async def _run(self, xfer: object, total: int, stop: Callable[[], bool]) -> str:
+        """Post ``xfer`` (``total`` bytes) and poll it until it ends or ``stop()``: posted
+        on the loop up to :data:`_POST_ON_LOOP` bytes and polled there below
+        :data:`_OFF_LOOP` (``asyncio.sleep`` back-off), else from a worker thread."""
+        agent = self._n.agent
+        assert agent is not None
+        if total > _POST_ON_LOOP:
+            return await self._wait_off_loop(xfer, stop, posted=None)
+        state = agent.post(xfer)
+        if state == "PROC" and total >= _OFF_LOOP:
+            return await self._wait_off_loop(xfer, stop, posted=state)
+        delay = POLL_MIN_S
+        while state == "PROC" and not stop():
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, POLL_MAX_S)
+            state = agent.state(xfer)
+        return state
+
+    async def _wait_off_loop(
+        self, xfer: object, stop: Callable[[], bool], *, posted: str | None
+    ) -> str:
         """Post ``xfer`` (unless ``posted``: its state after the post) and poll it from a
-        worker thread (``time.sleep`` back-off) until it ends, ``op`` fails or we are
+        worker thread (``time.sleep`` back-off) until it ends, ``stop()`` or we are
         cancelled; the thread is always seen out."""
         agent = self._n.agent
         assert agent is not None
-        stop = threading.Event()
+        stopped = threading.Event()
 
         def work() -> str:
             state, delay = posted or agent.post(xfer), POLL_MIN_S
-            while state == "PROC" and not stop.is_set() and not _failed(op):
+            while state == "PROC" and not stopped.is_set() and not stop():
                 time.sleep(delay)
                 delay = min(delay * 2, POLL_MAX_S)
                 state = agent.state(xfer)
@@ -282,7 +365,7 @@ class NixlLink(TcpLink):
                 await asyncio.wait([fut])
             except asyncio.CancelledError:
                 cancelled = True
-                stop.set()
+                stopped.set()
         if cancelled:
             raise asyncio.CancelledError
         return fut.result()
@@ -312,3 +395,14 @@ class NixlLink(TcpLink):
             self._retire()
         if cancelled:
             raise asyncio.CancelledError
+
+
+def _far_place(remote: DeviceRuns) -> Place | None:
+    """The peer's memory ``remote`` as a NIXL place: host memory is ``DRAM``,
+    ``cuda:N`` memory ``VRAM`` of device N; None for anything else."""
+    if remote.device == "cpu":
+        return ("DRAM", 0, remote.runs)
+    kind, _, index = remote.device.partition(":")
+    if kind == "cuda" and index.isdigit():
+        return ("VRAM", int(index), remote.runs)
+    return None

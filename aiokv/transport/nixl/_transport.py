@@ -31,6 +31,7 @@ import itertools
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 import numpy as np
@@ -110,8 +111,10 @@ class NixlTransport(TcpTransport):
         self._served: dict[PeerOp, NixlLink] = {}
         self._expect: dict[bytes, tuple[NixlLink, PeerOp]] = {}
         self._pump_task: asyncio.Task[None] | None = None
+        self._lent = 0  # memory lent for one-sided transfers (progress while any is)
         self.xfers = 0  # NIXL transfers not yet released (all links)
-        self.moved = 0  # requests whose payload this side moved over NIXL
+        self.moved = 0  # transfers this side made over NIXL (requests' and one-sided)
+        self.moved_bytes = 0  # their bytes
 
     # ------------------------------------------------------------------ memory hooks
 
@@ -255,14 +258,34 @@ class NixlTransport(TcpTransport):
         self._served[op] = link
         if tag is not None:
             self._expect[tag] = (link, op)
+        self._progress()
+
+    def lend(self) -> Callable[[], None]:
+        """Memory lent for the peers' one-sided transfers: poll (UCX progress) while any
+        is, since UCX moves some of them only when this side progresses (RMA emulated
+        over active messages: small transfers, UCX over TCP). Returns the release."""
+        self._lent += 1
+        self._progress()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._lent -= 1
+
+        return release
+
+    def _progress(self) -> None:
         if self._pump_task is None:
             self._pump_task = self._spawn(self._pump(), "aiokv-nixl-progress")
 
     async def _pump(self) -> None:
-        """Poll notifications with back-off while NIXL grants are served."""
+        """Poll notifications with back-off while NIXL grants are served or memory is
+        lent (:meth:`lend`)."""
         delay = POLL_MIN_S
         try:
-            while self._served and self.agent is not None:
+            while (self._served or self._lent) and self.agent is not None:
                 landed = False
                 for sender, msgs in self.agent.notifs().items():
                     for msg in msgs:

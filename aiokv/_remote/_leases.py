@@ -1,0 +1,386 @@
+"""Leases: a blocks cache's memory lent by address over a one-sided link (NIXL).
+
+Every pull or push over NIXL otherwise costs a request and its grant — a round trip on
+the link, and the granter's checks — before the bytes move: a fixed ~1 ms per
+operation on a 2-core VM, which is most of a shared-memory transfer of a few MiB
+(docs/design.md, "Leases"). A lease pays that once per cache: the granter lends the
+memory of a blocks cache, and the holder moves blocks of it with one one-sided NIXL
+READ or WRITE each (:meth:`~aiokv.transport.Link.move_at`), the granter's code not
+involved, until the granter takes it back.
+
+* **Asking.** After a pull or push of a blocks cache (by ``BlocksCacheKey`` or
+  ``CacheKeyByIdAndIndex``) moved over a one-sided link, the holder asks for a lease on
+  the same cache, tensors, block size and direction, in the background (that transfer
+  pays nothing): a :class:`~._protocol.LeaseReq`, read like a transfer.
+* **Lending.** The granter checks it as it checks a transfer of those blocks (the key,
+  the access a pull or push needs, the tensors, data type and block size), and that the
+  link reaches that memory by address; then it pins the cache and answers with the
+  lease: its id, the memory's device, the number of blocks, whether it may be written,
+  and one base address per tensor (:func:`encode_reply`).
+* **Using.** The holder checks each transfer against the lease — every block index in
+  range, the destination blocks of a write distinct — and moves it with one one-sided
+  transfer. A transfer the lease does not cover takes the request path, where the
+  granter's checks decide and produce the error.
+* **Ending.** ``deallocate_blocks_cache`` and ``unregister_cache`` of a lent cache
+  revoke its leases: a :class:`~._protocol.RevokeReq` (a write of 0 bytes) to each
+  holder, which answers once its transfers on the lease are over. Only then does the
+  call return and the memory go back, so nothing the granter does afterwards (reuse the
+  memory, bind the key to another cache) can meet a transfer of the holder's. A holder
+  that does not answer within :func:`revoke_timeout` loses the link. A link that ends
+  ends its leases on both sides (the granter unpins at once).
+
+What a lease hands out is what a linked NIXL peer can reach anyway (docs/security.md:
+its registered memory); the holder's checks keep an honest holder inside the cache.
+The granter does not see lease transfers: its ``statistics()`` count the lease, not
+the transfers made under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from .._config import LLMConfig
+from .._enums import LLMStatusCode
+from .._errors import LLMException
+from .._layout import ByteLayout
+from .._registry import CacheRegistry, Entry
+from ..transport import DeviceRuns, Link, PeerInfo
+from ._protocol import KeyByBlocks, KeyById, RevokeReq, Tensors, encode
+
+__all__ = ["MAX_LEASES", "Held", "LeaseKey", "Leases", "decode_reply", "encode_reply"]
+
+log = logging.getLogger("aiokv.remote")
+
+#: Most leases one link holds, or is lent, at once (each pins a cache on the granter).
+MAX_LEASES: Final = 1024
+#: Seconds before the holder asks again for a lease it was refused.
+RETRY_S: Final = 10.0
+# u64 words of a lease reply before its base addresses: id, blocks, device, flags
+_HEAD: Final = 4
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseKey:
+    """What a lease covers, as the holder names it: the cache, its tensors, the block
+    size and whether it may be written."""
+
+    key: KeyByBlocks | KeyById
+    tensors: Tensors
+    block_bytes: int
+    write: bool
+
+
+@dataclass(eq=False, slots=True)
+class Held:
+    """A lease this side holds.
+
+    Attributes:
+        lease: the granter's id of it.
+        link: the link it was lent on (and is only valid on).
+        device: where the memory lives on the granter (``"cpu"``, ``"cuda:N"``).
+        bases: the address of each leased tensor there, in wire order.
+        num_blocks: blocks in each tensor.
+        block_bytes: bytes of one block.
+        writable: whether it was lent for writes.
+    """
+
+    lease: int
+    link: Link
+    device: str
+    bases: npt.NDArray[np.uint64]
+    num_blocks: int
+    block_bytes: int
+    writable: bool
+    busy: int = 0
+    dead: bool = False
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def remote(self, blocks: npt.NDArray[np.int64], *, write: bool) -> DeviceRuns | None:
+        """The granter's memory of ``blocks`` (validated here: in range, distinct for a
+        write) in wire order, or None when the lease does not cover them."""
+        if self.dead or (write and not self.writable) or not blocks.size:
+            return None
+        if int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks:
+            return None
+        if write and np.unique(blocks).size != blocks.size:
+            return None
+        layout = ByteLayout.of_blocks(blocks, self.block_bytes)
+        return DeviceRuns(self.device, layout.addresses(self.bases))
+
+    @contextlib.contextmanager
+    def using(self) -> Iterator[None]:
+        """A transfer on the lease: a revocation waits until it is over."""
+        self.busy += 1
+        try:
+            yield
+        finally:
+            self.busy -= 1
+            if not self.busy and self.dead:
+                self.idle.set()
+
+
+def reply_size(count: int) -> int:
+    """Bytes of the reply to a lease on ``count`` tensors."""
+    return 8 * (_HEAD + count)
+
+
+def encode_reply(
+    lease: int, num_blocks: int, device: str, writable: bool, bases: list[int]
+) -> bytes:
+    """The lease as the holder reads it: little-endian u64 words ``lease, num_blocks,
+    device (0: cpu, N + 1: cuda:N), flags (1: writable)`` and one base per tensor."""
+    head = [lease, num_blocks, _device_code(device), int(writable)]
+    return np.asarray(head + bases, dtype="<u8").tobytes()
+
+
+def decode_reply(
+    raw: bytes | bytearray, count: int
+) -> tuple[int, int, str, bool, npt.NDArray[np.uint64]] | None:
+    """``(lease, num_blocks, device, writable, bases)`` of a reply for ``count`` tensors,
+    or None if malformed."""
+    if len(raw) != reply_size(count):
+        return None
+    words = np.frombuffer(bytes(raw), dtype="<u8").astype(np.uint64)
+    lease, num_blocks, code, flags = (int(w) for w in words[:_HEAD])
+    if code > 1 << 16 or flags > 1 or num_blocks == 0:
+        return None
+    device = "cpu" if code == 0 else f"cuda:{code - 1}"
+    return lease, num_blocks, device, bool(flags), words[_HEAD:].copy()
+
+
+def _device_code(device: str) -> int:
+    if device == "cpu":
+        return 0
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        raise ValueError(f"no lease of {device} memory")
+    return int(index) + 1
+
+
+def revoke_timeout(config: LLMConfig) -> float:
+    """Seconds a holder has to answer a revocation: ``sync_kv_timeout``, at least 0.5 s
+    and at most 5 s (its transfers on the lease are bounded by their own timeouts)."""
+    return min(max(config.sync_kv_timeout / 1000, 0.5), 5.0)
+
+
+@dataclass(eq=False, slots=True)
+class _Lent:
+    link: Link
+    entry: Entry
+    release: Callable[[], None]  # the link's lend()
+
+
+class Leases:
+    """Both halves of one ``LLMDataDist``'s leases: those it lent (granter) and those it
+    holds (holder). Used on the engine loop only; the registry lock guards lending.
+
+    Args:
+        registry: the caches (a lease pins its cache).
+        config: read for ``sync_kv_timeout``.
+    """
+
+    def __init__(self, registry: CacheRegistry, config: LLMConfig) -> None:
+        self._registry = registry
+        self._config = config
+        self._links: dict[PeerInfo, Link] = {}
+        self._ids = itertools.count(1)
+        self._lent: dict[int, _Lent] = {}
+        self._lent_by_cache: dict[int, set[int]] = {}
+        self._held: dict[Link, dict[LeaseKey, Held]] = {}
+        self._held_ids: dict[Link, dict[int, Held]] = {}
+        self._asked: dict[tuple[Link, LeaseKey], float | None] = {}  # None: pending
+        self._revoked_unknown: dict[Link, int] = {}  # revocations of leases not held
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- links ------------------------------------------------------------------------
+    def on_link(self, link: Link) -> None:
+        """A link came up (the transport's ``on_link``)."""
+        self._links[link.peer] = link
+
+    def on_link_lost(self, link: Link) -> None:
+        """A link ended: its leases end, both ways (the granter unpins at once)."""
+        if self._links.get(link.peer) is link:
+            del self._links[link.peer]
+        for lid in [i for i, lent in self._lent.items() if lent.link is link]:
+            self._end_lent(lid)
+        for held in self._held_ids.pop(link, {}).values():
+            held.dead = True
+            held.idle.set()
+        self._held.pop(link, None)
+        self._revoked_unknown.pop(link, None)
+        for k in [k for k in self._asked if k[0] is link]:
+            del self._asked[k]
+
+    # ---- granter ----------------------------------------------------------------------
+    def lend(
+        self, peer: PeerInfo, entry: Entry, tensors: range, *, write: bool
+    ) -> tuple[int, bytes]:
+        """Lend ``tensors`` of ``entry``'s (checked) blocks cache to ``peer``: pins it.
+        Call under the registry lock. Returns ``(lease id, reply)``.
+
+        Raises:
+            LLMException: ``LLM_FEATURE_NOT_ENABLED`` when the link is not one-sided or
+                does not reach that memory by address; ``LLM_LINK_BUSY`` past
+                :data:`MAX_LEASES`; ``LLM_KV_CACHE_NOT_EXIST`` for a released cache.
+        """
+        link = self._links.get(peer)
+        if link is None or not link.one_sided:
+            raise LLMException(
+                "leases need a one-sided link (NIXL)",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        if sum(1 for lent in self._lent.values() if lent.link is link) >= MAX_LEASES:
+            raise LLMException(
+                f"at most {MAX_LEASES} leases per link", status_code=LLMStatusCode.LLM_LINK_BUSY
+            )
+        cache = entry.cache
+        chosen = [cache.tensors[t] for t in tensors]
+        device = str(chosen[0].device)
+        if not all(
+            link.addressable(device, t.data_ptr(), t.numel() * t.element_size()) for t in chosen
+        ):
+            raise LLMException(
+                f"cache {cache.cache_id} is not in memory the link moves by address",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        if not entry.id_held:
+            raise LLMException(
+                f"cache {cache.cache_id} was released",
+                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+            )
+        self._registry.pin(entry, lease=True)
+        lid = next(self._ids)
+        self._lent[lid] = _Lent(link, entry, link.lend())
+        self._lent_by_cache.setdefault(cache.cache_id, set()).add(lid)
+        link.publish()  # before the reply: the holder must know the memory it names
+        reply = encode_reply(lid, cache.num_blocks, device, write, [t.data_ptr() for t in chosen])
+        return lid, reply
+
+    def lent(self, entry: Entry) -> bool:
+        """Whether ``entry``'s cache is lent now."""
+        return bool(self._lent_by_cache.get(entry.cache.cache_id))
+
+    def cancel(self, lid: int) -> None:
+        """The reply of lease ``lid`` did not reach its holder: it never started."""
+        self._end_lent(lid)
+
+    async def revoke(self, entry: Entry) -> None:
+        """End every lease of ``entry``'s cache: each holder is told and answers once
+        its transfers on it are over; one that does not answer in time (or fails to)
+        loses the link. Returns when no lease of the cache is left."""
+        lids = self._lent_by_cache.get(entry.cache.cache_id, set())
+        await asyncio.gather(*(self._revoke_one(lid) for lid in list(lids)))
+
+    async def _revoke_one(self, lid: int) -> None:
+        lent = self._lent.get(lid)
+        if lent is None:
+            return
+        link = lent.link
+        try:
+            await link.write(encode(RevokeReq(lid)), [], timeout=revoke_timeout(self._config))
+        except LLMException as exc:
+            if not link.broken:
+                log.warning("%r did not end lease %d (%s): dropping the link", link, lid, exc)
+                await link.aclose()
+        finally:
+            self._end_lent(lid)
+
+    def _end_lent(self, lid: int) -> None:
+        lent = self._lent.pop(lid, None)
+        if lent is None:
+            return
+        ids = self._lent_by_cache.get(lent.entry.cache.cache_id)
+        if ids is not None:
+            ids.discard(lid)
+            if not ids:
+                del self._lent_by_cache[lent.entry.cache.cache_id]
+        lent.release()
+        self._registry.unpin(lent.entry, lease=True)
+
+    # ---- holder -----------------------------------------------------------------------
+    def holding(self) -> int:
+        """Leases this side holds now (live links only)."""
+        return sum(
+            1 for link, m in self._held.items() if not link.broken for h in m.values() if not h.dead
+        )
+
+    def held(self, link: Link, key: LeaseKey) -> Held | None:
+        """The live lease for ``key`` on ``link``, if this side holds one."""
+        got = self._held.get(link, {}).get(key)
+        return None if got is None or got.dead or link.broken else got
+
+    def want(
+        self, link: Link, key: LeaseKey, ask: Coroutine[Any, Any, bytes | None], count: int
+    ) -> None:
+        """Ask for a lease on ``key`` in the background unless held, pending, refused
+        less than :data:`RETRY_S` ago or over :data:`MAX_LEASES`: ``ask`` reads the
+        reply (None: refused) of a lease on ``count`` tensors. Closes ``ask`` if not."""
+        loop = asyncio.get_running_loop()
+        asked = self._asked.get((link, key), -RETRY_S)
+        if (
+            link.broken
+            or self.held(link, key) is not None
+            or asked is None
+            or loop.time() - asked < RETRY_S
+            or len(self._held.get(link, {})) >= MAX_LEASES
+        ):
+            ask.close()
+            return
+        self._asked[(link, key)] = None
+        task = loop.create_task(self._adopt(link, key, ask, count), name="aiokv-lease")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _adopt(
+        self, link: Link, key: LeaseKey, ask: Coroutine[Any, Any, bytes | None], count: int
+    ) -> None:
+        epoch = self._revoked_unknown.get(link, 0)
+        reply = None
+        try:
+            reply = await ask
+        finally:
+            parsed = None if reply is None else decode_reply(reply, count)
+            if link.broken or (link, key) not in self._asked:
+                pass  # the link ended meanwhile: nothing to keep
+            elif parsed is None or self._revoked_unknown.get(link, 0) != epoch:
+                # refused, or a revocation came that may have been this lease's
+                self._asked[(link, key)] = asyncio.get_running_loop().time()
+            else:
+                lease, num_blocks, device, writable, bases = parsed
+                held = Held(lease, link, device, bases, num_blocks, key.block_bytes, writable)
+                self._held.setdefault(link, {})[key] = held
+                self._held_ids.setdefault(link, {})[lease] = held
+                del self._asked[(link, key)]
+
+    async def release(self, peer: PeerInfo, lid: int) -> None:
+        """The granter ``peer`` revokes lease ``lid``: stop using it; returns once no
+        transfer on it is left (each is bounded by its own timeout)."""
+        link = self._links.get(peer)
+        if link is None:
+            return
+        held = self._held_ids.get(link, {}).pop(lid, None)
+        if held is None:  # not adopted yet (its reply still on the way) or unknown
+            self._revoked_unknown[link] = self._revoked_unknown.get(link, 0) + 1
+            return
+        held.dead = True
+        leases = self._held.get(link, {})
+        for k in [k for k, h in leases.items() if h is held]:
+            del leases[k]
+        if held.busy:
+            await held.idle.wait()
+
+    async def aclose(self) -> None:
+        """Stop asking (pending requests are cancelled and awaited)."""
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,357 @@
+"""Leases (issue #10): a blocks cache's memory lent by address over NIXL, so that repeated
+pulls and pushes of its blocks move with one one-sided transfer and no request.
+
+What a user relies on: the bytes that arrive are the cache's bytes as they are now
+(never a copy from when the lease began, never another cache's), deallocating a lent
+cache takes the lease back before it returns (memory back in the pool, the key free),
+a transfer the lease does not cover gets the peer's error as before, and a holder that
+does not give a lease back loses its link instead of holding the memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from aiokv import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+)
+from aiokv._remote import _protocol as protocol
+from aiokv._remote._leases import Held, decode_reply, encode_reply, reply_size
+from aiokv.transport import Grant, PeerInfo, get_transport
+
+CODE = LLMStatusCode
+
+try:
+    get_transport("nixl")
+    NIXL = None
+except LLMException as exc:
+    NIXL = str(exc)
+needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+
+
+# ------------------------------------------------------------------------- the reply
+
+
+def test_the_reply_round_trips_and_malformed_ones_are_refused() -> None:
+    raw = encode_reply(7, 32, "cuda:1", True, [4096, 8192])
+    assert len(raw) == reply_size(2)
+    lease, blocks, device, writable, bases = decode_reply(raw, 2)  # type: ignore[misc]
+    assert (lease, blocks, device, writable, bases.tolist()) == (
+        7,
+        32,
+        "cuda:1",
+        True,
+        [4096, 8192],
+    )
+    assert decode_reply(encode_reply(7, 32, "cpu", False, [1]), 1)[2:4] == ("cpu", False)  # type: ignore[index]
+    assert decode_reply(raw, 3) is None  # another tensor count
+    words = np.frombuffer(raw, dtype="<u8").copy()
+    for i, bad in ((1, 0), (3, 2), (2, 1 << 20)):  # no blocks, unknown flag, absurd device
+        w = words.copy()
+        w[i] = bad
+        assert decode_reply(w.tobytes(), 2) is None
+    with pytest.raises(ValueError, match="npu"):
+        encode_reply(1, 1, "npu:0", False, [1])
+
+
+def test_the_holder_checks_every_transfer_against_the_lease() -> None:
+    held = Held(1, None, "cpu", np.array([1 << 20, 1 << 30], dtype=np.uint64), 8, 64, False)  # type: ignore[arg-type]
+    runs = held.remote(np.array([3, 1], dtype=np.int64), write=False)
+    assert runs is not None and runs.device == "cpu"
+    base = [1 << 20, 1 << 30]
+    assert runs.runs.tolist() == [[b + off, 64] for b in base for off in (192, 64)]
+    for blocks, write in (([8], False), ([0, 9], False), ([], False), ([1], True)):
+        assert held.remote(np.array(blocks, dtype=np.int64), write=write) is None
+    held.writable = True
+    assert held.remote(np.array([1, 2], dtype=np.int64), write=True) is not None
+    assert held.remote(np.array([2, 2], dtype=np.int64), write=True) is None  # a block twice
+    held.dead = True
+    assert held.remote(np.array([1], dtype=np.int64), write=False) is None
+
+
+# ------------------------------------------------------------------------ over NIXL
+
+
+def config(**kw: Any) -> LLMConfig:
+    base: dict[str, Any] = {
+        "enable_cache_manager": True,
+        "listen_ip_info": "127.0.0.1:0",
+        "mem_pool_cfg": '{"memory_size": 16777216, "page_shift": 16}',
+        "enable_remote_cache_accessible": True,
+        "transfer_backend": "nixl",
+        "sync_kv_timeout": 10000,
+    }
+    return LLMConfig(**(base | kw))
+
+
+def desc(blocks: int = 32) -> CacheDesc:
+    return CacheDesc(4, [blocks, 4, 64], DataType.DT_FLOAT16)
+
+
+def fill(cache: Cache, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in cache.tensors:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def same_blocks(a: Cache, a_blocks: list[int], b: Cache, b_blocks: list[int]) -> bool:
+    return all(
+        torch.equal(x[a_blocks], y[b_blocks]) for x, y in zip(a.tensors, b.tensors, strict=True)
+    )
+
+
+async def until(cond: Callable[[], bool], what: str, seconds: float = 5.0) -> None:
+    end = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {seconds} s: {what}")
+        await asyncio.sleep(0.005)
+
+
+def lent(p: LLMDataDist) -> int:
+    return p.cache_manager.statistics().leases
+
+
+def holding(d: LLMDataDist) -> int:
+    return d.cache_manager._client.leases.holding()  # type: ignore[attr-defined,no-any-return]
+
+
+def served(p: LLMDataDist, peer: int = 2) -> int:
+    return p.statistics().links[peer].served.granted
+
+
+def moved_bytes(d: LLMDataDist) -> int:
+    return int(d._transport.moved_bytes)  # type: ignore[attr-defined]
+
+
+@contextlib.asynccontextmanager
+async def linked(**p_cfg: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config(**p_cfg)) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
+    ):
+        assert p.listen_address is not None
+        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        code, _ = await d.link_clusters([info])
+        assert code == CODE.LLM_SUCCESS
+        yield p, d
+
+
+@needs_nixl
+async def test_pulls_and_pushes_move_under_a_lease_with_todays_bytes() -> None:
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        fill(src, 1)
+        await d.cache_manager.pull_blocks(key, dst, [5, 2], [0, 9])  # by request; asks for a lease
+        await until(lambda: lent(p) == 1 and holding(d) == 1, "a lease is lent and held")
+        asked = served(p)
+        for seed, srcs, dsts in ((2, [7, 1, 30], [3, 4, 5]), (3, [31], [31]), (4, [0, 1], [1, 0])):
+            fill(src, seed)  # the lease lends memory, not a copy: each pull sees today's bytes
+            before = moved_bytes(d)
+            await d.cache_manager.pull_blocks(key, dst, srcs, dsts)
+            assert same_blocks(src, srcs, dst, dsts)
+            assert moved_bytes(d) - before == len(srcs) * src.block_bytes * 4
+        assert served(p) == asked  # no request reached the peer
+        # pushes get a lease of their own (a push needs what remote access allows)
+        fill(dst, 5)
+        await d.cache_manager.push_blocks(key, dst, [1, 2], [10, 11])
+        await until(lambda: lent(p) == 2 and holding(d) == 2, "a second lease, for writes")
+        asked = served(p)
+        fill(dst, 6)
+        await d.cache_manager.push_blocks(key, dst, [3, 4, 8], [12, 20, 13])
+        assert same_blocks(dst, [3, 4, 8], src, [12, 20, 13])
+        assert served(p) == asked
+        # another selection of tensors (one layer): a lease of its own, on those tensors
+        one = {"src_layer_range": range(1, 2), "dst_layer_range": range(1, 2)}
+        await d.cache_manager.pull_blocks(key, dst, [6], [6], **one)
+        await until(lambda: lent(p) == 3 and holding(d) == 3, "a lease on one layer")
+        fill(src, 7)
+        asked = served(p)
+        await d.cache_manager.pull_blocks(key, dst, [6, 8], [6, 8], **one)
+        assert served(p) == asked
+        assert all(torch.equal(src.tensors[t][[6, 8]], dst.tensors[t][[6, 8]]) for t in (2, 3))
+        assert not torch.equal(src.tensors[0][[6, 8]], dst.tensors[0][[6, 8]])  # not moved
+
+
+@needs_nixl
+async def test_deallocate_takes_the_lease_back_before_it_returns() -> None:
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        fill(src, 1)
+        await d.cache_manager.pull_blocks(key, dst, [1], [1])
+        await until(lambda: holding(d) == 1, "a lease")
+        await p.cache_manager.deallocate_blocks_cache(src)
+        stats = p.cache_manager.statistics()
+        assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)  # memory back in the pool
+        assert holding(d) == 0
+        with pytest.raises(LLMException) as ei:
+            await d.cache_manager.pull_blocks(key, dst, [1], [1])
+        assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+        # the key bound to a new cache: a pull reads the new cache, never the old memory
+        again = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        fill(again, 9)
+        await d.cache_manager.pull_blocks(key, dst, [1, 2], [1, 2])
+        assert same_blocks(again, [1, 2], dst, [1, 2])
+
+
+@needs_nixl
+async def test_what_a_lease_does_not_cover_gets_the_peers_error() -> None:
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc(blocks=64))
+        await d.cache_manager.pull_blocks(key, dst, [1], [1])
+        await d.cache_manager.push_blocks(key, dst, [1], [1])
+        await until(lambda: holding(d) == 2, "both leases")
+        before = snapshot = [t.clone() for t in src.tensors]
+        asked = served(p)
+        with pytest.raises(LLMException) as ei:
+            await d.cache_manager.pull_blocks(key, dst, [40], [40])  # the peer has 32 blocks
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID and "out of range" in str(ei.value)
+        with pytest.raises(LLMException) as ei:
+            await d.cache_manager.push_blocks(key, dst, [1, 2], [3, 3])  # a block twice
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        assert served(p) == asked  # refusals are counted as refused, not granted
+        assert all(torch.equal(a, b) for a, b in zip(src.tensors, snapshot, strict=True))
+        del before
+
+
+@needs_nixl
+async def test_a_lost_link_ends_the_leases_on_both_sides() -> None:
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        await d.cache_manager.pull_blocks(key, dst, [1], [1])
+        await until(lambda: lent(p) == 1 and holding(d) == 1, "a lease")
+        assert p.listen_address is not None
+        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        await d.unlink_clusters([info])
+        await until(lambda: lent(p) == 0, "the granter unpins")
+        assert holding(d) == 0
+        t0 = time.monotonic()
+        await p.cache_manager.deallocate_blocks_cache(src)  # nothing to take back
+        assert time.monotonic() - t0 < 1.0
+        assert p.cache_manager.statistics().caches == 0
+
+
+@needs_nixl
+async def test_leases_are_only_lent_where_a_transfer_would_be() -> None:
+    """Lease requests are checked as transfers are: the key, remote access, the block
+    size; a write lease needs what a push needs; never over TCP."""
+    async with linked(enable_remote_cache_accessible=False) as (p, _d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        sel = protocol.Tensors(count=4)
+        bb = src.block_bytes
+        by_id = protocol.KeyById(1, src.cache_id, 0)
+        cases = [
+            (
+                protocol.LeaseReq(protocol.KeyByBlocks(1, 0), sel, bb, write=True),
+                CODE.LLM_FEATURE_NOT_ENABLED,
+            ),
+            (protocol.LeaseReq(by_id, sel, bb), CODE.LLM_FEATURE_NOT_ENABLED),
+            (protocol.LeaseReq(protocol.KeyByBlocks(1, 5), sel, bb), CODE.LLM_KV_CACHE_NOT_EXIST),
+            (protocol.LeaseReq(protocol.KeyByBlocks(1, 0), sel, bb * 2), CODE.LLM_PARAM_INVALID),
+            (
+                protocol.LeaseReq(protocol.KeyByBlocks(1, 0), protocol.Tensors(count=3), bb),
+                CODE.LLM_PARAM_INVALID,
+            ),
+        ]
+        async with get_transport("nixl")(3, _Silent()) as raw:
+            assert p.listen_address is not None
+            link = await raw.connect(*p.listen_address, timeout=5)
+            await until(lambda: link.one_sided, "the peer's NIXL metadata")
+            for req, code in cases:
+                with pytest.raises(LLMException) as ei:
+                    await link.read(
+                        protocol.encode(req),
+                        [memoryview(bytearray(reply_size(req.tensors.count)))],
+                        timeout=5,
+                    )
+                assert ei.value.status_code == code, (req, ei.value)
+            ok = protocol.LeaseReq(protocol.KeyByBlocks(1, 0), sel, bb)
+            with pytest.raises(LLMException) as ei:  # a lease is asked for with a read
+                await link.write(
+                    protocol.encode(ok), [memoryview(bytearray(reply_size(4)))], timeout=5
+                )
+            assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+            with pytest.raises(LLMException) as ei:  # and revoked with a write
+                await link.read(
+                    protocol.encode(protocol.RevokeReq(1)), [memoryview(bytearray(8))], timeout=5
+                )
+            assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+            assert p.cache_manager.statistics().leases == 0
+    tcp = config(transfer_backend="tcp")
+    async with LLMDataDist(LLMRole.PROMPT, 1, tcp) as p:
+        src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
+        async with get_transport("tcp")(3, _Silent()) as raw:
+            assert p.listen_address is not None
+            link = await raw.connect(*p.listen_address, timeout=5)
+            req = protocol.LeaseReq(
+                protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes
+            )
+            with pytest.raises(LLMException) as ei:
+                await link.read(
+                    protocol.encode(req), [memoryview(bytearray(reply_size(4)))], timeout=5
+                )
+            assert ei.value.status_code == CODE.LLM_FEATURE_NOT_ENABLED
+
+
+class _Silent:
+    """A holder that never answers a revocation (nor anything else)."""
+
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+        await asyncio.sleep(3600)
+        raise AssertionError
+
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+        await asyncio.sleep(3600)
+        raise AssertionError
+
+
+@needs_nixl
+async def test_a_holder_that_keeps_the_lease_loses_its_link() -> None:
+    async with LLMDataDist(LLMRole.PROMPT, 1, config(sync_kv_timeout=1000)) as p:
+        src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
+        fill(src, 3)
+        async with get_transport("nixl")(3, _Silent()) as raw:
+            assert p.listen_address is not None
+            link = await raw.connect(*p.listen_address, timeout=5)
+            await until(lambda: link.one_sided, "the peer's NIXL metadata")
+            req = protocol.LeaseReq(
+                protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes
+            )
+            buf = bytearray(reply_size(4))
+            await link.read(protocol.encode(req), [memoryview(buf)], timeout=5)
+            got = decode_reply(buf, 4)
+            assert got is not None and got[1] == 32 and got[2] == "cpu"
+            assert got[4].tolist() == src.tensor_addrs and p.cache_manager.statistics().leases == 1
+            t0 = time.monotonic()
+            await p.cache_manager.deallocate_blocks_cache(src)  # the revocation goes unanswered
+            waited = time.monotonic() - t0
+            assert 0.9 < waited < 3.0  # the revoke timeout: sync_kv_timeout, at least 0.5 s
+            await until(lambda: link.broken, "the link is dropped")
+            stats = p.cache_manager.statistics()
+            assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
