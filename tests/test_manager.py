@@ -86,7 +86,7 @@ def stats(cm: CacheManager) -> dict[str, int]:
 
 
 NOTHING = dict.fromkeys(
-    ("caches", "allocated", "registered", "released", "keys", "blocks_keys", "pins"), 0
+    ("caches", "allocated", "registered", "released", "keys", "blocks_keys", "pins", "leases"), 0
 )
 
 
