@@ -266,12 +266,30 @@ def bench_transfer(
     )
 
 
+DeviceBackendOpt = Annotated[
+    BenchBackend,
+    typer.Option(
+        "--backend",
+        help="tcp: host staging vs raw socket + cudaMemcpy; nixl: CUDA pools registered "
+        "with NIXL (VRAM) vs raw NIXL agents over the same blocks (needs aiokv[nixl]).",
+    ),
+]
+
+
 @bench_app.command("device")
-def bench_device(quick: Quick = False, as_json: Json = False, plot: Plot = None) -> None:
-    """Device (CUDA) caches over TCP through host staging vs raw socket + cudaMemcpy."""
+def bench_device(
+    quick: Quick = False,
+    as_json: Json = False,
+    backend: DeviceBackendOpt = BenchBackend.tcp,
+    plot: Plot = None,
+) -> None:
+    """Device (CUDA) caches over TCP through host staging vs raw socket + cudaMemcpy,
+    or (--backend nixl) over NIXL from VRAM vs raw NIXL."""
     from ._bench.device import run_device_bench
 
-    _run_bench("device", lambda: run_device_bench(quick=quick), as_json, plot)
+    _run_bench(
+        "device", lambda: run_device_bench(quick=quick, backend=backend.value), as_json, plot
+    )
 
 
 @bench_app.command("layerwise")

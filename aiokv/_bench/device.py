@@ -18,6 +18,9 @@ each ``(B, K)`` — K scattered blocks of B bytes — and round by round, interl
 
 Every pull is checked byte for byte (digests) before the timed rounds. The table gives
 GB/s and each contender's ratio to ``raw``; the goal (issue #10) is ≥ 0.85.
+
+``--backend nixl`` runs :mod:`.device_nixl` instead: device caches over NIXL (VRAM)
+against raw NIXL.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ import torch
 
 from .. import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode
 from .._copy import resolve_device
+from ..transport import get_transport
 from ._harness import (
     DECODER_ID,
     KIB,
     MIB,
     PEER_ID,
+    Backend,
     DeviceKind,
     PromptPeer,
     Report,
@@ -55,12 +60,20 @@ QUICK = [(64 * KIB, 256), (1 * MIB, 32)]
 POOL = 1 << 30
 
 
-def run_device_bench(*, quick: bool = False, device_type: str = "cuda") -> Report:
-    """``aiokv bench device`` (see the module docstring).
+def run_device_bench(
+    *, quick: bool = False, device_type: str = "cuda", backend: Backend = "tcp"
+) -> Report:
+    """``aiokv bench device`` (see the module docstring); with ``backend="nixl"``, the
+    NIXL mode instead (:mod:`.device_nixl`: CUDA only, ``device_type`` is ignored).
 
     Raises:
-        LLMException: ``LLM_FEATURE_NOT_ENABLED`` when ``device_type`` has no device here.
+        LLMException: ``LLM_FEATURE_NOT_ENABLED`` when ``device_type`` has no device here,
+            or, for ``backend="nixl"``, when NIXL is not installed (naming
+            ``pip install 'aiokv[nixl]'``).
     """
+    if backend == "nixl":
+        get_transport("nixl")  # NIXL missing: fail now, with the install hint
+        device_type = "cuda"  # NIXL registers CUDA memory only
     try:
         device = resolve_device(device_type, 0)
     except LLMException as exc:
@@ -69,8 +82,13 @@ def run_device_bench(*, quick: bool = False, device_type: str = "cuda") -> Repor
             status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
         ) from None
     kind: DeviceKind = "npu" if device.type == "npu" else "cuda"
-    report = Report("device", {"quick": quick, "device": str(device)})
     grid = QUICK if quick else GRID
+    if backend == "nixl":
+        from .device_nixl import run_device_nixl_bench
+
+        name = torch.cuda.get_device_name(device)
+        return run_device_nixl_bench(grid, {"quick": quick, "device": str(device)}, name)
+    report = Report("device", {"quick": quick, "device": str(device)})
     top = max(b * k for b, k in grid)
 
     async def main() -> None:

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from .. import (
     BlocksCacheKey,
@@ -49,6 +49,7 @@ from .. import (
 from ._harness import (
     DECODER_ID,
     PEER_ID,
+    DeviceKind,
     Elapsed,
     Peer,
     PromptPeer,
@@ -60,7 +61,10 @@ from ._harness import (
     spawned_all,
 )
 
-__all__ = ["SETTINGS", "NixlContenders", "nixl_contenders"]
+__all__ = ["SETTINGS", "MemKind", "NixlContenders", "NixlDecoder", "RawNixl", "nixl_contenders"]
+
+#: What the raw NIXL buffers are: host memory, or CUDA memory on ``cuda:0``.
+MemKind = Literal["DRAM", "VRAM"]
 
 #: UCX settings by short name: the environment each side's processes start with
 #: (``None``: the variable is removed, so UCX picks its default transports).
@@ -78,8 +82,10 @@ def _desc(block: int, nblocks: int) -> CacheDesc:
 # -------------------------------------------------------------------- aiokv over NIXL
 
 
-async def _decoder_main(conn: Connection, port: int, pool_bytes: int) -> None:
-    config = participant_config(pool_bytes, backend="nixl")
+async def _decoder_main(
+    conn: Connection, port: int, pool_bytes: int, device_type: DeviceKind
+) -> None:
+    config = participant_config(pool_bytes, backend="nixl", device_type=device_type)
     async with LLMDataDist(LLMRole.DECODER, DECODER_ID, config) as dd:
         info = LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[("127.0.0.1", port)])
         code, codes = await dd.link_clusters([info])
@@ -108,7 +114,14 @@ async def _decoder_main(conn: Connection, port: int, pool_bytes: int) -> None:
             t0 = time.perf_counter()
             await op()
             t = time.perf_counter() - t0
-            return transport.moved_bytes == moved + state["nbytes"], t
+            return transport.moved_bytes == moved + state["nbytes"] and direct(), t
+
+        def direct() -> bool:
+            """The cache is NIXL memory (a device pool: VRAM), so NIXL moved it directly."""
+            return all(
+                transport.addressable(str(t.device), t.data_ptr(), t.numel() * t.element_size())
+                for t in state["cache"].tensors
+            )
 
         conn.send("linked")
         await serve_requests(
@@ -116,17 +129,31 @@ async def _decoder_main(conn: Connection, port: int, pool_bytes: int) -> None:
         )
 
 
-def _decoder(conn: Connection, env: dict[str, str | None], port: int, pool_bytes: int) -> None:
+def _decoder(
+    conn: Connection,
+    env: dict[str, str | None],
+    port: int,
+    pool_bytes: int,
+    device_type: DeviceKind,
+) -> None:
     apply_env(env)
-    run_loop(lambda: _decoder_main(conn, port, pool_bytes))
+    run_loop(lambda: _decoder_main(conn, port, pool_bytes, device_type))
 
 
 class NixlDecoder(Peer):
-    """A ``transfer_backend="nixl"`` decoder in a spawned process with ``env``, linked
-    to the prompt peer listening on ``port``; one cache of scattered blocks at a time."""
+    """A ``transfer_backend="nixl"`` decoder in a spawned process with ``env``, its pool
+    on ``device_type``, linked to the prompt peer listening on ``port``; one cache of
+    scattered blocks at a time. An op counts as over NIXL only if NIXL moved every part
+    and, with a device pool, that pool is registered with NIXL (no staging here)."""
 
-    def __init__(self, env: dict[str, str | None], port: int, pool_bytes: int) -> None:
-        super().__init__(_decoder, env, port, pool_bytes)
+    def __init__(
+        self,
+        env: dict[str, str | None],
+        port: int,
+        pool_bytes: int,
+        device_type: DeviceKind = "cpu",
+    ) -> None:
+        super().__init__(_decoder, env, port, pool_bytes, device_type)
 
     async def setup(self, block: int, srcs: list[int], dsts: list[int]) -> tuple[str, bool]:
         """A new zeroed cache of ``2 * len(srcs)`` blocks, pulled once: its digest of
@@ -167,36 +194,57 @@ def _agent(name: str) -> Any:
     return _nixl.nixl_agent(name, conf)
 
 
-def _buffer(nbytes: int, fill: int | None) -> Any:
-    """A host buffer allocated as aiokv's pools are (:func:`~aiokv._copy.host_empty`: the
-    same pages, huge or not), every page touched: random bytes, or ``fill``; as numpy."""
+def _buffer(nbytes: int, fill: int | None, mem: MemKind) -> Any:
+    """A buffer of ``nbytes``, every page touched: random bytes, or ``fill``; as a torch
+    ``uint8`` tensor. ``"DRAM"``: host memory allocated as aiokv's pools are
+    (:func:`~aiokv._copy.host_empty`: the same pages, huge or not); ``"VRAM"``: on
+    ``cuda:0``, filled through a host copy (done when this returns)."""
     import torch
 
     from .._copy import host_empty
 
-    buf = host_empty(nbytes, torch.device("cpu"))
+    if mem == "VRAM":
+        buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    else:
+        buf = host_empty(nbytes, torch.device("cpu"))
     if fill is None:
         buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     else:
         buf.fill_(fill)
-    return buf.numpy()
+    _settle(buf)
+    return buf
+
+
+def _settle(buf: Any) -> None:
+    """Wait for the work queued on ``buf``'s device: NIXL knows no CUDA stream."""
+    import torch
+
+    if buf.is_cuda:
+        torch.cuda.synchronize(buf.device)
+
+
+def _rows(buf: Any, block: int, blocks: Sequence[int]) -> tuple[Any, Any]:
+    """``buf`` as rows of ``block`` bytes, and ``blocks`` as an index on its device."""
+    import torch
+
+    n = buf.numel() // block
+    return buf[: n * block].view(n, block), torch.tensor(list(blocks), device=buf.device)
 
 
 def _raw_digest(buf: Any, block: int, blocks: Sequence[int]) -> str:
-    h = hashlib.blake2b()
-    for i in blocks:
-        h.update(buf[i * block : (i + 1) * block].data)
-    return h.hexdigest()
+    """A hash of ``blocks`` of ``buf``, in that order (a device buffer: through a host copy)."""
+    rows, index = _rows(buf, block, blocks)
+    return hashlib.blake2b(rows[index].cpu().numpy().data).hexdigest()
 
 
-def _raw_target(conn: Connection, env: dict[str, str | None], nbytes: int) -> None:
-    """Child: a registered random buffer; polls notifications with back-off between
-    requests (``add`` a peer's metadata, ``digest``) until ``stop``."""
+def _raw_target(conn: Connection, env: dict[str, str | None], nbytes: int, mem: MemKind) -> None:
+    """Child: a registered random buffer of kind ``mem``; polls notifications with
+    back-off between requests (``add`` a peer's metadata, ``digest``) until ``stop``."""
     apply_env(env)
     agent = _agent(f"raw-target-{os.getpid()}")
-    buf = _buffer(nbytes, None)
-    agent.register_memory([(buf.ctypes.data, nbytes, 0, "")], "DRAM")
-    conn.send((agent.get_agent_metadata(), buf.ctypes.data))
+    buf = _buffer(nbytes, None, mem)
+    agent.register_memory([(buf.data_ptr(), nbytes, 0, "")], mem)
+    conn.send((agent.get_agent_metadata(), buf.data_ptr()))
     lo, hi = _poll_bounds()
     delay = lo
     while True:
@@ -213,15 +261,19 @@ def _raw_target(conn: Connection, env: dict[str, str | None], nbytes: int) -> No
 
 
 class _Initiator:
-    """The raw initiator's state: its agent and buffer, the target's, one row's blocks."""
+    """The raw initiator's state: its agent and buffer, the target's, one row's blocks;
+    both buffers of kind ``mem``."""
 
-    def __init__(self, env: dict[str, str | None], nbytes: int, target: tuple[bytes, int]):
+    def __init__(
+        self, env: dict[str, str | None], nbytes: int, target: tuple[bytes, int], mem: MemKind
+    ):
         apply_env(env)
         self.agent = _agent(f"raw-initiator-{os.getpid()}")
         self.lo, self.hi = _poll_bounds()
-        self.buf = _buffer(nbytes, 0)
-        self.base = int(self.buf.ctypes.data)
-        self.agent.register_memory([(self.base, nbytes, 0, "")], "DRAM")
+        self.mem = mem
+        self.buf = _buffer(nbytes, 0, mem)
+        self.base = int(self.buf.data_ptr())
+        self.agent.register_memory([(self.base, nbytes, 0, "")], mem)
         self.peer = self.agent.add_remote_agent(target[0])
         self.peer_base = target[1]
         self.local: list[tuple[int, int, int]] = []
@@ -233,8 +285,9 @@ class _Initiator:
         self.block, self.dsts, self.build_s = block, dsts, []
         self.local = [(self.base + d * block, block, 0) for d in dsts]
         self.remote = [(self.peer_base + s * block, block, 0) for s in srcs]
-        for d in dsts:
-            self.buf[d * block : (d + 1) * block] = 0
+        rows, index = _rows(self.buf, block, dsts)
+        rows.index_fill_(0, index, 0)
+        _settle(self.buf)
         self.move("READ")
         return _raw_digest(self.buf, block, dsts)
 
@@ -244,8 +297,8 @@ class _Initiator:
         t0 = time.perf_counter()
         xfer = a.initialize_xfer(
             kind,
-            a.get_xfer_descs(self.local, "DRAM"),
-            a.get_xfer_descs(self.remote, "DRAM"),
+            a.get_xfer_descs(self.local, self.mem),
+            a.get_xfer_descs(self.remote, self.mem),
             self.peer,
             b"" if kind == "READ" else b"\x01" * 8,
         )
@@ -264,10 +317,14 @@ class _Initiator:
 
 
 def _raw_initiator(
-    conn: Connection, env: dict[str, str | None], nbytes: int, target: tuple[bytes, int]
+    conn: Connection,
+    env: dict[str, str | None],
+    nbytes: int,
+    target: tuple[bytes, int],
+    mem: MemKind,
 ) -> None:
     """Child: answers ``row``, ``READ``, ``WRITE`` (seconds) and ``build_ms`` until ``stop``."""
-    me = _Initiator(env, nbytes, target)
+    me = _Initiator(env, nbytes, target, mem)
     conn.send(me.agent.get_agent_metadata())
     while True:
         name, *args = conn.recv()
@@ -283,12 +340,13 @@ def _raw_initiator(
 
 class RawNixl:
     """A raw NIXL target and initiator (two spawned processes with ``env``) over
-    ``nbytes`` buffers, each having loaded the other's metadata."""
+    ``nbytes`` buffers of kind ``mem`` (``"DRAM"``: host memory; ``"VRAM"``: ``cuda:0``
+    on both sides), each having loaded the other's metadata."""
 
-    def __init__(self, env: dict[str, str | None], nbytes: int) -> None:
-        self.target = Peer(_raw_target, env, nbytes)
+    def __init__(self, env: dict[str, str | None], nbytes: int, mem: MemKind = "DRAM") -> None:
+        self.target = Peer(_raw_target, env, nbytes, mem)
         try:
-            self.initiator = Peer(_raw_initiator, env, nbytes, self.target.hello)
+            self.initiator = Peer(_raw_initiator, env, nbytes, self.target.hello, mem)
         except BaseException:
             self.target.stop()
             raise

@@ -1,0 +1,84 @@
+"""``aiokv bench device --backend nixl`` (issue #10): the option, its clear failures on a
+machine without CUDA or without NIXL, and the raw NIXL contender it shares with
+``bench transfer --backend nixl`` (host buffers, one verified row). The device rows
+themselves need a GPU: docs/benchmarks.md, "Device caches over NIXL vs raw NIXL"."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from aiokv._bench._harness import run_loop, scattered
+from aiokv._bench.nixl import SETTINGS, RawNixl
+from aiokv._errors import LLMException
+from aiokv.cli import app
+from aiokv.transport import get_transport
+
+
+def _nixl_missing() -> str | None:
+    try:
+        get_transport("nixl")
+    except LLMException as exc:
+        return str(exc)
+    return None
+
+
+needs_nixl = pytest.mark.skipif(_nixl_missing() is not None, reason="NIXL is not installed")
+
+
+def test_the_backend_option_takes_tcp_or_nixl_only() -> None:
+    runner = CliRunner()
+    shown = runner.invoke(app, ["bench", "device", "--help"])
+    assert shown.exit_code == 0
+    assert "--backend" in shown.output and "nixl" in shown.output
+    bad = runner.invoke(app, ["bench", "device", "--backend", "rdma"])
+    assert bad.exit_code == 2  # a usage error: nothing ran
+
+
+@needs_nixl
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_the_nixl_mode_fails_as_the_tcp_mode_does() -> None:
+    runner = CliRunner()
+    tcp = runner.invoke(app, ["bench", "device"])
+    nixl = runner.invoke(app, ["bench", "device", "--backend", "nixl", "--json"])
+    assert nixl.exit_code == tcp.exit_code == 1
+    assert nixl.output == tcp.output
+    assert nixl.output.strip().startswith("aiokv bench device: aiokv bench device needs an")
+    assert "Traceback" not in nixl.output
+
+
+def test_without_nixl_the_nixl_mode_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [m for m in sys.modules if m.startswith("aiokv.transport.nixl")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in ("nixl_cu12", "nixl_cu12._api", "nixl", "nixl._api"):
+        monkeypatch.setitem(sys.modules, name, None)  # None: "import fails"
+    result = CliRunner().invoke(app, ["bench", "device", "--backend", "nixl"])
+    assert result.exit_code == 1
+    assert "pip install 'aiokv[nixl]'" in result.output
+    assert "Traceback" not in result.output
+
+
+@needs_nixl
+def test_raw_nixl_over_host_memory_reads_the_right_bytes_and_times_both_ways() -> None:
+    block, count = 16 << 10, 64
+
+    async def main() -> tuple[bool, bool, float, float, float]:
+        raw = RawNixl(SETTINGS["shm"], 2 * block * count, "DRAM")
+        try:
+            srcs, dsts = scattered(count, seed=1), scattered(count, seed=2)
+            ok = await raw.row(block, srcs, dsts)
+            # the check can fail: the blocks read are not the target's in another order
+            got = await raw.initiator.request("row", block, srcs, dsts)
+            other = got != await raw.target.request("digest", block, srcs[::-1])
+            read, write = await raw.move("READ"), await raw.move("WRITE")
+            return ok, other, read, write, await raw.build_ms()
+        finally:
+            raw.stop()
+
+    ok, differs, read, write, build_ms = run_loop(main, use_uvloop=False)
+    assert ok  # every byte of the READ matched the target's source blocks
+    assert differs
+    assert read > 0 and write > 0 and build_ms > 0
