@@ -26,7 +26,7 @@ from ..transport import DeviceRuns, Link
 from ._leases import LeaseKey, Leases, reply_size
 from ._links import LinkTable
 from ._parts import Part, Transfer
-from ._protocol import BlocksReq, KeyByBlocks, KeyById, LeaseReq, Request, encode
+from ._protocol import BlocksReq, KeyByBlocks, LeaseReq, Request, encode
 
 __all__ = ["RemoteClient"]
 
@@ -108,14 +108,14 @@ class RemoteClient:
 
     def _lease_key(self, link: Link, cache: Cache, job: Transfer, write: bool) -> LeaseKey | None:
         """What a lease for ``job`` would cover, when one could serve it: blocks of a
-        blocks cache named by ``BlocksCacheKey`` / ``CacheKeyByIdAndIndex``, over a
+        blocks cache named by ``BlocksCacheKey``, over a
         one-sided link, from host memory or device memory the link moves by address
         (whether host memory is registered is up to :meth:`~aiokv.transport.Link.move_at`)."""
         req = job.request
         if (
             self.leases is None
             or not isinstance(req, BlocksReq)
-            or not isinstance(req.key, KeyByBlocks | KeyById)
+            or not isinstance(req.key, KeyByBlocks)
             or req.release
             or job.remote is None
             or not link.one_sided

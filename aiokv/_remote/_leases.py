@@ -8,10 +8,11 @@ memory of a blocks cache, and the holder moves blocks of it with one one-sided N
 READ or WRITE each (:meth:`~aiokv.transport.Link.move_at`), the granter's code not
 involved, until the granter takes it back.
 
-* **Asking.** After a pull or push of a blocks cache (by ``BlocksCacheKey`` or
-  ``CacheKeyByIdAndIndex``) moved over a one-sided link, the holder asks for a lease on
-  the same cache, tensors, block size and direction, in the background (that transfer
-  pays nothing): a :class:`~._protocol.LeaseReq`, read like a transfer.
+* **Asking.** After a pull or push of blocks of a blocks cache (by ``BlocksCacheKey``:
+  ``pull_blocks``, ``push_blocks``, layer-wise pushes) moved over a one-sided link, the
+  holder asks for a lease on the same cache, tensors, block size and direction, in the
+  background (that transfer pays nothing): a :class:`~._protocol.LeaseReq`, read like a
+  transfer.
 * **Lending.** The granter checks it as it checks a transfer of those blocks (the key,
   the access a pull or push needs, the tensors, data type and block size), and that the
   link reaches that memory by address; then it pins the cache and answers with the
@@ -54,7 +55,7 @@ from .._errors import LLMException
 from .._layout import ByteLayout
 from .._registry import CacheRegistry, Entry
 from ..transport import DeviceRuns, Link, PeerInfo
-from ._protocol import KeyByBlocks, KeyById, RevokeReq, Tensors, encode
+from ._protocol import KeyByBlocks, RevokeReq, Tensors, encode
 
 __all__ = ["MAX_LEASES", "Held", "LeaseKey", "Leases", "decode_reply", "encode_reply"]
 
@@ -73,7 +74,7 @@ class LeaseKey:
     """What a lease covers, as the holder names it: the cache, its tensors, the block
     size and whether it may be written."""
 
-    key: KeyByBlocks | KeyById
+    key: KeyByBlocks
     tensors: Tensors
     block_bytes: int
     write: bool

@@ -162,7 +162,7 @@ class LeaseReq(msgspec.Struct, frozen=True, tag="lease"):
     it with no request per transfer (:mod:`aiokv._remote._leases`). Sent as a read of
     the lease's description."""
 
-    key: KeyByBlocks | KeyById
+    key: KeyByBlocks
     tensors: Tensors
     block_bytes: Count
     write: bool = False

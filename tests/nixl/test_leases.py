@@ -265,13 +265,15 @@ async def test_leases_are_only_lent_where_a_transfer_would_be() -> None:
         src = await p.cache_manager.allocate_blocks_cache(desc(), key)
         sel = protocol.Tensors(count=4)
         bb = src.block_bytes
-        by_id = protocol.KeyById(1, src.cache_id, 0)
         cases = [
             (
                 protocol.LeaseReq(protocol.KeyByBlocks(1, 0), sel, bb, write=True),
                 CODE.LLM_FEATURE_NOT_ENABLED,
             ),
-            (protocol.LeaseReq(by_id, sel, bb), CODE.LLM_FEATURE_NOT_ENABLED),
+            (  # only blocks caches named by BlocksCacheKey are lent
+                protocol.LeaseReq(protocol.KeyById(1, src.cache_id, 0), sel, bb),  # type: ignore[arg-type]
+                CODE.LLM_PARAM_INVALID,
+            ),
             (protocol.LeaseReq(protocol.KeyByBlocks(1, 5), sel, bb), CODE.LLM_KV_CACHE_NOT_EXIST),
             (protocol.LeaseReq(protocol.KeyByBlocks(1, 0), sel, bb * 2), CODE.LLM_PARAM_INVALID),
             (
@@ -355,3 +357,35 @@ async def test_a_holder_that_keeps_the_lease_loses_its_link() -> None:
             await until(lambda: link.broken, "the link is dropped")
             stats = p.cache_manager.statistics()
             assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or NIXL is not None, reason="needs CUDA and NIXL")
+async def test_device_caches_move_under_a_lease() -> None:
+    """Both pools on ``cuda:0``, registered as VRAM: after the first pull and push, the
+    next ones move one-sidedly GPU to GPU, and their bytes are the cache's of now."""
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config(device_type="cuda")) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config(device_type="cuda")) as d,
+    ):
+        assert p.listen_address is not None
+        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        assert src.tensors[0].is_cuda and dst.tensors[0].is_cuda
+        fill(src, 1)
+        await d.cache_manager.pull_blocks(key, dst, [3, 9], [4, 5])
+        await d.cache_manager.push_blocks(key, dst, [4], [20])
+        await until(lambda: lent(p) == 2 and holding(d) == 2, "a read and a write lease")
+        asked = served(p)
+        fill(src, 2)
+        await d.cache_manager.pull_blocks(key, dst, [7, 1, 30], [0, 1, 2])
+        assert same_blocks(src, [7, 1, 30], dst, [0, 1, 2])
+        fill(dst, 3)
+        await d.cache_manager.push_blocks(key, dst, [6, 8], [11, 12])
+        torch.cuda.synchronize()
+        assert same_blocks(dst, [6, 8], src, [11, 12])
+        assert served(p) == asked
+        await p.cache_manager.deallocate_blocks_cache(src)
+        assert p.cache_manager.statistics().leases == 0 and holding(d) == 0
