@@ -91,6 +91,7 @@ def test_the_holder_checks_every_transfer_against_the_lease() -> None:
 
 def config(**kw: Any) -> LLMConfig:
     base: dict[str, Any] = {
+        "device_type": "cpu",
         "enable_cache_manager": True,
         "listen_ip_info": "127.0.0.1:0",
         "mem_pool_cfg": '{"memory_size": 16777216, "page_shift": 16}',
