@@ -36,6 +36,7 @@ series                                 type       labels
 ``aiokv_caches``                       gauge      cluster
 ``aiokv_cache_keys``                   gauge      cluster
 ``aiokv_cache_pins``                   gauge      cluster
+``aiokv_cache_leases``                 gauge      cluster
 =====================================  =========  ======================================
 
 ``pool`` is ``device`` or ``host``; ``state`` is ``total``, ``used``, ``free``,
@@ -211,6 +212,7 @@ class _Families:
                 self.gauge("aiokv_caches", "caches holding memory", c, s.caches.caches)
                 self.gauge("aiokv_cache_keys", "bound cache keys", c, s.caches.keys)
                 self.gauge("aiokv_cache_pins", "operations pinning caches", c, s.caches.pins)
+                self.gauge("aiokv_cache_leases", "caches lent to peers", c, s.caches.leases)
         return list(self.fams.values())
 
 

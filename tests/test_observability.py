@@ -287,6 +287,7 @@ async def test_metrics_endpoint_serves_the_documented_series(
     assert m['aiokv_caches{cluster="2"}'] == 1.0
     assert m['aiokv_cache_keys{cluster="2"}'] == 0.0
     assert m['aiokv_cache_pins{cluster="2"}'] == 0.0
+    assert m['aiokv_cache_leases{cluster="2"}'] == 0.0
     # closed: the port no longer answers
     with pytest.raises(OSError):
         await asyncio.to_thread(urllib.request.urlopen, f"http://{host}:{port}/metrics", timeout=2)

@@ -74,7 +74,7 @@ def stats(reg: CacheRegistry) -> dict[str, int]:
 
 
 NOTHING = dict.fromkeys(
-    ("caches", "allocated", "registered", "released", "keys", "blocks_keys", "pins"), 0
+    ("caches", "allocated", "registered", "released", "keys", "blocks_keys", "pins", "leases"), 0
 )
 
 
@@ -253,3 +253,17 @@ def test_statistics_track_every_transition(reg: CacheRegistry, pool: MemPool) ->
     reg.release_id(u)  # user memory: its key and blocks key go with it
     expect(caches=-1, registered=-1, keys=-1, blocks_keys=-1)
     assert want == NOTHING and pool.stats().used == 0
+
+
+def test_a_lease_pin_holds_memory_and_is_counted_apart(reg: CacheRegistry, pool: MemPool) -> None:
+    """A lease (issue #10) pins its cache like an operation, but ``statistics()`` counts
+    it under ``leases``, not ``pins``; the memory goes back when the lease ends."""
+    e = allocate(reg, pool, 2)
+    reg.pin(e, lease=True)
+    reg.pin(e)
+    assert (stats(reg)["pins"], stats(reg)["leases"]) == (1, 1)
+    reg.release_id(e)
+    reg.unpin(e)
+    assert stats(reg)["caches"] == 1 and not e.freed  # the lease still holds it
+    reg.unpin(e, lease=True)
+    assert e.freed and stats(reg) == NOTHING
