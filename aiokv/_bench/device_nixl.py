@@ -14,10 +14,10 @@ B bytes — and round by round, interleaved, each contender timed in its own pro
 * ``pull`` / ``push``: ``pull_blocks`` / ``push_blocks`` between the two ``cuda:0``
   pools, registered with NIXL as VRAM: NIXL moves device memory directly, nothing is
   staged; each op is checked to have moved all its bytes over NIXL, from NIXL-registered
-  memory (from the second op of a row on, under a lease: one one-sided transfer, no
-  request);
+  memory;
 * ``pull_h`` / ``push_h``: the same with the peer's pool in host memory (DRAM↔VRAM in
-  one NIXL transfer), for reference.
+  one NIXL transfer; from the second op of a row on under a lease — one one-sided
+  transfer, no request — since the owner's cache is in host memory), for reference.
 
 Every pull (aiokv's and the raw READ) into zeroed blocks is checked byte for byte
 (digests) before the timed rounds. Ratios are ``t_raw / t_aiokv`` (read: ``pull`` vs

@@ -168,7 +168,11 @@ class Stager:
     async def settle(self, device: torch.device) -> None:
         """Return once work already queued on ``device``'s current stream has finished
         (waited for on a copy worker, as the staging copies wait for it): what device
-        memory moved by address (NIXL) needs first. Lends nothing."""
+        memory moved by address (NIXL) needs first. Lends nothing. When that stream is
+        idle already (an event recorded on it has completed: checked here, without
+        waiting), there is nothing to wait for and no worker is involved."""
+        if _idle(device):
+            return
 
         def wait() -> None:
             ctx = worker_context(device)
@@ -214,6 +218,19 @@ class Stager:
             n, fut = waiters.popleft()
             self._free -= n
             fut.set_result(None)
+
+
+def _idle(device: torch.device) -> bool:
+    """Whether ``device``'s current stream has finished everything queued on it so far
+    (a non-blocking query of an event recorded on it; False where that cannot be asked)."""
+    if device.type == "cpu":
+        return True
+    try:
+        event = torch.Event(device)
+        event.record(torch.accelerator.current_stream(device))
+        return bool(event.query())
+    except (RuntimeError, ValueError):
+        return False
 
 
 # ---- the copy jobs (on a worker thread) ---------------------------------------------------

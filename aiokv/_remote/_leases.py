@@ -17,7 +17,11 @@ involved, until the granter takes it back.
   the access a pull or push needs, the tensors, data type and block size), and that the
   link reaches that memory by address; then it pins the cache and answers with the
   lease: its id, the memory's device, the number of blocks, whether it may be written,
-  and one base address per tensor (:func:`encode_reply`).
+  and one base address per tensor (:func:`encode_reply`). Only host memory is lent:
+  before device memory moves by address, its owner waits for the work queued on the
+  device's stream (docs/api.md, "Device memory over NIXL"), which a transfer the owner
+  does not see cannot do. The holder's own memory may be on a device (it settles its
+  stream itself before each transfer).
 * **Using.** The holder checks each transfer against the lease — every block index in
   range, the destination blocks of a write distinct — and moves it with one one-sided
   transfer. A transfer the lease does not cover takes the request path, where the
@@ -246,6 +250,12 @@ class Leases:
         cache = entry.cache
         chosen = [cache.tensors[t] for t in tensors]
         device = str(chosen[0].device)
+        if device != "cpu":
+            raise LLMException(
+                f"cache {cache.cache_id} is in {device} memory: it is lent per request, so "
+                "that work queued on its stream is waited for before each transfer",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
         if not all(
             link.addressable(device, t.data_ptr(), t.numel() * t.element_size()) for t in chosen
         ):
