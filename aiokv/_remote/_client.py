@@ -154,9 +154,12 @@ class RemoteClient:
                     op, link, job.request, local, write=key.write, about=about, at=remote
                 )
         except LLMException as exc:
-            if exc.status_code is not LLMStatusCode.LLM_FEATURE_NOT_ENABLED:
-                raise
-            return False  # nothing moved: this memory goes by request
+            if exc.status_code is LLMStatusCode.LLM_FEATURE_NOT_ENABLED:
+                return False  # nothing moved: this side's memory goes by request
+            self.leases.forget(held)  # later transfers go by request (and may ask again)
+            if exc.status_code is LLMStatusCode.LLM_FAILED:
+                return False  # NIXL refused the lease's memory; nothing moved
+            raise
         return True
 
     async def _ask(self, link: Link, key: LeaseKey, count: int) -> bytes | None:

@@ -372,6 +372,20 @@ class Leases:
                 self._held_ids.setdefault(link, {})[lease] = held
                 del self._asked[(link, key)]
 
+    def forget(self, held: Held) -> None:
+        """Stop using ``held`` (a transfer under it failed); the granter keeps it lent
+        until it revokes it or the link ends."""
+        self._drop(held)
+
+    def _drop(self, held: Held) -> None:
+        held.dead = True
+        self._held_ids.get(held.link, {}).pop(held.lease, None)
+        leases = self._held.get(held.link, {})
+        for k in [k for k, h in leases.items() if h is held]:
+            del leases[k]
+        if not held.busy:
+            held.idle.set()
+
     async def release(self, peer: PeerInfo, lid: int) -> None:
         """The granter ``peer`` revokes lease ``lid``: stop using it; returns once no
         transfer on it is left (each is bounded by its own timeout)."""
@@ -382,10 +396,7 @@ class Leases:
         if held is None:  # not adopted yet (its reply still on the way) or unknown
             self._revoked_unknown[link] = self._revoked_unknown.get(link, 0) + 1
             return
-        held.dead = True
-        leases = self._held.get(link, {})
-        for k in [k for k, h in leases.items() if h is held]:
-            del leases[k]
+        self._drop(held)
         if held.busy:
             await held.idle.wait()
 

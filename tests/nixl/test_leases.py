@@ -239,6 +239,28 @@ async def test_what_a_lease_does_not_cover_gets_the_peers_error() -> None:
 
 
 @needs_nixl
+async def test_a_lease_nixl_refuses_is_dropped_and_the_transfer_goes_by_request() -> None:
+    """A lease naming memory NIXL does not know (here: forged on the holder's side, as a
+    lying granter could) moves nothing: the transfer goes by request, with the right
+    bytes, and the holder stops using that lease."""
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        await d.cache_manager.pull_blocks(key, dst, [1], [1])
+        await until(lambda: holding(d) == 1, "a lease")
+        leases = d.cache_manager._client.leases  # type: ignore[attr-defined]
+        (held,) = [h for m in leases._held.values() for h in m.values()]
+        held.bases = np.full_like(held.bases, 1 << 12)  # no memory the granter registered
+        fill(src, 5)
+        asked = served(p)
+        await d.cache_manager.pull_blocks(key, dst, [2, 3], [2, 3])
+        assert same_blocks(src, [2, 3], dst, [2, 3])
+        assert served(p) > asked and held.dead  # by request; the forged lease is dropped
+        await until(lambda: holding(d) == 1 and lent(p) == 2, "a new lease")
+
+
+@needs_nixl
 async def test_a_lost_link_ends_the_leases_on_both_sides() -> None:
     async with linked() as (p, d):
         key = BlocksCacheKey(1, 0)
