@@ -86,6 +86,46 @@ def test_the_holder_checks_every_transfer_against_the_lease() -> None:
     assert held.remote(np.array([1], dtype=np.int64), write=False) is None
 
 
+class _FakeLink:
+    """What the holder's bookkeeping looks at of a link."""
+
+    def __init__(self) -> None:
+        self.peer = PeerInfo(1, ("127.0.0.1", 1))
+        self.broken = False
+
+
+async def test_a_revocation_that_overtakes_its_lease_voids_it() -> None:
+    """The granter may revoke a lease before the holder has read its reply (the reply is
+    still on the way when the revocation is handled): the holder must never start using
+    it; it asks again later instead."""
+    from aiokv._config import LLMConfig as Config
+    from aiokv._registry import CacheRegistry
+    from aiokv._remote._leases import LeaseKey, Leases
+
+    leases = Leases(CacheRegistry(), Config())
+    link: Any = _FakeLink()
+    leases.on_link(link)
+    key = LeaseKey(protocol.KeyByBlocks(1, 0), protocol.Tensors(count=1), 64, False)
+
+    async def ask(revoke_first: bool) -> bytes:
+        if revoke_first:
+            await leases.release(link.peer, 7)  # not adopted yet: unknown to the holder
+        return encode_reply(7, 8, "cpu", False, [1 << 20])
+
+    leases.want(link, key, ask(True), 1)
+    await until(lambda: not leases._tasks, "the request ended")  # type: ignore[attr-defined]
+    assert leases.held(link, key) is None and leases.holding() == 0
+    leases.want(link, key, ask(False), 1)  # refused just now: not asked again yet
+    assert not leases._tasks  # type: ignore[attr-defined]
+    leases._asked.clear()  # type: ignore[attr-defined]  # as after RETRY_S
+    leases.want(link, key, ask(False), 1)
+    await until(lambda: leases.holding() == 1, "adopted")
+    held = leases.held(link, key)
+    assert held is not None and held.lease == 7
+    await leases.release(link.peer, 7)
+    assert leases.held(link, key) is None and held.dead
+
+
 # ------------------------------------------------------------------------ over NIXL
 
 
