@@ -53,6 +53,7 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from .._checks import duplicated
 from .._config import LLMConfig
 from .._enums import LLMStatusCode
 from .._errors import LLMException
@@ -116,7 +117,7 @@ class Held:
             return None
         if int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks:
             return None
-        if write and np.unique(blocks).size != blocks.size:
+        if write and duplicated(blocks):
             return None
         layout = ByteLayout.of_blocks(blocks, self.block_bytes)
         return DeviceRuns(self.device, layout.addresses(self.bases))

@@ -17,11 +17,10 @@ import logging
 from dataclasses import dataclass
 
 import msgspec
-import numpy as np
 import torch
 
 from .._cache import Cache
-from .._checks import Blocks, tensor_range
+from .._checks import Blocks, duplicated, tensor_range
 from .._config import LLMConfig
 from .._copy import MAX_STAGED_BYTES, Stager, is_staged
 from .._enums import LLMStatusCode
@@ -83,7 +82,7 @@ def _blocks(raw: bytes, limit: int, what: str, *, unique: bool, most: int | None
     top = int(blocks.max())
     if top >= limit:
         raise _invalid(f"{what} entry {top} is out of range [0, {limit})")
-    if unique and np.unique(blocks).size != blocks.size:
+    if unique and duplicated(blocks):
         raise _invalid(f"a block of {what} appears twice")
     return blocks
 

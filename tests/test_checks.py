@@ -1,0 +1,54 @@
+"""Argument checks shared by every call: block lists and duplicates."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aiokv import LLMException, LLMStatusCode
+from aiokv._checks import MAX_BLOCK_INDEX, check_blocks, check_unique, duplicated
+
+
+def test_check_blocks_returns_a_read_only_int64_array() -> None:
+    arr = check_blocks("op", "blocks", [3, 0, 7], 8)
+    assert arr.dtype == np.int64 and arr.tolist() == [3, 0, 7]
+    assert not arr.flags.writeable
+    assert check_blocks("op", "blocks", (), 8).size == 0
+
+
+@pytest.mark.parametrize("bad", [[1, True], [1, 1.0], [None], ["1"], [np.float32(1)]])
+def test_check_blocks_refuses_what_is_not_an_int(bad: list[object]) -> None:
+    with pytest.raises(TypeError):
+        check_blocks("op", "blocks", bad, 8)
+
+
+@pytest.mark.parametrize("bad", [[0, -1], [2**63], [1, 2**64], [-(2**70), 1]])
+def test_check_blocks_refuses_entries_outside_int64_range(bad: list[int]) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        check_blocks("op", "blocks", bad, MAX_BLOCK_INDEX + 1)
+
+
+def test_check_blocks_names_the_entry_beyond_the_cache() -> None:
+    with pytest.raises(LLMException) as err:
+        check_blocks("op", "blocks", [0, 9, 8], 8)
+    assert err.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
+    assert "entry 9" in str(err.value)
+
+
+@pytest.mark.parametrize("top", [10, 100_000, 2**62])  # counting and sorting branches
+def test_duplicated_agrees_with_unique(top: int) -> None:
+    rng = np.random.default_rng(top % 1000)
+    for n in (0, 1, 2, 17, 4096):
+        values = rng.integers(0, top, size=n, dtype=np.int64)
+        assert duplicated(values) == (np.unique(values).size != n)
+        distinct = np.unique(values)
+        assert not duplicated(rng.permutation(distinct))
+        if distinct.size:
+            assert duplicated(np.append(distinct, distinct[-1]))
+
+
+def test_check_unique_refuses_a_repeat() -> None:
+    check_unique("op", "a block", np.array([5, 1, 3]))
+    with pytest.raises(LLMException) as err:
+        check_unique("op", "a block", np.array([5, 1, 5]))
+    assert err.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
