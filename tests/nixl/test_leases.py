@@ -183,10 +183,13 @@ def moved_bytes(d: LLMDataDist) -> int:
 
 
 @contextlib.asynccontextmanager
-async def linked(**p_cfg: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+async def linked(
+    decoder: dict[str, Any] | None = None, **p_cfg: Any
+) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    """A prompt (options ``p_cfg``) and a decoder (options ``decoder``) linked."""
     async with (
         LLMDataDist(LLMRole.PROMPT, 1, config(**p_cfg)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
+        LLMDataDist(LLMRole.DECODER, 2, config(**(decoder or {}))) as d,
     ):
         assert p.listen_address is not None
         info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
@@ -428,13 +431,7 @@ async def test_a_device_cache_moves_under_a_lease_of_host_memory_in_stream_order
     each transfer waits for the work queued on the holder's stream first (no
     ``synchronize()`` of the caller's). A cache in device memory is never lent: its
     owner must wait for its own queued work before each transfer."""
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(device_type="cuda")) as d,
-    ):
-        assert p.listen_address is not None
-        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
-        assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
+    async with linked(decoder={"device_type": "cuda"}) as (p, d):
         key = BlocksCacheKey(1, 0)
         src = await p.cache_manager.allocate_blocks_cache(desc(), key)
         dst = await d.cache_manager.allocate_blocks_cache(desc())
@@ -456,13 +453,7 @@ async def test_a_device_cache_moves_under_a_lease_of_host_memory_in_stream_order
         await d.cache_manager.push_blocks(key, dst, [6, 8], [11, 12])  # no synchronize()
         assert all(bool((s[[11, 12]] == 3.0).all()) for s in src.tensors)
         assert served(p) == asked
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(device_type="cuda")) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(device_type="cuda")) as d,
-    ):
-        assert p.listen_address is not None
-        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
-        assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
+    async with linked(decoder={"device_type": "cuda"}, device_type="cuda") as (p, d):
         key = BlocksCacheKey(1, 0)
         src = await p.cache_manager.allocate_blocks_cache(desc(), key)
         dst = await d.cache_manager.allocate_blocks_cache(desc())
