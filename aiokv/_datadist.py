@@ -287,7 +287,7 @@ class LLMDataDist:
             secret=secret,
             handshake_timeout=config.handshake_timeout / 1000,
             on_link=_each(leases.on_link, links.add),
-            on_link_lost=_each(leases.on_link_lost, links.lost),
+            on_link_lost=_each(leases.on_link_lost, links.lost, lambda k: stager.drop(k.peer)),
             **extra,
         )
         # memory that grants and requests use, registered once (NIXL needs it; a

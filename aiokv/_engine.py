@@ -18,7 +18,9 @@ Callers reach it from any thread and any async backend:
 
 ``Portal`` is the way back: the engine runs a coroutine function on the loop of the
 caller that captured it (an ``async def`` layer synchronizer waits on the caller's
-events, which belong to the caller's loop).
+events, which belong to the caller's loop), and a caller's blocking ``def`` on the
+engine's synchronizer lane (:attr:`Engine.sync_lane`), never on the loop's default
+executor.
 """
 
 from __future__ import annotations
@@ -28,17 +30,25 @@ import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Final, Generic, ParamSpec, TypeVar
 
 import anyio
 import sniffio
 
 from ._enums import LLMStatusCode
 from ._errors import LLMException
+from ._threads import Lane
 
-__all__ = ["Engine", "Portal", "checkpoint", "on_asyncio"]
+__all__ = ["SYNC_GRACE_S", "SYNC_THREADS", "Engine", "Portal", "checkpoint", "on_asyncio"]
 
 log = logging.getLogger("aiokv")
+
+#: Threads of an engine's synchronizer lane: ``def`` layer synchronizers blocked at once
+#: (more wait for a thread; nothing else of the engine waits on them).
+SYNC_THREADS: Final = 32
+#: How long an engine's end waits for synchronizer threads still blocked before it
+#: abandons them (with a warning naming each): ``finalize`` never waits longer on them.
+SYNC_GRACE_S: Final = 1.0
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -180,6 +190,9 @@ class Engine:
         self._closing = False  # close_soon was called: its first call's task owns the end
         self._sealed = False  # no more submissions: the loop is about to close
         self._last: asyncio.Task[None] | None = None
+        #: where blocking user code runs (``def`` layer synchronizers): daemon threads,
+        #: abandoned after :data:`SYNC_GRACE_S` at the end, never joined at exit
+        self.sync_lane = Lane("aiokv-sync", SYNC_THREADS)
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -191,7 +204,9 @@ class Engine:
             # Whatever still runs was abandoned by its caller: cancel it and let it unwind.
             self._cancel_all()
             self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            # worker threads of `def` synchronizers: joined, not left behind
+            self._close_sync_lane()
+            # nothing of aiokv's blocks on it (each purpose has its lane); it only serves
+            # the loop itself (e.g. getaddrinfo without uvloop)
             self._loop.run_until_complete(self._loop.shutdown_default_executor())
             # calls that reached the loop meanwhile: let them start, then end them too
             with self._exit_lock:
@@ -203,6 +218,18 @@ class Engine:
                 self._exited = True
             for notify in self._on_exit:
                 notify()
+
+    def _close_sync_lane(self) -> None:
+        """Cancel queued synchronizer jobs; wait up to :data:`SYNC_GRACE_S` for those
+        running (their transfers were cancelled), then abandon them, naming each."""
+        for label in self.sync_lane.close(SYNC_GRACE_S):
+            log.warning(
+                "engine %s: the layer synchronizer %s did not return within %g s of the "
+                "end; its thread is abandoned (a daemon: it does not keep the process alive)",
+                self._thread.name,
+                label,
+                SYNC_GRACE_S,
+            )
 
     def submit(self, callback: Callable[[], None]) -> None:
         """Any thread: schedule ``callback()`` on the engine loop.
@@ -431,13 +458,18 @@ def _threadsafe_caller() -> Callable[[Callable[[], None]], None]:
 
 
 class Portal:
-    """Runs coroutine functions, from the engine, on the loop that created this portal.
+    """Runs the caller's code from the engine: coroutine functions on the loop that
+    created this portal, blocking functions on ``lane``.
 
     Created on the caller's side (an asyncio loop or trio); without a running loop (a
     blocking ``aiokv.sync`` caller) coroutines run on the engine loop itself.
+
+    Args:
+        lane: where blocking functions run (the engine's :attr:`Engine.sync_lane`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lane: Lane) -> None:
+        self._lane = lane
         self._loop: asyncio.AbstractEventLoop | None = None
         self._trio: Any = None
         try:
@@ -469,5 +501,12 @@ class Portal:
         if self._trio is not None:
             import trio
 
-            return await asyncio.to_thread(trio.from_thread.run, fn, *args, trio_token=self._trio)
+            token = self._trio
+            return await self.call(lambda: trio.from_thread.run(fn, *args, trio_token=token))
         return await fn(*args)
+
+    async def call(self, fn: Callable[[], T], label: str = "") -> T:
+        """On the engine loop: await ``fn()`` run on the portal's lane (``label`` names
+        it in a warning if it is still running at the engine's end). Cancelled before a
+        thread took it, ``fn`` never runs; cancelled while it runs, it is abandoned."""
+        return await self._lane.run(fn, label)

@@ -67,8 +67,12 @@ class LayerSynchronizer(Protocol):
 
     Where it runs: an ``async def`` on the loop that called ``transfer_cache_async`` (so
     it may wait on that loop's events; from ``aiokv.sync``, on the engine loop); a
-    ``def`` on a worker thread, never on any event loop, so it may block (e.g. on a
-    device event).
+    ``def`` on a thread of the engine's synchronizer lane (at most
+    :data:`~aiokv._engine.SYNC_THREADS` block at once; more wait for a thread), never on
+    any event loop, so it may block (e.g. on a device event) without delaying any other
+    operation. One still blocked when ``finalize`` ends its transfer is abandoned after
+    :data:`~aiokv._engine.SYNC_GRACE_S` with a warning naming it (its thread never keeps
+    the process from exiting).
     """
 
     def synchronize_layer(
@@ -191,12 +195,20 @@ async def _sync(sync: LayerSynchronizer, portal: Portal, layer: int) -> LLMStatu
         if inspect.iscoroutinefunction(fn):
             got = await portal.run(fn, layer, None)
         else:
-            got = await asyncio.to_thread(fn, layer, None)
+            got = await portal.call(lambda: fn(layer, None), _label(sync, layer))
             if inspect.isawaitable(got):  # a def returning an awaitable: the caller's
                 got = await portal.run(_awaited, got)
     except Exception as exc:
         return status_of(exc, log, f"synchronize_layer({layer})")
     return Code.LLM_SUCCESS if got is True else Code.LLM_PARAM_INVALID
+
+
+def _label(sync: LayerSynchronizer, layer: int) -> str:
+    """How a warning names a synchronizer's call (its repr, cut to 200 characters)."""
+    name = repr(sync)
+    if len(name) > 200:
+        name = name[:197] + "..."
+    return f"{name}.synchronize_layer({layer})"
 
 
 async def _awaited(aw: Awaitable[Any]) -> Any:

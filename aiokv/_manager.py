@@ -971,7 +971,7 @@ class CacheManager:
         plans = [plan(op, self._client, source, cfg) for cfg in configs]
         results: list[LLMStatusCode | None] = [None] * len(plans)
         live = [entry] if entry is not None else []
-        portal = Portal()  # an async synchronizer runs on the caller's loop
+        portal = Portal(self._engine.sync_lane)  # an async synchronizer: the caller's loop
         name = f"aiokv-{op}-{src_cache.cache_id}"
 
         def spawn() -> asyncio.Task[None] | None:  # on the engine, which owns the task

@@ -86,7 +86,13 @@ async def linked(route: str, backend: str) -> AsyncIterator[tuple[LLMDataDist, L
         code, _ = await d.link_clusters([info])
         assert code == CODE.LLM_SUCCESS
         yield p, d
-        assert stager(p).in_use == 0 and stager(d).in_use == 0  # every host buffer back
+        # every host buffer back (a grant's room returns when its READ_DONE arrives,
+        # which may be just after the puller's call returned)
+        for _ in range(500):
+            if stager(p).in_use == 0 and stager(d).in_use == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert stager(p).in_use == 0 and stager(d).in_use == 0
 
 
 def stager(dd: LLMDataDist) -> Stager:

@@ -5,8 +5,10 @@ A call (``copy_blocks``, ``copy_many``, ``call``) becomes ONE job on a worker po
 polls or waits on a device. Pools follow llm_datadist: device→host and host→host copies
 (and :meth:`CopyScheduler.call`) on ``swap_out_threads`` threads; host→device and
 device→device copies on ``d2d_threads`` (one) thread, host→device staged through a ring
-of ``swap_in_buffers`` pinned buffers. Threads start on demand, are named
-``aiokv-<pool>-<n>``, and are joined by :meth:`CopyScheduler.aclose`.
+of ``swap_in_buffers`` pinned buffers; the copies that stage transfer bytes
+(:meth:`CopyScheduler.stage`, for :mod:`._staging`) on a pool of their own, so that a
+long local copy never delays a transfer past its deadline. Threads start on demand,
+are named ``aiokv-<pool>-<n>``, and are joined by :meth:`CopyScheduler.aclose`.
 
 Cancellation: a job cancelled before it starts never runs; once started it is never
 abandoned half-way: the awaiting task waits (shielded) for it to finish, then
@@ -40,7 +42,8 @@ class SchedulerConfig:
     """Thread and buffer sizes of a :class:`CopyScheduler` (defaults as llm_datadist).
 
     Attributes:
-        swap_out_threads: threads for device→host and host→host copies and ``call``.
+        swap_out_threads: threads for device→host and host→host copies and ``call``;
+            as many again for the staging copies of transfers (``stage``).
         swap_in_buffers: pinned host staging slots per worker and accelerator; host→device
             (and device→host) index copies cycle through them so transfers overlap.
         d2d_threads: threads for host→device and device→device copies.
@@ -93,11 +96,14 @@ class CopyScheduler:
         self.config = config
         self._swap_out = WorkerPool("swap-out", config.swap_out_threads)
         self._d2d = WorkerPool("d2d", config.d2d_threads)
+        self._stage = WorkerPool("stage", config.swap_out_threads)
         self._closed = False
         self.jobs = jobs if jobs is not None else OpCounter()
         self.inline = inline if inline is not None else OpCounter()
         # Dropped without aclose(): tell the threads to exit (they are not joined).
-        self._finalizer = weakref.finalize(self, _stop_nowait, (self._swap_out, self._d2d))
+        self._finalizer = weakref.finalize(
+            self, _stop_nowait, (self._swap_out, self._d2d, self._stage)
+        )
 
     @property
     def closed(self) -> bool:
@@ -107,15 +113,15 @@ class CopyScheduler:
     @property
     def threads(self) -> list[threading.Thread]:
         """The worker threads started so far."""
-        return [*self._swap_out.threads, *self._d2d.threads]
+        return [*self._swap_out.threads, *self._d2d.threads, *self._stage.threads]
 
     def statistics(self) -> CopyStats:
         """Jobs run (bytes copied, failures, latency), inline copies, the queue now."""
         return CopyStats(
             jobs=self.jobs.snapshot(),
             inline=self.inline.snapshot(),
-            queue_depth=self._swap_out.queue_depth + self._d2d.queue_depth,
-            threads=len(self._swap_out.threads) + len(self._d2d.threads),
+            queue_depth=sum(p.queue_depth for p in (self._swap_out, self._d2d, self._stage)),
+            threads=len(self.threads),
         )
 
     async def copy_blocks(
@@ -177,6 +183,19 @@ class CopyScheduler:
         with self.jobs.measure(0):
             return await self._swap_out.run(fn)
 
+    async def stage(self, fn: Callable[[], T]) -> T:
+        """As :meth:`call`, on the staging pool: the copies that move a transfer's bytes
+        between device and host staging memory (their own threads: local copies and
+        ``call`` jobs never delay them, nor they those).
+
+        Raises:
+            RuntimeError: as :meth:`call`.
+            Exception: whatever ``fn`` raised, unchanged.
+        """
+        self._check_open()
+        with self.jobs.measure(0):
+            return await self._stage.run(fn)
+
     async def aclose(self) -> None:
         """Let queued jobs finish, stop every worker thread and join it. Idempotent.
 
@@ -186,7 +205,7 @@ class CopyScheduler:
             return
         self._closed = True
         self._finalizer.detach()
-        await asyncio.gather(self._swap_out.aclose(), self._d2d.aclose())
+        await asyncio.gather(self._swap_out.aclose(), self._d2d.aclose(), self._stage.aclose())
 
     def _check_open(self) -> None:
         if self._closed:

@@ -14,7 +14,11 @@ and copies it host→device afterwards (:meth:`Stager.reserve`, :meth:`Stager.sc
   likewise with one host→device copy and ``index_copy_``); a few runs are copied
   directly.
 * The host memory in use at once is bounded by :data:`STAGE_LIMIT` per ``Stager``; a
-  caller waits for room (within its deadline). Pipelining — the copy of part i+1 while
+  caller waits for room (within its deadline). The budget is shared per link (the
+  ``owner`` of a request): one owner holds at most ``limit // max(2, owners)`` bytes
+  (one request more while it holds nothing), owners that wait are served in turn, and
+  an owner's queued requests go with its link (:meth:`Stager.drop`) — one peer that
+  never reads cannot starve the others (docs/security.md). Pipelining — the copy of part i+1 while
   part i is on the wire — comes from the caller running parts concurrently
   (:mod:`aiokv._remote._client`), each part at most :data:`PART_BYTES` bytes.
 
@@ -28,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -43,7 +47,15 @@ from ._device import supports_pinning
 from ._kernels import worker_context
 from ._scheduler import CopyScheduler
 
-__all__ = ["MAX_STAGED_BYTES", "PART_BYTES", "STAGE_LIMIT", "Staged", "Stager", "is_staged"]
+__all__ = [
+    "MAX_STAGED_BYTES",
+    "PART_BYTES",
+    "STAGE_LIMIT",
+    "Budget",
+    "Staged",
+    "Stager",
+    "is_staged",
+]
 
 #: Bytes of one part of a staged transfer (the unit the pipeline overlaps).
 PART_BYTES: Final = 8 << 20
@@ -78,20 +90,24 @@ class Staged:
 
     host: torch.Tensor
     view: memoryview
-    _stager: Stager | None = field(repr=False)
+    _budget: Budget | None = field(repr=False)
+    _owner: Hashable = field(repr=False, default=None)
 
     def release(self) -> None:
         """Return the buffer's room to its stager; idempotent. The transport must be done
         with :attr:`view` (a grant's ``done`` ran, or the request returned)."""
-        stager, self._stager = self._stager, None
-        if stager is not None:
-            stager._give(self.host.numel())
+        budget, self._budget = self._budget, None
+        if budget is not None:
+            budget.give(self._owner, self.host.numel())
 
 
 class Stager:
     """Host staging of device-resident transfer bytes, bounded by ``limit`` bytes.
 
-    Use it from one event loop (the engine's); the copies run as jobs of ``scheduler``.
+    Use it from one event loop (the engine's); the copies run as jobs of ``scheduler``'s
+    staging pool. ``owner`` (any hashable; aiokv passes the link's
+    :class:`~aiokv.transport.PeerInfo`) names whose request it is, for the fair share
+    of :class:`Budget`; :meth:`drop` fails an owner's queued requests when it goes.
 
     Args:
         scheduler: the copy scheduler whose workers issue and wait for the copies.
@@ -100,57 +116,63 @@ class Stager:
 
     def __init__(self, scheduler: CopyScheduler, limit: int = STAGE_LIMIT) -> None:
         self._scheduler = scheduler
-        self._limit = limit
-        self._free = limit
-        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self.budget = Budget(limit)
 
     @property
     def in_use(self) -> int:
         """Host bytes lent right now."""
-        return self._limit - self._free
+        return self.budget.limit - self.budget.free
+
+    def drop(self, owner: Hashable) -> None:
+        """``owner``'s link went: its queued requests fail with ``LLM_LINK_FAILED`` now
+        (what it holds comes back as its grants end)."""
+        self.budget.drop(owner)
 
     async def gather(
         self,
         buffers: Sequence[torch.Tensor],
         layout: ByteLayout,
         timeout: float,  # noqa: ASYNC109
+        owner: Hashable = None,
     ) -> Staged:
         """The bytes ``layout`` names of each flat ``uint8`` buffer (all on one device),
         in wire order, copied into a host buffer.
 
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` over the limit; ``LLM_TIMEOUT`` when no
-                room came within ``timeout`` seconds.
+                room came within ``timeout`` seconds; ``LLM_LINK_FAILED`` when
+                ``owner`` was dropped while it waited.
             Exception: whatever torch raised in the worker.
         """
         device = buffers[0].device
         nbytes = layout.total(len(buffers))
-        await self._take(nbytes, timeout)
+        await self.budget.take(owner, nbytes, timeout)
         try:
-            host = await self._scheduler.call(lambda: _gather(buffers, layout, device))
+            host = await self._scheduler.stage(lambda: _gather(buffers, layout, device))
         except BaseException:
-            self._give(nbytes)
+            self.budget.give(owner, nbytes)
             raise
-        return Staged(host, tensor_bytes(host), self)
+        return Staged(host, tensor_bytes(host), self.budget, owner)
 
     async def reserve(
         self,
         nbytes: int,
         device: torch.device,
         timeout: float,  # noqa: ASYNC109
+        owner: Hashable = None,
     ) -> Staged:
         """An uninitialised host buffer of ``nbytes`` to receive bytes bound for ``device``.
 
         Raises:
             LLMException: as :meth:`gather`.
         """
-        await self._take(nbytes, timeout)
+        await self.budget.take(owner, nbytes, timeout)
         try:
-            host = await self._scheduler.call(lambda: _host(nbytes, device))
+            host = await self._scheduler.stage(lambda: _host(nbytes, device))
         except BaseException:
-            self._give(nbytes)
+            self.budget.give(owner, nbytes)
             raise
-        return Staged(host, tensor_bytes(host), self)
+        return Staged(host, tensor_bytes(host), self.budget, owner)
 
     async def scatter(
         self, staged: Staged, buffers: Sequence[torch.Tensor], layout: ByteLayout
@@ -163,7 +185,7 @@ class Stager:
             Exception: whatever torch raised in the worker.
         """
         device = buffers[0].device
-        await self._scheduler.call(lambda: _scatter(staged.host, buffers, layout, device))
+        await self._scheduler.stage(lambda: _scatter(staged.host, buffers, layout, device))
 
     async def settle(self, device: torch.device) -> None:
         """Return once work already queued on ``device``'s current stream has finished
@@ -180,30 +202,82 @@ class Stager:
                 pass
             ctx.synchronize()
 
-        await self._scheduler.call(wait)
+        await self._scheduler.stage(wait)
 
-    # ---- the byte budget: first come, first served ----------------------------------
-    async def _take(self, nbytes: int, timeout: float) -> None:  # noqa: ASYNC109
-        if nbytes > self._limit:
+
+@dataclass(slots=True, eq=False)
+class _Claim:
+    """One request for room: queued until granted, withdrawn, or dropped."""
+
+    owner: Hashable
+    nbytes: int
+    fut: asyncio.Future[None]
+    queued: bool = True
+    granted: bool = False
+
+
+class Budget:
+    """``limit`` bytes lent to owners (links), fairly: the staging byte budget.
+
+    Bookkeeping is synchronous; only :meth:`take` awaits. The rules:
+
+    * An owner may hold at most its share, ``limit // max(2, active owners)`` (owners
+      holding or waiting), except that one holding nothing may always take one request
+      (up to ``limit``). So one owner never holds more than half while another waits.
+    * Waiting owners are served in turn (round-robin), each owner's requests in order.
+      The first owner in turn that is within its share waits for room; owners behind
+      it do not overtake it (a big request is not starved by small ones); owners over
+      their share are passed over.
+    * Exact: ``free + held == limit`` after any interleaving of grants, releases,
+      cancellations, timeouts and :meth:`drop` — a claim granted in the same loop turn
+      as its waiter gave up is given back, one that was not is withdrawn.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.free = limit
+        self.held: dict[Hashable, int] = {}  # owner -> bytes it holds (> 0)
+        self._queues: dict[Hashable, collections.deque[_Claim]] = {}  # in turn order
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued now (some may be withdrawn already, not yet removed)."""
+        return sum(map(len, self._queues.values()))
+
+    def share(self) -> int:
+        """The most one owner holds while others are active."""
+        return self.limit // max(2, len(self.held.keys() | self._queues.keys()))
+
+    async def take(self, owner: Hashable, nbytes: int, timeout: float) -> None:  # noqa: ASYNC109
+        """Wait (at most ``timeout`` seconds) until ``owner`` may hold ``nbytes`` more,
+        and count them as its own (:meth:`give` returns them).
+
+        Raises:
+            LLMException: ``LLM_PARAM_INVALID`` over the limit (nothing waits),
+                ``LLM_TIMEOUT`` past the timeout, ``LLM_LINK_FAILED`` when ``owner``
+                was dropped meanwhile. Cancelled, nothing is held.
+        """
+        if nbytes > self.limit:
             raise LLMException(
-                f"staging {nbytes} bytes exceeds the staging limit of {self._limit}",
+                f"staging {nbytes} bytes exceeds the staging limit of {self.limit}",
                 status_code=LLMStatusCode.LLM_PARAM_INVALID,
             )
-        if not self._waiters and self._free >= nbytes:
-            self._free -= nbytes
+        if not self._queues and nbytes <= self.free and self._within(owner, nbytes):
+            self._grant(owner, nbytes)
             return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiter = (nbytes, fut)
-        self._waiters.append(waiter)
+        claim = _Claim(owner, nbytes, asyncio.get_running_loop().create_future())
+        self._queues.setdefault(owner, collections.deque()).append(claim)
+        self._dispatch()
+        if claim.granted:
+            return
         try:
             async with asyncio.timeout(timeout):
-                await fut
+                await claim.fut
         except BaseException as exc:
-            if fut.done() and not fut.cancelled():
-                self._give(nbytes)  # the room came just as we gave up
-            else:
-                self._waiters.remove(waiter)
-                self._give(0)  # a smaller request behind us may fit now
+            if claim.granted:
+                self.give(owner, nbytes)  # the room came in the turn we gave up
+            elif claim.queued:
+                self._withdraw(claim)
             if isinstance(exc, TimeoutError):
                 raise LLMException(
                     f"no host staging room for {nbytes} bytes within {timeout:.3g} s",
@@ -211,13 +285,82 @@ class Stager:
                 ) from None
             raise
 
-    def _give(self, nbytes: int) -> None:
-        self._free += nbytes
-        waiters = self._waiters
-        while waiters and self._free >= waiters[0][0]:
-            n, fut = waiters.popleft()
-            self._free -= n
-            fut.set_result(None)
+    def give(self, owner: Hashable, nbytes: int) -> None:
+        """``owner`` returns ``nbytes`` it held; waiting owners are served."""
+        left = self.held.get(owner, 0) - nbytes
+        if left < 0 or nbytes < 0:
+            raise RuntimeError(f"staging budget: {owner!r} returns more than it holds")
+        if left:
+            self.held[owner] = left
+        else:
+            del self.held[owner]
+        self.free += nbytes
+        self._dispatch()
+
+    def drop(self, owner: Hashable) -> None:
+        """Fail ``owner``'s queued claims with ``LLM_LINK_FAILED`` (only claims made
+        under this very object: an equal owner of a newer link keeps its own)."""
+        queue = self._queues.get(owner)
+        if queue is None:
+            return
+        mine = [c for c in queue if c.owner is owner]
+        for claim in mine:
+            claim.queued = False
+            if not claim.fut.done():
+                claim.fut.set_exception(
+                    LLMException(
+                        "staging: the link went while its request waited for room",
+                        status_code=LLMStatusCode.LLM_LINK_FAILED,
+                    )
+                )
+        rest = [c for c in queue if c.owner is not owner]
+        if rest:
+            self._queues[owner] = collections.deque(rest)
+        else:
+            del self._queues[owner]
+        self._dispatch()
+
+    def _within(self, owner: Hashable, nbytes: int) -> bool:
+        held = self.held.get(owner, 0)
+        return not held or held + nbytes <= self.share()
+
+    def _grant(self, owner: Hashable, nbytes: int) -> None:
+        self.free -= nbytes
+        self.held[owner] = self.held.get(owner, 0) + nbytes
+
+    def _withdraw(self, claim: _Claim) -> None:
+        claim.queued = False
+        queue = self._queues[claim.owner]
+        queue.remove(claim)
+        if not queue:
+            del self._queues[claim.owner]
+        self._dispatch()  # a request behind it, or an owner whose share grew, may fit
+
+    def _dispatch(self) -> None:
+        """Grant what the rules allow now, in turn order (see the class docstring)."""
+        while self._queues:
+            for owner, queue in self._queues.items():
+                while queue and queue[0].fut.done():  # its waiter gave up this turn
+                    queue.popleft().queued = False
+                if not queue:
+                    del self._queues[owner]
+                    break  # the ring changed: start over
+                claim = queue[0]
+                if not self._within(owner, claim.nbytes):
+                    continue  # over its share: the others go first
+                if claim.nbytes > self.free:
+                    return  # its turn: it waits for room, nobody overtakes it
+                queue.popleft()
+                claim.queued = False
+                claim.granted = True
+                self._grant(owner, claim.nbytes)
+                claim.fut.set_result(None)
+                del self._queues[owner]
+                if queue:
+                    self._queues[owner] = queue  # to the back of the turn
+                break
+            else:
+                return  # every waiting owner is over its share
 
 
 def _idle(device: torch.device) -> bool:

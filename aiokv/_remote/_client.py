@@ -240,9 +240,9 @@ class RemoteClient:
             bufs = [flat[t - job.tensors.start] for t in part.tensors]
             with map_errors(op):
                 if write:
-                    box = await self._stager.gather(bufs, part.layout, left)
+                    box = await self._stager.gather(bufs, part.layout, left, link.peer)
                 else:
-                    box = await self._stager.reserve(part.nbytes, bufs[0].device, left)
+                    box = await self._stager.reserve(part.nbytes, bufs[0].device, left, link.peer)
             try:
                 await self.transfer(
                     op, link, part.request, [box.view], write=write, about=about, timeout=left

@@ -294,9 +294,9 @@ class PeerService:
                 await stager.settle(plan.buffers[0].device)
             elif write:
                 nbytes = plan.layout.total(len(plan.buffers))
-                staged = await stager.reserve(nbytes, plan.buffers[0].device, timeout)
+                staged = await stager.reserve(nbytes, plan.buffers[0].device, timeout, peer)
             else:
-                staged = await stager.gather(plan.buffers, plan.layout, timeout)
+                staged = await stager.gather(plan.buffers, plan.layout, timeout, peer)
         except BaseException as exc:
             self._registry.unpin(*plan.entries)
             if isinstance(exc, LLMException):

@@ -344,13 +344,16 @@ class NixlLink(TcpLink):
         self, xfer: object, stop: Callable[[], bool], *, posted: str | None
     ) -> str:
         """Post ``xfer`` (unless ``posted``: its state after the post) and poll it from a
-        worker thread (``time.sleep`` back-off) until it ends, ``stop()`` or we are
-        cancelled; the thread is always seen out."""
+        thread of the transport's wait lane (``time.sleep`` back-off) until it ends,
+        ``stop()`` or we are cancelled. A job no thread took yet when we are cancelled
+        never runs; one that started is always seen out."""
         agent = self._n.agent
         assert agent is not None
         stopped = threading.Event()
 
         def work() -> str:
+            if posted is None and (stopped.is_set() or stop()):
+                return "PROC"  # over before a thread was free: never posted
             state, delay = posted or agent.post(xfer), POLL_MIN_S
             while state == "PROC" and not stopped.is_set() and not stop():
                 time.sleep(delay)
@@ -358,7 +361,9 @@ class NixlLink(TcpLink):
                 state = agent.state(xfer)
             return state
 
-        fut = self._loop.run_in_executor(None, work)
+        # the transport's own lane: threads blocked elsewhere (a synchronizer) never delay it
+        job = self._n.wait_lane.submit(work, f"NIXL wait of {self!r}")
+        fut = asyncio.wrap_future(job)
         cancelled = False
         while not fut.done():
             try:
@@ -366,6 +371,8 @@ class NixlLink(TcpLink):
             except asyncio.CancelledError:
                 cancelled = True
                 stopped.set()
+                if job.cancel():  # no thread took it yet: it never runs
+                    break
         if cancelled:
             raise asyncio.CancelledError
         return fut.result()

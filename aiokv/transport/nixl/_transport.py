@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Final
 
 import numpy as np
 
+from ..._threads import Lane
 from .. import _wire as wire
 from .._base import Link, LinkCallback, RequestHandler, check_address, check_connect_timeout
 from .._tls import TlsContexts
@@ -54,6 +55,9 @@ _log = logging.getLogger("aiokv.transport.nixl")
 
 # how long aclose waits for transfers still being settled before it drops the agent
 _CLOSE_WAIT_S: Final = 5.0
+#: Threads of a transport's wait lane: big transfers waited for at once (more wait for
+#: a thread within their deadline; one whose deadline passes first is never posted).
+WAIT_THREADS: Final = 16
 
 
 class NixlTransport(TcpTransport):
@@ -115,6 +119,9 @@ class NixlTransport(TcpTransport):
         self.xfers = 0  # NIXL transfers not yet released (all links)
         self.moved = 0  # transfers this side made over NIXL (requests' and one-sided)
         self.moved_bytes = 0  # their bytes
+        #: threads that post and wait for big transfers (and create the agent): this
+        #: transport's own, so nothing blocked elsewhere can delay a transfer
+        self.wait_lane = Lane("aiokv-nixl-wait", WAIT_THREADS)
 
     # ------------------------------------------------------------------ memory hooks
 
@@ -198,14 +205,14 @@ class NixlTransport(TcpTransport):
         return link
 
     async def _start_agent(self, op: str) -> None:
-        loop = self._bind_loop(op)
+        self._bind_loop(op)
         if self.agent is not None:
             return
         if self._starting is None:
             self._starting = asyncio.Lock()
         async with self._starting:
             if self.agent is None:
-                self.agent = await loop.run_in_executor(None, self._make_agent)
+                self.agent = await self.wait_lane.run(self._make_agent, "NIXL agent creation")
 
     def _make_agent(self) -> Agent:
         agent = Agent(self.agent_name)
@@ -311,6 +318,7 @@ class NixlTransport(TcpTransport):
         # callers still settling their transfers (each bounded): a short, bounded poll
         while self.xfers and loop.time() < end:  # noqa: ASYNC110
             await asyncio.sleep(0.001)
+        self.wait_lane.close(0)  # no transfer is waited for now (or it is leaked below)
         agent, self.agent = self.agent, None
         if agent is None or self.xfers:
             return  # leaked transfers keep the agent alive; NIXL frees it with them

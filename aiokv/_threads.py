@@ -1,0 +1,155 @@
+"""``Lane``: a bounded pool of daemon threads for ONE purpose of an engine.
+
+The engine never runs blocking work on its loop's default executor: each purpose has a
+lane of its own, so one purpose filling its threads cannot delay another
+(docs/design.md, "Threads and who owns them"):
+
+* the ``def`` layer synchronizers (and the hop to an ``async def`` one on trio), owned
+  by the :class:`~aiokv._engine.Engine`: user code that may block for as long as the
+  model takes, or forever;
+* NIXL transfer waits (and the agent's creation), owned by the NIXL transport.
+
+(Staging copies run on the copy scheduler's own ``stage`` pool, :mod:`aiokv._copy`.)
+
+Rules: a job whose waiter is cancelled (or times out) before a thread picked it up
+never runs; a job that started runs to its end on its thread (Python cannot stop a
+thread), and a caller that does not wait for it abandons it. Threads are daemons and
+are never joined at interpreter exit, so a job that never returns cannot hang exit;
+:meth:`Lane.close` waits for running jobs for a bounded time only and names the ones it
+abandons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
+
+__all__ = ["Lane"]
+
+T = TypeVar("T")
+
+#: Marks the end of the queue for one thread.
+_STOP: Final = None
+
+
+class _Job:
+    __slots__ = ("fn", "future", "label")
+
+    def __init__(self, fn: Callable[[], Any], label: str) -> None:
+        self.fn = fn
+        self.label = label
+        self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+
+class Lane:
+    """Up to ``size`` daemon threads named ``<name>-<n>``, started on demand, fed by
+    one FIFO queue. Usable from any thread.
+
+    Args:
+        name: the threads' name prefix (``aiokv-sync``).
+        size: most threads at once; more jobs wait in the queue for one.
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"Lane {name}: size={size} must be >= 1")
+        self.name = name
+        self.size = size
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting on the queue
+        self._running: dict[threading.Thread, str] = {}  # thread -> label of its job
+        self._closed = False
+
+    @property
+    def threads(self) -> int:
+        """Threads started so far (alive or not)."""
+        return len(self._threads)
+
+    def running(self) -> list[str]:
+        """Labels of the jobs running now."""
+        with self._lock:
+            return list(self._running.values())
+
+    def submit(self, fn: Callable[[], T], label: str = "") -> concurrent.futures.Future[T]:
+        """Queue ``fn()``; its future. ``future.cancel()`` succeeds (and ``fn`` never runs)
+        exactly when no thread has picked the job up yet.
+
+        Raises:
+            RuntimeError: the lane is closed.
+        """
+        job = _Job(fn, label or getattr(fn, "__qualname__", repr(fn)))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"lane {self.name} is closed")
+            self._queue.put(job)
+            if self._idle:
+                self._idle -= 1
+            elif len(self._threads) < self.size:
+                t = threading.Thread(
+                    target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True
+                )
+                self._threads.append(t)
+                t.start()
+        return job.future
+
+    async def run(self, fn: Callable[[], T], label: str = "") -> T:
+        """Await ``fn()`` run on a thread of the lane.
+
+        Cancelled before a thread picked it up, ``fn`` never runs; cancelled while it
+        runs, this raises at once and the job runs on, abandoned (its outcome dropped).
+        """
+        return await asyncio.wrap_future(self.submit(fn, label))
+
+    def close(self, grace: float) -> list[str]:
+        """Stop the lane: queued jobs are cancelled (never run), threads exit after their
+        job; wait up to ``grace`` seconds for them (blocking the caller). Returns the
+        labels of the jobs still running then, whose threads are abandoned. Idempotent.
+        """
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                while True:
+                    try:
+                        job = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is not None:
+                        job.future.cancel()
+                for _ in self._threads:
+                    self._queue.put(_STOP)
+            threads = list(self._threads)
+        end = time.monotonic() + grace
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        return self.running()
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                if self._closed or not job.future.set_running_or_notify_cancel():
+                    job.future.cancel()  # closed meanwhile: it never runs
+                    self._idle += 1
+                    continue
+                self._running[me] = job.label
+            try:
+                result = job.fn()
+            except BaseException as exc:
+                job.future.set_exception(exc)
+            else:
+                job.future.set_result(result)
+            finally:
+                with self._lock:
+                    del self._running[me]
+                    self._idle += 1
+            del job  # drop what the job referenced before blocking again
