@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import warnings
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Final, Generic, ParamSpec, TypeVar
 
@@ -223,13 +224,13 @@ class Engine:
         """Cancel queued synchronizer jobs; wait up to :data:`SYNC_GRACE_S` for those
         running (their transfers were cancelled), then abandon them, naming each."""
         for label in self.sync_lane.close(SYNC_GRACE_S):
-            log.warning(
-                "engine %s: the layer synchronizer %s did not return within %g s of the "
-                "end; its thread is abandoned (a daemon: it does not keep the process alive)",
-                self._thread.name,
-                label,
-                SYNC_GRACE_S,
+            msg = (
+                f"{self._thread.name}: the layer synchronizer {label} did not return within "
+                f"{SYNC_GRACE_S:g} s of the end; its thread is abandoned (a daemon thread: "
+                "it does not keep the process from exiting)"
             )
+            warnings.warn(msg, RuntimeWarning, stacklevel=1)
+            log.warning("%s", msg)  # for applications that collect logs, not warnings
 
     def submit(self, callback: Callable[[], None]) -> None:
         """Any thread: schedule ``callback()`` on the engine loop.

@@ -111,12 +111,13 @@ class Stager:
 
     Args:
         scheduler: the copy scheduler whose workers issue and wait for the copies.
-        limit: host bytes lent at once; a request over it is refused, others wait.
+        limit: host bytes lent at once (default :data:`STAGE_LIMIT`); a request over it
+            is refused, others wait.
     """
 
-    def __init__(self, scheduler: CopyScheduler, limit: int = STAGE_LIMIT) -> None:
+    def __init__(self, scheduler: CopyScheduler, limit: int | None = None) -> None:
         self._scheduler = scheduler
-        self.budget = Budget(limit)
+        self.budget = Budget(STAGE_LIMIT if limit is None else limit)
 
     @property
     def in_use(self) -> int:
