@@ -57,7 +57,7 @@ _log = logging.getLogger("aiokv.transport.nixl")
 _CLOSE_WAIT_S: Final = 5.0
 #: Threads of a transport's wait lane: big transfers waited for at once (more wait for
 #: a thread within their deadline; one whose deadline passes first is never posted).
-WAIT_THREADS: Final = 16
+WAIT_THREADS: Final = 32
 
 
 class NixlTransport(TcpTransport):
