@@ -14,13 +14,14 @@ and copies it host→device afterwards (:meth:`Stager.reserve`, :meth:`Stager.sc
   likewise with one host→device copy and ``index_copy_``); a few runs are copied
   directly.
 * The host memory in use at once is bounded by :data:`STAGE_LIMIT` per ``Stager``; a
-  caller waits for room (within its deadline). The budget is shared per link (the
-  ``owner`` of a request): one owner holds at most ``limit // max(2, owners)`` bytes
-  (one request more while it holds nothing), owners that wait are served in turn, and
-  an owner's queued requests go with its link (:meth:`Stager.drop`) — one peer that
-  never reads cannot starve the others (docs/security.md). Pipelining — the copy of part i+1 while
-  part i is on the wire — comes from the caller running parts concurrently
-  (:mod:`aiokv._remote._client`), each part at most :data:`PART_BYTES` bytes.
+  caller waits for room (within its deadline). The budget (:class:`Budget`) is shared
+  per link, the ``owner`` of a request: one owner holds at most
+  ``limit // max(2, owners)`` bytes (one request more while it holds nothing), owners
+  that wait are served in turn, and an owner's queued requests go with its link
+  (:meth:`Stager.drop`): one peer that never reads cannot starve the others.
+* Pipelining — the copy of part i+1 while part i is on the wire — comes from the
+  caller running parts concurrently (:mod:`aiokv._remote._client`), each part at most
+  :data:`PART_BYTES` bytes.
 
 For tests on machines without an accelerator, ``AIOKV_TEST_STAGE_HOST=1`` in the
 environment makes CPU caches take the staged path too (:func:`is_staged`); it changes
