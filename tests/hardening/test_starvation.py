@@ -138,6 +138,41 @@ async def test_blocked_synchronizers_do_not_delay_an_unrelated_nixl_transfer() -
                 await t.synchronize(10_000)
 
 
+@needs_nixl
+async def test_a_nixl_wait_no_thread_took_ends_at_the_deadline_and_never_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the transport's wait lane full, an 8 MiB NIXL pull fails with LLM_TIMEOUT at
+    sync_kv_timeout (not when a thread frees up), and its transfer is never posted."""
+    from aiokv.transport.nixl import _transport as nixl_transport
+
+    monkeypatch.setattr(nixl_transport, "WAIT_THREADS", 1)
+    layer = CacheDesc(2, [16, 256 * 1024], DataType.DT_UINT8)  # 8 MiB
+    gate = threading.Event()
+    async with linked("nixl", sync_kv_timeout=1000) as (p, d):
+        await p.cache_manager.allocate_blocks_cache(layer, BlocksCacheKey(1, 0))
+        dst = await d.cache_manager.allocate_blocks_cache(layer)
+        transport = d._transport  # type: ignore[attr-defined]
+        blocker = transport.wait_lane.submit(lambda: gate.wait(30), "blocker")
+        blocks = list(range(16))
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(LLMException) as ei:
+                await asyncio.wait_for(
+                    d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks), 10
+                )
+            took = time.monotonic() - t0
+            assert ei.value.status_code == CODE.LLM_TIMEOUT
+            assert took < 4, f"{took:.2f} s"
+            moved = transport.moved
+        finally:
+            gate.set()
+        await asyncio.wrap_future(blocker)
+        await asyncio.sleep(0.2)
+        assert transport.moved == moved and transport.xfers == 0  # never posted later
+        assert transport.wait_lane.running() == []
+
+
 async def test_a_queued_synchronizer_whose_transfer_is_cancelled_never_runs() -> None:
     """Transfers beyond the synchronizer lane's threads wait for one; cancelled while
     they wait, their synchronizer is never called (not when a thread frees up either)."""
