@@ -187,7 +187,7 @@ async def test_a_queued_synchronizer_whose_transfer_is_cancelled_never_runs() ->
         syncs = [Blocked(release) for _ in range(SYNC_THREADS + 4)]
         tasks = [d.cache_manager.transfer_cache_async(src, s, [cfg]) for s in syncs]
         try:
-            for _ in range(500):
+            for _ in range(2000):
                 if sum(s.calls for s in syncs) == SYNC_THREADS:
                     break
                 await asyncio.sleep(0.01)
