@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 import torch
 
+from aiokv import LLMException
 from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
 from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._plan import Hold, Load, Release, StepPlan
 from aiokv.integrations.vllm._worker import DoneNotice, TransferResults, blocks_desc
+from aiokv.transport import get_transport
 
 LAYERS, BLOCKS, SHAPE = (
     3,
@@ -29,11 +31,20 @@ def kv(seed: int) -> dict[str, torch.Tensor]:
     return {f"layer.{i}": torch.randn(BLOCKS, *SHAPE, generator=g) for i in range(LAYERS)}
 
 
-@pytest.fixture
-def pair() -> Iterator[
-    tuple[WorkerSide, dict[str, torch.Tensor], WorkerSide, dict[str, torch.Tensor]]
-]:
-    opts = ConnectorOptions.parse({"transfer_timeout_ms": 3000, "link_timeout_ms": 2000})
+Pair = tuple[WorkerSide, dict[str, torch.Tensor], WorkerSide, dict[str, torch.Tensor]]
+
+
+@pytest.fixture(params=["tcp", "nixl"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A prefill and a decode worker over ``tcp`` or ``nixl``."""
+    if request.param == "nixl":
+        try:
+            get_transport("nixl")
+        except LLMException as exc:
+            pytest.skip(f"nixl: {exc}")
+    opts = ConnectorOptions.parse(
+        {"transfer_timeout_ms": 3000, "link_timeout_ms": 2000, "transfer_backend": request.param}
+    )
     p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
     pkv, dkv = kv(1), kv(2)
     p.start(pkv)
