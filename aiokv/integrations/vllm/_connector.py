@@ -41,6 +41,18 @@ __all__ = ["AiokvConnector", "AiokvHandshake", "AiokvMetadata"]
 log = logging.getLogger("aiokv.vllm")
 
 
+def _log_like_vllm() -> None:
+    """Show the connector's records (logger ``aiokv.vllm``) where vLLM shows its own,
+    unless the application configured that logger."""
+    ours, theirs = logging.getLogger("aiokv.vllm"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
 @dataclass
 class AiokvHandshake(KVConnectorHandshakeMetadata):
     """Where one worker rank listens (worker → scheduler, at start-up)."""
@@ -75,6 +87,7 @@ class AiokvConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None and transfer.engine_id is not None
         self._options = ConnectorOptions.parse(
