@@ -227,3 +227,21 @@ def test_blocking_api() -> None:
         taker.join(10)
         assert not taker.is_alive()
         assert got == [(2, b"a"), (2, b"b")]
+
+
+async def test_prometheus_exports_the_counters() -> None:
+    pytest.importorskip("prometheus_client")
+    from aiokv.metrics import Collector
+
+    async with linked("local") as (p, d):
+        await d.send_notification(1, b"a")
+        await d.send_notification(1, b"b")
+        samples = {
+            (s.name, s.labels.get("state")): s.value
+            for fam in Collector(p, d).collect()
+            for s in fam.samples
+            if s.labels.get("cluster") == "1" and s.name.startswith("aiokv_notifications")
+        }
+        assert samples[("aiokv_notifications_total", "received")] == 2
+        assert samples[("aiokv_notifications_total", "refused")] == 0
+        assert samples[("aiokv_notifications_queued", None)] == 2
