@@ -24,9 +24,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import anyio
 import msgspec
@@ -62,6 +62,9 @@ _DEVICES: Final[dict[str, Literal["cpu", "cuda", "npu"]]] = {
     "cuda": "cuda",
     "npu": "npu",
 }
+
+
+_Item = TypeVar("_Item", Load, Release)
 
 
 class DoneNotice(msgspec.Struct, frozen=True):
@@ -244,7 +247,7 @@ class WorkerSide:
             self._early.popitem(last=False)
 
     # ---- loads ----------------------------------------------------------------------------
-    def _spawn(self, fn: Any, item: Load | Release) -> None:
+    def _spawn(self, fn: Callable[[_Item], Awaitable[None]], item: _Item) -> None:
         if self._portal is None:
             if isinstance(item, Load):
                 self._ended(item.request_id, ok=False)
