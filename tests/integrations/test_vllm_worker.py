@@ -212,3 +212,22 @@ def test_blocks_desc_refuses_other_layouts() -> None:
         blocks_desc([torch.zeros(2, 4, 8, 16).transpose(0, 1)])
     with pytest.raises(ValueError, match="no KV"):
         blocks_desc([])
+
+
+def test_prefill_gone_after_linking_fails_the_next_load() -> None:
+    opts = ConnectorOptions.parse({"link_timeout_ms": 1000, "transfer_timeout_ms": 1000})
+    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
+    p.start(kv(5))
+    d.start(kv(6))
+    try:
+        d.step(StepPlan(loads=(load(p, "first", [1], [1]),)))
+        assert wait_for(d, lambda a: "first" in a.finished_recving).failed_recving == set()
+        p.close()  # the prefill dies; the decode's link to it breaks
+        start = time.monotonic()
+        d.step(StepPlan(loads=(load(p, "second", [2], [2]),)))
+        done = wait_for(d, lambda a: "second" in a.finished_recving, timeout=10)
+        assert done.failed_recving == {"second"}
+        assert time.monotonic() - start < 3
+    finally:
+        d.close()
+        p.close()
