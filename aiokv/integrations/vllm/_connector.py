@@ -124,6 +124,9 @@ class AiokvConnector(KVConnectorBase_V1):
         assert self._scheduler is not None, "a scheduler-side call on a worker connector"
         return self._scheduler
 
+    def on_new_request(self, request: Request) -> None:
+        self._sched().arrived(request.request_id, request.kv_transfer_params)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
