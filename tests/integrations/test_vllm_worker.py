@@ -16,7 +16,12 @@ from aiokv import LLMException
 from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
 from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._plan import Hold, Load, Release, StepPlan
-from aiokv.integrations.vllm._worker import DoneNotice, TransferResults, blocks_desc
+from aiokv.integrations.vllm._worker import (
+    DoneNotice,
+    TransferResults,
+    blocks_desc,
+    logical_blocks,
+)
 from aiokv.transport import get_transport
 
 LAYERS, BLOCKS, SHAPE = (
@@ -212,6 +217,9 @@ def test_blocks_desc_refuses_other_layouts() -> None:
         blocks_desc([torch.zeros(2, 4, 8, 16).transpose(0, 1)])
     with pytest.raises(ValueError, match="no KV"):
         blocks_desc([])
+    assert blocks_desc([t], num_blocks=4).shape == (4, 2, 8, 16)
+    with pytest.raises(ValueError, match="blocks first"):  # e.g. [2, num_blocks, ...]
+        blocks_desc([torch.zeros(2, 4, 8, 16)], num_blocks=4)
 
 
 def test_prefill_gone_after_linking_fails_the_next_load() -> None:
@@ -231,3 +239,12 @@ def test_prefill_gone_after_linking_fails_the_next_load() -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_kernel_blocks_smaller_than_vllm_blocks_are_grouped() -> None:
+    t = torch.arange(8 * 3 * 4, dtype=torch.float32).reshape(8, 3, 4)  # 8 kernel blocks
+    (v,) = logical_blocks([t], num_blocks=4)  # 4 vLLM blocks of 2 kernel blocks each
+    assert v.shape == (4, 2, 3, 4) and v.data_ptr() == t.data_ptr()
+    assert torch.equal(v[1], t[2:4])
+    assert logical_blocks([t], None)[0] is t
+    assert logical_blocks([t], 8)[0] is t

@@ -187,7 +187,7 @@ class AiokvConnector(KVConnectorBase_V1):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work().start(kv_caches)
+        self._work().start(kv_caches, self._kv_cache_config.num_blocks)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         endpoint = self._work().endpoint
