@@ -245,3 +245,57 @@ async def test_prometheus_exports_the_counters() -> None:
         assert samples[("aiokv_notifications_total", "received")] == 2
         assert samples[("aiokv_notifications_total", "refused")] == 0
         assert samples[("aiokv_notifications_queued", None)] == 2
+
+
+def test_under_trio() -> None:
+    import anyio
+
+    async def main() -> list[tuple[int, bytes]]:
+        async with (
+            LLMDataDist(LLMRole.PROMPT, 1, config("tcp")) as p,
+            LLMDataDist(LLMRole.DECODER, 2, config("tcp")) as d,
+        ):
+            code, _ = await d.link_clusters([info(1, p.listen_address)])
+            assert code == CODE.LLM_SUCCESS
+            got: list[tuple[int, bytes]] = []
+            async with anyio.create_task_group() as tg:
+
+                async def take() -> None:
+                    async for item in p.notifications():
+                        got.append(item)
+                        if len(got) == 2:
+                            tg.cancel_scope.cancel()
+
+                tg.start_soon(take)
+                await d.send_notification(1, b"one")
+                await d.send_notification(1, b"two")
+            await d.send_notification(1, b"three")  # the cancelled iterator lost nothing
+            return [*got, *p.get_notifications()]
+
+    assert anyio.run(main, backend="trio") == [(2, b"one"), (2, b"two"), (2, b"three")]
+
+
+async def test_inbox_waiting_takes_nothing() -> None:
+    # the iterators take a notification on the caller's side, after the engine-side
+    # wait: a wait cancelled at any point (even as a notification arrives) loses none
+    from aiokv._remote import Inbox
+
+    inbox = Inbox(capacity=2)
+    assert not inbox.put(1, b"closed")  # refused before open()
+    inbox.open()
+    waiter = asyncio.ensure_future(inbox.wait())
+    await asyncio.sleep(0)
+    assert inbox.put(1, b"x") and inbox.put(1, b"y") and not inbox.put(1, b"full")
+    assert await waiter is True
+    waiter = asyncio.ensure_future(inbox.wait())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    assert inbox.pop() == (1, b"x")
+    assert inbox.drain() == [(1, b"y")]
+    assert inbox.pop() is None
+    stats = inbox.statistics()
+    assert (stats.received, stats.refused, stats.queued) == (2, 2, 0)
+    closer = asyncio.ensure_future(inbox.wait())
+    await asyncio.sleep(0)
+    inbox.close()
+    assert await closer is False
