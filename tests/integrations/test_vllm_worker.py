@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -122,13 +123,16 @@ def test_notice_before_the_hold_still_frees(pair: Any) -> None:
 
 def test_a_notice_with_a_wrong_token_frees_nothing(pair: Any) -> None:
     p, _, d, _ = pair
-    p.step(StepPlan(holds=(Hold("p-r3", "right", 60.0),)))
+    p.step(StepPlan(holds=(Hold("p-r3", "right", 60.0), Hold("p-r3b", "b", 60.0))))
     d.step(StepPlan(loads=(load(p, "r3", [1], [2], "wrong"),)))
     wait_for(d, lambda a: "r3" in a.finished_recving)
-    assert d._dd is not None and p._dd is not None
+    assert d._dd is not None and d._portal is not None
     d._portal.call(d._dd.send_notification, p.cluster_id, b"not json")  # malformed: ignored
-    time.sleep(0.3)
-    assert p.results().finished_sending == set()
+    valid = msgspec.json.encode(DoneNotice("p-r3b", "b"))
+    d._portal.call(d._dd.send_notification, p.cluster_id, valid)
+    # notifications arrive in order: once the last one freed p-r3b, the others were seen
+    done = wait_for(p, lambda a: "p-r3b" in a.finished_sending)
+    assert done.finished_sending == {"p-r3b"}
     assert "p-r3" in p._holds
 
 
@@ -192,17 +196,20 @@ def test_step_never_blocks(pair: Any) -> None:
 
 
 def test_close_is_idempotent_and_stops_loads() -> None:
+    before = {t.ident for t in threading.enumerate()}
     d = WorkerSide(ConnectorOptions.parse({}), engine_id="D", rank=0)
     d.start(kv(4))
-    d.step(StepPlan(loads=(Load("r10", (1,), (1,), "p", "t", (Endpoint("10.255.255.1", 9, 99),)),)))
+    hung = Endpoint("10.255.255.1", 9, 99)  # unroutable: this load would wait its bound
+    d.step(StepPlan(loads=(Load("r10", (1,), (1,), "p", "t", (hung,)),)))
+    start = time.monotonic()
     d.close()
     d.close()
-    assert threading.active_count() < 50
+    assert time.monotonic() - start < 3  # the load was stopped, not waited for
+    assert {t.ident for t in threading.enumerate()} <= before  # no thread left behind
+    assert d.results().finished_recving <= {"r10"}
 
 
 def test_done_notice_is_small_json() -> None:
-    import msgspec
-
     raw = msgspec.json.encode(DoneNotice("req-1", "abc"))
     assert raw == b'{"request":"req-1","token":"abc"}'
 
