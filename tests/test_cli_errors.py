@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from aiokv._bench import _plot, transfer
 from aiokv import cli
+from aiokv._bench import _plot, transfer
 from aiokv.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
