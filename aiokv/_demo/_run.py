@@ -5,8 +5,8 @@ Rounds: ``warmup`` (layer-wise, not timed), then ``opts.rounds`` times ``serial`
 (prefill everything, then send) and ``layerwise`` (send layer i while layer i + 1
 computes), alternating; every time reported is the median over the rounds of its kind,
 and :attr:`DemoResult.noise` says when the rounds disagree too much to tell. Every
-round's tokens are checked. Before each round every decoder fills its whole cache with garbage, so its tokens come from what that round
-sent. Afterwards the prefill process decodes the batch colocated (one process, no
+round's tokens are checked. Before each round every decoder fills its whole cache with
+garbage, so its tokens come from what that round sent. Afterwards the prefill process decodes the batch colocated (one process, no
 transfer): the reference every decoder's tokens must equal.
 """
 
