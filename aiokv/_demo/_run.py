@@ -6,8 +6,9 @@ Rounds: ``warmup`` (layer-wise, not timed), then ``opts.rounds`` times ``serial`
 computes), alternating; every time reported is the median over the rounds of its kind,
 and :attr:`DemoResult.noise` says when the rounds disagree too much to tell. Every
 round's tokens are checked. Before each round every decoder fills its whole cache with
-garbage, so its tokens come from what that round sent. Afterwards the prefill process decodes the batch colocated (one process, no
-transfer): the reference every decoder's tokens must equal.
+garbage, so its tokens come from what that round sent. Afterwards the prefill process
+decodes the batch colocated (one process, no transfer): the reference every decoder's
+tokens must equal.
 """
 
 from __future__ import annotations
