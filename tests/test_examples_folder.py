@@ -70,3 +70,17 @@ def test_the_example_test_suite_passes_with_the_plugin() -> None:
     done = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLES / "test_suite"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "10 passed" in done.stdout, done.stdout
+
+
+def test_the_engine_guide_includes_every_section_of_the_program() -> None:
+    """docs/engines.md shows the program's code by its marked sections (snippets)."""
+    import re
+
+    guide = (ROOT / "docs" / "engines.md").read_text()
+    program = (EXAMPLES / "engine_integration.py").read_text()
+    included = re.findall(r'--8<-- "examples/engine_integration\.py:(\w+)"', guide)
+    starts = re.findall(r"# --8<-- \[start:(\w+)\]", program)
+    ends = re.findall(r"# --8<-- \[end:(\w+)\]", program)
+    assert starts == ends and len(set(starts)) == len(starts)
+    assert sorted(included) == sorted(starts)
+    assert len(starts) >= 6
