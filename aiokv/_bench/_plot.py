@@ -35,7 +35,7 @@ UNITS = {
     "us": "time, µs",
 }
 #: columns that say what was measured on, shown in the x labels (in this order)
-_SIZE_KEYS = ("case", "block_kib", "block", "count", "nblocks", "K", "tensors", "op")
+_SIZE_KEYS = ("case", "block_kib", "block", "count", "nblocks", "K", "op")
 #: how the x axis names an input column
 _AXIS = {"block_kib": "block size", "count": "blocks", "nblocks": "blocks", "K": "blocks"}
 #: differences of two charted columns (``pull_added_us``, ``sync_over_async_us``): the
@@ -83,18 +83,17 @@ def _legend(column: str, unit: str) -> str:
 
 
 def _label(row: Mapping[str, Any], inputs: list[str]) -> str:
-    parts = []
+    """The x label of ``row``: its case (if any) over its size (``16 KiB × 64``)."""
+    names, sizes = [], []
     for key in inputs:
         value = row[key]
         if key == "block_kib":
-            parts.append(f"{value} KiB" if value < 1024 else f"{value // 1024} MiB")
+            sizes.append(f"{value} KiB" if value < 1024 else f"{value // 1024} MiB")
         elif key in ("count", "nblocks", "K"):
-            parts.append(f"× {value}")
-        elif key == "tensors":
-            parts.append(f"{value} tensors")
+            sizes.append(f"× {value}")
         else:
-            parts.append(str(value))
-    return " ".join(parts)
+            names.append(str(value))
+    return "\n".join(filter(None, (" ".join(names), " ".join(sizes))))
 
 
 def _table_charts(bench: str, name: str, rows: list[Mapping[str, Any]]) -> list[Chart]:
@@ -171,7 +170,8 @@ def plot_report(report: Mapping[str, Any], path: Path) -> int:
     if not drawn:
         return 0
     plt.rcParams.update({"font.size": 11, "axes.titlesize": 13, "legend.fontsize": 10})
-    fig, axes = plt.subplots(len(drawn), 1, figsize=(11, 4.2 * len(drawn)), squeeze=False)
+    width = max(11.0, 3.0 + 1.5 * max(len(c.labels) for c in drawn))  # room for each label
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(width, 4.2 * len(drawn)), squeeze=False)
     for ax, chart in zip(axes[:, 0], drawn, strict=True):
         n = len(chart.series)
         width = 0.8 / n
@@ -198,7 +198,7 @@ def plot_report(report: Mapping[str, Any], path: Path) -> int:
         ax.set_ylabel(UNITS[chart.unit])
         ax.set_xlabel(chart.xlabel)
         ax.set_xticks(list(xs))
-        ax.set_xticklabels(chart.labels, rotation=15 if len(chart.labels) > 6 else 0)
+        ax.set_xticklabels(chart.labels, fontsize=10 if len(chart.labels) > 6 else 11)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
