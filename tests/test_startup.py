@@ -1,7 +1,8 @@
 """Start-up cost: ``aiokv --version``, ``aiokv --help`` and the pytest plugin's registration
 import neither torch nor numpy, and cost at most ``BUDGET_S`` above what they are compared
 with (a bare interpreter; the same pytest run without the plugin), measured in the same
-run, best of ``TRIES``."""
+run, best of ``TRIES``. On a loaded machine the budget grows with the load per core
+(importing torch costs several seconds even on an idle one, so it still shows)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
 HEAVY = ("torch", "numpy")
 #: seconds a command may cost above its baseline (the best of TRIES runs of each)
 BUDGET_S = 0.5
-TRIES = 3
+TRIES = 5
 #: the ``aiokv`` console script, run as installed (``aiokv._console:main``)
 SCRIPT = "import sys; sys.argv[0] = 'aiokv'; from aiokv._console import main; main()"
 #: the same, reporting the heavy modules it imported on exit (on stderr)
@@ -42,6 +43,11 @@ def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120
     )
+
+
+def _budget() -> float:
+    """``BUDGET_S``, scaled by the run queue per core when the machine is busy."""
+    return BUDGET_S * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 def _best(*args: str, cwd: Path = ROOT) -> float:
@@ -75,7 +81,8 @@ def test_plugin_registration_imports_no_heavy_module(tmp_path: Path) -> None:
 def test_cli_starts_within_budget_of_a_bare_interpreter(argv: list[str]) -> None:
     bare = _best("-c", "pass")
     took = _best("-c", SCRIPT, *argv)
-    assert took - bare <= BUDGET_S, f"aiokv {argv[0]}: {took:.2f} s vs bare {bare:.2f} s"
+    budget = _budget()
+    assert took - bare <= budget, f"aiokv {argv[0]}: {took:.2f} s vs bare {bare:.2f} s"
 
 
 def test_plugin_costs_within_budget_of_a_run_without_it(tmp_path: Path) -> None:
@@ -83,4 +90,5 @@ def test_plugin_costs_within_budget_of_a_run_without_it(tmp_path: Path) -> None:
     run = ("-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path))
     without = _best(*run, "-p", "no:aiokv", cwd=tmp_path)
     took = _best(*run, *_plugin(), cwd=tmp_path)
-    assert took - without <= BUDGET_S, f"with the plugin {took:.2f} s, without {without:.2f} s"
+    budget = _budget()
+    assert took - without <= budget, f"with the plugin {took:.2f} s, without {without:.2f} s"
