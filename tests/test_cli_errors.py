@@ -150,3 +150,41 @@ def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback() -> None
     debug, _ = _aiokv("--debug", "info", code=BOOM)
     assert debug.returncode == 1
     assert "Traceback" in debug.stderr and "the probe broke" in debug.stderr
+
+
+def test_demo_on_a_device_this_machine_lacks_is_one_line_before_any_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import multiprocessing
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(app, ["demo", "--device", "cuda"])
+    assert result.exit_code == 1
+    assert _one_line(result.output) == (
+        "aiokv demo: --device cuda: no CUDA device here; use --device auto or cpu"
+    )
+    assert not multiprocessing.active_children()
+
+
+def test_demo_over_nixl_without_nixl_names_the_extra_before_any_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import multiprocessing
+
+    from aiokv import LLMException, LLMStatusCode
+    from aiokv._demo import _run
+
+    def missing(name: str) -> None:
+        raise LLMException(
+            f"transport {name!r} is not available: pip install 'aiokv[nixl]'",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+
+    monkeypatch.setattr(_run, "get_transport", missing)
+    result = CliRunner().invoke(app, ["demo", "--backend", "nixl"])
+    assert result.exit_code == 1
+    line = _one_line(result.output)
+    assert line.startswith("aiokv demo: --backend nixl: ") and "aiokv[nixl]" in line
+    assert not multiprocessing.active_children()

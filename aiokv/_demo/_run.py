@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from .._errors import LLMException
+from ..transport import get_transport
 from ._plan import DemoOptions, requests
 from ._roles import decode_process, model_config, prefill_process
 
@@ -230,15 +232,38 @@ def reap_tracker() -> None:
             stop()
 
 
+def check_environment(opts: DemoOptions) -> None:
+    """Raise :class:`DemoError` (one line, naming the fix) when this machine cannot run
+    ``opts``: ``--backend nixl`` without NIXL, ``--device cuda`` / ``npu`` without one.
+    Called before any process starts."""
+    if opts.backend != "tcp":
+        try:
+            get_transport(opts.backend)
+        except LLMException as exc:
+            raise DemoError(f"--backend {opts.backend}: {exc}") from None
+    if opts.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise DemoError("--device cuda: no CUDA device here; use --device auto or cpu")
+    if opts.device == "npu":
+        import importlib.util
+
+        if importlib.util.find_spec("torch_npu") is None:
+            raise DemoError("--device npu: torch_npu is not installed; use --device auto or cpu")
+
+
 def collect(opts: DemoOptions) -> DemoResult:
     """Run the demo's processes and measure. Does not judge the tokens (see
     :attr:`DemoResult.all_identical`).
 
     Raises:
         ValueError: an option out of range.
-        DemoError: a process failed or stopped answering.
+        DemoError: this machine cannot run ``opts`` (:func:`check_environment`), or a
+            process failed or stopped answering.
     """
     opts.check()
+    check_environment(opts)
     ctx = mp.get_context("spawn")
     conns: dict[str, Connection] = {}
     procs: dict[str, Any] = {}
