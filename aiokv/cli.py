@@ -1,24 +1,99 @@
 """The ``aiokv`` command: ``aiokv demo``, ``aiokv info`` and ``aiokv bench ...`` (local,
-transfer, layerwise, latency, raw). Ctrl-C ends any of them within a second."""
+transfer, layerwise, latency, raw). Ctrl-C ends any of them within a second.
+
+Every argument is checked before any work starts; an error is one line on stderr that
+names the fix (exit status 2 for a bad argument, 1 for a failure while running), with a
+traceback only under ``aiokv --debug``. Help texts are rich markup to typer: a ``[`` in
+one is escaped (:func:`_text`), or rich would take ``[nixl]`` for a style and drop it.
+"""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
 import sys
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
 if TYPE_CHECKING:
     from ._bench._harness import Report
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks with ratios against raw baselines.")
+
+def _text(help_text: str) -> str:
+    """``help_text`` shown as written under typer's rich markup (``[`` escaped)."""
+    return help_text.replace("[", "\\[")
+
+
+HELP = _text(
+    "aiokv: asyncio-first KV-cache transfer (llm_datadist's API). Commands: aiokv demo "
+    "(a model served prefill → decode), aiokv info (devices, transports, versions), "
+    "aiokv bench [local|transfer|layerwise|latency|raw|device]. Ctrl-C ends any of them "
+    "within a second."
+)
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich", help=HELP)
+bench_app = typer.Typer(
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    help="Benchmarks with ratios against raw baselines.",
+)
 app.add_typer(bench_app, name="bench")
+
+#: ``aiokv --debug``: let an unexpected error's traceback through (:func:`main`)
+_debug = False
+
+#: what ``--plot`` can write (matplotlib picks the format by the suffix)
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def _fail(command: str, message: str, code: int = 2) -> NoReturn:
+    """Print ``aiokv COMMAND: MESSAGE`` (one line, on stderr) and exit with ``code``."""
+    typer.echo(f"aiokv {command}: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _check_plot(command: str, path: Path | None) -> None:
+    """Exit (one line) unless ``path`` can take the chart: matplotlib installed, a file
+    name with a known suffix, in a folder that exists and is writable."""
+    from ._bench._plot import check_plotting
+
+    if path is None:
+        return
+    if (hint := check_plotting()) is not None:
+        _fail(command, hint, 1)
+    folder = path.parent
+    if path.is_dir():
+        _fail(command, f"--plot {path} is a folder: name a file in it, e.g. {path / 'bench.png'}")
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        _fail(command, f"--plot {path}: name a {', '.join(PLOT_SUFFIXES)} file")
+    if not folder.is_dir():
+        _fail(command, f"--plot {path}: the folder {folder} does not exist: create it first")
+    if not os.access(folder, os.W_OK):
+        _fail(command, f"--plot {path}: cannot write into {folder}: pick a writable folder")
+
+
+def _check_bindable(command: str, option: str, host: str, port: int) -> None:
+    """Exit (one line) unless ``host:port`` can be listened on now (port 0 always can)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.create_server((host, port), family=family).close()
+    except socket.gaierror:
+        _fail(command, f"{option} {host}:{port}: unknown host {host!r}: give an IP address")
+    except OSError as exc:
+        why = {
+            errno.EADDRINUSE: "the port is in use: pick another, or 0 for any free port",
+            errno.EADDRNOTAVAIL: f"{host} is no address of this machine: use one of its "
+            "addresses, 0.0.0.0 or 127.0.0.1",
+            errno.EACCES: "that port needs privileges: use one above 1023, or 0",
+        }.get(exc.errno or 0, f"{exc.strerror or exc}")
+        _fail(command, f"{option} {host}:{port}: {why}")
+
 
 Quick = Annotated[bool, typer.Option(help="Fewer sizes or rounds: checks that it works.")]
 Json = Annotated[
@@ -29,29 +104,26 @@ Plot = Annotated[
     typer.Option(
         "--plot",
         metavar="FILE.png",
-        dir_okay=False,
-        help="Also draw the tables into FILE.png (needs matplotlib: aiokv[plot]).",
+        help=_text("Also draw the charts into FILE.png (needs matplotlib: aiokv[plot])."),
     ),
 ]
 
 
 def _run_bench(name: str, run: Callable[[], Report], as_json: bool, plot: Path | None) -> None:
     """Run a benchmark with progress bars on stderr; print its report (tables, or one
-    JSON object on stdout); draw it into ``plot``. Errors a user can act on (NIXL or
-    matplotlib missing, a listener unreachable) print one line and exit 1."""
-    from ._bench._plot import check_plotting, plot_report
+    JSON object on stdout); draw it into ``plot``. ``plot`` is checked first (nothing
+    runs if it cannot be written). Errors a user can act on (NIXL missing, a listener
+    unreachable) print one line and exit 1."""
+    _check_plot(f"bench {name}", plot)
+    from ._bench._plot import plot_report
     from ._bench._progress import shown
     from ._errors import LLMException
 
-    if plot is not None and (hint := check_plotting()) is not None:
-        typer.echo(f"aiokv bench {name}: {hint}", err=True)
-        raise typer.Exit(1)
     try:
         with shown():
             report = run()
     except (LLMException, OSError) as exc:
-        typer.echo(f"aiokv bench {name}: {exc}", err=True)
-        raise typer.Exit(1) from None
+        _fail(f"bench {name}", str(exc), 1)
     if as_json:
         print(json.dumps(report.as_dict()), flush=True)
     else:
@@ -84,9 +156,15 @@ def demo(
     layers: Annotated[int, typer.Option(help="Transformer layers.")] = 4,
     block_size: Annotated[int, typer.Option(help="Tokens per KV block.")] = 16,
     steps: Annotated[int, typer.Option(help="Tokens each decoder generates per request.")] = 16,
-    backend: Annotated[DemoBackend, typer.Option(help="nixl needs aiokv[nixl].")] = DemoBackend.tcp,
+    backend: Annotated[
+        DemoBackend,
+        typer.Option(help=_text("nixl needs aiokv[nixl].")),
+    ] = DemoBackend.tcp,
     decoders: Annotated[int, typer.Option(help="Decode processes fed by the one prefill.")] = 1,
     device: Annotated[DemoDevice, typer.Option(help="Model and cache device.")] = DemoDevice.auto,
+    rounds: Annotated[
+        int, typer.Option(help="Timed rounds of each kind; every time shown is their median.")
+    ] = 3,
 ) -> None:
     """Serve a tiny transformer disaggregated: a prefill process sends each layer's KV
     blocks (transfer_cache_async) to decode processes, whose tokens must be identical to
@@ -102,17 +180,24 @@ def demo(
         backend=backend.value,
         decoders=decoders,
         device=device.value,
+        rounds=rounds,
     )
     try:
         run_demo(opts)
-    except (ValueError, DemoError) as exc:
-        typer.echo(f"aiokv demo: {exc}", err=True)
-        raise typer.Exit(1) from None
+    except ValueError as exc:  # an option out of range, found before anything started
+        _fail("demo", str(exc))
+    except DemoError as exc:
+        _fail("demo", str(exc), 1)
     except KeyboardInterrupt:
         typer.echo("aiokv demo: interrupted", err=True)
         raise typer.Exit(130) from None
     finally:
         reap_tracker()
+
+
+def _set_debug(value: bool) -> None:
+    global _debug
+    _debug = value
 
 
 def _version(value: bool) -> None:
@@ -131,8 +216,18 @@ def _root(
             "--version", callback=_version, is_eager=True, help="Print aiokv's version and exit."
         ),
     ] = False,
+    debug: Annotated[
+        bool,
+        typer.Option(
+            "--debug",
+            envvar="AIOKV_DEBUG",
+            callback=_set_debug,
+            is_eager=True,
+            help="Show the traceback of an unexpected error (else one line).",
+        ),
+    ] = False,
 ) -> None:
-    """aiokv: asyncio-first KV-cache transfer (llm_datadist's API)."""
+    """The options before the command (``--version``, ``--debug``)."""
 
 
 @app.command()
@@ -182,8 +277,10 @@ BackendOpt = Annotated[
     BenchBackend,
     typer.Option(
         "--backend",
-        help="nixl: also aiokv over NIXL and raw NIXL (UCX shm/CMA and UCX over TCP) "
-        "and memcpy, same blocks, same rounds (needs aiokv[nixl]).",
+        help=_text(
+            "nixl: also aiokv over NIXL and raw NIXL (UCX shm/CMA and UCX over TCP) "
+            "and memcpy, same blocks, same rounds (needs aiokv[nixl])."
+        ),
     ),
 ]
 
@@ -226,7 +323,7 @@ def _address(option: str, text: str) -> tuple[str, int]:
     try:
         return parse_address(text)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint=option) from None
+        _fail("bench transfer", f"{option}: {exc}")
 
 
 @bench_app.command("transfer")
@@ -244,20 +341,30 @@ def bench_transfer(
     """pull/push vs a raw socket stream (and over TLS, or NIXL); layer-wise overlap
     (+ overhead); 1,000 in flight. Across two hosts: --listen on one, --connect on the
     other."""
-    from ._bench.transfer import run_transfer_bench
-
+    command = "bench transfer"
     if listen is not None:
-        if connect is not None or tls or backend != BenchBackend.tcp:
-            raise typer.BadParameter("--listen takes no --connect, --tls or --backend nixl")
+        if connect is not None or tls or backend != BenchBackend.tcp or plot is not None:
+            _fail(command, "--listen takes no --connect, --tls, --backend nixl or --plot")
+        host, port = _address("--listen", listen)
+        _check_bindable(command, "--listen", host, port)
+        if data_port:
+            _check_bindable(command, "--data-port", host, data_port)
         from ._bench._harness import run_loop
         from ._bench.remote import serve_peer
+        from ._errors import LLMException
 
-        host, port = _address("--listen", listen)
-        run_loop(lambda: serve_peer(host, port, data_port=data_port, once=once))
+        try:
+            run_loop(lambda: serve_peer(host, port, data_port=data_port, once=once))
+        except (LLMException, OSError) as exc:
+            _fail(command, str(exc), 1)
         return
+    if once or data_port:
+        _fail(command, "--once and --data-port go with --listen only")
     if connect is not None and (tls or backend != BenchBackend.tcp):
-        raise typer.BadParameter("--connect runs plain TCP: no --tls, no --backend nixl")
+        _fail(command, "--connect runs plain TCP: no --tls, no --backend nixl")
     target = _address("--connect", connect) if connect is not None else None
+    from ._bench.transfer import run_transfer_bench
+
     _run_bench(
         "transfer",
         lambda: run_transfer_bench(quick=quick, tls=tls, backend=backend.value, connect=target),
@@ -270,8 +377,10 @@ DeviceBackendOpt = Annotated[
     BenchBackend,
     typer.Option(
         "--backend",
-        help="tcp: host staging vs raw socket + cudaMemcpy; nixl: CUDA pools registered "
-        "with NIXL (VRAM) vs raw NIXL agents over the same blocks (needs aiokv[nixl]).",
+        help=_text(
+            "tcp: host staging vs raw socket + cudaMemcpy; nixl: CUDA pools registered "
+            "with NIXL (VRAM) vs raw NIXL agents over the same blocks (needs aiokv[nixl])."
+        ),
     ),
 ]
 
@@ -327,6 +436,15 @@ def main() -> None:
         except SystemExit:
             if not interrupt.interrupted:
                 raise
+        except Exception as exc:  # a bug, or a failure no command turned into a line
+            if _debug or interrupt.interrupted:
+                raise
+            what = " ".join(str(exc).split()) or "(no message)"
+            typer.echo(
+                f"aiokv: {type(exc).__name__}: {what} (aiokv --debug shows the traceback)",
+                err=True,
+            )
+            sys.exit(1)
     if not interrupt.interrupted:
         return
     # Interrupted: the command's own cleanup has run and its children are reaped; the

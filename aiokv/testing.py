@@ -24,11 +24,16 @@ function-scoped test loops).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from . import LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole, LLMStatusCode
+if TYPE_CHECKING:
+    from . import LLMConfig, LLMDataDist
+
+# aiokv proper (and torch with it) is imported inside the fixtures that use it: pytest
+# registers this plugin in every run of an environment that has aiokv installed, and that
+# registration must cost nothing to suites that never ask for an aiokv fixture.
 
 __all__ = [
     "aiokv_config",
@@ -68,6 +73,8 @@ def aiokv_transport() -> str:
 @pytest.fixture
 def aiokv_config(aiokv_transport: str) -> LLMConfig:
     """The configuration of ``aiokv_datadist`` and ``aiokv_pair`` (cpu, cache manager)."""
+    from . import LLMConfig
+
     if aiokv_transport not in TRANSPORTS:
         raise pytest.UsageError(
             f"aiokv_transport must be one of {TRANSPORTS}, got {aiokv_transport!r}"
@@ -87,6 +94,8 @@ def aiokv_config(aiokv_transport: str) -> LLMConfig:
 @_async_fixture
 async def aiokv_datadist(aiokv_config: LLMConfig) -> AsyncIterator[LLMDataDist]:
     """An initialised ``LLMDataDist`` (prompt, cluster 1), finalised after the test."""
+    from . import LLMDataDist, LLMRole
+
     datadist = LLMDataDist(LLMRole.PROMPT, 1)
     await datadist.init(aiokv_config)
     try:
@@ -99,6 +108,8 @@ async def aiokv_datadist(aiokv_config: LLMConfig) -> AsyncIterator[LLMDataDist]:
 async def aiokv_pair(aiokv_config: LLMConfig) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
     """``(prompt, decoder)``, clusters 1 and 2, the decoder linked to the prompt; both
     finalised after the test."""
+    from . import LLMClusterInfo, LLMDataDist, LLMRole, LLMStatusCode
+
     prompt, decoder = LLMDataDist(LLMRole.PROMPT, 1), LLMDataDist(LLMRole.DECODER, 2)
     try:
         await prompt.init(aiokv_config)

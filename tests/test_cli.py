@@ -103,7 +103,7 @@ def test_plot_draws_every_table_into_a_png(tmp_path: Path) -> None:
         "concurrent": {"p50_ms": 1.0},
     }
     out = tmp_path / "r.png"
-    assert _plot.plot_report(report, out) == 2  # gbps and ratio
+    assert _plot.plot_report(report, out) == 3  # gbps, ratio, and the p50 of "concurrent"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

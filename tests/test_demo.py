@@ -41,13 +41,15 @@ def test_demo_tokens_identical_from_the_package_alone_outside_the_repository(
     assert out.startswith(str(site)), out  # the copy ran, not the checkout
     assert out.count("tokens identical") == 3 + 1, out  # each request, and the verdict
     assert "tokens identical for all 3 requests" in out
-    for line in ("bytes moved", "time to first token", "overlap achieved", "decode throughput"):
+    for line in ("bytes moved", "time to first token", "layer-wise saved", "decode throughput"):
         assert line in out, out
     assert "Traceback" not in out
 
 
-def test_demo_bad_option_exits_1_with_the_reason_and_starts_nothing() -> None:
+def test_demo_bad_option_exits_2_with_the_reason_and_starts_nothing() -> None:
     result = CliRunner().invoke(app, ["demo", "--decoders", "5", "--prompts", "2"])
-    assert result.exit_code == 1
-    assert "5 decoders for 2 prompts" in result.output
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "aiokv demo: 5 decoders for 2 prompts: some would idle"
+    ]
     assert not multiprocessing.active_children()

@@ -54,7 +54,8 @@ def test_top_level_all_is_exactly_the_public_namespace() -> None:
     submodules = {m.__name__.split(".")[1] for m in _modules() if m is not aiokv}
     # (not identifiers: pytest's assertion rewriting adds "@py_builtins" and "@pytest_ar"
     # to modules of a distribution that has a pytest plugin, as aiokv has: aiokv.testing)
-    names = {n for n in vars(aiokv) if n.isidentifier()}
+    # dir(): the names loaded so far and those loaded on first use (module __getattr__)
+    names = {n for n in dir(aiokv) if n.isidentifier()}
     public = {n for n in names if not n.startswith("_")} - submodules
     assert public == set(aiokv.__all__) - {"__version__"}
     assert len(aiokv.__all__) == len(set(aiokv.__all__))

@@ -391,7 +391,7 @@ S = TypeVar("S", bound=_Stoppable)
 async def spawned(start: Callable[[], S]) -> AsyncIterator[S]:
     """``start()`` (a :class:`Peer`, a :class:`~.raw.RawStream`) for the block, started
     and stopped on a worker thread: both wait for another process, never on the loop."""
-    with steps("starting a peer process"):
+    with steps("starting a peer process", 1) as bar, bar.step("starting a peer process"):
         peer = await asyncio.to_thread(start)
     try:
         yield peer

@@ -1,6 +1,8 @@
 """Progress of a benchmark, shown by the command that runs it.
 
-A benchmark marks its long parts with :func:`steps`; nothing is shown unless the caller
+A benchmark marks its long parts with :func:`steps`, each with its total number of
+steps known before it starts (the bar reads ``3/8``, never ``0/?``); a part made of
+named sub-parts runs each under :meth:`Steps.step`. Nothing is shown unless the caller
 wraps the run in :func:`shown` (``aiokv bench`` does: rich progress bars on stderr, so
 that ``--json`` keeps stdout to itself; they vanish when done). The bar in effect is a
 context variable: tasks and worker threads of the run see it, other runs do not.
@@ -39,10 +41,22 @@ class Steps:
         if self._bar is not None and self._task is not None:
             self._bar.advance(self._task, n)
 
+    @contextlib.contextmanager
+    def step(self, description: str) -> Iterator[None]:
+        """One step of the bar, shown as ``description`` while it runs, counted done
+        when the block ends (also when it raises: the bar is then removed anyway)."""
+        if self._bar is not None and self._task is not None:
+            self._bar.update(self._task, description=description)
+        try:
+            yield
+        finally:
+            self.advance()
+
 
 @contextlib.contextmanager
-def steps(description: str, total: int | None = None) -> Iterator[Steps]:
-    """A bar of ``total`` steps (``None``: a spinner) for the block, removed after it."""
+def steps(description: str, total: int) -> Iterator[Steps]:
+    """A bar of ``total`` steps (known before the part starts) for the block, removed
+    after it."""
     bar = _BAR.get()
     if bar is None:
         yield Steps()

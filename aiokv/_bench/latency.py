@@ -85,26 +85,27 @@ def run_latency_bench(*, quick: bool = False) -> Report:
     async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
         cm = decoder.cache_manager
         async with spawned(lambda: RawStream(max(BLOCKS))) as raw:
-            for block in BLOCKS:
-                with steps(f"latency {block // KIB} KiB"):
-                    desc = CacheDesc(1, [4, block], DataType.DT_UINT8)
-                    await peer.cache(desc)
-                    dst = await cm.allocate_blocks_cache(desc)
-                    key = BlocksCacheKey(PEER_ID, 0)
-                    contenders: dict[str, Any] = {
-                        "raw": lambda block=block: raw.receive(block),
-                        "pull": lambda dst=dst, key=key: cm.pull_blocks(key, dst, [1], [2]),
-                    }
-                    times = await interleave(contenders, rounds, warmup=5)
-                    await cm.deallocate_blocks_cache(dst)
-                    t = {k: median(v) * 1e6 for k, v in times.items()}
-                    row = {"block_kib": block // KIB, "raw_us": t["raw"], "pull_us": t["pull"]}
-                    row["pull_added_us"] = t["pull"] - t["raw"]
-                    sync = await asyncio.to_thread(_sync_pulls, peer.port, block, rounds)
-                    if sync is not None:
-                        row["sync_us"] = median(sync) * 1e6
-                        row["sync_over_async_us"] = row["sync_us"] - t["pull"]
-                    rows.append(row)
+            with steps("latency", len(BLOCKS)) as part:
+                for block in BLOCKS:
+                    with part.step(f"latency {block // KIB} KiB"):
+                        desc = CacheDesc(1, [4, block], DataType.DT_UINT8)
+                        await peer.cache(desc)
+                        dst = await cm.allocate_blocks_cache(desc)
+                        key = BlocksCacheKey(PEER_ID, 0)
+                        contenders: dict[str, Any] = {
+                            "raw": lambda block=block: raw.receive(block),
+                            "pull": lambda dst=dst, key=key: cm.pull_blocks(key, dst, [1], [2]),
+                        }
+                        times = await interleave(contenders, rounds, warmup=5)
+                        await cm.deallocate_blocks_cache(dst)
+                        t = {k: median(v) * 1e6 for k, v in times.items()}
+                        row = {"block_kib": block // KIB, "raw_us": t["raw"], "pull_us": t["pull"]}
+                        row["pull_added_us"] = t["pull"] - t["raw"]
+                        sync = await asyncio.to_thread(_sync_pulls, peer.port, block, rounds)
+                        if sync is not None:
+                            row["sync_us"] = median(sync) * 1e6
+                            row["sync_over_async_us"] = row["sync_us"] - t["pull"]
+                        rows.append(row)
 
     run_remote(main)
     return report

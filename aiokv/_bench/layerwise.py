@@ -121,9 +121,10 @@ async def overhead(
         f"transfer_cache_async (every layer ready at once) vs ONE push_blocks, "
         f"{layers} layers x K,V, scattered blocks; ms = median; ratio = t / t_push_blocks",
     )
-    for count, block in shapes:
-        with steps(f"layer-wise overhead {count} x {block} B"):
-            rows.append(await _overhead_row(cm, peer, count, block, layers, rounds))
+    with steps("layer-wise overhead", len(shapes)) as part:
+        for count, block in shapes:
+            with part.step(f"layer-wise overhead {count} x {block} B"):
+                rows.append(await _overhead_row(cm, peer, count, block, layers, rounds))
 
 
 async def _overhead_row(

@@ -195,13 +195,16 @@ async def _bench(
     config = LLMConfig(device_type="cpu", enable_cache_manager=True)  # user memory only
     async with LLMDataDist(LLMRole.MIX, 1, config) as dd:
         cm = dd.cache_manager
-        for kib in block_kib:
-            block = kib << 10
-            for n in nblocks:
-                blocks = 2 * n  # blocks per tensor: random pairs pick half of them
-                tensors = min(2 * layers, pool_bytes // (blocks * block))
-                if tensors == 0:
-                    continue
+        # (block KiB, blocks, tensors) that fit the pool: two cases each, then small ops
+        shapes = [
+            (kib, n, tensors)
+            for kib in block_kib
+            for n in nblocks
+            if (tensors := min(2 * layers, pool_bytes // (2 * n * (kib << 10)))) > 0
+        ]
+        with steps("swap_blocks", 2 * len(shapes) + 1) as part:
+            for kib, n, tensors in shapes:
+                block, blocks = kib << 10, 2 * n
                 src = _carve(src_pool, tensors, blocks, block)
                 dst = _carve(dst_pool, tensors, blocks, block)
                 moved = tensors * n * block
@@ -217,7 +220,7 @@ async def _bench(
                     ),
                 }
                 for case, (pairs, raw) in cases.items():
-                    with steps(f"swap_blocks {case} {kib} KiB x {n}"):
+                    with part.step(f"swap_blocks {case} {kib} KiB x {n}"):
                         t_raw, method, t_aiokv = await _swap_case(cm, src, dst, pairs, raw, repeat)
                     rows.append(
                         {
@@ -233,8 +236,8 @@ async def _bench(
                             "overhead_us_per_block": (t_aiokv - t_raw) / n * 1e6,
                         }
                     )
-        with steps("small ops"):
-            small = await _small_ops(cm, small_rounds)
+            with part.step("small ops"):
+                small = await _small_ops(cm, small_rounds)
     report.table(
         "small_ops",
         "one small op, then another await, repeated (interleaved); vs_executor = "

@@ -152,9 +152,10 @@ async def _grid(
         tcp(2, _PoolHandler(bytearray())) as transport,
     ):
         link = await transport.connect("127.0.0.1", server.hello, timeout=60)
-        for size, count in configs:
-            with steps(f"link {_fmt_bytes(size)} x {count}"):
-                rows.append(await _link_row(raw, link, pool, size, count, repeat))
+        with steps("link", len(configs)) as part:
+            for size, count in configs:
+                with part.step(f"link {_fmt_bytes(size)} x {count}"):
+                    rows.append(await _link_row(raw, link, pool, size, count, repeat))
         await link.aclose()
 
 

@@ -256,15 +256,18 @@ async def _throughput(
             "setting; raw build_ms: initialize_xfer per transfer; fastest path / memcpy",
         )
     async with spawned(lambda: raw_stream(max(b * k for b, k in grid))) as raw:
-        for block, count in grid:
-            with steps(f"throughput {block // KIB} KiB x {count}"):
-                row, tls_row, nixl_row = await _throughput_row(plain, raw, block, count, tls, nixl)
-            rows.append(row)
-            if tls_rows is not None and tls_row is not None:
-                tls_rows.append(tls_row)
-            if nixl_rows is not None and nixl_ratios is not None and nixl_row is not None:
-                nixl_rows.append(nixl_row[0])
-                nixl_ratios.append(nixl_row[1])
+        with steps("throughput", len(grid)) as part:
+            for block, count in grid:
+                with part.step(f"throughput {block // KIB} KiB x {count}"):
+                    row, tls_row, nixl_row = await _throughput_row(
+                        plain, raw, block, count, tls, nixl
+                    )
+                rows.append(row)
+                if tls_rows is not None and tls_row is not None:
+                    tls_rows.append(tls_row)
+                if nixl_rows is not None and nixl_ratios is not None and nixl_row is not None:
+                    nixl_rows.append(nixl_row[0])
+                    nixl_ratios.append(nixl_row[1])
     if nixl_ratios:
         report.summary(
             "nixl_summary",

@@ -36,6 +36,8 @@ class DemoOptions:
         backend: the transport between the processes (``tcp``, or ``nixl`` when installed).
         decoders: decode processes; requests are dealt round-robin among them.
         device: ``auto`` (npu, cuda, cpu, as ``LLMConfig.device_type``) or one of them.
+        rounds: timed rounds of each kind (serial, layer-wise); every figure is the
+            median over them.
         d_model / heads: the model's width and attention heads.
         seed: fixes the weights and the prompts.
         corrupt: test only: decoders read their cache through a wrong block table (a
@@ -50,6 +52,7 @@ class DemoOptions:
     backend: Literal["tcp", "nixl"] = "tcp"
     decoders: int = 1
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    rounds: int = 3
     d_model: int = 256
     heads: int = 4
     seed: int = 0
@@ -64,6 +67,7 @@ class DemoOptions:
             "block_size": (self.block_size, 1, 1024),
             "steps": (self.steps, 1, 1024),
             "decoders": (self.decoders, 1, 8),
+            "rounds": (self.rounds, 2, 50),
             "heads": (self.heads, 1, 64),
             "d_model": (self.d_model, 2, 8192),
         }
