@@ -701,6 +701,21 @@ async def test_quiet_links_time_out_links_in_use_do_not() -> None:
             await client.aclose()
 
 
+async def test_with_a_secret_quiet_links_do_not_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that proved the secret keeps a quiet link (an aiokv without the greeting
+    PING, emulated); the caps still count it."""
+    monkeypatch.setattr(tcp_link.TcpLink, "_greet", lambda self: None)
+    client = TcpTransport(1, Regions(), secret=b"s3cret")
+    async with serving(idle_link_timeout=0.2, secret=b"s3cret") as (server, port, _):
+        try:
+            link = await client.connect(HOST, port, timeout=5)
+            await asyncio.sleep(0.8)
+            assert not link.broken and len(server.links()) == 1
+            assert not server.links()[0].heard
+        finally:
+            await client.aclose()
+
+
 def test_link_caps_check_their_arguments() -> None:
     for bad in ({"max_links": 0}, {"max_links_per_host": 0}, {"idle_link_timeout": 0}):
         with pytest.raises(ValueError):

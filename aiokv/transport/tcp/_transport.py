@@ -57,7 +57,8 @@ class TcpTransport(Transport):
         max_links: most incoming links (handshake done) at once.
         max_links_per_host: most incoming links from one remote address at once.
         idle_link_timeout: seconds an incoming link may stay *quiet* (no frame from
-            the peer since the handshake) before it is closed; ``None``: never.
+            the peer since the handshake) before it is closed; ``None``: never. Not
+            applied with ``secret`` or ``tls``: such peers proved who they are.
 
     Pre-authentication work is bounded: an incoming connection costs one socket and
     one small task until it authenticates or ``handshake_timeout`` passes, at most
@@ -303,7 +304,7 @@ class TcpTransport(Transport):
             entry = self._incoming.get(io)
             if entry is not None:
                 self._incoming[io] = (entry[0], link)
-            if self.idle_link_timeout is not None:
+            if self.idle_link_timeout is not None and self.secret is None and self.tls is None:
                 self._idle_timers[link] = self._loop_or_raise().call_later(
                     self.idle_link_timeout, self._quiet_check, link
                 )
