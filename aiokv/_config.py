@@ -21,7 +21,7 @@ import types
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
-from pydantic import ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ._enums import LLMStatusCode
@@ -39,6 +39,8 @@ __all__ = [
 ]
 
 HOST_POOL_LIMIT = 20 << 30
+#: longest ``link_secret`` (characters)
+_SECRET_MAX = 4096
 #: ``AIOKV_<FIELD>`` environment variables supply ``LLMConfig`` defaults
 ENV_PREFIX = "AIOKV_"
 #: what ``generate_options()`` shows for a secret unless ``reveal_secrets=True``
@@ -198,6 +200,8 @@ _IGNORED_FIELDS = (
 )
 #: fields whose value is a secret (``SecretStr``): masked in ``generate_options()``
 _SECRET_FIELDS = frozenset({"link_secret"})
+#: the option keys of those fields: masked where ``ge_options`` carries them
+_SECRET_KEYS = frozenset(_OPTION_KEYS[f] for f in _SECRET_FIELDS)
 #: llm_datadist's transfer-backend names -> the aiokv transport that stands in for them
 _BACKEND_ALIASES: dict[str, str] = {"hixl": "tcp"}  # tcp: the best backend between processes
 
@@ -345,7 +349,7 @@ class LLMConfig(Model):
     output_max_size: int | None = Field(default=None, ge=0, le=2**63 - 1)
     cluster_info: str | None = None
     global_resource_config: str | None = None
-    link_secret: SecretStr | None = Field(default=None, min_length=1, max_length=4096)
+    link_secret: SecretStr | None = Field(default=None, min_length=1, max_length=_SECRET_MAX)
     handshake_timeout: int = Field(default=10000, gt=0, le=2**31 - 1)
     tls_cert_file: str | None = Field(default=None, min_length=1, max_length=4096)
     tls_key_file: str | None = Field(default=None, min_length=1, max_length=4096)
@@ -353,10 +357,13 @@ class LLMConfig(Model):
     tls_check_hostname: bool = False
     swap_out_threads: int = Field(default=4, ge=1, le=64)
     swap_in_buffers: int = Field(default=4, ge=1, le=64)
+    # secret values ``ge_options`` carried (by option key); ``ge_options`` shows the mask
+    _ge_secrets: dict[str, SecretStr] = PrivateAttr(default_factory=dict)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # pydantic leaves a value that its model check refused in place: put it back
         saved, fields_set = dict(self.__dict__), set(self.__pydantic_fields_set__)
+        ge_secrets = self._ge_secrets
         try:
             with _param_invalid(type(self).__name__):
                 super().__setattr__(name, value)
@@ -364,6 +371,7 @@ class LLMConfig(Model):
             self.__dict__.clear()
             self.__dict__.update(saved)
             object.__setattr__(self, "__pydantic_fields_set__", fields_set)
+            self.__pydantic_private__["_ge_secrets"] = ge_secrets  # type: ignore[index]
             raise
 
     @field_validator("sync_kv_timeout", mode="before")
@@ -416,6 +424,36 @@ class LLMConfig(Model):
         return v
 
     @model_validator(mode="after")
+    def _mask_ge_secrets(self) -> LLMConfig:
+        """A secret option given through ``ge_options`` (``aiokv.linkSecret``) is kept
+        aside as a ``SecretStr`` and ``ge_options`` shows :data:`SECRET_MASK` in its
+        place, so no output (``repr``, ``generate_options()``, dumps) holds it. A value
+        that is the mask itself keeps the secret already held for that key, if any."""
+        ge = self.ge_options
+        found = _SECRET_KEYS.intersection(ge)
+        if not found:
+            if self._ge_secrets:
+                self._ge_secrets = {}
+            return self
+        held = dict(self._ge_secrets)
+        kept: dict[str, SecretStr] = {}
+        for key in found:
+            raw = ge[key]
+            if raw == SECRET_MASK:
+                if key in held:
+                    kept[key] = held[key]
+                continue
+            if not 1 <= len(raw) <= _SECRET_MAX:
+                raise ValueError(
+                    f"ge_options[{key!r}]: a secret of {len(raw)} characters is out of "
+                    f"range [1, {_SECRET_MAX}]"
+                )
+            kept[key] = SecretStr(raw)
+        self.__dict__["ge_options"] = {k: SECRET_MASK if k in found else v for k, v in ge.items()}
+        self._ge_secrets = kept
+        return self
+
+    @model_validator(mode="after")
     def _local_comm_res(self) -> LLMConfig:
         """llm_datadist: ``local_comm_res`` implies cache-manager mode and remote access."""
         implied = self.local_comm_res is not None
@@ -436,9 +474,12 @@ class LLMConfig(Model):
         """The ``dict[str, str]`` form accepted by ``LLMDataDist.init``: only the options
         that were set (by keyword or assignment), ``ge_options`` first, as llm_datadist.
 
-        A secret (``link_secret``) shows as ``**********`` unless ``reveal_secrets=True``;
+        A secret (``link_secret``, also where ``ge_options`` carries it as
+        ``aiokv.linkSecret``) shows as ``**********`` unless ``reveal_secrets=True``;
         ``from_options`` (and so ``init``) refuses that mask, naming this argument."""
         out = dict(self.ge_options)
+        if reveal_secrets:
+            out.update((k, v.get_secret_value()) for k, v in self._ge_secrets.items())
         for field, key in _OPTION_KEYS.items():
             value = getattr(self, field)
             if field not in self.model_fields_set or value is None:
@@ -490,8 +531,10 @@ class LLMConfig(Model):
         kwargs: dict[str, Any] = {}
         passthrough: dict[str, str] = {}
         for key, raw in options.items():
+            shown = SECRET_MASK if key in _SECRET_KEYS else repr(raw)
             if not isinstance(key, str) or not isinstance(raw, str):
-                raise TypeError(f"{op}: keys and values must be str, got {key!r}: {raw!r}")
+                what = f"{type(raw).__name__} value" if key in _SECRET_KEYS else repr(raw)
+                raise TypeError(f"{op}: keys and values must be str, got {key!r}: {what}")
             field = by_key.get(key)
             if field is None:
                 if key == "ge.session_device_id" and "ge.exec.deviceId" in options:
@@ -514,7 +557,7 @@ class LLMConfig(Model):
             try:  # alone first: an error names the key
                 cls(**{field: kwargs[field]})
             except InvalidOptionError as exc:
-                raise InvalidOptionError(f"{op}: {key}={raw!r}: {exc}", op) from None
+                raise InvalidOptionError(f"{op}: {key}={shown}: {exc}", op) from None
         if passthrough:
             kwargs["ge_options"] = passthrough
         with _param_invalid(op):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import threading
 import time
 from collections.abc import Mapping
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LATENCY_BOUNDS",
+    "OTHER_PEERS",
+    "RECENT_PEERS",
     "CopyStats",
     "DataDistStats",
     "Histogram",
@@ -147,6 +150,19 @@ class OpCounter:
             else:
                 self._failures[failure] = self._failures.get(failure, 0) + 1
 
+    def absorb(self, other: OpCounter) -> None:
+        """Add ``other``'s finished operations to this counter (``other`` is idle)."""
+        with other._lock:
+            ops, nbytes, failures = other._ops, other._bytes, dict(other._failures)
+            buckets, total = list(other._buckets), other._sum
+        with self._lock:
+            self._ops += ops
+            self._bytes += nbytes
+            for name, n in failures.items():
+                self._failures[name] = self._failures.get(name, 0) + n
+            self._buckets = [a + b for a, b in zip(self._buckets, buckets, strict=True)]
+            self._sum += total
+
     def snapshot(self) -> OpStats:
         """A consistent copy of the counts."""
         with self._lock:
@@ -232,6 +248,22 @@ class ServedCounter:
                 self._completed += 1
                 self._bytes += nbytes
 
+    def absorb(self, other: ServedCounter) -> None:
+        """Add ``other``'s counts to this counter (``other`` has nothing in flight)."""
+        with other._lock:
+            granted, nbytes, done, refused = (
+                other._granted,
+                other._bytes,
+                other._completed,
+                dict(other._refused),
+            )
+        with self._lock:
+            self._granted += granted
+            self._bytes += nbytes
+            self._completed += done
+            for name, n in refused.items():
+                self._refused[name] = self._refused.get(name, 0) + n
+
     def snapshot(self) -> ServedStats:
         """A consistent copy of the counts."""
         with self._lock:
@@ -244,43 +276,132 @@ class ServedCounter:
             )
 
 
-class PeerCounters:
-    """The per-peer counters of one ``LLMDataDist``, kept across ``init`` cycles: its
-    requests to each cluster, what it served each cluster, links up and down."""
+#: Peers without a live link whose counters ``statistics()`` keeps apart: the most
+#: recently active ones. Older ones are folded into one entry (:data:`OTHER_PEERS`), so
+#: the per-peer entries and metric series stay bounded however many cluster ids come
+#: and go, while every total stays exact.
+RECENT_PEERS: Final = 64
+#: The key (and ``cluster_id``) of the entry that aggregates the folded peers: not a
+#: uint64, so never a real cluster id. Prometheus labels it ``peer="other"``.
+OTHER_PEERS: Final = -1
 
-    __slots__ = ("_requests", "_served", "links_down", "links_up")
+
+class _Peer:
+    __slots__ = ("requests", "served")
 
     def __init__(self) -> None:
-        self._requests: dict[int, OpCounter] = {}
-        self._served: dict[int, ServedCounter] = {}
+        self.requests = OpCounter()
+        self.served = ServedCounter()
+
+    def busy(self) -> bool:
+        return bool(self.requests._in_flight or self.served._in_flight)
+
+
+class PeerCounters:
+    """The per-peer counters of one ``LLMDataDist``, kept across ``init`` cycles: its
+    requests to each cluster, what it served each cluster, links up and down.
+
+    Bounded: counters are kept per peer for the peers linked now, those with an
+    operation in flight, and the :data:`RECENT_PEERS` most recently active others; a
+    less recent idle one is folded into the :data:`OTHER_PEERS` entry (its counts added
+    there; a peer that comes back starts a fresh entry). Lookups, links up/down and
+    folding happen on the engine thread, and an operation is counted in flight before
+    that thread runs anything else, so a counter is never folded while in use;
+    :meth:`snapshot` may run on any thread (one lock).
+    """
+
+    __slots__ = (
+        "_folded",
+        "_linked",
+        "_lock",
+        "_other",
+        "_peers",
+        "_recent",
+        "links_down",
+        "links_up",
+    )
+
+    def __init__(self, recent: int = RECENT_PEERS) -> None:
+        self._lock = threading.Lock()
+        self._recent = recent
+        self._peers: collections.OrderedDict[int, _Peer] = collections.OrderedDict()
+        self._linked: set[int] = set()  # peers with a filed link (told by the link table)
+        self._other = _Peer()
+        self._folded = 0
         self.links_up = 0  # changed on the engine thread only
         self.links_down = 0
 
     def requests(self, cluster_id: int) -> OpCounter:
         """The counter of this side's requests (pulls, pushes) to ``cluster_id``."""
-        c = self._requests.get(cluster_id)
-        return c if c is not None else self._requests.setdefault(cluster_id, OpCounter())
+        return self._peer(cluster_id).requests
 
     def served(self, cluster_id: int) -> ServedCounter:
         """The counter of what this side serves to ``cluster_id``."""
-        c = self._served.get(cluster_id)
-        return c if c is not None else self._served.setdefault(cluster_id, ServedCounter())
+        return self._peer(cluster_id).served
+
+    def up(self, cluster_id: int) -> None:
+        """A link to ``cluster_id`` was filed."""
+        with self._lock:
+            self.links_up += 1
+            self._linked.add(cluster_id)
+
+    def down(self, cluster_id: int) -> None:
+        """The link filed for ``cluster_id`` is gone."""
+        with self._lock:
+            self.links_down += 1
+            self._linked.discard(cluster_id)
+            if cluster_id in self._peers:
+                self._peers.move_to_end(cluster_id)
+            self._fold()
+
+    def _peer(self, cluster_id: int) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(cluster_id)
+            if peer is None:
+                peer = self._peers[cluster_id] = _Peer()
+                self._fold()
+            else:
+                self._peers.move_to_end(cluster_id)
+            return peer
+
+    def _fold(self) -> None:
+        """Fold the idle unlinked peers beyond the ``_recent`` most recently active."""
+        idle = 0
+        victims = []
+        for cid in reversed(self._peers):
+            if cid not in self._linked and not self._peers[cid].busy():
+                idle += 1
+                if idle > self._recent:
+                    victims.append(cid)
+        for cid in victims:
+            peer = self._peers.pop(cid)
+            self._other.requests.absorb(peer.requests)
+            self._other.served.absorb(peer.served)
+            self._folded += 1
 
     def snapshot(self, linked: list[int]) -> dict[int, LinkStats]:
-        """Per cluster ever seen (or linked now), its :class:`LinkStats`."""
-        cids = sorted({*self._requests, *self._served, *linked})
+        """Per peer kept (or linked now), its :class:`LinkStats`; the folded ones under
+        :data:`OTHER_PEERS`."""
         up = set(linked)
-        none = OpCounter()
-        quiet = ServedCounter()
-        return {
-            cid: LinkStats(
-                cluster_id=cid,
-                linked=cid in up,
-                requests=self._requests.get(cid, none).snapshot(),
-                served=self._served.get(cid, quiet).snapshot(),
-            )
-            for cid in cids
-        }
+        with self._lock:
+            kept = dict(self._peers)
+            out = {
+                cid: LinkStats(
+                    cluster_id=cid,
+                    linked=cid in up,
+                    requests=kept[cid].requests.snapshot() if cid in kept else OpStats(),
+                    served=kept[cid].served.snapshot() if cid in kept else ServedStats(),
+                )
+                for cid in sorted({*kept, *up})
+            }
+            if self._folded:
+                out[OTHER_PEERS] = LinkStats(
+                    OTHER_PEERS,
+                    False,
+                    self._other.requests.snapshot(),
+                    self._other.served.snapshot(),
+                )
+        return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,10 @@ series                                 type       labels
 ``aiokv_cache_leases``                 gauge      cluster
 =====================================  =========  ======================================
 
-``pool`` is ``device`` or ``host``; ``state`` is ``total``, ``used``, ``free``,
+``peer`` is a cluster id, or ``other`` for the peers folded together (the per-peer
+series cover the peers linked now, those with an operation in flight and the 64 most
+recently active others; ``docs/api.md``, ``statistics()``). ``pool`` is ``device`` or
+``host``; ``state`` is ``total``, ``used``, ``free``,
 ``largest_free`` or ``peak_used``; ``code`` an ``LLMStatusCode`` name (or ``CANCELLED``).
 """
 
@@ -49,7 +52,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._stats import DataDistStats, Histogram, OpStats
+from ._stats import OTHER_PEERS, DataDistStats, Histogram, OpStats
 
 if TYPE_CHECKING:
     from ._pool import PoolStats
@@ -192,7 +195,7 @@ class _Families:
                 )
             self.gauge("aiokv_notifications_queued", "notifications not yet taken", c, notes.queued)
             for cid, link in s.links.items():
-                p = {**c, "peer": str(cid)}
+                p = {**c, "peer": "other" if cid == OTHER_PEERS else str(cid)}
                 self.gauge("aiokv_link_up", "1 while a link to the peer is filed", p, link.linked)
                 self.ops("aiokv_transfer", "this side's pulls and pushes", p, link.requests)
                 sv = link.served

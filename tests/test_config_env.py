@@ -120,3 +120,131 @@ async def test_environment_secret_authenticates_links_and_is_never_logged(
                 await d.finalize()
     assert caplog.records
     assert not [r for r in caplog.records if SECRET in r.getMessage()]
+
+
+def _outputs(cfg: LLMConfig) -> dict[str, str]:
+    """Every way an ``LLMConfig`` shows itself."""
+    return {
+        "repr": repr(cfg),
+        "str": str(cfg),
+        "generate_options": str(cfg.generate_options()),
+        "gen_options": str(cfg.gen_options()),
+        "options": str(cfg.options),
+        "ignored_options": str(cfg.ignored_options()),
+        "ge_options": str(cfg.ge_options),
+        "model_dump": str(cfg.model_dump()),
+        "model_dump_json": cfg.model_dump_json(),
+        "model_dump(json)": str(cfg.model_dump(mode="json")),
+        "copy": repr(cfg.model_copy()),
+    }
+
+
+def _by_assigned_ge() -> LLMConfig:
+    cfg = LLMConfig()
+    cfg.ge_options = {"ge.x": "1", "aiokv.linkSecret": SECRET}
+    return cfg
+
+
+def _by_assigned_field() -> LLMConfig:
+    cfg = LLMConfig()
+    cfg.link_secret = SECRET  # type: ignore[assignment]
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: LLMConfig(link_secret=SECRET),
+        lambda: LLMConfig(link_secret=SecretStr(SECRET)),
+        _by_assigned_field,
+        lambda: LLMConfig(ge_options={"aiokv.linkSecret": SECRET}),
+        _by_assigned_ge,
+        lambda: LLMConfig.from_options({"aiokv.linkSecret": SECRET}),
+        lambda: LLMConfig.from_options({"ge.a": "1", "aiokv.linkSecret": SECRET}),
+        lambda: LLMConfig.from_options(
+            LLMConfig(ge_options={"aiokv.linkSecret": SECRET}).generate_options(reveal_secrets=True)
+        ),
+    ],
+    ids=["keyword", "SecretStr", "attribute", "ge_options", "ge_options=", "dict", "dict+ge", "rt"],
+)
+def test_no_output_shows_the_secret_from_any_input(make) -> None:  # type: ignore[no-untyped-def]
+    cfg = make()
+    leaks = [name for name, text in _outputs(cfg).items() if SECRET in text]
+    assert not leaks
+    # ... and the secret is still there for init, which reads the revealed dict form
+    back = LLMConfig.from_options(cfg.generate_options(reveal_secrets=True))
+    assert back.link_secret is not None and back.link_secret.get_secret_value() == SECRET
+
+
+def test_environment_secret_shows_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOKV_LINK_SECRET", SECRET)
+    cfg = LLMConfig()
+    assert cfg.link_secret is not None and cfg.link_secret.get_secret_value() == SECRET
+    assert not [name for name, text in _outputs(cfg).items() if SECRET in text]
+
+
+def test_ge_options_secret_keeps_its_rules() -> None:
+    """``ge_options`` shows the mask in the secret's place; reassigning the mask keeps
+    the secret; the field (when set) wins at init; a bad length is refused unseen."""
+    cfg = LLMConfig(ge_options={"aiokv.linkSecret": SECRET, "ge.x": "1"})
+    assert cfg.ge_options == {"aiokv.linkSecret": "**********", "ge.x": "1"}
+    assert cfg.generate_options(reveal_secrets=True)["aiokv.linkSecret"] == SECRET
+    cfg.ge_options = dict(cfg.ge_options)  # the mask back: still the same secret
+    assert cfg.generate_options(reveal_secrets=True)["aiokv.linkSecret"] == SECRET
+    cfg.link_secret = "field-wins"  # type: ignore[assignment]
+    won = LLMConfig.from_options(cfg.generate_options(reveal_secrets=True)).link_secret
+    assert won is not None and won.get_secret_value() == "field-wins"
+    cfg.ge_options = {}
+    assert "aiokv.linkSecret" in cfg.generate_options()  # the field's, masked
+    assert cfg.generate_options(reveal_secrets=True)["aiokv.linkSecret"] == "field-wins"
+    # a copied mask alone is refused at init, as for the field
+    with pytest.raises(LLMException, match="reveal_secrets=True"):
+        LLMConfig.from_options(LLMConfig(ge_options={"aiokv.linkSecret": "**********"}).options)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: LLMConfig(ge_options={"aiokv.linkSecret": SECRET * 400}),
+        lambda: LLMConfig(link_secret=SECRET * 400),
+        lambda: LLMConfig.from_options({"aiokv.linkSecret": SECRET * 400}),
+        lambda: LLMConfig.from_options({"ge.a": "1", "aiokv.linkSecret": SECRET * 400}),
+        lambda: LLMConfig.from_options({"aiokv.linkSecret": SECRET.encode()}),
+        lambda: LLMConfig(ge_options={"aiokv.linkSecret": SECRET.encode()}),
+        lambda: LLMConfig(link_secret=SECRET.encode()),
+        lambda: setattr(LLMConfig(), "ge_options", {"aiokv.linkSecret": SECRET * 400}),
+    ],
+    ids=[
+        "ge-long",
+        "kw-long",
+        "dict-long",
+        "dict+ge-long",
+        "dict-bytes",
+        "ge-bytes",
+        "kw-bytes",
+        "ge=-long",
+    ],
+)
+def test_errors_never_echo_the_secret(bad) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises((LLMException, TypeError, ValueError)) as ei:
+        bad()
+    assert SECRET not in str(ei.value) and SECRET not in repr(ei.value)
+
+
+async def test_a_secret_given_in_ge_options_authenticates_links() -> None:
+    base = {"device_type": "cpu", "enable_cache_manager": True, "mem_pool_cfg": POOL}
+    p = LLMDataDist(LLMRole.PROMPT, 1)
+    good, bad = LLMDataDist(LLMRole.DECODER, 2), LLMDataDist(LLMRole.DECODER, 3)
+    try:
+        await p.init(
+            LLMConfig(listen_ip_info="127.0.0.1:0", ge_options={"aiokv.linkSecret": SECRET}, **base)
+        )
+        await good.init({"aiokv.linkSecret": SECRET, "aiokv.deviceType": "cpu"})
+        await bad.init(LLMConfig(device_type="cpu"))
+        assert p.listen_address is not None
+        peer = [LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])]
+        assert (await bad.link_clusters(peer))[1] == [LLMStatusCode.LLM_LINK_FAILED]
+        assert (await good.link_clusters(peer))[1] == [LLMStatusCode.LLM_SUCCESS]
+    finally:
+        for d in (bad, good, p):
+            await d.finalize()

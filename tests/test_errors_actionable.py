@@ -124,6 +124,8 @@ async def raw_peer(reason: bytes) -> AsyncIterator[int]:
             await reader.readexactly(h.meta_len)
             writer.write(wire.encode_frame(FrameType.AUTH, status=0))
             h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+            assert h.type is FrameType.PING  # the requester's greeting, right after linking
+            h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
             await reader.readexactly(h.meta_len)
             code = int(CODE.LLM_KV_CACHE_NOT_EXIST)
             # built by hand: the peer may send anything, even over the cap

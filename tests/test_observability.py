@@ -291,3 +291,82 @@ async def test_metrics_endpoint_serves_the_documented_series(
     # closed: the port no longer answers
     with pytest.raises(OSError):
         await asyncio.to_thread(urllib.request.urlopen, f"http://{host}:{port}/metrics", timeout=2)
+
+
+# ------------------------------------------------------------ bounded per-peer entries
+
+
+def test_peer_counters_fold_old_idle_peers_and_keep_totals() -> None:
+    """Beyond the recent set, idle unlinked peers fold into OTHER_PEERS; linked and busy
+    ones never fold; every total stays exact."""
+    from aiokv._stats import OTHER_PEERS, PeerCounters
+
+    pc = PeerCounters(recent=4)
+    pc.up(1000)  # linked: kept however old
+    busy = pc.requests(1001).measure(7)
+    busy.__enter__()  # in flight: kept
+    for cid in range(50):
+        with pc.requests(cid).measure(10):
+            pass
+        pc.served(cid).refused(CODE.LLM_PARAM_INVALID)
+    snap = pc.snapshot([1000])
+    assert set(snap) == {1000, 1001, 46, 47, 48, 49, OTHER_PEERS}
+    assert snap[1000].linked and not snap[OTHER_PEERS].linked
+    assert snap[1001].requests.in_flight == 1
+    other = snap[OTHER_PEERS]
+    assert other.cluster_id == OTHER_PEERS
+    assert sum(s.requests.ops for s in snap.values()) == 50
+    assert sum(s.requests.bytes for s in snap.values()) == 500
+    assert sum(s.requests.latency.count for s in snap.values()) == 50
+    refused = [s.served.refused["LLM_PARAM_INVALID"] for s in snap.values() if s.served.refused]
+    assert sum(refused) == 50
+    busy.__exit__(None, None, None)
+    pc.down(1000)  # now unlinked and the most recent: the oldest recent one folds
+    snap = pc.snapshot([])
+    assert len(snap) == 4 + 1 and OTHER_PEERS in snap and 1000 not in snap  # 1000 never counted
+    assert sum(s.requests.ops for s in snap.values()) == 51
+
+
+async def test_many_short_peers_keep_statistics_and_scrape_bounded() -> None:
+    """Peers under ever new cluster ids, each linking once and being refused once: the
+    entries and the Prometheus scrape stay bounded; the refusal total stays exact."""
+    from aiokv._stats import OTHER_PEERS, RECENT_PEERS
+    from aiokv.transport import get_transport
+
+    class Nothing:
+        async def grant_read(self, peer: Any, meta: bytes) -> Any:
+            raise AssertionError("not asked")
+
+        async def grant_write(self, peer: Any, meta: bytes, nbytes: int) -> Any:
+            raise AssertionError("not asked")
+
+    tcp = get_transport("tcp")
+    sizes = []
+    async with LLMDataDist(LLMRole.PROMPT, 1, config()) as p:
+        assert p.listen_address is not None
+        host, port = p.listen_address
+        for rnd in range(2):
+            for cid in range(1000 + rnd * 100, 1100 + rnd * 100):
+                t = tcp(cid, Nothing())
+                try:
+                    link = await t.connect(host, port, timeout=5)
+                    with pytest.raises(LLMException):
+                        await link.read(b"not a request", [memoryview(bytearray(8))], timeout=5)
+                finally:
+                    await t.aclose()
+            stats = p.statistics()
+            assert len(stats.links) <= RECENT_PEERS + 1 + 1  # + other + one still linked
+            assert OTHER_PEERS in stats.links
+            refused = sum(sum(s.served.refused.values()) for s in stats.links.values())
+            assert refused == 100 * (rnd + 1)
+            if pytest.importorskip("prometheus_client"):
+                from prometheus_client import CollectorRegistry, generate_latest
+
+                from aiokv.metrics import Collector
+
+                registry = CollectorRegistry(auto_describe=False)
+                registry.register(Collector(p))
+                text = (await asyncio.to_thread(generate_latest, registry)).decode()
+                assert 'peer="other"' in text
+                sizes.append(len(text))
+    assert sizes[1] <= sizes[0] * 1.1  # twice the peers, about the same scrape

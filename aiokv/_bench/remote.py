@@ -18,15 +18,26 @@ same benchmark in place of the spawned processes. The control port has no
 authentication and the participant's pool is readable and writable by any peer: listen
 on a trusted network only; the listener holds random bytes only, at most ``POOL_BYTES``
 of them, and checks every request's sizes.
+
+What a connection that never sends a request costs the listener is bounded: it must say
+what it is within :data:`GREETING_TIMEOUT_S`; a control connection silent for
+:data:`CONTROL_IDLE_S` and a raw stream silent for :data:`RAW_IDLE_S` are closed. Raw
+streams are served by threads of their own pool (:data:`MAX_RAW_STREAMS` at once; one
+more is closed at once), never the loop's default executor, so idle ones cannot starve
+the control path. Every raw stream sends from one shared buffer of at most
+:data:`RAW_CHUNK_BYTES`, allocated at the first real request: announcing a big round
+commits nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import socket
-from typing import Any
+import threading
+from typing import Any, Final
 
 from .. import BlocksCacheKey, Cache, CacheDesc, DataType, LLMDataDist, LLMRole
 from .._errors import LLMException
@@ -39,6 +50,16 @@ __all__ = ["RemotePeer", "RemoteRawStream", "parse_address", "serve_peer"]
 MAX_RAW_BYTES = 1 << 30
 #: The longest control line a listener reads (bytes).
 MAX_LINE = 1 << 20
+#: Raw streams a listener serves at once (a driver uses one); one more is closed.
+MAX_RAW_STREAMS: Final = 4
+#: Seconds a new connection has to send its kind (and a raw stream its round size).
+GREETING_TIMEOUT_S = 10.0
+#: Seconds a raw stream may wait for its next request (or a send may stall).
+RAW_IDLE_S = 120.0
+#: Seconds a control connection may stay silent before it is closed (its cache freed).
+CONTROL_IDLE_S = 600.0
+#: The shared buffer raw rounds are sent from, in pieces (bytes, at most).
+RAW_CHUNK_BYTES: Final = 64 << 20
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -111,18 +132,44 @@ class _Session:
         raise ValueError(f"unknown request {op!r} with {len(args)} arguments")
 
 
-def _serve_raw(sock: socket.socket, max_bytes: int) -> None:
-    """In a thread: answer raw-stream requests on ``sock`` until it closes."""
-    payload = memoryview(_filled(max_bytes, 0xA5))
+class _Payload:
+    """The bytes every raw stream of one listener sends: one buffer, shared by all,
+    allocated at the first request and grown (up to :data:`RAW_CHUNK_BYTES`) only as
+    requests ask for more (any thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buf = memoryview(b"")
+
+    @property
+    def committed(self) -> int:
+        """Bytes allocated now."""
+        return len(self._buf)
+
+    def view(self, nbytes: int) -> memoryview:
+        """At least ``min(nbytes, RAW_CHUNK_BYTES)`` bytes of payload."""
+        want = min(nbytes, RAW_CHUNK_BYTES)
+        with self._lock:
+            if len(self._buf) < want:
+                self._buf = memoryview(_filled(want, 0xA5))
+            return self._buf
+
+
+def _serve_raw(sock: socket.socket, max_bytes: int, payload: _Payload) -> None:
+    """In a thread: answer raw-stream requests on ``sock`` until it closes, sends a bad
+    request, or stays silent (or stalls a send) for :data:`RAW_IDLE_S`."""
     request = bytearray(9)
     with sock:
-        sock.setblocking(True)
+        sock.settimeout(RAW_IDLE_S)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        while sock.recv_into(request, 9, socket.MSG_WAITALL) == 9:
-            n = int.from_bytes(request[1:], "little")
-            if request[0] != ord("g") or n > max_bytes:
-                return
-            sock.sendall(payload[:n])
+        with contextlib.suppress(OSError):  # TimeoutError included
+            while sock.recv_into(request, 9, socket.MSG_WAITALL) == 9:
+                n = int.from_bytes(request[1:], "little")
+                if request[0] != ord("g") or n > max_bytes:
+                    return
+                buf = payload.view(n)
+                for off in range(0, n, len(buf) or 1):
+                    sock.sendall(buf[: min(len(buf), n - off)])
 
 
 async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
@@ -148,6 +195,18 @@ async def serve_peer(
     config = participant_config(POOL_BYTES, listen=f"{host}:{data_port}")
     busy = asyncio.Lock()
     finished = asyncio.Event()
+    payload = _Payload()
+    raw_slots = threading.BoundedSemaphore(MAX_RAW_STREAMS)  # released by the thread
+    raw_pool = concurrent.futures.ThreadPoolExecutor(
+        MAX_RAW_STREAMS, thread_name_prefix="aiokv-bench-raw"
+    )
+
+    def raw_stream(sock: socket.socket, size: int) -> None:
+        try:
+            _serve_raw(sock, size, payload)
+        finally:
+            raw_slots.release()
+
     async with LLMDataDist(LLMRole.PROMPT, PEER_ID, config) as dd:
         assert dd.listen_address is not None
         data = dd.listen_address[1]
@@ -164,7 +223,7 @@ async def serve_peer(
                 session = _Session(dd)
                 try:
                     writer.write(json.dumps({"data_port": data}).encode() + b"\n")
-                    while line := await reader.readline():
+                    while line := await asyncio.wait_for(reader.readline(), CONTROL_IDLE_S):
                         try:
                             op, *args = json.loads(line)
                             reply = {"ok": await session.handle(op, args)}
@@ -180,14 +239,22 @@ async def serve_peer(
 
         async def connection(sock: socket.socket) -> None:
             try:
-                kind = await _recv_exactly(loop, sock, 1)
+                async with asyncio.timeout(GREETING_TIMEOUT_S):
+                    kind = await _recv_exactly(loop, sock, 1)
+                    if kind == b"r":
+                        size = int.from_bytes(await _recv_exactly(loop, sock, 8), "little")
                 if kind == b"c":
                     await control(sock)
-                elif kind == b"r":
-                    size = int.from_bytes(await _recv_exactly(loop, sock, 8), "little")
-                    if 0 < size <= MAX_RAW_BYTES:
-                        await asyncio.to_thread(_serve_raw, sock, size)
-            except (ConnectionError, OSError):
+                elif kind == b"r" and 0 < size <= MAX_RAW_BYTES:
+                    if not raw_slots.acquire(blocking=False):
+                        return  # closed: MAX_RAW_STREAMS are being served
+                    try:
+                        fut = raw_pool.submit(raw_stream, sock, size)
+                    except BaseException:
+                        raw_slots.release()
+                        raise
+                    await asyncio.wrap_future(fut)
+            except (ConnectionError, OSError, TimeoutError):
                 pass
             finally:  # shutdown first: it wakes a raw sender's thread blocked in recv
                 with contextlib.suppress(OSError):
@@ -213,6 +280,7 @@ async def serve_peer(
                 for task in list(tasks):
                     task.cancel()
                 await asyncio.gather(acceptor, *tasks, return_exceptions=True)
+                raw_pool.shutdown(wait=False)  # their sockets are shut: the threads end
 
 
 def _family(host: str) -> socket.AddressFamily:

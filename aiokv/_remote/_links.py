@@ -120,7 +120,7 @@ class LinkTable:
         self._links[cid] = link
         self._wake(cid)
         if new:  # the transport reports a link this side opened, then the linker files it
-            self._counters.links_up += 1
+            self._counters.up(cid)
             log.info("link to cluster %d up (%s:%d)", cid, *link.peer.address)
 
     def _claim(self, cid: int, filed: Link, claimant: Link) -> None:
@@ -188,7 +188,7 @@ class LinkTable:
             del self._links[cid]
             self._ours.discard(cid)
             self._dialed.discard(cid)
-            self._counters.links_down += 1
+            self._counters.down(cid)
             log.info("link to cluster %d down", cid)
 
     def pop(self, cluster_id: int) -> Link | None:
@@ -197,7 +197,7 @@ class LinkTable:
         self._dialed.discard(cluster_id)
         link = self._links.pop(cluster_id, None)
         if link is not None:
-            self._counters.links_down += 1
+            self._counters.down(cluster_id)
             log.info("link to cluster %d down (unlinked or replaced)", cluster_id)
         return link
 

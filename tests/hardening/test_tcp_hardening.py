@@ -595,3 +595,226 @@ async def test_backpressure_lets_a_slow_reader_keep_its_link(
             assert len(server.links()) == 1
         finally:
             sock.close()
+
+
+# ------------------------------------------------ links past the handshake: caps, idle
+
+
+async def _linked_raw(port: int, source: str = HOST, cluster_id: int = 77) -> socket.socket:
+    sock = await _connect_raw(port, source)
+    try:
+        await _raw_client_handshake(sock, cluster_id)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _until(cond: Any, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_quiet_links_beyond_the_caps_make_room_and_a_peer_links() -> None:
+    """Handshaked connections that never send a frame: one address keeps at most
+    ``max_links_per_host`` (the oldest quiet one goes); a legitimate peer from that very
+    address links at once and its link carries data."""
+    client = TcpTransport(1, Regions())
+    flood: list[socket.socket] = []
+    async with serving(max_links_per_host=4, max_links=8) as (server, port, handler):
+        try:
+            for i in range(12):
+                flood.append(await _linked_raw(port, cluster_id=100 + i))
+            await _until(lambda: len(server.links()) == 4)
+            closed = await asyncio.gather(*(_closed_by_peer(s, 0.2) for s in flood))
+            assert closed == [True] * 8 + [False] * 4  # the oldest went first
+            t0 = time.monotonic()
+            link = await client.connect(HOST, port, timeout=5)
+            assert time.monotonic() - t0 < 2
+            handler.regions["x"] = bytearray(b"alive")
+            got = bytearray(5)
+            await link.read(js({"r": "x", "off": 0, "n": 5}), [memoryview(got)], timeout=5)
+            assert got == b"alive"
+            assert await _closed_by_peer(flood[8], 2)  # it made room
+            assert len(server.links()) == 4
+        finally:
+            for s in flood:
+                s.close()
+            await client.aclose()
+
+
+async def test_links_in_use_are_kept_and_a_new_one_is_refused_with_a_reason() -> None:
+    """Links whose peer spoke are never closed to make room: past a cap the new link is
+    refused inside its handshake, with a reason (per address, then in total)."""
+    flood: list[socket.socket] = []
+    loop = asyncio.get_running_loop()
+    async with serving(max_links_per_host=3, max_links=5) as (_server, port, _):
+        try:
+            for i in range(3):
+                sock = await _linked_raw(port, source="127.0.0.3", cluster_id=200 + i)
+                await loop.sock_sendall(sock, wire.encode_frame(F.PING, 1))
+                h, _ = await _recv_frame(sock)
+                assert h.type is F.PONG
+                flood.append(sock)
+            extra = await _connect_raw(port, source="127.0.0.3")
+            flood.append(extra)
+            await loop.sock_sendall(extra, _hs(F.HELLO, {"cluster_id": 9, "nonce": "ab" * 32}))
+            await _recv_frame(extra)
+            await loop.sock_sendall(extra, _hs(F.AUTH, {"mac": None}))
+            h, meta = await _recv_frame(extra)
+            assert h.type is F.ERROR and b"3 links from 127.0.0.3" in meta
+            # two more addresses: the total cap (5) holds the same way
+            client = TcpTransport(1, Regions())
+            try:
+                await client.connect(HOST, port, timeout=5)
+                await client.connect(HOST, port, timeout=5)
+                with pytest.raises(LLMException, match="5 incoming links") as ei:
+                    await client.connect(HOST, port, timeout=5)
+                assert ei.value.status_code == Code.LLM_LINK_FAILED
+            finally:
+                await client.aclose()
+            assert not any(await asyncio.gather(*(_closed_by_peer(s, 0.2) for s in flood[:3])))
+        finally:
+            for s in flood:
+                s.close()
+
+
+async def test_quiet_links_time_out_links_in_use_do_not() -> None:
+    client = TcpTransport(1, Regions())
+    loop = asyncio.get_running_loop()
+    async with serving(idle_link_timeout=0.3) as (server, port, _):
+        try:
+            quiet = await _linked_raw(port, cluster_id=300)
+            spoke = await _linked_raw(port, cluster_id=301)
+            await loop.sock_sendall(spoke, wire.encode_frame(F.PING, 5))
+            link = await client.connect(HOST, port, timeout=5)  # it greets with a PING
+            assert await _closed_by_peer(quiet, 5)
+            await asyncio.sleep(0.6)
+            assert not await _closed_by_peer(spoke, 0.1)
+            assert await link.probe(2) and not link.broken
+            assert len(server.links()) == 2
+        finally:
+            quiet.close()
+            spoke.close()
+            await client.aclose()
+
+
+async def test_with_a_secret_quiet_links_do_not_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that proved the secret keeps a quiet link (an aiokv without the greeting
+    PING, emulated); the caps still count it."""
+    monkeypatch.setattr(tcp_link.TcpLink, "_greet", lambda self: None)
+    client = TcpTransport(1, Regions(), secret=b"s3cret")
+    async with serving(idle_link_timeout=0.2, secret=b"s3cret") as (server, port, _):
+        try:
+            link = await client.connect(HOST, port, timeout=5)
+            await asyncio.sleep(0.8)
+            assert not link.broken and len(server.links()) == 1
+            assert not server.links()[0].heard
+        finally:
+            await client.aclose()
+
+
+def test_link_caps_check_their_arguments() -> None:
+    for bad in ({"max_links": 0}, {"max_links_per_host": 0}, {"idle_link_timeout": 0}):
+        with pytest.raises(ValueError):
+            TcpTransport(1, Regions(), **bad)
+    with pytest.raises(TypeError):
+        TcpTransport(1, Regions(), max_links=1.5)  # type: ignore[arg-type]
+
+
+async def test_listening_beyond_loopback_without_secret_or_tls_warns() -> None:
+    server = TcpTransport(2, Regions())
+    try:
+        with pytest.warns(UserWarning, match="neither link_secret nor TLS"):
+            await server.listen("0.0.0.0", 0)
+    finally:
+        await server.aclose()
+    for host, kwargs in (("0.0.0.0", {"secret": b"s3cret"}), (HOST, {})):
+        server = TcpTransport(2, Regions(), **kwargs)
+        try:
+            with _no_user_warning():
+                await server.listen(host, 0)
+        finally:
+            await server.aclose()
+
+
+@contextlib.contextmanager
+def _no_user_warning() -> Any:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        yield
+
+
+async def test_init_warns_when_listening_beyond_loopback_without_protection() -> None:
+    cfg = LLMConfig(
+        device_type="cpu",
+        enable_cache_manager=True,
+        listen_ip_info="0.0.0.0:0",
+        mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
+    )
+    with pytest.warns(UserWarning, match="neither link_secret nor TLS"):
+        async with LLMDataDist(LLMRole.PROMPT, 1, cfg):
+            pass
+    cfg.link_secret = "s3cret"  # type: ignore[assignment]
+    with _no_user_warning():
+        async with LLMDataDist(LLMRole.PROMPT, 1, cfg):
+            pass
+
+
+def test_a_flood_of_handshaked_idle_links_still_lets_a_peer_link() -> None:
+    """600 connections from one address that complete the handshake and then say
+    nothing, against a listener limited to 512 descriptors (the default caps):
+    ``link_clusters`` from that same address still succeeds within its timeout, and the
+    link carries data."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_flooded_peer, args=(child, 512), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(60), "peer process did not start"
+        port = parent.recv()
+
+        async def main() -> None:
+            flood: list[socket.socket] = []
+            cfg = LLMConfig(
+                device_type="cpu",
+                enable_cache_manager=True,
+                mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
+            )
+            try:
+                failed = 0
+                for i in range(600):
+                    try:
+                        async with asyncio.timeout(2):
+                            flood.append(await _linked_raw(port, cluster_id=1000 + i))
+                    except (OSError, AssertionError, TimeoutError):
+                        failed += 1  # the listener is out of descriptors: enough
+                        if failed == 3:
+                            break
+                async with LLMDataDist(LLMRole.DECODER, 22, cfg) as d:
+                    info = LLMClusterInfo(remote_cluster_id=11, remote_ip_info=[(HOST, port)])
+                    t0 = time.monotonic()
+                    assert await d.link_clusters([info], timeout=5000) == (
+                        Code.LLM_SUCCESS,
+                        [Code.LLM_SUCCESS],
+                    )
+                    assert time.monotonic() - t0 < 5
+                    cm = d.cache_manager
+                    dst = await cm.allocate_blocks_cache(CacheDesc(1, [4, 256], DataType.DT_UINT8))
+                    await cm.pull_blocks(BlocksCacheKey(11, 0), dst, [0, 1, 2, 3], [0, 1, 2, 3])
+                    want = torch.arange(1024, dtype=torch.uint8).reshape(4, 256)
+                    assert torch.equal(dst.tensors[0], want)
+            finally:
+                for s in flood:
+                    s.close()
+
+        asyncio.run(main())
+    finally:
+        parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()

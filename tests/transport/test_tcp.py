@@ -523,7 +523,8 @@ async def fake_peer(serve: Serve) -> AsyncIterator[int]:
 
 
 async def _fake_peer_hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Server side of the handshake, without a secret, from raw frames."""
+    """Server side of the handshake, without a secret, from raw frames, and the
+    client's greeting PING after it."""
     h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
     await reader.readexactly(h.meta_len)
     meta = wire.encode_meta({"cluster_id": 9, "nonce": secrets.token_hex(32), "mac": None}, 4096)
@@ -531,6 +532,9 @@ async def _fake_peer_hello(reader: asyncio.StreamReader, writer: asyncio.StreamW
     h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
     await reader.readexactly(h.meta_len)
     writer.write(wire.encode_frame(FrameType.AUTH, status=0))
+    # the connecting side greets with one PING as soon as it linked (its PONG is optional)
+    h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+    assert h.type is FrameType.PING and not h.meta_len
 
 
 async def test_peer_dies_mid_transfer() -> None:

@@ -39,9 +39,19 @@ def _import_nixl() -> ModuleType:
 #: agent and backend), which is the application's. Read when NIXL loads: set first.
 DEFAULT_LOG_LEVEL: Final = "WARN"
 os.environ.setdefault("NIXL_LOG_LEVEL", DEFAULT_LOG_LEVEL)
+#: UCX modules not loaded unless the user chose (``UCX_MODULES``). ``uct_ib_efa``, the
+#: one bundled UCX module linked against the *system's* ``libefa``, drags the system's
+#: rdma-core ``libibverbs`` and ``libnl-route-3`` in beside the copies the ``nixl-cu12``
+#: 1.5.1 wheel bundles; at exit the bundled ``libnl-route``'s destructor
+#: (``rtnl_tc_unregister`` from ``_dl_fini``) then walks entries the system copy
+#: registered and crashes: every process that created a NIXL agent died with SIGSEGV
+#: (exit -11) on hosts with rdma-core's ``ibverbs-providers``. Read when UCX loads: set
+#: first. Other InfiniBand modules (mlx5, verbs) load as before.
+DEFAULT_UCX_MODULES: Final = "^efa"
+os.environ.setdefault("UCX_MODULES", DEFAULT_UCX_MODULES)
 _nixl = _import_nixl()
 
-__all__ = ["DEFAULT_LOG_LEVEL", "Agent", "Xfer"]
+__all__ = ["DEFAULT_LOG_LEVEL", "DEFAULT_UCX_MODULES", "Agent", "Xfer"]
 
 #: an opaque NIXL transfer handle
 Xfer = Any

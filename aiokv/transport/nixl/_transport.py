@@ -87,6 +87,9 @@ class NixlTransport(TcpTransport):
         max_handshakes: int = 256,
         max_handshakes_per_host: int = 64,
         tls: TlsContexts | None = None,
+        max_links: int = 512,
+        max_links_per_host: int = 64,
+        idle_link_timeout: float | None = 30.0,
     ) -> None:
         super().__init__(
             local_cluster_id,
@@ -101,6 +104,9 @@ class NixlTransport(TcpTransport):
             max_handshakes=max_handshakes,
             max_handshakes_per_host=max_handshakes_per_host,
             tls=tls,
+            max_links=max_links,
+            max_links_per_host=max_links_per_host,
+            idle_link_timeout=idle_link_timeout,
         )
         self.regions = Regions()  # host memory ("DRAM")
         self.vram: dict[int, Regions] = {}  # CUDA memory by device id ("VRAM")

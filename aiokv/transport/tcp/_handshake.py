@@ -10,6 +10,7 @@ import contextlib
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from typing import Any, Final
 
 from ..._enums import LLMStatusCode
@@ -141,8 +142,14 @@ async def client_handshake(io: SockIO, me: int, secret: bytes | None) -> int:
     return peer_id
 
 
-async def server_handshake(io: SockIO, me: int, secret: bytes | None) -> int:
-    """Run the accepting side's handshake; returns the peer's cluster id."""
+async def server_handshake(
+    io: SockIO, me: int, secret: bytes | None, admit: Callable[[int], str | None] | None = None
+) -> int:
+    """Run the accepting side's handshake; returns the peer's cluster id.
+
+    ``admit``, called with the peer's cluster id once it authenticated, may refuse the
+    link: its reason goes to the peer in an ``ERROR`` frame (the connecting side's
+    ``connect`` fails with it) and :class:`HandshakeError` is raised here."""
     _, hello = await _recv_frame(io, _F.HELLO, secret)
     peer_id, nonce_c = _hs_int(hello, "cluster_id"), _hs_nonce(hello)
     nonce_s = secrets.token_bytes(_NONCE_BYTES)
@@ -156,5 +163,11 @@ async def server_handshake(io: SockIO, me: int, secret: bytes | None) -> int:
         ok = mac_c is None
     if not ok:
         raise _auth_failed(io, secret, secret is not None, mac_c is not None)
+    refusal = None if admit is None else admit(peer_id)
+    if refusal is not None:
+        meta = {"reason": refusal}
+        with contextlib.suppress(OSError):
+            io.sock.send(_hs_frame(_F.ERROR, meta, _S.LLM_LINK_FAILED))
+        raise HandshakeError(f"refused: {refusal}")
     await io.send_all(_hs_frame(_F.AUTH, {}, _S.LLM_SUCCESS))
     return peer_id

@@ -94,6 +94,8 @@ class TcpLink(Link):
         self._io = io
         self._sock = io.sock
         self._broken = False
+        #: whether the peer sent any frame since the handshake (see TcpTransport's caps)
+        self.heard = False
         # The connecting side numbers its requests 0, 2, 4, ...; the accepting side 1, 3, 5.
         self._next_id = 0 if initiator else 1
         self._peer_parity = 1 if initiator else 0
@@ -275,6 +277,13 @@ class TcpLink(Link):
         finally:
             del self._probes[pid]
             pong.cancel()
+
+    def _greet(self) -> None:
+        """Send one PING right after linking (the connecting side): it tells the
+        accepting side this link is in use, so its idle-link rule never closes it."""
+        pid = self._next_probe
+        self._next_probe += 1  # no waiter: its PONG is ignored
+        self._post(wire.encode_frame(_F.PING, pid))
 
     # ----------------------------------------------------------------- op bookkeeping
 
@@ -496,6 +505,7 @@ class TcpLink(Link):
             while True:
                 await recv_exact(hview)
                 h = wire.decode_header(hview)
+                self.heard = True
                 if h.type is _F.DATA:
                     await self._on_data(h.req_id, h.size)
                     unyielded += h.size + _FRAME_COST

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
+import warnings
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -52,12 +54,27 @@ class TcpTransport(Transport):
             host cannot take every slot; a new one beyond it closes that host's oldest.
         tls: run every link over TLS with these contexts (:func:`~aiokv.transport._tls.load_tls`):
             the TLS handshake, within the handshake's time, before aiokv's own.
+        max_links: most incoming links (handshake done) at once.
+        max_links_per_host: most incoming links from one remote address at once.
+        idle_link_timeout: seconds an incoming link may stay *quiet* (no frame from
+            the peer since the handshake) before it is closed; ``None``: never. Not
+            applied with ``secret`` or ``tls``: such peers proved who they are.
 
     Pre-authentication work is bounded: an incoming connection costs one socket and
     one small task until it authenticates or ``handshake_timeout`` passes, at most
     ``max_handshakes`` of them exist, and the oldest goes first. So a flood of idle
     connections cannot exhaust descriptors, and a legitimate peer, whose handshake
     takes one round trip, still links while it lasts.
+
+    Links are bounded too: at most ``max_links`` incoming links, ``max_links_per_host``
+    from one address. The connecting side sends a PING as soon as it linked, so a link
+    in use is never *quiet*; a quiet incoming link (a peer that completed the
+    handshake and said nothing since) is closed after ``idle_link_timeout``, and a new
+    link beyond a cap closes the oldest quiet link of that address (or overall). When
+    none is quiet, the new link is refused inside its handshake (its ``connect`` fails
+    with the reason). So a flood of idle handshaked connections holds at most
+    ``max_links_per_host`` descriptors per address, for a while, and never keeps a
+    legitimate peer out.
     """
 
     #: the class of this transport's links (a subclass may serve links of its own)
@@ -78,6 +95,9 @@ class TcpTransport(Transport):
         max_handshakes: int = 256,
         max_handshakes_per_host: int = 64,
         tls: TlsContexts | None = None,
+        max_links: int = 512,
+        max_links_per_host: int = 64,
+        idle_link_timeout: float | None = 30.0,
     ) -> None:
         super().__init__(
             local_cluster_id,
@@ -93,6 +113,8 @@ class TcpTransport(Transport):
         for name, cap in (
             ("max_handshakes", max_handshakes),
             ("max_handshakes_per_host", max_handshakes_per_host),
+            ("max_links", max_links),
+            ("max_links_per_host", max_links_per_host),
         ):
             if isinstance(cap, bool) or not isinstance(cap, int):
                 raise TypeError(f"{name} must be int")
@@ -102,12 +124,21 @@ class TcpTransport(Transport):
         self.sock_buf_bytes = sock_buf_bytes
         self.max_handshakes = max_handshakes
         self.max_handshakes_per_host = max_handshakes_per_host
+        if idle_link_timeout is not None and not idle_link_timeout > 0:
+            raise ValueError(f"idle_link_timeout={idle_link_timeout} must be > 0 or None")
+        self.max_links = max_links
+        self.max_links_per_host = max_links_per_host
+        self.idle_link_timeout = idle_link_timeout
         self.tls = tls
         self._listeners: dict[tuple[str, int], tuple[socket.socket, asyncio.Task[None]]] = {}
         self._handshaking: set[SockIO] = set()
         # incoming connections not yet authenticated, oldest first, with their host
         self._unauthenticated: dict[SockIO, str] = {}
         self._links: dict[TcpLink, None] = {}  # insertion-ordered set
+        # incoming connections admitted past authentication, oldest first: their host,
+        # and their link once adopted (None while the last handshake frame goes out)
+        self._incoming: dict[SockIO, tuple[str, TcpLink | None]] = {}
+        self._idle_timers: dict[TcpLink, asyncio.TimerHandle] = {}
         self._scratch = bytearray(_SCRATCH_BYTES)  # sink for data nobody wants
 
     # ----------------------------------------------------------------------- public API
@@ -136,7 +167,25 @@ class TcpTransport(Transport):
         bound = sock.getsockname()
         address = (str(bound[0]), int(bound[1]))
         self._listeners[address] = (sock, self._spawn(self._accept_loop(sock), "aiokv-tcp-accept"))
+        self._warn_if_open(address[0])
         return address
+
+    def _warn_if_open(self, host: str) -> None:
+        """Warn (``UserWarning`` and a log record) when listening beyond loopback with
+        neither TLS nor a secret: anyone who reaches the port can link."""
+        if self.tls is not None or self.secret is not None:
+            return
+        with contextlib.suppress(ValueError):
+            if ipaddress.ip_address(host.split("%", 1)[0]).is_loopback:
+                return
+        msg = (
+            f"aiokv listens on {host} (not loopback) with neither link_secret nor TLS: "
+            "anyone who can reach the port can link and read the caches it grants; set "
+            "link_secret, or tls_* options where the network is not trusted "
+            "(docs/security.md)"
+        )
+        _log.warning("%s", msg)
+        warnings.warn(msg, UserWarning, stacklevel=2)
 
     async def unlisten(self, address: tuple[str, int]) -> None:
         entry = self._listeners.pop(address, None)
@@ -186,6 +235,10 @@ class TcpTransport(Transport):
             io.close()
         self._handshaking.clear()
         self._unauthenticated.clear()
+        self._incoming.clear()
+        for timer in self._idle_timers.values():
+            timer.cancel()
+        self._idle_timers.clear()
         for link in list(self._links):
             link._break("transport closed")
         # Accept tasks unregister their listener from the loop as they unwind, so the
@@ -245,12 +298,67 @@ class TcpTransport(Transport):
     def _adopt(self, io: SockIO, peer: PeerInfo, *, initiator: bool) -> TcpLink:
         link = self._link_class(self, io, peer, initiator=initiator)
         self._links[link] = None
+        if initiator:
+            link._greet()
+        else:
+            entry = self._incoming.get(io)
+            if entry is not None:
+                self._incoming[io] = (entry[0], link)
+            if self.idle_link_timeout is not None and self.secret is None and self.tls is None:
+                self._idle_timers[link] = self._loop_or_raise().call_later(
+                    self.idle_link_timeout, self._quiet_check, link
+                )
         self._notify(self.on_link, link)
         return link
 
     def _link_lost(self, link: TcpLink) -> None:
+        self._incoming.pop(link._io, None)
+        timer = self._idle_timers.pop(link, None)
+        if timer is not None:
+            timer.cancel()
         if self._links.pop(link, False) is None:
             self._notify(self.on_link_lost, link)
+
+    def _quiet_check(self, link: TcpLink) -> None:
+        self._idle_timers.pop(link, None)
+        if not link.heard and not link.broken:
+            _log.info(
+                "closing the link from %s:%d (cluster %d): nothing sent within %.3g s of linking",
+                *link.peer.address,
+                link.peer.cluster_id,
+                self.idle_link_timeout,
+            )
+            link._break("quiet since the handshake")
+
+    def _admit(self, io: SockIO, host: str) -> str | None:
+        """Make room for one more incoming link from ``host`` (authenticated, its last
+        handshake frame not sent yet): ``None`` and counted, or why it is refused.
+
+        Beyond ``max_links_per_host`` (or ``max_links``), the oldest quiet link of that
+        host (or overall) is closed; when none is quiet, the new one is refused."""
+        same = [i for i, (h, _) in self._incoming.items() if h == host]
+        if len(same) >= self.max_links_per_host:
+            pool, what = same, f"{self.max_links_per_host} links from {host}"
+        elif len(self._incoming) >= self.max_links:
+            pool, what = list(self._incoming), f"{self.max_links} incoming links"
+        else:
+            self._incoming[io] = (host, None)
+            return None
+        victim = next(
+            (
+                link
+                for link in (self._incoming[i][1] for i in pool)
+                if link is not None and not link.heard and not link.broken
+            ),
+            None,
+        )
+        if victim is None:
+            _log.warning("refused a link from %s: %s are in use", host, what)
+            return f"too many links: {what} are in use"
+        _log.info("%s: closing the oldest quiet one, from %s:%d", what, *victim.peer.address)
+        victim._break("quiet, replaced by a new link")  # drops it from _incoming
+        self._incoming[io] = (host, None)
+        return None
 
     async def _accept_loop(self, lsock: socket.socket) -> None:
         loop = self._loop_or_raise()
@@ -289,20 +397,29 @@ class TcpTransport(Transport):
         victim.close()  # its handshake task wakes, fails and ends
 
     async def _accept_one(self, io: SockIO, addr: Any) -> None:
+        host = str(addr[0])
         try:
             with self._handshaking_on(io):
                 async with asyncio.timeout(self.handshake_timeout):
                     await io.start()  # TLS, when set, within the same time
-                    peer_id = await server_handshake(io, self.local_cluster_id, self.secret)
+                    peer_id = await server_handshake(
+                        io, self.local_cluster_id, self.secret, lambda _: self._admit(io, host)
+                    )
         except AuthError as exc:
             _log.warning("refused a link from %s: %s", addr, exc)
+            self._incoming.pop(io, None)
             return
         except (TimeoutError, *_HANDSHAKE_ERRORS) as exc:
             _log.info("handshake with %s failed: %s", addr, exc)
+            self._incoming.pop(io, None)
             return
+        except BaseException:
+            self._incoming.pop(io, None)
+            raise
         finally:
             self._unauthenticated.pop(io, None)
         if self._closed:
+            self._incoming.pop(io, None)
             io.close()
             return
-        self._adopt(io, PeerInfo(peer_id, (str(addr[0]), int(addr[1]))), initiator=False)
+        self._adopt(io, PeerInfo(peer_id, (host, int(addr[1]))), initiator=False)

@@ -1,0 +1,80 @@
+"""A process that used the NIXL transport exits cleanly (status 0, no SIGSEGV at exit).
+
+The ``nixl-cu12`` 1.5.1 wheel crashed every such process in ``_dl_fini`` on hosts with
+rdma-core's ``ibverbs-providers`` (two ``libnl-route`` copies, see ``docs/api.md``
+"NIXL"); on a host without them these tests pass either way.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from aiokv import LLMException
+from aiokv.transport import get_transport
+
+try:
+    get_transport("nixl")
+    NIXL = None
+except LLMException as exc:
+    NIXL = str(exc)
+needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+
+_PROGRAM = textwrap.dedent(
+    """
+    import asyncio, os
+    from aiokv import (BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMConfig,
+                       LLMDataDist, LLMRole, LLMStatusCode)
+
+    DESC = CacheDesc(2, [8, 16, 4, 64], DataType.DT_FLOAT16)
+
+    def cfg():
+        return LLMConfig(device_type="cpu", enable_cache_manager=True,
+                         listen_ip_info="127.0.0.1:0", transfer_backend="nixl",
+                         mem_pool_cfg='{"memory_size": 16777216, "page_shift": 16}',
+                         sync_kv_timeout=10_000)
+
+    async def main():
+        async with LLMDataDist(LLMRole.PROMPT, 1, cfg()) as p, \\
+                LLMDataDist(LLMRole.DECODER, 2, cfg()) as d:
+            src = await p.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1))
+            for t in src.tensors:
+                t.fill_(3)
+            dst = await d.cache_manager.allocate_blocks_cache(DESC)
+            info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+            code, _ = await d.link_clusters([info], timeout=10_000)
+            assert code == LLMStatusCode.LLM_SUCCESS, code
+            await d.cache_manager.pull_blocks(BlocksCacheKey(1), dst, [0, 1], [2, 3])
+            assert all(bool((t[2:4] == 3).all()) for t in dst.tensors)
+        print("pulled", os.environ.get("UCX_MODULES"), flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+def _run(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    env.update(env_extra)
+    return subprocess.run(
+        [sys.executable, "-c", _PROGRAM], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@needs_nixl
+def test_a_process_that_pulled_over_nixl_exits_zero() -> None:
+    done = _run({})
+    assert "pulled " in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert "pulled ^efa" in done.stdout  # the default aiokv set
+
+
+@needs_nixl
+def test_a_ucx_modules_setting_of_the_user_wins() -> None:
+    done = _run({"UCX_MODULES": "^efa,cuda"})
+    assert "pulled ^efa,cuda" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
