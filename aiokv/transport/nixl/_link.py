@@ -69,9 +69,15 @@ class NixlLink(TcpLink):
     """A :class:`TcpLink` that moves payload over NIXL where both ends can."""
 
     def __init__(
-        self, transport: TcpTransport, io: SockIO, peer: PeerInfo, *, initiator: bool
+        self,
+        transport: TcpTransport,
+        io: SockIO,
+        peer: PeerInfo,
+        *,
+        initiator: bool,
+        first_frame: bytes | None = None,
     ) -> None:
-        super().__init__(transport, io, peer, initiator=initiator)
+        super().__init__(transport, io, peer, initiator=initiator, first_frame=first_frame)
         from ._transport import NixlTransport
 
         assert isinstance(transport, NixlTransport)

@@ -19,7 +19,14 @@ from .._base import auth_mismatch, decode_reason
 from ._io import SockIO
 from ._ops import code_of
 
-__all__ = ["AuthError", "HandshakeError", "client_handshake", "mac", "server_handshake"]
+__all__ = [
+    "ACCEPTED",
+    "AuthError",
+    "HandshakeError",
+    "client_handshake",
+    "mac",
+    "server_handshake",
+]
 
 _S = LLMStatusCode
 _F = wire.FrameType
@@ -112,6 +119,10 @@ def _hs_frame(kind: wire.FrameType, meta: dict[str, Any], status: int = 0) -> by
     )
 
 
+#: the accepting side's last handshake frame (see :func:`server_handshake`)
+ACCEPTED: Final = _hs_frame(_F.AUTH, {}, _S.LLM_SUCCESS)
+
+
 def _auth_failed(io: SockIO, secret: bytes | None, mine: bool, theirs: bool) -> AuthError:
     """Tell the peer, best effort and without waiting, that authentication failed; the
     error to raise here."""
@@ -145,7 +156,12 @@ async def client_handshake(io: SockIO, me: int, secret: bytes | None) -> int:
 async def server_handshake(
     io: SockIO, me: int, secret: bytes | None, admit: Callable[[int], str | None] | None = None
 ) -> int:
-    """Run the accepting side's handshake; returns the peer's cluster id.
+    """Run the accepting side's handshake up to its last frame; returns the peer's
+    cluster id.
+
+    The last frame, :data:`ACCEPTED`, is the caller's to send, as the new link's first
+    frame: the link is registered before the connecting side can see it accepted, so a
+    ``connect`` that returned never races the accepting side's registration.
 
     ``admit``, called with the peer's cluster id once it authenticated, may refuse the
     link: its reason goes to the peer in an ``ERROR`` frame (the connecting side's
@@ -169,5 +185,4 @@ async def server_handshake(
         with contextlib.suppress(OSError):
             io.sock.send(_hs_frame(_F.ERROR, meta, _S.LLM_LINK_FAILED))
         raise HandshakeError(f"refused: {refusal}")
-    await io.send_all(_hs_frame(_F.AUTH, {}, _S.LLM_SUCCESS))
     return peer_id

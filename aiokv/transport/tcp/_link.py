@@ -85,7 +85,13 @@ class TcpLink(Link):
     """One connected socket with its reader and writer tasks; see the module docstring."""
 
     def __init__(
-        self, transport: TcpTransport, io: SockIO, peer: PeerInfo, *, initiator: bool
+        self,
+        transport: TcpTransport,
+        io: SockIO,
+        peer: PeerInfo,
+        *,
+        initiator: bool,
+        first_frame: bytes | None = None,
     ) -> None:
         self.local_cluster_id = transport.local_cluster_id
         self.peer = peer
@@ -104,7 +110,8 @@ class TcpLink(Link):
         # our cancelled writes waiting for the peer's CANCEL_ACK
         self._cancelling: dict[int, asyncio.Future[None]] = {}
         # Writer state. `_iov[_pos:]` is the unsent part of the batch in flight.
-        self._ctrl: Bufs = []
+        # `first_frame` (the accepting side's last handshake frame) leads every other
+        self._ctrl: Bufs = [] if first_frame is None else [first_frame]
         self._streams: collections.deque[Stream] = collections.deque()
         self._iov: Bufs = []
         self._pos = 0

@@ -25,7 +25,7 @@ from .._base import (
     check_connect_timeout,
 )
 from .._tls import TlsContexts
-from ._handshake import AuthError, HandshakeError, client_handshake, server_handshake
+from ._handshake import ACCEPTED, AuthError, HandshakeError, client_handshake, server_handshake
 from ._io import SockIO
 from ._link import TcpLink
 from ._tls_io import TlsSockIO
@@ -296,7 +296,11 @@ class TcpTransport(Transport):
             self._handshaking.discard(io)
 
     def _adopt(self, io: SockIO, peer: PeerInfo, *, initiator: bool) -> TcpLink:
-        link = self._link_class(self, io, peer, initiator=initiator)
+        # The accepting side's last handshake frame is the link's first, queued before
+        # on_link registers the link: the peer sees it accepted only once it is.
+        link = self._link_class(
+            self, io, peer, initiator=initiator, first_frame=None if initiator else ACCEPTED
+        )
         self._links[link] = None
         if initiator:
             link._greet()
