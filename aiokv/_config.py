@@ -170,6 +170,7 @@ _OPTION_KEYS: dict[str, str] = {
     "tls_check_hostname": "aiokv.tlsCheckHostname",
     "swap_out_threads": "aiokv.swapOutThreads",
     "swap_in_buffers": "aiokv.swapInBuffers",
+    "restrict_reads_by_id": "aiokv.restrictReadsById",
 }
 #: earlier aiokv spellings, still read
 _OLD_KEYS: dict[str, str] = {"aiokv.transferBackend": "transfer_backend"}
@@ -273,6 +274,12 @@ class LLMConfig(Model):
             certificate names the host it dialled.
         swap_out_threads: worker threads for device→host swaps.
         swap_in_buffers: block-sized staging buffers for host→device swaps.
+        restrict_reads_by_id: aiokv's stricter rule, off by default: peers may read a
+            cache by its id (``CacheKeyByIdAndIndex``) only where they may push into it
+            (``enable_remote_cache_accessible`` and a ``remote_accessible`` cache), in
+            every mode. Off, llm_datadist's rules hold: legacy mode and instances
+            without ``enable_remote_cache_accessible`` serve reads by id to any linked
+            peer; with it, the cache must be ``remote_accessible``.
     """
 
     if TYPE_CHECKING:
@@ -310,6 +317,7 @@ class LLMConfig(Model):
             tls_check_hostname: bool = ...,
             swap_out_threads: int = ...,
             swap_in_buffers: int = ...,
+            restrict_reads_by_id: bool = ...,
         ) -> None: ...
 
     else:
@@ -353,6 +361,7 @@ class LLMConfig(Model):
     tls_check_hostname: bool = False
     swap_out_threads: int = Field(default=4, ge=1, le=64)
     swap_in_buffers: int = Field(default=4, ge=1, le=64)
+    restrict_reads_by_id: bool = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         # pydantic leaves a value that its model check refused in place: put it back

@@ -405,16 +405,41 @@ class PeerService:
         return e, key.batch_index, None
 
     def _check_access(self, entry: Entry, *, write: bool, key: Key) -> None:
-        """Pushes, and reads that address a cache by its id, need the cache to be remote
-        accessible (``remote_accessible`` and ``enable_remote_cache_accessible``); reads
-        by a key this side bound (``CacheKey``, ``BlocksCacheKey``) need nothing more."""
-        direct = write or isinstance(key, KeyById)
-        if direct and not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
+        """Who may reach ``entry``, as llm_datadist decides (docs/security.md):
+
+        * pushes need the cache to be remote accessible (``remote_accessible`` and
+          ``enable_remote_cache_accessible`` on this side);
+        * reads by a key this side bound (``CacheKey``, ``BlocksCacheKey``) need nothing;
+        * reads by cache id (``CacheKeyByIdAndIndex``): in legacy mode, or without
+          ``enable_remote_cache_accessible``, nothing (llm_datadist serves them by
+          request); with it, a ``remote_accessible`` cache (llm_datadist reads it
+          one-sided and refuses one that is not, ``LLM_PARAM_INVALID``). The option
+          ``restrict_reads_by_id`` makes them need what pushes need, in every mode.
+        """
+        cfg = self._config
+        shared = cfg.enable_remote_cache_accessible and entry.remote_accessible
+        cid = entry.cache.cache_id
+        if write and not shared:
             raise _Refused(
                 Code.LLM_FEATURE_NOT_ENABLED,
-                f"cache {entry.cache.cache_id} is not remote accessible "
-                f"({'push' if write else 'read by cache id'}; enable_remote_cache_accessible)",
+                f"cache {cid} of cluster {self._cluster_id} does not take pushes: its owner "
+                "must set enable_remote_cache_accessible and register it remote_accessible",
             )
+        if not write and isinstance(key, KeyById) and not shared:
+            if cfg.restrict_reads_by_id:
+                raise _Refused(
+                    Code.LLM_FEATURE_NOT_ENABLED,
+                    f"cache {cid} of cluster {self._cluster_id} is not readable by cache id: "
+                    "its owner set restrict_reads_by_id, so it needs "
+                    "enable_remote_cache_accessible and a remote_accessible cache "
+                    "(or read it by a CacheKey its owner bound)",
+                )
+            if cfg.enable_cache_manager and cfg.enable_remote_cache_accessible:
+                raise _invalid(
+                    f"cache {cid} of cluster {self._cluster_id} is not remote accessible: "
+                    "with enable_remote_cache_accessible, reads by cache id need a cache "
+                    "registered remote_accessible=True (or read it by a CacheKey its owner bound)"
+                )
         if write and isinstance(key, KeyByReq):
             raise _invalid("a push needs a CacheKeyByIdAndIndex")
 

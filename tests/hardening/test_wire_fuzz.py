@@ -390,8 +390,9 @@ def model(srv: Server, raw: bytes, write: bool) -> list[Run]:
     assert p.key is not None and p.tensors is not None
     ktag, k = p.key
     m, slot = _lookup(srv, ktag, k)
-    # pushes, and reads by cache id, need a remote-accessible cache on an enabled instance
-    if (write or ktag == "id") and not m.access:
+    # pushes need a remote-accessible cache on an enabled instance; reads by cache id
+    # too on an enabled instance, and nothing on another (llm_datadist's rules)
+    if (write or (ktag == "id" and srv.enable)) and not m.access:
         raise Refuse("not remote accessible")
     if write and ktag == "req":
         raise Refuse("a push needs a cache id")
