@@ -531,6 +531,20 @@ class LLMDataDist:
         self._require("linked_clusters")
         return self._links.clusters()
 
+    def link_failure(self, remote_cluster_id: int) -> str | None:
+        """Why the last attempt to link ``remote_cluster_id`` failed (``link_clusters``,
+        or ``link``'s communicator), e.g. ``"127.0.0.1:26000: connection refused"``;
+        ``None`` if it did not fail, or a link to that cluster came up since. aiokv's
+        addition: ``link_clusters`` returns only ``LLM_LINK_FAILED`` (llm_datadist's
+        shape) and logs the reason at WARNING on the ``aiokv.links`` logger; operations
+        on that cluster name it in their ``LLM_NOT_YET_LINK`` error.
+
+        Raises:
+            TypeError / ValueError: not a uint64.
+        """
+        cid = check_int("link_failure", "remote_cluster_id", remote_cluster_id, 0, 2**64 - 1)
+        return self._links.failure(cid)
+
     async def check_link_status(self, remote_cluster_id: int) -> None:
         """Return if the link to ``remote_cluster_id`` is up, as the transport knows it.
 

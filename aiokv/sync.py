@@ -281,6 +281,11 @@ class LLMDataDist:
         """Cluster ids with a live link."""
         return self._async.linked_clusters()
 
+    def link_failure(self, remote_cluster_id: int) -> str | None:
+        """Why the last attempt to link ``remote_cluster_id`` failed, or ``None`` (see
+        the async ``LLMDataDist.link_failure``)."""
+        return self._async.link_failure(remote_cluster_id)
+
     def check_link_status(self, remote_cluster_id: int) -> None:
         """Raise ``LLMException(LLM_NOT_YET_LINK)`` unless the cluster is linked."""
         self._engine().call(self._async.check_link_status, remote_cluster_id)

@@ -1,0 +1,135 @@
+"""Errors and logs an llm_datadist program run through ``aiokv.sync`` can act on: each
+names what went wrong and what to do (link failures keep their reason, mismatches name
+both sides, config errors list the valid choices, lifecycle words fit the caller)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any
+
+import pytest
+
+import aiokv.sync as llm_datadist
+from aiokv import (
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+)
+
+CODE = LLMStatusCode
+pytestmark = pytest.mark.timeout(60)
+
+
+def config(**kw: Any) -> LLMConfig:
+    base: dict[str, Any] = {
+        "device_type": "cpu",
+        "enable_cache_manager": True,
+        "mem_pool_cfg": '{"memory_size": 4194304, "page_shift": 12}',
+        "sync_kv_timeout": 3000,
+    }
+    return LLMConfig(**(base | kw))
+
+
+def dead_port() -> int:
+    """A port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------- link failures
+
+
+async def test_link_failure_logs_once_and_keeps_its_reason(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port = dead_port()
+    async with LLMDataDist(LLMRole.DECODER, 2, config(link_retry_count=3)) as d:
+        peer = LLMClusterInfo(remote_cluster_id=7, remote_ip_info=[("127.0.0.1", port)])
+        with caplog.at_level(logging.DEBUG, logger="aiokv"):
+            code, codes = await d.link_clusters([peer], timeout=600)
+        assert code == CODE.LLM_LINK_FAILED and codes == [CODE.LLM_LINK_FAILED]
+        links = [r for r in caplog.records if r.name == "aiokv.links"]
+        retries = [r for r in links if r.levelno == logging.DEBUG and "try" in r.getMessage()]
+        warnings = [r for r in links if r.levelno >= logging.WARNING]
+        assert len(retries) == 3 and not any(r.exc_info for r in links)  # no tracebacks
+        assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0].getMessage()
+        reason = d.link_failure(7)
+        assert reason is not None and f"127.0.0.1:{port}" in reason and "3 attempt" in reason
+        assert reason in warnings[0].getMessage()
+        assert d.link_failure(8) is None
+        dst = await d.cache_manager.allocate_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8))
+        with pytest.raises(LLMException) as ei:
+            await d.cache_manager.pull_blocks(BlocksCacheKey(7, 0), dst, [0], [0])
+        assert ei.value.status_code == CODE.LLM_NOT_YET_LINK
+        msg = str(ei.value)
+        assert "cluster 7 is not linked" in msg and reason in msg  # the cause
+        assert "call link_clusters again" in msg  # the remedy
+        assert "call link_clusters first" not in msg
+
+
+async def test_link_failure_clears_once_linked() -> None:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config(listen_ip_info="127.0.0.1:0")) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
+    ):
+        assert p.listen_address is not None
+        wrong = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[("127.0.0.1", dead_port())])
+        assert (await d.link_clusters([wrong], timeout=300))[0] == CODE.LLM_LINK_FAILED
+        assert d.link_failure(1) is not None
+        right = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        assert (await d.link_clusters([right]))[0] == CODE.LLM_SUCCESS
+        assert d.link_failure(1) is None
+
+
+async def test_wrong_cluster_at_the_address_names_both(caplog: pytest.LogCaptureFixture) -> None:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config(listen_ip_info="127.0.0.1:0")) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
+    ):
+        assert p.listen_address is not None
+        peer = LLMClusterInfo(remote_cluster_id=5, remote_ip_info=[p.listen_address])
+        with caplog.at_level(logging.WARNING, logger="aiokv"):
+            assert (await d.link_clusters([peer]))[0] == CODE.LLM_LINK_FAILED
+        reason = d.link_failure(5)
+        assert reason is not None and "is cluster 1, not 5" in reason
+        assert "check remote_cluster_id" in reason
+
+
+def test_two_sided_link_retries_quietly_and_fails_once(caplog: pytest.LogCaptureFixture) -> None:
+    """``link`` toward a party that never comes: a DEBUG line per retry (no
+    tracebacks), one WARNING with the reason, the reason kept per cluster."""
+    port = dead_port()
+    table = (
+        '{"server_count": "1", "status": "completed", "version": "1.0", "server_list": '
+        '[{"server_id": "127.0.0.1", "device": ['
+        f'{{"device_id": "0", "device_ip": "127.0.0.1", "rank_id": "0", "device_port": "{port}"}},'
+        f'{{"device_id": "1", "device_ip": "127.0.0.1", "rank_id": "1", "device_port": "{port}"}}'
+        "]}]}"
+    )
+    cfg = config(link_total_time=1)
+    with (
+        caplog.at_level(logging.DEBUG, logger="aiokv"),
+        llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, 2, cfg) as d,
+    ):
+        comm = d.link("c", {1: 0, 2: 1}, table)
+        for _ in range(300):
+            if d.query_register_mem_status(comm) != llm_datadist.RegisterMemStatus.PREPARING:
+                break
+            time.sleep(0.01)
+        assert d.query_register_mem_status(comm) == llm_datadist.RegisterMemStatus.FAILED
+        reason = d.link_failure(1)
+    links = [r for r in caplog.records if r.name == "aiokv.links"]
+    assert not any(r.exc_info for r in links)
+    assert sum(r.levelno == logging.DEBUG and "try" in r.getMessage() for r in links) >= 2
+    warnings = [r for r in links if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0].getMessage()
+    assert reason is not None and f"127.0.0.1:{port}" in reason
