@@ -79,7 +79,8 @@ async def test_peer_reason_reaches_the_requester(
     with caplog.at_level(logging.WARNING, logger="aiokv"), pytest.raises(LLMException) as ei:
         await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
     assert ei.value.status_code == CODE.LLM_PARAM_INVALID
-    assert "block sizes differ (512 vs 1024 bytes)" in str(ei.value)
+    assert "block sizes differ: the requester's cache has 512 bytes per block" in str(ei.value)
+    assert "has 1024" in str(ei.value)
     assert "pull_blocks" in str(ei.value)  # the public operation, once
     refusals = [r for r in caplog.records if r.name == "aiokv.remote" and "refused" in r.message]
     assert refusals and refusals[0].levelno == logging.WARNING

@@ -133,3 +133,74 @@ def test_two_sided_link_retries_quietly_and_fails_once(caplog: pytest.LogCapture
     warnings = [r for r in links if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0].getMessage()
     assert reason is not None and f"127.0.0.1:{port}" in reason
+
+
+# ---------------------------------------------------------------- mismatches, indices
+
+
+@pytest.fixture
+def sync_cm() -> Any:
+    with llm_datadist.LLMDataDist(llm_datadist.LLMRole.PROMPT, 1, config()) as d:
+        yield d.cache_manager
+
+
+def _param_invalid(call: Any) -> str:
+    with pytest.raises(LLMException) as ei:
+        call()
+    assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+    return str(ei.value)
+
+
+def test_block_mismatch_names_both_caches_and_the_fields(sync_cm: Any) -> None:
+    a = sync_cm.allocate_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8))
+    b = sync_cm.allocate_blocks_cache(CacheDesc(1, [4, 32], DataType.DT_INT8))
+    c = sync_cm.allocate_blocks_cache(CacheDesc(1, [4, 32], DataType.DT_BF16))
+    d = sync_cm.allocate_blocks_cache(CacheDesc(2, [4, 64], DataType.DT_INT8))
+    msg = _param_invalid(lambda: sync_cm.copy_kv_blocks(a, b, [0], [[1]]))
+    assert "block sizes differ" in msg and f"src cache {a.cache_id} has 64 bytes" in msg
+    assert f"dst cache {b.cache_id} has 32" in msg and "CacheDesc.shape" in msg
+    msg = _param_invalid(lambda: sync_cm.copy_kv_blocks(b, c, [0], [[1]]))
+    assert "data types differ" in msg and "DT_INT8" in msg and "DT_BF16" in msg
+    assert "CacheDesc.data_type" in msg and "DataType." not in msg and " 1 vs" not in msg
+    msg = _param_invalid(lambda: sync_cm.copy_kv_blocks(a, d, [0], [[1]]))
+    assert "tensor counts differ" in msg and "has 1" in msg and "has 2" in msg
+    assert "CacheDesc.num_tensors" in msg
+
+
+def test_copy_cache_mismatch_names_both(sync_cm: Any) -> None:
+    a = sync_cm.allocate_cache(CacheDesc(1, [2, 64], DataType.DT_INT8))
+    b = sync_cm.allocate_cache(CacheDesc(1, [2, 32], DataType.DT_BF16))
+    msg = _param_invalid(lambda: sync_cm.copy_cache(b, a))
+    assert f"src cache {a.cache_id}" in msg and f"dst cache {b.cache_id}" in msg
+    assert "DT_INT8" in msg and "DT_BF16" in msg and "data_type must be equal" in msg
+
+
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_negative_block_index_is_the_same_error_as_past_the_end(sync_cm: Any, bad: int) -> None:
+    a = sync_cm.allocate_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8))
+    msg = _param_invalid(lambda: sync_cm.copy_blocks(a, {bad: [1]}))
+    assert f"src block={bad} is out of range [0, 4)" in msg
+    msg = _param_invalid(lambda: sync_cm.copy_blocks(a, {0: [bad]}))
+    assert f"entry {bad} is out of range [0, 4)" in msg
+    assert "9223372036854775807" not in msg
+
+
+async def test_remote_mismatch_names_requester_and_owner() -> None:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config(listen_ip_info="127.0.0.1:0")) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
+    ):
+        assert p.listen_address is not None
+        peer = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        assert (await d.link_clusters([peer]))[0] == CODE.LLM_SUCCESS
+        src = await p.cache_manager.allocate_blocks_cache(
+            CacheDesc(1, [4, 64], DataType.DT_BF16), BlocksCacheKey(1, 0)
+        )
+        dst = await d.cache_manager.allocate_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8))
+        with pytest.raises(LLMException) as ei:
+            await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
+        msg = str(ei.value)
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        assert "the requester's cache is DT_INT8" in msg
+        assert f"cache {src.cache_id} here (the owner's) is DT_BF16" in msg
+        assert "CacheDesc.data_type must be equal" in msg
