@@ -23,6 +23,7 @@ from aiokv import (
     LLMRole,
     LLMStatusCode,
 )
+from aiokv._config import InvalidOptionError
 
 CODE = LLMStatusCode
 pytestmark = pytest.mark.timeout(60)
@@ -204,3 +205,41 @@ async def test_remote_mismatch_names_requester_and_owner() -> None:
         assert "the requester's cache is DT_INT8" in msg
         assert f"cache {src.cache_id} here (the owner's) is DT_BF16" in msg
         assert "CacheDesc.data_type must be equal" in msg
+
+
+# ---------------------------------------------------------------- config errors
+
+
+def test_unknown_pool_key_lists_the_valid_ones_and_the_nearest() -> None:
+    with pytest.raises(InvalidOptionError) as ei:
+        llm_datadist.LLMConfig().mem_pool_cfg = '{"memroy_size": 67108864}'
+    msg = str(ei.value)
+    assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+    assert "unknown key 'memroy_size'" in msg and "did you mean 'memory_size'?" in msg
+    assert "Valid: memory_size, page_shift" in msg
+
+
+def test_unknown_option_suggests_the_nearest() -> None:
+    with pytest.raises(InvalidOptionError) as ei:
+        LLMConfig.from_options({"llm.SyncKvCacheWaitTme": "5"})
+    assert "did you mean 'llm.SyncKvCacheWaitTime'?" in str(ei.value)
+    assert "llm.listenIpInfo" in str(ei.value)  # the valid ones are listed
+    with pytest.raises(InvalidOptionError) as ei:
+        LLMConfig(sync_kv_timout=5)  # type: ignore[call-arg]
+    assert "did you mean 'sync_kv_timeout'?" in str(ei.value)
+    with pytest.raises(AttributeError) as ai:
+        LLMConfig().sync_kv_timout = 5  # type: ignore[attr-defined]
+    assert "did you mean 'sync_kv_timeout'?" in str(ai.value)
+
+
+@pytest.mark.parametrize("bad", ['"64MiB"', "1.5", "true"])
+def test_a_value_of_the_wrong_kind_is_the_same_config_error(bad: str) -> None:
+    cfg = llm_datadist.LLMConfig()
+    with pytest.raises(InvalidOptionError) as ei:  # as for any other bad value
+        cfg.mem_pool_cfg = f'{{"memory_size": {bad}}}'
+    assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+    assert isinstance(ei.value, TypeError)  # still the TypeError it was
+    assert "memory_size must be an integer number of bytes" in str(ei.value)  # the unit
+    assert cfg.mem_pool_cfg is None  # nothing changed
+    with pytest.raises(InvalidOptionError, match="log2 of the page size"):
+        cfg.mem_pool_cfg = f'{{"memory_size": 67108864, "page_shift": {bad}}}'
