@@ -85,6 +85,7 @@ class LLMDataDist:
         self._listen: tuple[str, int] | None = None
         self._engine: Engine | None = None
         self._closing = False  # finalize has begun: the teardown runs until the engine ends
+        self._finalized = False  # a finalize completed (and no init since)
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -108,9 +109,19 @@ class LLMDataDist:
 
     def _require(self, op: str) -> CacheManager:
         if self._manager is None:
-            raise RuntimeError(f"{op}: LLMDataDist is not initialized; await init() first")
+            if self._finalized:
+                raise RuntimeError(
+                    f"{op}: LLMDataDist {self._cluster_id} was finalized; call init() to "
+                    "start it again"
+                )
+            raise RuntimeError(
+                f"{op}: LLMDataDist {self._cluster_id} is not initialized; call init() first"
+            )
         if self._closing:
-            raise RuntimeError(f"{op}: LLMDataDist is being finalized")
+            raise RuntimeError(
+                f"{op}: LLMDataDist {self._cluster_id} is being finalized; call init() once "
+                "finalize() returned"
+            )
         return self._manager
 
     @property
@@ -206,7 +217,7 @@ class LLMDataDist:
         if self._closing:
             raise RuntimeError(f"{op}: a finalize of this LLMDataDist is under way")
         if self.initialized:
-            log.debug("LLMDataDist %d: already initialized, init ignored", self._cluster_id)
+            self._warn_reinit(options)
             return None
         if self._engine is not None:
             raise RuntimeError(f"{op}: an init or finalize of this LLMDataDist is under way")
@@ -223,7 +234,30 @@ class LLMDataDist:
         self._engine = engine  # taken now: a concurrent init fails instead of racing
         return config, engine
 
+    def _warn_reinit(self, options: Any) -> None:
+        """A second ``init`` is a no-op (as llm_datadist); warn when its options differ
+        from the first's, which they do not change."""
+        try:
+            again = LLMConfig.from_options(
+                options.generate_options(reveal_secrets=True)
+                if isinstance(options, LLMConfig)
+                else options
+            )
+        except (LLMException, TypeError, ValueError):
+            again = None
+        if again is not None and again == self._config:
+            log.debug("LLMDataDist %d: already initialized, init ignored", self._cluster_id)
+            return
+        msg = (
+            f"LLMDataDist {self._cluster_id} is already initialized: this init() and its "
+            "different options are ignored (as llm_datadist); to apply them, call "
+            "finalize() first, then init() with them"
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        log.warning("%s", msg)
+
     def _started(self) -> None:
+        self._finalized = False
         _warn_twins(self)
         _live.add(self)
         log.info(
@@ -387,6 +421,7 @@ class LLMDataDist:
         if self._engine is engine:
             self._engine = None
             self._closing = False
+            self._finalized = True
             _live.discard(self)
             log.info("LLMDataDist %d finalized", self._cluster_id)
 
@@ -733,7 +768,8 @@ def _warn_twins(dd: LLMDataDist) -> None:
     msg = (
         f"LLMDataDist {dd._cluster_id} initialized while another instance with cluster id "
         f"{dd._cluster_id} is still initialized, holding its pools, listener and threads: "
-        "finalize the old one (await dd.finalize(), or use `async with LLMDataDist(...)`)"
+        "finalize the old one (its finalize(), or create it in a `with` / `async with` "
+        "LLMDataDist(...) block)"
     )
     warnings.warn(msg, ResourceWarning, stacklevel=4)
     log.warning("%s", msg)

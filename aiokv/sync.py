@@ -228,10 +228,10 @@ class LLMDataDist:
         """The configuration ``init`` was given."""
         return self._async.config
 
-    def _engine(self) -> Engine:
+    def _engine(self, op: str = "LLMDataDist") -> Engine:
+        self._async._require(op)  # not initialized, finalized, being finalized: say which
         engine = self._async._engine
-        if engine is None:
-            raise RuntimeError("LLMDataDist is not initialized; call init() first")
+        assert engine is not None
         return engine
 
     def _face(self, manager: Any, cls: type[CacheManager]) -> Any:
@@ -265,13 +265,15 @@ class LLMDataDist:
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Link to each cluster within ``timeout`` ms: ``(overall, per_cluster)``."""
-        return self._engine().call(self._async.link_clusters, clusters, timeout)
+        return self._engine("link_clusters").call(self._async.link_clusters, clusters, timeout)
 
     def unlink_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Close the links to each cluster: ``(overall, per_cluster)``."""
-        return self._engine().call(self._async.unlink_clusters, clusters, timeout, force)
+        return self._engine("unlink_clusters").call(
+            self._async.unlink_clusters, clusters, timeout, force
+        )
 
     def statistics(self) -> DataDistStats:
         """A snapshot of this participant (see the async ``LLMDataDist.statistics``)."""
@@ -288,23 +290,25 @@ class LLMDataDist:
 
     def check_link_status(self, remote_cluster_id: int) -> None:
         """Raise ``LLMException(LLM_NOT_YET_LINK)`` unless the cluster is linked."""
-        self._engine().call(self._async.check_link_status, remote_cluster_id)
+        self._engine("check_link_status").call(self._async.check_link_status, remote_cluster_id)
 
     def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
         """Start a two-sided link (see the async ``link``); its ``comm_id``."""
-        return self._engine().call(self._async.link, comm_name, cluster_rank_info, rank_table)
+        return self._engine("link").call(self._async.link, comm_name, cluster_rank_info, rank_table)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
         """``PREPARING``, ``OK`` or ``FAILED``: the state of ``link``'s communicator."""
-        return self._engine().call(self._async.query_register_mem_status, comm_id)
+        return self._engine("query_register_mem_status").call(
+            self._async.query_register_mem_status, comm_id
+        )
 
     def unlink(self, comm_id: int) -> None:
         """Close the links of ``link``'s communicator and forget it."""
-        self._engine().call(self._async.unlink, comm_id)
+        self._engine("unlink").call(self._async.unlink, comm_id)
 
     def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
         """Take ``role``; start, move or stop the listener (see the async ``switch_role``)."""
-        self._engine().call(self._async.switch_role, role, switch_options)
+        self._engine("switch_role").call(self._async.switch_role, role, switch_options)
 
     def __enter__(self) -> LLMDataDist:
         if not self.initialized and self._config_at_enter is not None:

@@ -243,3 +243,67 @@ def test_a_value_of_the_wrong_kind_is_the_same_config_error(bad: str) -> None:
     assert cfg.mem_pool_cfg is None  # nothing changed
     with pytest.raises(InvalidOptionError, match="log2 of the page size"):
         cfg.mem_pool_cfg = f'{{"memory_size": 67108864, "page_shift": {bad}}}'
+
+
+# ---------------------------------------------------------------- lifecycle wording
+
+
+def test_after_finalize_the_error_says_finalized_and_never_await() -> None:
+    d = llm_datadist.LLMDataDist(llm_datadist.LLMRole.PROMPT, 1)
+    with pytest.raises(RuntimeError) as ei:
+        d.link_clusters([], 1000)
+    assert "is not initialized; call init() first" in str(ei.value)
+    assert "await" not in str(ei.value)
+    d.init(config())
+    cm = d.cache_manager
+    d.finalize()
+    for call in (
+        lambda: d.cache_manager,
+        lambda: d.link_clusters([], 1000),
+        lambda: d.check_link_status(3),
+    ):
+        with pytest.raises(RuntimeError) as ei:
+            call()
+        msg = str(ei.value)
+        assert "was finalized" in msg and "call init() to start it again" in msg, msg
+        assert "await" not in msg and "not initialized" not in msg
+    with pytest.raises(RuntimeError) as ei:
+        cm.allocate_cache(CacheDesc(1, [2, 64], DataType.DT_INT8))
+    assert "finalized" in str(ei.value) and "await" not in str(ei.value)
+    d.init(config())  # init after finalize starts it afresh
+    assert d.cache_manager is not None
+    d.finalize()
+
+
+def test_a_blocking_call_on_the_engine_thread_does_not_say_await() -> None:
+    with llm_datadist.LLMDataDist(llm_datadist.LLMRole.PROMPT, 1, config()) as d:
+        engine = d._engine()
+
+        async def inside() -> str:
+            try:
+                engine.call(_noop)
+            except RuntimeError as exc:
+                return str(exc)
+            return ""
+
+        msg = engine.call(inside)
+    assert "would deadlock" in msg and "async aiokv method" in msg and "await" not in msg
+
+
+async def _noop() -> None:
+    return None
+
+
+def test_a_second_init_with_other_options_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with llm_datadist.LLMDataDist(llm_datadist.LLMRole.PROMPT, 1) as d:
+        d.init(config())
+        with caplog.at_level(logging.WARNING, logger="aiokv"):
+            d.init(config())  # the same options: quiet, as before
+        assert not caplog.records
+        with pytest.warns(RuntimeWarning) as rec, caplog.at_level(logging.WARNING, "aiokv"):
+            d.init(config(sync_kv_timeout=9000))
+        msg = str(rec[0].message)
+        assert "already initialized" in msg and "options are ignored" in msg  # cause
+        assert "call finalize() first, then init()" in msg  # remedy
+        assert any(msg in r.getMessage() for r in caplog.records)
+        assert d.config.sync_kv_timeout == 3000  # nothing changed
