@@ -367,9 +367,25 @@ class LLMConfig(Model):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     device_id: int = Field(default=0, ge=0, le=1 << 16)
     device_type: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    sync_kv_timeout: int = Field(default=1000, gt=0, le=2**31 - 1)
-    mem_pool_cfg: MemPoolConfig | None = None
-    host_mem_pool_cfg: MemPoolConfig | None = None
+    if TYPE_CHECKING:  # what llm_datadist programs assign: digit and JSON strings too
+
+        @property
+        def sync_kv_timeout(self) -> int: ...
+        @sync_kv_timeout.setter
+        def sync_kv_timeout(self, value: int | str) -> None: ...
+        @property
+        def mem_pool_cfg(self) -> MemPoolConfig | None: ...
+        @mem_pool_cfg.setter
+        def mem_pool_cfg(self, value: MemPoolConfig | str | None) -> None: ...
+        @property
+        def host_mem_pool_cfg(self) -> MemPoolConfig | None: ...
+        @host_mem_pool_cfg.setter
+        def host_mem_pool_cfg(self, value: MemPoolConfig | str | None) -> None: ...
+
+    else:
+        sync_kv_timeout: int = Field(default=1000, gt=0, le=2**31 - 1)
+        mem_pool_cfg: MemPoolConfig | None = None
+        host_mem_pool_cfg: MemPoolConfig | None = None
     listen_ip_info: str | None = None
     enable_cache_manager: bool = False
     enable_remote_cache_accessible: bool = False
