@@ -491,12 +491,25 @@ class LLMDataDist:
 
         Raises:
             TypeError / ValueError: bad arguments (``timeout`` not an int32).
-            LLMException: ``LLM_PARAM_INVALID`` for ``timeout <= 0``.
+            LLMException: ``LLM_PARAM_INVALID`` for ``timeout <= 0``, and, as
+                llm_datadist, in cache-manager mode without ``local_comm_res`` for a
+                cluster with no ``local_ip_info`` (``append_local_ip_info``; aiokv does
+                not use its content).
             RuntimeError: not initialized.
         """
         op = "link_clusters"
         engine, linker = self._linker_on(op)
         infos = self._check_clusters(op, clusters, timeout)
+        cfg = self.config
+        if cfg.enable_cache_manager and not cfg.local_comm_res:
+            for i, c in enumerate(infos):
+                if not c.local_ip_info:  # llm_datadist's check, and its words
+                    param_invalid(
+                        op,
+                        f"clusters[{i}] (cluster {c.remote_cluster_id}): local_ip_info_list "
+                        "is empty. Call append_local_ip_info to add local_ip_info when "
+                        "local_comm_res option is unspecified or empty.",
+                    )
         if not infos:
             return LLMStatusCode.LLM_PARAM_INVALID, []
         if len(infos) > 16:

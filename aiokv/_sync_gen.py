@@ -456,7 +456,10 @@ class LLMDataDistOps:
 
         Raises:
             TypeError / ValueError: bad arguments (``timeout`` not an int32).
-            LLMException: ``LLM_PARAM_INVALID`` for ``timeout <= 0``.
+            LLMException: ``LLM_PARAM_INVALID`` for ``timeout <= 0``, and, as
+                llm_datadist, in cache-manager mode without ``local_comm_res`` for a
+                cluster with no ``local_ip_info`` (``append_local_ip_info``; aiokv does
+                not use its content).
             RuntimeError: not initialized.
         """
         return self._engine("link_clusters").call(self._async.link_clusters, clusters, timeout)

@@ -54,7 +54,11 @@ async def test_link_failure_logs_once_and_keeps_its_reason(
 ) -> None:
     port = dead_port()
     async with LLMDataDist(LLMRole.DECODER, 2, config(link_retry_count=3)) as d:
-        peer = LLMClusterInfo(remote_cluster_id=7, remote_ip_info=[("127.0.0.1", port)])
+        peer = LLMClusterInfo(
+            remote_cluster_id=7,
+            local_ip_info=[("127.0.0.1", 0)],
+            remote_ip_info=[("127.0.0.1", port)],
+        )
         with caplog.at_level(logging.DEBUG, logger="aiokv"):
             code, codes = await d.link_clusters([peer], timeout=600)
         assert code == CODE.LLM_LINK_FAILED and codes == [CODE.LLM_LINK_FAILED]
@@ -83,10 +87,16 @@ async def test_link_failure_clears_once_linked() -> None:
         LLMDataDist(LLMRole.DECODER, 2, config()) as d,
     ):
         assert p.listen_address is not None
-        wrong = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[("127.0.0.1", dead_port())])
+        wrong = LLMClusterInfo(
+            remote_cluster_id=1,
+            local_ip_info=[("127.0.0.1", 0)],
+            remote_ip_info=[("127.0.0.1", dead_port())],
+        )
         assert (await d.link_clusters([wrong], timeout=300))[0] == CODE.LLM_LINK_FAILED
         assert d.link_failure(1) is not None
-        right = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        right = LLMClusterInfo(
+            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
+        )
         assert (await d.link_clusters([right]))[0] == CODE.LLM_SUCCESS
         assert d.link_failure(1) is None
 
@@ -97,7 +107,9 @@ async def test_wrong_cluster_at_the_address_names_both(caplog: pytest.LogCapture
         LLMDataDist(LLMRole.DECODER, 2, config()) as d,
     ):
         assert p.listen_address is not None
-        peer = LLMClusterInfo(remote_cluster_id=5, remote_ip_info=[p.listen_address])
+        peer = LLMClusterInfo(
+            remote_cluster_id=5, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
+        )
         with caplog.at_level(logging.WARNING, logger="aiokv"):
             assert (await d.link_clusters([peer]))[0] == CODE.LLM_LINK_FAILED
         reason = d.link_failure(5)
@@ -192,7 +204,9 @@ async def test_remote_mismatch_names_requester_and_owner() -> None:
         LLMDataDist(LLMRole.DECODER, 2, config()) as d,
     ):
         assert p.listen_address is not None
-        peer = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        peer = LLMClusterInfo(
+            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
+        )
         assert (await d.link_clusters([peer]))[0] == CODE.LLM_SUCCESS
         src = await p.cache_manager.allocate_blocks_cache(
             CacheDesc(1, [4, 64], DataType.DT_BF16), BlocksCacheKey(1, 0)
@@ -307,3 +321,31 @@ def test_a_second_init_with_other_options_warns(caplog: pytest.LogCaptureFixture
         assert "call finalize() first, then init()" in msg  # remedy
         assert any(msg in r.getMessage() for r in caplog.records)
         assert d.config.sync_kv_timeout == 3000  # nothing changed
+
+
+# ---------------------------------------------------------------- llm_datadist's link check
+
+
+def test_link_clusters_without_local_ip_info_is_refused_as_llm_datadist() -> None:
+    """Cache-manager mode without ``local_comm_res``: ``LLM_PARAM_INVALID`` with
+    llm_datadist's words, before any connection; legacy mode and a ``local_comm_res``
+    do not ask for it."""
+    peer = llm_datadist.LLMClusterInfo()
+    peer.remote_cluster_id = 1
+    peer.append_remote_ip_info("127.0.0.1", dead_port())
+    with llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, 2, config()) as d:
+        with pytest.raises(LLMException) as ei:
+            d.link_clusters([peer], 300)
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        msg = str(ei.value)
+        assert "local_ip_info_list is empty" in msg and "Call append_local_ip_info" in msg
+        assert d.link_failure(1) is None  # nothing was tried
+    for cfg in (
+        config(local_comm_res='{"status": "completed"}'),
+        config(enable_cache_manager=False, mem_pool_cfg=None),
+    ):
+        with llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, 2, cfg) as d:
+            assert d.link_clusters([peer], 300)[0] == CODE.LLM_LINK_FAILED  # tried
+    peer.append_local_ip_info("127.0.0.1", 0)
+    with llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, 2, config()) as d:
+        assert d.link_clusters([peer], 300)[0] == CODE.LLM_LINK_FAILED  # tried

@@ -87,7 +87,9 @@ async def linked(**prompt: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]
         LLMDataDist(LLMRole.DECODER, 2, config()) as d,
     ):
         assert p.listen_address is not None
-        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        info = LLMClusterInfo(
+            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
+        )
         assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
         yield p, d
 
