@@ -16,6 +16,7 @@ exit. An instance never finalized is finalized at interpreter exit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -123,10 +124,26 @@ class CacheManager(_Blocking, CacheManagerOps):
         stats: RegistryStats = self._async.statistics()
         return stats
 
-    def transfer_cache_async(self, *args: Any, **kwargs: Any) -> CacheTask:
-        """Start a layer-wise transfer (see the async ``transfer_cache_async``); returns
-        a :class:`CacheTask` whose ``synchronize()`` blocks."""
-        return CacheTask(self._engine, self._async.transfer_cache_async(*args, **kwargs))
+    def transfer_cache_async(
+        self,
+        src_cache: Cache,
+        layer_synchronizer: LayerSynchronizer,
+        transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
+        src_block_indices: Sequence[int] | None = None,
+        dst_block_indices: Sequence[int] | None = None,
+        dst_block_memory_size: int | None = None,
+    ) -> CacheTask:
+        """Start a layer-wise transfer (see the async ``transfer_cache_async``, whose
+        signature this is); returns a :class:`CacheTask` whose ``synchronize()`` blocks."""
+        task = self._async.transfer_cache_async(
+            src_cache,
+            layer_synchronizer,
+            transfer_configs,
+            src_block_indices,
+            dst_block_indices,
+            dst_block_memory_size,
+        )
+        return CacheTask(self._engine, task)
 
 
 class KvCacheManager(CacheManager):

@@ -71,6 +71,11 @@ def test_every_async_method_has_a_blocking_twin_with_its_signature(
         assert twin.__doc__ and len(twin.__doc__) > 40, name  # a real docstring
 
 
+def test_transfer_cache_async_has_the_async_signature() -> None:
+    blocking = inspect.signature(aiokv.sync.CacheManager.transfer_cache_async)
+    assert blocking == inspect.signature(aiokv.CacheManager.transfer_cache_async)
+
+
 def test_a_blocking_program_passes_mypy_strict() -> None:
     """Signatures, return types, and what llm_datadist programs assign
     (``cfg.mem_pool_cfg = '{"memory_size": ...}'``, a digit-string timeout)."""

@@ -43,6 +43,11 @@ def prompt() -> None:
     datadist.finalize()
 
 
+class Synchronizer(llm_datadist.LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
 def decoder() -> None:
     datadist = llm_datadist.LLMDataDist(LLMRole.DECODER, 1)
     datadist.init({"llm.EnableCacheManager": "1", "llm.SyncKvCacheWaitTime": "1000"})
@@ -59,7 +64,7 @@ def decoder() -> None:
     manager.pull_blocks(BlocksCacheKey(0), dst, src_blocks=[0, 1], dst_blocks=[2, 3])
     manager.push_cache(CacheKeyByIdAndIndex(cluster_id=0, cache_id=1, batch_index=0), dst)
     manager.pull_cache(CacheKeyByIdAndIndex(0, 1, 0), dst, 0)
-    task = manager.transfer_cache_async(dst, None, [])
+    task = manager.transfer_cache_async(dst, Synchronizer(), [])
     code: LLMStatusCode = task.synchronize()
     assert code == LLMStatusCode.LLM_SUCCESS
     comm_id: int = datadist.link("comm", {0: 0, 1: 1}, "{}")
