@@ -635,8 +635,8 @@ class LLMDataDist:
                 and neither listens nor has an address in ``rank_table``),
                 ``LLM_LINK_FAILED`` (that address cannot be bound),
                 ``LLM_ALREADY_LINK`` / ``LLM_PROCESSING_LINK`` when a party is linked
-                or being linked already, ``LLM_FEATURE_NOT_ENABLED`` in legacy mode
-                (``enable_cache_manager=False``).
+                or being linked already, ``LLM_PARAM_INVALID`` in legacy mode
+                (``enable_cache_manager=False``), as llm_datadist.
         """
         op = "link"
         engine, linker = self._linker_on(op)
@@ -662,7 +662,7 @@ class LLMDataDist:
 
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
-                ``LLM_FEATURE_NOT_ENABLED`` in legacy mode.
+                ``LLM_PARAM_INVALID`` in legacy mode.
         """
         op = "query_register_mem_status"
         engine, linker = self._linker_on(op)
@@ -682,7 +682,7 @@ class LLMDataDist:
 
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
-                ``LLM_FEATURE_NOT_ENABLED`` in legacy mode.
+                ``LLM_PARAM_INVALID`` in legacy mode.
         """
         op = "unlink"
         engine, linker = self._linker_on(op)
@@ -691,10 +691,11 @@ class LLMDataDist:
         await engine.run(linker.unlink, comm_id)
 
     def _cache_manager_mode(self, op: str) -> None:
-        if isinstance(self._manager, KvCacheManager):
-            raise LLMException(
-                f"{op}: needs enable_cache_manager=True",
-                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        if isinstance(self._manager, KvCacheManager):  # llm_datadist's code and words
+            param_invalid(
+                op,
+                f"{op} is not supported when llm.EnableCacheManager is not configured "
+                "(set enable_cache_manager=True)",
             )
 
     async def switch_role(

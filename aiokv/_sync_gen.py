@@ -526,8 +526,8 @@ class LLMDataDistOps:
                 and neither listens nor has an address in ``rank_table``),
                 ``LLM_LINK_FAILED`` (that address cannot be bound),
                 ``LLM_ALREADY_LINK`` / ``LLM_PROCESSING_LINK`` when a party is linked
-                or being linked already, ``LLM_FEATURE_NOT_ENABLED`` in legacy mode
-                (``enable_cache_manager=False``).
+                or being linked already, ``LLM_PARAM_INVALID`` in legacy mode
+                (``enable_cache_manager=False``), as llm_datadist.
         """
         return self._engine("link").call(self._async.link, comm_name, cluster_rank_info, rank_table)
 
@@ -538,7 +538,7 @@ class LLMDataDistOps:
 
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
-                ``LLM_FEATURE_NOT_ENABLED`` in legacy mode.
+                ``LLM_PARAM_INVALID`` in legacy mode.
         """
         return self._engine("query_register_mem_status").call(
             self._async.query_register_mem_status, comm_id
@@ -554,7 +554,7 @@ class LLMDataDistOps:
 
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
-                ``LLM_FEATURE_NOT_ENABLED`` in legacy mode.
+                ``LLM_PARAM_INVALID`` in legacy mode.
         """
         return self._engine("unlink").call(self._async.unlink, comm_id)
 
