@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import secrets
-import threading
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,30 +19,22 @@ from ._checks import UINT64_MAX, check_instance, param_invalid, renamed
 from ._enums import Placement
 from ._models import CacheDesc
 
-__all__ = ["Cache", "KvCache", "wrap_memory"]
+__all__ = ["UNTRACKED_ID", "Cache", "KvCache", "wrap_memory"]
 
 log = logging.getLogger("aiokv")
 
-# Cache ids are random 63-bit numbers (uint64 in llm_datadist), not a counter: a peer
-# that learns one id cannot walk to the others. Unique among the live caches.
-_live_ids: weakref.WeakValueDictionary[int, Cache] = weakref.WeakValueDictionary()
-_ids_lock = threading.Lock()
-
-
-def _new_id(cache: Cache) -> int:
-    with _ids_lock:
-        while True:
-            cid = secrets.randbits(63)
-            if cid and cid not in _live_ids:
-                _live_ids[cid] = cache
-                return cid
+#: the ``cache_id`` of a cache no ``LLMDataDist`` tracks (``create_cpu_cache``), as
+#: llm_datadist's
+UNTRACKED_ID = -1
 
 
 class Cache:
     """A KV cache: ``num_tensors`` tensors of ``cache_desc.shape`` and dtype.
 
     Attributes:
-        cache_id: unique among the live caches of the process; random, not sequential.
+        cache_id: numbered from 1 by the ``LLMDataDist`` that allocated or registered
+            it, in order, never reused while it lives (as llm_datadist's cache engine);
+            ``-1`` for ``create_cpu_cache``, which no ``LLMDataDist`` tracks.
         cache_desc: its descriptor (a copy of the one it was made with, whose dims
             ``update_dim`` may no longer change).
         tensors: the tensors (views of a pool region, or of user memory).
@@ -66,9 +55,14 @@ class Cache:
     )
 
     def __init__(
-        self, cache_desc: CacheDesc, tensors: list[torch.Tensor], *, is_blocks_cache: bool
+        self,
+        cache_desc: CacheDesc,
+        tensors: list[torch.Tensor],
+        *,
+        is_blocks_cache: bool,
+        cache_id: int = UNTRACKED_ID,
     ) -> None:
-        self.cache_id = _new_id(self)
+        self.cache_id = cache_id
         self.cache_desc = cache_desc.locked_copy()
         self.tensors = tensors
         self.is_blocks_cache = is_blocks_cache

@@ -96,11 +96,11 @@ def check_index(op: str, name: str, value: Any, length: int) -> int:
 
     Raises:
         TypeError / NoneArgumentError: as :func:`check_int`.
-        ValueError: negative or beyond uint64.
-        LLMException: ``LLM_PARAM_INVALID`` when ``value >= length``.
+        LLMException: ``LLM_PARAM_INVALID`` when negative or ``>= length`` (one error,
+            one wording, either side).
     """
-    v = check_int(op, name, value, 0, UINT64_MAX)
-    if v >= length:
+    v = check_int(op, name, value)
+    if not 0 <= v < length:
         param_invalid(op, f"{name}={v} is out of range [0, {length})")
     return v
 
@@ -126,9 +126,10 @@ def check_blocks(op: str, name: str, value: Any, nblocks: int) -> Blocks:
 
     Raises:
         NoneArgumentError / TypeError: not a list/tuple of ints.
-        ValueError: a negative entry or one beyond :data:`MAX_BLOCK_INDEX`.
-        LLMException: ``LLM_PARAM_INVALID`` for an entry ``>= nblocks``.
+        LLMException: ``LLM_PARAM_INVALID`` for an entry out of ``[0, nblocks)``,
+            negative or too big alike (one error, one wording).
     """
+    bound = str(nblocks) if nblocks <= MAX_BLOCK_INDEX else "the peer cache's block count"
     check_instance(op, name, value, (list, tuple))
     if not set(map(type, value)) <= {int}:  # plain ints (the usual case) need no loop
         for i, b in enumerate(value):
@@ -141,14 +142,12 @@ def check_blocks(op: str, name: str, value: Any, nblocks: int) -> Blocks:
     except OverflowError:  # beyond int64 either way: name the worst entry
         lo, hi = min(value), max(value)
         bad = lo if lo < 0 else hi
-        raise ValueError(
-            f"{op}: {name} entry {bad} is out of range [0, {MAX_BLOCK_INDEX}]"
-        ) from None
+        param_invalid(op, f"{name} entry {bad} is out of range [0, {bound})")
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0:
-        raise ValueError(f"{op}: {name} entry {lo} is out of range [0, {MAX_BLOCK_INDEX}]")
+        param_invalid(op, f"{name} entry {lo} is out of range [0, {bound})")
     if hi >= nblocks:
-        param_invalid(op, f"{name} entry {hi} is out of range [0, {nblocks})")
+        param_invalid(op, f"{name} entry {hi} is out of range [0, {bound})")
     arr.flags.writeable = False
     return arr
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import difflib
 import ipaddress
 import json
 import math
 import os
 import re
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
@@ -33,6 +34,7 @@ __all__ = [
     "HOST_POOL_LIMIT",
     "SECRET_MASK",
     "InvalidOptionError",
+    "InvalidOptionTypeError",
     "LLMConfig",
     "LlmConfig",
     "MemPoolConfig",
@@ -58,15 +60,40 @@ class InvalidOptionError(LLMException, ValueError):
         return (type(self), (str(self), self.op or "LLMConfig"))
 
 
+class InvalidOptionTypeError(InvalidOptionError, TypeError):
+    """A configuration value of the wrong kind (``"64MiB"`` for a byte count), or an
+    unknown option: the same :class:`InvalidOptionError` (``LLM_PARAM_INVALID``) as any
+    other bad value, and still the ``TypeError`` SPEC §1.2 names for a wrong type."""
+
+
+def unknown_name(what: str, name: object, valid: Iterable[str]) -> str:
+    """``unknown <what> 'x'; did you mean 'y'? valid: ...`` (the nearest by difflib)."""
+    names = sorted(valid)
+    near = difflib.get_close_matches(str(name), names, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return f"unknown {what} {name!r}{hint} Valid: {', '.join(names)}"
+
+
 @contextlib.contextmanager
 def _param_invalid(op: str) -> Iterator[None]:
-    """Re-raise a plain ``ValueError`` from the block as :class:`InvalidOptionError`."""
+    """Re-raise a plain ``ValueError`` / ``TypeError`` from the block as
+    :class:`InvalidOptionError` / :class:`InvalidOptionTypeError` (``None`` stays a
+    ``NoneArgumentError``)."""
     try:
         yield
-    except InvalidOptionError:
+    except (InvalidOptionError, NoneArgumentError):
         raise
     except ValueError as exc:
         raise InvalidOptionError(str(exc), op) from None
+    except TypeError as exc:
+        raise InvalidOptionTypeError(str(exc), op) from None
+
+
+#: what each ``MemPoolConfig`` key must be, for errors
+_POOL_KEYS = {
+    "memory_size": "an integer number of bytes (67108864 for 64 MiB)",
+    "page_shift": "an integer, log2 of the page size in bytes (16 for 64 KiB pages)",
+}
 
 
 class MemPoolConfig(Model):
@@ -118,9 +145,11 @@ class MemPoolConfig(Model):
                 raise ValueError("MemPoolConfig: JSON must be an object")
         if not isinstance(value, dict):
             raise TypeError(f"MemPoolConfig: expected str, dict or MemPoolConfig, got {value!r}")
-        unknown = set(value) - {"memory_size", "page_shift"}
-        if unknown:
-            raise ValueError(f"MemPoolConfig: unknown keys {sorted(unknown)}")
+        for key, v in value.items():
+            if key not in _POOL_KEYS:
+                raise ValueError(f"MemPoolConfig: {unknown_name('key', key, _POOL_KEYS)}")
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"MemPoolConfig: {key} must be {_POOL_KEYS[key]}, got {v!r}")
         return cls(**value)
 
     def to_json(self) -> str:
@@ -172,6 +201,7 @@ _OPTION_KEYS: dict[str, str] = {
     "tls_check_hostname": "aiokv.tlsCheckHostname",
     "swap_out_threads": "aiokv.swapOutThreads",
     "swap_in_buffers": "aiokv.swapInBuffers",
+    "restrict_reads_by_id": "aiokv.restrictReadsById",
 }
 #: earlier aiokv spellings, still read
 _OLD_KEYS: dict[str, str] = {"aiokv.transferBackend": "transfer_backend"}
@@ -277,6 +307,12 @@ class LLMConfig(Model):
             certificate names the host it dialled.
         swap_out_threads: worker threads for device→host swaps.
         swap_in_buffers: block-sized staging buffers for host→device swaps.
+        restrict_reads_by_id: aiokv's stricter rule, off by default: peers may read a
+            cache by its id (``CacheKeyByIdAndIndex``) only where they may push into it
+            (``enable_remote_cache_accessible`` and a ``remote_accessible`` cache), in
+            every mode. Off, llm_datadist's rules hold: legacy mode and instances
+            without ``enable_remote_cache_accessible`` serve reads by id to any linked
+            peer; with it, the cache must be ``remote_accessible``.
     """
 
     if TYPE_CHECKING:
@@ -314,12 +350,18 @@ class LLMConfig(Model):
             tls_check_hostname: bool = ...,
             swap_out_threads: int = ...,
             swap_in_buffers: int = ...,
+            restrict_reads_by_id: bool = ...,
         ) -> None: ...
 
     else:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             with _param_invalid(type(self).__name__):
+                for name in kwargs:
+                    if name not in type(self).model_fields:
+                        raise TypeError(
+                            f"LLMConfig: {unknown_name('option', name, type(self).model_fields)}"
+                        )
                 env = {} if _CHECKING_ENV.get() else _env_defaults()
                 super().__init__(*args, **(env | kwargs))
             if env:  # defaults from the environment are not options that were set
@@ -329,9 +371,25 @@ class LLMConfig(Model):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     device_id: int = Field(default=0, ge=0, le=1 << 16)
     device_type: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    sync_kv_timeout: int = Field(default=1000, gt=0, le=2**31 - 1)
-    mem_pool_cfg: MemPoolConfig | None = None
-    host_mem_pool_cfg: MemPoolConfig | None = None
+    if TYPE_CHECKING:  # what llm_datadist programs assign: digit and JSON strings too
+
+        @property
+        def sync_kv_timeout(self) -> int: ...
+        @sync_kv_timeout.setter
+        def sync_kv_timeout(self, value: int | str) -> None: ...
+        @property
+        def mem_pool_cfg(self) -> MemPoolConfig | None: ...
+        @mem_pool_cfg.setter
+        def mem_pool_cfg(self, value: MemPoolConfig | str | None) -> None: ...
+        @property
+        def host_mem_pool_cfg(self) -> MemPoolConfig | None: ...
+        @host_mem_pool_cfg.setter
+        def host_mem_pool_cfg(self, value: MemPoolConfig | str | None) -> None: ...
+
+    else:
+        sync_kv_timeout: int = Field(default=1000, gt=0, le=2**31 - 1)
+        mem_pool_cfg: MemPoolConfig | None = None
+        host_mem_pool_cfg: MemPoolConfig | None = None
     listen_ip_info: str | None = None
     enable_cache_manager: bool = False
     enable_remote_cache_accessible: bool = False
@@ -359,9 +417,14 @@ class LLMConfig(Model):
     swap_in_buffers: int = Field(default=4, ge=1, le=64)
     # secret values ``ge_options`` carried (by option key); ``ge_options`` shows the mask
     _ge_secrets: dict[str, SecretStr] = PrivateAttr(default_factory=dict)
+    restrict_reads_by_id: bool = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         # pydantic leaves a value that its model check refused in place: put it back
+        if name not in type(self).model_fields and not name.startswith("_"):
+            raise AttributeError(
+                f"LLMConfig: {unknown_name('attribute', name, type(self).model_fields)}"
+            )
         saved, fields_set = dict(self.__dict__), set(self.__pydantic_fields_set__)
         ge_secrets = self._ge_secrets
         try:
@@ -540,7 +603,8 @@ class LLMConfig(Model):
                 if key == "ge.session_device_id" and "ge.exec.deviceId" in options:
                     continue
                 if not (key.startswith("ge.") or key in _PASSTHROUGH_KEYS):
-                    raise InvalidOptionError(f"{op}: unknown option {key!r}", op)
+                    known = {*_OPTION_KEYS.values(), *_PASSTHROUGH_KEYS}
+                    raise InvalidOptionError(f"{op}: {unknown_name('option', key, known)}", op)
                 if key == "ge.flowGraphMemMaxSize" and not (raw.isascii() and raw.isdigit()):
                     raise InvalidOptionError(f"{op}: {key} must be digit, got {raw!r}", op)
                 passthrough[key] = raw

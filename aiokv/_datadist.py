@@ -96,6 +96,7 @@ class LLMDataDist:
         self._listen: tuple[str, int] | None = None
         self._engine: Engine | None = None
         self._closing = False  # finalize has begun: the teardown runs until the engine ends
+        self._finalized = False  # a finalize completed (and no init since)
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -119,9 +120,19 @@ class LLMDataDist:
 
     def _require(self, op: str) -> CacheManager:
         if self._manager is None:
-            raise RuntimeError(f"{op}: LLMDataDist is not initialized; await init() first")
+            if self._finalized:
+                raise RuntimeError(
+                    f"{op}: LLMDataDist {self._cluster_id} was finalized; call init() to "
+                    "start it again"
+                )
+            raise RuntimeError(
+                f"{op}: LLMDataDist {self._cluster_id} is not initialized; call init() first"
+            )
         if self._closing:
-            raise RuntimeError(f"{op}: LLMDataDist is being finalized")
+            raise RuntimeError(
+                f"{op}: LLMDataDist {self._cluster_id} is being finalized; call init() once "
+                "finalize() returned"
+            )
         return self._manager
 
     @property
@@ -217,7 +228,7 @@ class LLMDataDist:
         if self._closing:
             raise RuntimeError(f"{op}: a finalize of this LLMDataDist is under way")
         if self.initialized:
-            log.debug("LLMDataDist %d: already initialized, init ignored", self._cluster_id)
+            self._warn_reinit(options)
             return None
         if self._engine is not None:
             raise RuntimeError(f"{op}: an init or finalize of this LLMDataDist is under way")
@@ -234,7 +245,30 @@ class LLMDataDist:
         self._engine = engine  # taken now: a concurrent init fails instead of racing
         return config, engine
 
+    def _warn_reinit(self, options: Any) -> None:
+        """A second ``init`` is a no-op (as llm_datadist); warn when its options differ
+        from the first's, which they do not change."""
+        try:
+            again = LLMConfig.from_options(
+                options.generate_options(reveal_secrets=True)
+                if isinstance(options, LLMConfig)
+                else options
+            )
+        except (LLMException, TypeError, ValueError):
+            again = None
+        if again is not None and again == self._config:
+            log.debug("LLMDataDist %d: already initialized, init ignored", self._cluster_id)
+            return
+        msg = (
+            f"LLMDataDist {self._cluster_id} is already initialized: this init() and its "
+            "different options are ignored (as llm_datadist); to apply them, call "
+            "finalize() first, then init() with them"
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        log.warning("%s", msg)
+
     def _started(self) -> None:
+        self._finalized = False
         _warn_twins(self)
         _live.add(self)
         log.info(
@@ -401,6 +435,7 @@ class LLMDataDist:
         if self._engine is engine:
             self._engine = None
             self._closing = False
+            self._finalized = True
             _live.discard(self)
             log.info("LLMDataDist %d finalized", self._cluster_id)
 
@@ -471,12 +506,25 @@ class LLMDataDist:
 
         Raises:
             TypeError / ValueError: bad arguments (``timeout`` not an int32).
-            LLMException: ``LLM_PARAM_INVALID`` for ``timeout <= 0``.
+            LLMException: ``LLM_PARAM_INVALID`` for ``timeout <= 0``, and, as
+                llm_datadist, in cache-manager mode without ``local_comm_res`` for a
+                cluster with no ``local_ip_info`` (``append_local_ip_info``; aiokv does
+                not use its content).
             RuntimeError: not initialized.
         """
         op = "link_clusters"
         engine, linker = self._linker_on(op)
         infos = self._check_clusters(op, clusters, timeout)
+        cfg = self.config
+        if cfg.enable_cache_manager and not cfg.local_comm_res:
+            for i, c in enumerate(infos):
+                if not c.local_ip_info:  # llm_datadist's check, and its words
+                    param_invalid(
+                        op,
+                        f"clusters[{i}] (cluster {c.remote_cluster_id}): local_ip_info_list "
+                        "is empty. Call append_local_ip_info to add local_ip_info when "
+                        "local_comm_res option is unspecified or empty.",
+                    )
         if not infos:
             return LLMStatusCode.LLM_PARAM_INVALID, []
         if len(infos) > 16:
@@ -546,6 +594,20 @@ class LLMDataDist:
         """Cluster ids with a live link (either direction)."""
         self._require("linked_clusters")
         return self._links.clusters()
+
+    def link_failure(self, remote_cluster_id: int) -> str | None:
+        """Why the last attempt to link ``remote_cluster_id`` failed (``link_clusters``,
+        or ``link``'s communicator), e.g. ``"127.0.0.1:26000: connection refused"``;
+        ``None`` if it did not fail, or a link to that cluster came up since. aiokv's
+        addition: ``link_clusters`` returns only ``LLM_LINK_FAILED`` (llm_datadist's
+        shape) and logs the reason at WARNING on the ``aiokv.links`` logger; operations
+        on that cluster name it in their ``LLM_NOT_YET_LINK`` error.
+
+        Raises:
+            TypeError / ValueError: not a uint64.
+        """
+        cid = check_int("link_failure", "remote_cluster_id", remote_cluster_id, 0, 2**64 - 1)
+        return self._links.failure(cid)
 
     async def check_link_status(self, remote_cluster_id: int) -> None:
         """Return if the link to ``remote_cluster_id`` is up, as the transport knows it.
@@ -662,8 +724,8 @@ class LLMDataDist:
                 and neither listens nor has an address in ``rank_table``),
                 ``LLM_LINK_FAILED`` (that address cannot be bound),
                 ``LLM_ALREADY_LINK`` / ``LLM_PROCESSING_LINK`` when a party is linked
-                or being linked already, ``LLM_FEATURE_NOT_ENABLED`` in legacy mode
-                (``enable_cache_manager=False``).
+                or being linked already, ``LLM_PARAM_INVALID`` in legacy mode
+                (``enable_cache_manager=False``), as llm_datadist.
         """
         op = "link"
         engine, linker = self._linker_on(op)
@@ -689,7 +751,7 @@ class LLMDataDist:
 
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
-                ``LLM_FEATURE_NOT_ENABLED`` in legacy mode.
+                ``LLM_PARAM_INVALID`` in legacy mode.
         """
         op = "query_register_mem_status"
         engine, linker = self._linker_on(op)
@@ -709,7 +771,7 @@ class LLMDataDist:
 
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
-                ``LLM_FEATURE_NOT_ENABLED`` in legacy mode.
+                ``LLM_PARAM_INVALID`` in legacy mode.
         """
         op = "unlink"
         engine, linker = self._linker_on(op)
@@ -718,10 +780,11 @@ class LLMDataDist:
         await engine.run(linker.unlink, comm_id)
 
     def _cache_manager_mode(self, op: str) -> None:
-        if isinstance(self._manager, KvCacheManager):
-            raise LLMException(
-                f"{op}: needs enable_cache_manager=True",
-                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        if isinstance(self._manager, KvCacheManager):  # llm_datadist's code and words
+            param_invalid(
+                op,
+                f"{op} is not supported when llm.EnableCacheManager is not configured "
+                "(set enable_cache_manager=True)",
             )
 
     async def switch_role(
@@ -808,7 +871,8 @@ def _warn_twins(dd: LLMDataDist) -> None:
     msg = (
         f"LLMDataDist {dd._cluster_id} initialized while another instance with cluster id "
         f"{dd._cluster_id} is still initialized, holding its pools, listener and threads: "
-        "finalize the old one (await dd.finalize(), or use `async with LLMDataDist(...)`)"
+        "finalize the old one (its finalize(), or create it in a `with` / `async with` "
+        "LLMDataDist(...) block)"
     )
     warnings.warn(msg, ResourceWarning, stacklevel=4)
     log.warning("%s", msg)

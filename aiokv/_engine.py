@@ -295,7 +295,8 @@ class Engine:
         if self.on_engine():
             raise RuntimeError(
                 "a blocking aiokv.sync call on the engine thread (e.g. from an async "
-                "synchronizer) would deadlock; await the aiokv (async) method there instead"
+                "synchronizer) would deadlock; there, use the async aiokv method (a "
+                "coroutine) instead"
             )
         ended = threading.Event()
         call = _Call(self, _with_kwargs(fn, kwargs) if kwargs else fn, args, ended.set)

@@ -437,13 +437,34 @@ class CacheManager:
 
     @staticmethod
     def _check_block_compat(op: str, src: Cache, dst: Cache) -> None:
+        """``src`` and ``dst`` agree where a block copy needs it; else an error naming
+        both caches, both values and the ``CacheDesc`` fields that must agree."""
         s, d = src.cache_desc, dst.cache_desc
+        both = f"src cache {src.cache_id} has {{}}, dst cache {dst.cache_id} has {{}}"
         if s.num_tensors != d.num_tensors:
-            param_invalid(op, f"tensor counts differ ({s.num_tensors} vs {d.num_tensors})")
-        if src.block_bytes != dst.block_bytes:
-            param_invalid(op, f"block sizes differ ({src.block_bytes} vs {dst.block_bytes} B)")
+            param_invalid(
+                op,
+                "tensor counts differ: "
+                + both.format(s.num_tensors, d.num_tensors)
+                + "; CacheDesc.num_tensors must be equal",
+            )
         if s.data_type != d.data_type:
-            param_invalid(op, f"data types differ ({s.data_type} vs {d.data_type})")
+            param_invalid(
+                op,
+                "data types differ: "
+                + both.format(s.data_type.name, d.data_type.name)
+                + "; CacheDesc.data_type must be equal",
+            )
+        if src.block_bytes != dst.block_bytes:
+            param_invalid(
+                op,
+                "block sizes differ: "
+                + both.format(
+                    f"{src.block_bytes} bytes per block (shape {list(s.shape)})",
+                    f"{dst.block_bytes} (shape {list(d.shape)})",
+                )
+                + "; CacheDesc.shape must be equal after dim 0 (the block count)",
+            )
 
     async def copy_cache(
         self,
@@ -478,12 +499,22 @@ class CacheManager:
         if req_id is not None:
             check_int(op, "req_id", req_id, 0, UINT64_MAX)
         if dd.num_tensors != sd.num_tensors or dd.data_type != sd.data_type:
-            param_invalid(op, "src and dst differ in tensor count or data type")
+            param_invalid(
+                op,
+                f"src cache {src.cache_id} has {sd.num_tensors} tensors of "
+                f"{sd.data_type.name}, dst cache {dst.cache_id} has {dd.num_tensors} of "
+                f"{dd.data_type.name}; CacheDesc.num_tensors and data_type must be equal",
+            )
         bd_s, bd_d = sd.batch_dim_index % len(sd.shape), dd.batch_dim_index % len(dd.shape)
         s_rest = [x for i, x in enumerate(sd.shape) if i != bd_s]
         d_rest = [x for i, x in enumerate(dd.shape) if i != bd_d]
         if s_rest != d_rest:
-            param_invalid(op, f"shapes {list(sd.shape)} and {list(dd.shape)} do not match")
+            param_invalid(
+                op,
+                f"shapes differ: src cache {src.cache_id} has {list(sd.shape)}, dst cache "
+                f"{dst.cache_id} has {list(dd.shape)}; CacheDesc.shape must be equal but "
+                "for the batch dimension",
+            )
         slot = sd.size // sd.batch_size
         if size == 0 or offset >= slot or (size > 0 and offset + size > slot):
             param_invalid(op, f"offset {offset} + size {size} exceeds the {slot}-byte slot")

@@ -17,6 +17,7 @@ steps to be one (look up, then pin) holds it around them.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -128,6 +129,9 @@ class CacheRegistry:
         self.blocks_keys: dict[int, int] = {}  # model_id -> cache_id
         self._regions: SortedDict[int, tuple[int, int, int]] = SortedDict()
         self.lock = threading.RLock()
+        # ids as llm_datadist's cache engine gives them: 1, 2, ... per LLMDataDist
+        # (llm_datadist allows one per process), never reused
+        self._ids = itertools.count(1)
         #: told of registered user memory as it comes and goes (the transport's
         #: ``register_memory`` / ``deregister_memory``); called under :attr:`lock`
         self.on_register: Callable[[int, int, str], None] | None = None
@@ -144,10 +148,13 @@ class CacheRegistry:
         keys: Sequence[CacheKey] = (),
         blocks_key: BlocksCacheKey | None = None,
     ) -> Entry:
-        """Track ``cache``; bind ``keys`` (key i → batch slot i, placeholders skipped, the last
-        duplicate wins) or ``blocks_key``. A key already bound to another cache moves here
-        (the last registration wins, with a warning)."""
+        """Track ``cache`` under the next cache id (1, 2, ... in allocation and
+        registration order, as llm_datadist numbers them; never reused); bind ``keys``
+        (key i → batch slot i, placeholders skipped, the last duplicate wins) or
+        ``blocks_key``. A key already bound to another cache moves here (the last
+        registration wins, with a warning)."""
         entry = Entry(cache, spans, remote_accessible)
+        cache.cache_id = next(self._ids)
         cache._owner = self
         self.entries[cache.cache_id] = entry
         for i, t in enumerate(cache.tensors):

@@ -16,12 +16,11 @@ exit. An instance never finalized is finalized at interpreter exit.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from . import _layerwise, _manager
+from . import _manager
 from ._cache import Cache, KvCache
 from ._config import LLMConfig, LlmConfig, MemPoolConfig
 from ._datadist import LLMDataDist as _AsyncDataDist
@@ -50,6 +49,7 @@ from ._stats import (
     OpStats,
     ServedStats,
 )
+from ._sync_gen import CacheManagerOps, CacheTaskOps, LLMDataDistOps
 
 __all__ = [
     "BlocksCacheKey",
@@ -92,20 +92,6 @@ __all__ = [
 T = TypeVar("T")
 
 
-def _blocking(name: str, doc_of: type) -> Callable[..., Any]:
-    """A method that blocks on the async method ``name`` of the wrapped object."""
-    coro_fn = getattr(doc_of, name)
-
-    @functools.wraps(coro_fn)
-    def method(self: _Blocking, *args: Any, **kwargs: Any) -> Any:
-        return self._engine.call(getattr(self._async, name), *args, **kwargs)
-
-    method.__doc__ = (
-        f"Blocking form of the async ``{doc_of.__name__}.{name}``.\n\n{coro_fn.__doc__}"
-    )
-    return method
-
-
 class _Blocking:
     __slots__ = ("_async", "_engine")
 
@@ -114,11 +100,8 @@ class _Blocking:
         self._async = wrapped
 
 
-class CacheTask(_Blocking):
+class CacheTask(_Blocking, CacheTaskOps):
     """A running layer-wise transfer; ``synchronize`` / ``get_results`` block."""
-
-    synchronize = _blocking("synchronize", _layerwise.CacheTask)
-    get_results = _blocking("get_results", _layerwise.CacheTask)
 
     def cancel(self) -> None:
         """Stop the transfer (returns at once; ``synchronize`` waits for the end)."""
@@ -129,34 +112,9 @@ class CacheTask(_Blocking):
         return bool(self._async.done())
 
 
-#: the async manager's operations, blocking here
-_MANAGER_OPS = (
-    "allocate_cache",
-    "allocate_blocks_cache",
-    "register_cache",
-    "register_blocks_cache",
-    "deallocate_cache",
-    "deallocate_blocks_cache",
-    "remove_cache_key",
-    "unregister_cache",
-    "copy_cache",
-    "copy_blocks",
-    "copy_kv_blocks",
-    "swap_blocks",
-    "pull_cache",
-    "pull_blocks",
-    "push_cache",
-    "push_blocks",
-    "remap_registered_memory",
-)
-
-
-class CacheManager(_Blocking):
-    """The blocking ``CacheManager`` (``LLMDataDist.cache_manager``)."""
-
-    for _op in _MANAGER_OPS:
-        locals()[_op] = _blocking(_op, _manager.CacheManager)
-    del _op
+class CacheManager(_Blocking, CacheManagerOps):
+    """The blocking ``CacheManager`` (``LLMDataDist.cache_manager``); its blocking
+    methods are generated from the async ones (:mod:`aiokv._sync_gen`)."""
 
     check_cache_key = staticmethod(_manager.CacheManager.check_cache_key)
 
@@ -175,10 +133,26 @@ class CacheManager(_Blocking):
         stats: RegistryStats = self._async.statistics()
         return stats
 
-    def transfer_cache_async(self, *args: Any, **kwargs: Any) -> CacheTask:
-        """Start a layer-wise transfer (see the async ``transfer_cache_async``); returns
-        a :class:`CacheTask` whose ``synchronize()`` blocks."""
-        return CacheTask(self._engine, self._async.transfer_cache_async(*args, **kwargs))
+    def transfer_cache_async(
+        self,
+        src_cache: Cache,
+        layer_synchronizer: LayerSynchronizer,
+        transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
+        src_block_indices: Sequence[int] | None = None,
+        dst_block_indices: Sequence[int] | None = None,
+        dst_block_memory_size: int | None = None,
+    ) -> CacheTask:
+        """Start a layer-wise transfer (see the async ``transfer_cache_async``, whose
+        signature this is); returns a :class:`CacheTask` whose ``synchronize()`` blocks."""
+        task = self._async.transfer_cache_async(
+            src_cache,
+            layer_synchronizer,
+            transfer_configs,
+            src_block_indices,
+            dst_block_indices,
+            dst_block_memory_size,
+        )
+        return CacheTask(self._engine, task)
 
 
 class KvCacheManager(CacheManager):
@@ -194,7 +168,7 @@ class KvCacheManager(CacheManager):
         return tensors
 
 
-class LLMDataDist:
+class LLMDataDist(LLMDataDistOps):
     """The blocking ``LLMDataDist``: ``LLMDataDist(role, cluster_id).init(options)``.
 
     Args:
@@ -237,10 +211,10 @@ class LLMDataDist:
         """The configuration ``init`` was given."""
         return self._async.config
 
-    def _engine(self) -> Engine:
+    def _engine(self, op: str = "LLMDataDist") -> Engine:
+        self._async._require(op)  # not initialized, finalized, being finalized: say which
         engine = self._async._engine
-        if engine is None:
-            raise RuntimeError("LLMDataDist is not initialized; call init() first")
+        assert engine is not None
         return engine
 
     def _face(self, manager: Any, cls: type[CacheManager]) -> Any:
@@ -270,18 +244,6 @@ class LLMDataDist:
         self._managers.clear()
         self._async._finalize_blocking()
 
-    def link_clusters(
-        self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Link to each cluster within ``timeout`` ms: ``(overall, per_cluster)``."""
-        return self._engine().call(self._async.link_clusters, clusters, timeout)
-
-    def unlink_clusters(
-        self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Close the links to each cluster: ``(overall, per_cluster)``."""
-        return self._engine().call(self._async.unlink_clusters, clusters, timeout, force)
-
     def statistics(self) -> DataDistStats:
         """A snapshot of this participant (see the async ``LLMDataDist.statistics``)."""
         return self._async.statistics()
@@ -289,14 +251,6 @@ class LLMDataDist:
     def linked_clusters(self) -> list[int]:
         """Cluster ids with a live link."""
         return self._async.linked_clusters()
-
-    def check_link_status(self, remote_cluster_id: int) -> None:
-        """Raise ``LLMException(LLM_NOT_YET_LINK)`` unless the cluster is linked."""
-        self._engine().call(self._async.check_link_status, remote_cluster_id)
-
-    def send_notification(self, cluster_id: int, payload: bytes) -> None:
-        """Send a notification to a linked cluster (see the async ``send_notification``)."""
-        self._engine().call(self._async.send_notification, cluster_id, payload)
 
     def get_notifications(self) -> list[tuple[int, bytes]]:
         """Take the notifications received so far, oldest first; never blocks."""
@@ -320,21 +274,10 @@ class LLMDataDist:
                     return
                 raise
 
-    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
-        """Start a two-sided link (see the async ``link``); its ``comm_id``."""
-        return self._engine().call(self._async.link, comm_name, cluster_rank_info, rank_table)
-
-    def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
-        """``PREPARING``, ``OK`` or ``FAILED``: the state of ``link``'s communicator."""
-        return self._engine().call(self._async.query_register_mem_status, comm_id)
-
-    def unlink(self, comm_id: int) -> None:
-        """Close the links of ``link``'s communicator and forget it."""
-        self._engine().call(self._async.unlink, comm_id)
-
-    def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
-        """Take ``role``; start, move or stop the listener (see the async ``switch_role``)."""
-        self._engine().call(self._async.switch_role, role, switch_options)
+    def link_failure(self, remote_cluster_id: int) -> str | None:
+        """Why the last attempt to link ``remote_cluster_id`` failed, or ``None`` (see
+        the async ``LLMDataDist.link_failure``)."""
+        return self._async.link_failure(remote_cluster_id)
 
     def __enter__(self) -> LLMDataDist:
         if not self.initialized and self._config_at_enter is not None:

@@ -116,7 +116,9 @@ async def aiokv_pair(aiokv_config: LLMConfig) -> AsyncIterator[tuple[LLMDataDist
         await decoder.init(aiokv_config)
         address = prompt.listen_address
         assert address is not None  # aiokv_config listens
-        peer = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[address])
+        peer = LLMClusterInfo(
+            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
+        )
         code, codes = await decoder.link_clusters([peer])
         if code != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"aiokv_pair: linking the decoder to the prompt failed: {codes}")

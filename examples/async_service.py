@@ -147,7 +147,11 @@ async def main(say: Callable[..., Any] = print) -> None:
         src = await prefill.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(PREFILL))
         expected = fill(src)
         assert prefill.listen_address is not None
-        peer = LLMClusterInfo(remote_cluster_id=PREFILL, remote_ip_info=[prefill.listen_address])
+        peer = LLMClusterInfo(
+            remote_cluster_id=PREFILL,
+            remote_ip_info=[prefill.listen_address],
+            local_ip_info=[("127.0.0.1", 0)],  # this side's address (llm_datadist requires one)
+        )
         code, _ = await decode.link_clusters([peer], timeout=10_000)
         if code != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link_clusters: {code}")

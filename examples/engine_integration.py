@@ -109,7 +109,9 @@ async def connect(dd: LLMDataDist, kv: PagedKV, peer_metadata: str) -> int:
     if peer["layout"] != [LAYERS, *kv.k[0].shape[1:]]:
         raise RuntimeError(f"KV layouts differ: {peer['layout']}")
     info = LLMClusterInfo(
-        remote_cluster_id=peer["cluster"], remote_ip_info=[(peer["host"], peer["port"])]
+        remote_cluster_id=peer["cluster"],
+        remote_ip_info=[(peer["host"], peer["port"])],
+        local_ip_info=[("127.0.0.1", 0)],  # this side's address (llm_datadist requires one)
     )
     code, _ = await dd.link_clusters([info], timeout=10_000)
     if code != LLMStatusCode.LLM_SUCCESS:
@@ -221,7 +223,9 @@ def threaded_engine(prefill: tuple[str, int], src: list[int]) -> tuple[PagedKV, 
         cm: Any = dd.cache_manager  # generated blocking methods: Any for mypy
         desc = CacheDesc(2 * LAYERS, list(kv.k[0].shape), DataType.DT_FLOAT16)
         cache = cm.register_blocks_cache(desc, kv.tensors())
-        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[prefill])
+        info = LLMClusterInfo(
+            remote_cluster_id=1, remote_ip_info=[prefill], local_ip_info=[("127.0.0.1", 0)]
+        )
         code, _ = dd.link_clusters([info], timeout=10_000)
         if code != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link failed: {code}")

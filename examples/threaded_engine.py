@@ -96,7 +96,11 @@ def main(say: Callable[..., Any] = print) -> None:
         for i, t in enumerate(src.tensors):  # block b of tensor i holds i * BLOCKS + b
             t.copy_(torch.arange(BLOCKS).view(-1, 1, 1, 1).expand_as(t) + i * BLOCKS)
         assert prefill.listen_address is not None
-        peer = LLMClusterInfo(remote_cluster_id=PREFILL, remote_ip_info=[prefill.listen_address])
+        peer = LLMClusterInfo(
+            remote_cluster_id=PREFILL,
+            remote_ip_info=[prefill.listen_address],
+            local_ip_info=[("127.0.0.1", 0)],  # this side's address (llm_datadist requires one)
+        )
         code, _ = decode.link_clusters([peer], timeout=10_000)
         if code != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link_clusters: {code}")

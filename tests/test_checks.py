@@ -24,8 +24,10 @@ def test_check_blocks_refuses_what_is_not_an_int(bad: list[object]) -> None:
 
 @pytest.mark.parametrize("bad", [[0, -1], [2**63], [1, 2**64], [-(2**70), 1]])
 def test_check_blocks_refuses_entries_outside_int64_range(bad: list[int]) -> None:
-    with pytest.raises(ValueError, match="out of range"):
+    # negative or too big: the one error and wording of an entry past the end
+    with pytest.raises(LLMException, match="out of range") as err:
         check_blocks("op", "blocks", bad, MAX_BLOCK_INDEX + 1)
+    assert err.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
 
 
 def test_check_blocks_names_the_entry_beyond_the_cache() -> None:

@@ -111,7 +111,13 @@ async def test_environment_secret_authenticates_links_and_is_never_logged(
         bad = LLMDataDist(LLMRole.DECODER, 3)
         await bad.init(LLMConfig(link_secret="another-secret"))
         assert p.listen_address is not None
-        peer = [LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])]
+        peer = [
+            LLMClusterInfo(
+                remote_cluster_id=1,
+                local_ip_info=[("127.0.0.1", 0)],
+                remote_ip_info=[p.listen_address],
+            )
+        ]
         assert (await bad.link_clusters(peer))[1] == [LLMStatusCode.LLM_LINK_FAILED]
         assert (await good.link_clusters(peer))[1] == [LLMStatusCode.LLM_SUCCESS]
     finally:

@@ -52,7 +52,9 @@ def config(backend: str, **kw: Any) -> LLMConfig:
 
 def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
     assert address is not None
-    return LLMClusterInfo(remote_cluster_id=cluster_id, remote_ip_info=[address])
+    return LLMClusterInfo(
+        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
+    )
 
 
 @pytest.fixture(params=["local", "tcp"])
@@ -79,7 +81,8 @@ async def test_peer_reason_reaches_the_requester(
     with caplog.at_level(logging.WARNING, logger="aiokv"), pytest.raises(LLMException) as ei:
         await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
     assert ei.value.status_code == CODE.LLM_PARAM_INVALID
-    assert "block sizes differ (512 vs 1024 bytes)" in str(ei.value)
+    assert "block sizes differ: the requester's cache has 512 bytes per block" in str(ei.value)
+    assert "has 1024" in str(ei.value)
     assert "pull_blocks" in str(ei.value)  # the public operation, once
     refusals = [r for r in caplog.records if r.name == "aiokv.remote" and "refused" in r.message]
     assert refusals and refusals[0].levelno == logging.WARNING

@@ -448,7 +448,7 @@ async def test_error_contract_changes_nothing(cm: CacheManager) -> None:
         (lambda: cm.swap_blocks(dev, host, None), TypeError, None),  # type: ignore[arg-type]
         (lambda: cm.swap_blocks(dev, host, [(0, 1)]), TypeError, None),  # type: ignore[arg-type]
         (lambda: cm.swap_blocks(dev, host, {"0": 1}), TypeError, None),  # type: ignore[dict-item]
-        (lambda: cm.swap_blocks(dev, host, {-1: 1}), ValueError, None),
+        (lambda: cm.swap_blocks(dev, host, {-1: 1}), P, CODE.LLM_PARAM_INVALID),
         (lambda: cm.swap_blocks(dev, host, {0: 16}), P, CODE.LLM_PARAM_INVALID),
         (lambda: cm.swap_blocks(dev, host, {0: 1, 2: 1}), P, CODE.LLM_PARAM_INVALID),
         (lambda: cm.swap_blocks(host, other, {0: 1}), P, CODE.LLM_PARAM_INVALID),

@@ -62,7 +62,13 @@ async def moved() -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
     ):
         assert p.listen_address is not None
         code, _ = await d.link_clusters(
-            [LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])]
+            [
+                LLMClusterInfo(
+                    remote_cluster_id=1,
+                    local_ip_info=[("127.0.0.1", 0)],
+                    remote_ip_info=[p.listen_address],
+                )
+            ]
         )
         assert code == CODE.LLM_SUCCESS
         src = await p.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 0))
@@ -180,7 +186,13 @@ async def test_log_levels(caplog: pytest.LogCaptureFixture) -> None:
         ):
             assert p.listen_address is not None
             await d.link_clusters(
-                [LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])]
+                [
+                    LLMClusterInfo(
+                        remote_cluster_id=1,
+                        local_ip_info=[("127.0.0.1", 0)],
+                        remote_ip_info=[p.listen_address],
+                    )
+                ]
             )
             await p.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 0))
             dst = await d.cache_manager.allocate_blocks_cache(DESC)
@@ -188,7 +200,13 @@ async def test_log_levels(caplog: pytest.LogCaptureFixture) -> None:
             with pytest.raises(LLMException):
                 await d.cache_manager.pull_blocks(BlocksCacheKey(1, 9), dst, [0], [0])
             await d.unlink_clusters(
-                [LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])]
+                [
+                    LLMClusterInfo(
+                        remote_cluster_id=1,
+                        local_ip_info=[("127.0.0.1", 0)],
+                        remote_ip_info=[p.listen_address],
+                    )
+                ]
             )
 
     def at(level: int, pattern: str) -> list[logging.LogRecord]:

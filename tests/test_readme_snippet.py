@@ -22,3 +22,17 @@ def test_readme_snippet_runs_as_written(tmp_path: Path) -> None:
     out = (proc.stdout + proc.stderr).decode()
     assert proc.returncode == 0, out
     assert out.strip() == "decode holds the prefill's KV blocks: True", out
+
+
+def test_quickstart_blocking_snippet_runs_as_written(tmp_path: Path) -> None:
+    """docs/quickstart.md's ``aiokv.sync`` snippet: both sides, the link checked."""
+    page = (README.parent / "docs" / "quickstart.md").read_text()
+    section = page[page.index("## Blocking: `aiokv.sync`") :]
+    snippet = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    assert "import aiokv.sync as llm_datadist" in snippet and "link_clusters" in snippet
+    proc = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, timeout=60
+    )
+    out = (proc.stdout + proc.stderr).decode()
+    assert proc.returncode == 0, out
+    assert out.strip() == "pulled: True", out

@@ -82,7 +82,9 @@ async def linked(route: str, backend: str) -> AsyncIterator[tuple[LLMDataDist, L
         LLMDataDist(LLMRole.DECODER, 2, config(route, backend)) as d,
     ):
         assert p.listen_address is not None
-        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        info = LLMClusterInfo(
+            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
+        )
         code, _ = await d.link_clusters([info])
         assert code == CODE.LLM_SUCCESS
         yield p, d

@@ -37,6 +37,7 @@ SCRIPT = textwrap.dedent(
     decoder.init(options())
     info = LLMClusterInfo()
     info.remote_cluster_id = 1
+    info.append_local_ip_info("127.0.0.1", 0)
     info.append_remote_ip_info(*prompt.listen_address)
     code, codes = decoder.link_clusters([info], timeout=5000)
     assert code == LLMStatusCode.LLM_SUCCESS, (code, codes)

@@ -430,7 +430,11 @@ async def linked(
     """
     config = participant_config(pool_bytes, tls, device_type=device_type)
     async with LLMDataDist(LLMRole.DECODER, cluster_id, config) as dd:
-        info = LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[(peer.host, peer.port)])
+        info = LLMClusterInfo(
+            remote_cluster_id=PEER_ID,
+            local_ip_info=[("127.0.0.1", 0)],
+            remote_ip_info=[(peer.host, peer.port)],
+        )
         code, codes = await dd.link_clusters([info])
         if code != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link to the prompt peer failed: {code.name} {codes}")

@@ -51,7 +51,11 @@ def _sync_pulls(port: int, block: int, rounds: int) -> list[float] | None:
     dd = sync.LLMDataDist(sync.LLMRole.DECODER, DECODER_ID + 1)
     dd.init(participant_config(64 << 20))
     try:
-        info = sync.LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[("127.0.0.1", port)])
+        info = sync.LLMClusterInfo(
+            remote_cluster_id=PEER_ID,
+            local_ip_info=[("127.0.0.1", 0)],
+            remote_ip_info=[("127.0.0.1", port)],
+        )
         code, codes = dd.link_clusters([info])
         if code != sync.LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link to the prompt peer failed: {code.name} {codes}")

@@ -87,7 +87,11 @@ async def _decoder_main(
 ) -> None:
     config = participant_config(pool_bytes, backend="nixl", device_type=device_type)
     async with LLMDataDist(LLMRole.DECODER, DECODER_ID, config) as dd:
-        info = LLMClusterInfo(remote_cluster_id=PEER_ID, remote_ip_info=[("127.0.0.1", port)])
+        info = LLMClusterInfo(
+            remote_cluster_id=PEER_ID,
+            local_ip_info=[("127.0.0.1", 0)],
+            remote_ip_info=[("127.0.0.1", port)],
+        )
         code, codes = await dd.link_clusters([info])
         if code != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link to the prompt peer failed: {code.name} {codes}")

@@ -344,7 +344,11 @@ async def _decode(conn: Conn, k: int, opts: DemoOptions) -> None:
         scrub = torch.Generator(device=cache.tensors[0].device).manual_seed(k)
         while (msg := await _next(conn))[0] != "stop":
             if msg[0] == "link":
-                peer = LLMClusterInfo(remote_cluster_id=PROMPT_ID, remote_ip_info=[tuple(msg[1])])
+                peer = LLMClusterInfo(
+                    remote_cluster_id=PROMPT_ID,
+                    local_ip_info=[("127.0.0.1", 0)],
+                    remote_ip_info=[tuple(msg[1])],
+                )
                 code, _ = await dd.link_clusters([peer], timeout=10_000)
                 if code != LLMStatusCode.LLM_SUCCESS:
                     raise LLMException(f"link to the prefill: {code.name}", status_code=code)

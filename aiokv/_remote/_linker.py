@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from .._config import LLMConfig
 from .._enums import LLMStatusCode, RegisterMemStatus
-from .._errors import LLMException, status_of
+from .._errors import LLMException
 from .._models import LLMClusterInfo
 from ..transport import Link, Transport
 from ._links import LinkTable
@@ -107,23 +107,34 @@ class Linker:
                 self._links.claim([cid])
                 return Code.LLM_SUCCESS
             if not info.remote_ip_info:
-                log.warning("link_clusters: cluster %d has no remote_ip_info", cid)
+                self._failed(cid, "no remote_ip_info: call append_remote_ip_info(ip, port)")
                 return Code.LLM_LINK_FAILED
             attempts = self._config.link_retry_count
             link = await self._connect(cid, info.remote_ip_info, deadline, attempts)
-            if link is None:
+            if isinstance(link, str):
+                self._failed(cid, link)
                 return Code.LLM_LINK_FAILED
             self._links.add(link, ours=True)
             return Code.LLM_SUCCESS
         finally:
             self._links.end(cid)
 
+    def _failed(self, cid: int, reason: str) -> None:
+        """Linking ``cid`` failed for good: one WARNING, and the reason kept for
+        :meth:`LLMDataDist.link_failure` and the next operation on that cluster."""
+        log.warning("linking cluster %d failed: %s", cid, reason)
+        self._links.failed(cid, reason)
+
     async def _connect(
         self, cid: int, addresses: Sequence[tuple[str, int]], deadline: float, attempts: int
-    ) -> Link | None:
+    ) -> Link | str:
         """A link to cluster ``cid``: up to ``attempts`` rounds over ``addresses``, the
-        rounds spread evenly until ``deadline``. None when every round failed or an
-        address answered as another cluster."""
+        rounds spread evenly until ``deadline``. When every round failed, or an address
+        answered as another cluster, why (the last failure), as a sentence.
+
+        Each failed attempt is one DEBUG line (no traceback: an expected failure); the
+        caller logs the end once."""
+        why = "the time ran out before a first attempt"
         for attempt in range(attempts):
             now = time.monotonic()
             if now >= deadline:
@@ -136,19 +147,19 @@ class Linker:
                 try:
                     link = await self._transport.connect(host, port, timeout=left)
                 except LLMException as exc:
-                    if exc.context.get("authenticated") is False:  # link_secret: say so
-                        log.warning("link to cluster %d at %s:%d: %s", cid, host, port, exc)
-                    else:
-                        status_of(exc, log, f"link to {cid} at {host}:{port}, try {attempt + 1}")
+                    why = str(exc) if f"{host}:{port}" in str(exc) else f"{host}:{port}: {exc}"
+                    log.debug("link to cluster %d, try %d: %s", cid, attempt + 1, why)
                     continue
                 if link.peer.cluster_id == cid:
                     return link
-                log.warning("%s:%d is cluster %d, not %d", host, port, link.peer.cluster_id, cid)
                 await self._close([link])
-                return None
+                return (
+                    f"{host}:{port} is cluster {link.peer.cluster_id}, not {cid}: check "
+                    "remote_cluster_id and remote_ip_info"
+                )
             if attempt + 1 < attempts:
                 await asyncio.sleep(max(0.0, round_end - time.monotonic()))
-        return None
+        return f"{attempts} attempt(s) within the timeout failed; the last: {why}"
 
     async def unlink_all(
         self, infos: list[LLMClusterInfo], timeout_ms: int, force: bool
@@ -238,7 +249,14 @@ class Linker:
                     group.create_task(self._comm_party(party, deadline))
         except* (TimeoutError, LLMException) as failed:
             comm.status = RegisterMemStatus.FAILED
-            log.warning("link %d (%s) failed: %s", comm_id, cids, failed.exceptions)
+            reasons = "; ".join(
+                str(e) or f"not all parties linked within {total:g} s (link_total_time)"
+                for e in failed.exceptions
+            )
+            for cid in cids:
+                if self._links.live(cid) is None and self._links.failure(cid) is None:
+                    self._links.failed(cid, f"link {comm_id} failed: {reasons}")
+            log.warning("link %d with clusters %s failed: %s", comm_id, cids, reasons)
             for cid in cids:
                 await self._unlink_cluster(cid)
         else:
@@ -258,9 +276,10 @@ class Linker:
             return
         attempts = max(1, round((deadline - time.monotonic()) / COMM_RETRY_S))
         link = await self._connect(cid, [party.address], deadline, attempts)
-        if link is None:
+        if isinstance(link, str):
+            self._links.failed(cid, link)
             raise LLMException(
-                f"link: cluster {cid} was not reached", status_code=Code.LLM_LINK_FAILED
+                f"link: cluster {cid} was not reached: {link}", status_code=Code.LLM_LINK_FAILED
             )
         self._links.add(link, ours=True)
 

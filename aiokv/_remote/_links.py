@@ -68,6 +68,7 @@ class LinkTable:
         self._held: set[int] = set()
         self._busy: dict[int, int] = {}  # cluster -> requests of ours in flight
         self._changed: dict[int, asyncio.Event] = {}  # woken when a link is filed / a request ends
+        self._failures: dict[int, str] = {}  # cluster -> why its last link attempt failed
 
     def live(self, cluster_id: int) -> Link | None:
         """The live link filed for ``cluster_id``, held or not."""
@@ -85,6 +86,14 @@ class LinkTable:
             LLMException: ``LLM_NOT_YET_LINK`` when there is none.
         """
         link = self.get(cluster_id)
+        failure = self._failures.get(cluster_id)
+        if link is None and failure is not None:
+            raise LLMException(
+                f"{op}: cluster {cluster_id} is not linked: the last attempt to link it "
+                f"failed ({failure}); remove the cause and call link_clusters again",
+                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+                op=op,
+            )
         if link is None:
             raise LLMException(
                 f"{op}: cluster {cluster_id} is not linked; call link_clusters first (or "
@@ -93,6 +102,15 @@ class LinkTable:
                 op=op,
             )
         return link
+
+    def failed(self, cluster_id: int, reason: str) -> None:
+        """Record why linking ``cluster_id`` failed (until a link to it is filed)."""
+        self._failures[cluster_id] = reason
+
+    def failure(self, cluster_id: int) -> str | None:
+        """Why the last attempt to link ``cluster_id`` failed; None if it did not, or a
+        link to it was filed since."""
+        return self._failures.get(cluster_id)
 
     def add(self, link: Link, *, ours: bool = False) -> None:
         """File ``link`` under its peer's cluster id, by the rule in the module docstring.
@@ -118,6 +136,7 @@ class LinkTable:
     def _file(self, cid: int, link: Link) -> None:
         new = self._links.get(cid) is not link
         self._links[cid] = link
+        self._failures.pop(cid, None)
         self._wake(cid)
         if new:  # the transport reports a link this side opened, then the linker files it
             self._counters.up(cid)

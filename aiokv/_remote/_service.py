@@ -23,7 +23,7 @@ from .._cache import Cache
 from .._checks import Blocks, duplicated, tensor_range
 from .._config import LLMConfig
 from .._copy import MAX_STAGED_BYTES, Stager, is_staged
-from .._enums import LLMStatusCode
+from .._enums import DataType, LLMStatusCode
 from .._errors import LLMException
 from .._layout import ByteLayout, tensor_bytes
 from .._models import BlocksCacheKey, CacheKey
@@ -424,16 +424,41 @@ class PeerService:
         return e, key.batch_index, None
 
     def _check_access(self, entry: Entry, *, write: bool, key: Key) -> None:
-        """Pushes, and reads that address a cache by its id, need the cache to be remote
-        accessible (``remote_accessible`` and ``enable_remote_cache_accessible``); reads
-        by a key this side bound (``CacheKey``, ``BlocksCacheKey``) need nothing more."""
-        direct = write or isinstance(key, KeyById)
-        if direct and not (self._config.enable_remote_cache_accessible and entry.remote_accessible):
+        """Who may reach ``entry``, as llm_datadist decides (docs/security.md):
+
+        * pushes need the cache to be remote accessible (``remote_accessible`` and
+          ``enable_remote_cache_accessible`` on this side);
+        * reads by a key this side bound (``CacheKey``, ``BlocksCacheKey``) need nothing;
+        * reads by cache id (``CacheKeyByIdAndIndex``): in legacy mode, or without
+          ``enable_remote_cache_accessible``, nothing (llm_datadist serves them by
+          request); with it, a ``remote_accessible`` cache (llm_datadist reads it
+          one-sided and refuses one that is not, ``LLM_PARAM_INVALID``). The option
+          ``restrict_reads_by_id`` makes them need what pushes need, in every mode.
+        """
+        cfg = self._config
+        shared = cfg.enable_remote_cache_accessible and entry.remote_accessible
+        cid = entry.cache.cache_id
+        if write and not shared:
             raise _Refused(
                 Code.LLM_FEATURE_NOT_ENABLED,
-                f"cache {entry.cache.cache_id} is not remote accessible "
-                f"({'push' if write else 'read by cache id'}; enable_remote_cache_accessible)",
+                f"cache {cid} of cluster {self._cluster_id} does not take pushes: its owner "
+                "must set enable_remote_cache_accessible and register it remote_accessible",
             )
+        if not write and isinstance(key, KeyById) and not shared:
+            if cfg.restrict_reads_by_id:
+                raise _Refused(
+                    Code.LLM_FEATURE_NOT_ENABLED,
+                    f"cache {cid} of cluster {self._cluster_id} is not readable by cache id: "
+                    "its owner set restrict_reads_by_id, so it needs "
+                    "enable_remote_cache_accessible and a remote_accessible cache "
+                    "(or read it by a CacheKey its owner bound)",
+                )
+            if cfg.enable_cache_manager and cfg.enable_remote_cache_accessible:
+                raise _invalid(
+                    f"cache {cid} of cluster {self._cluster_id} is not remote accessible: "
+                    "with enable_remote_cache_accessible, reads by cache id need a cache "
+                    "registered remote_accessible=True (or read it by a CacheKey its owner bound)"
+                )
         if write and isinstance(key, KeyByReq):
             raise _invalid("a push needs a CacheKeyByIdAndIndex")
 
@@ -448,10 +473,19 @@ class PeerService:
                 tensors = tensor_range("remote", ntensors, range(start, stop), sel.per_layer)
             except LLMException as exc:
                 raise _invalid(str(exc)) from None
+        mine = f"cache {cache.cache_id} here (the owner's)"
         if sel.count != len(tensors):
-            raise _invalid(f"tensor counts differ ({sel.count} vs {len(tensors)})")
+            raise _invalid(
+                f"tensor counts differ: the requester's cache moves {sel.count} tensors, "
+                f"{mine} has {len(tensors)} (in the layer range); CacheDesc.num_tensors "
+                "(and the layer ranges) must agree"
+            )
         if sel.dtype is not None and sel.dtype != int(cache.cache_desc.data_type):
-            raise _invalid(f"data types differ ({sel.dtype} vs {cache.cache_desc.data_type})")
+            raise _invalid(
+                f"data types differ: the requester's cache is {_dtype_name(sel.dtype)}, "
+                f"{mine} is {cache.cache_desc.data_type.name}; CacheDesc.data_type must be "
+                "equal on both sides"
+            )
         return tensors
 
     def _layout(
@@ -475,7 +509,11 @@ class PeerService:
                 layout = ByteLayout.of_blocks(slot * per + chunks, req.chunk_bytes)
             else:
                 if req.size > per_slot or (req.exact and req.size != per_slot):
-                    raise _invalid(f"slot sizes differ ({req.size} vs {per_slot} bytes)")
+                    raise _invalid(
+                        f"slot sizes differ: the requester's batch slot is {req.size} bytes, "
+                        f"cache {cache.cache_id} here (the owner's) has {per_slot}; the "
+                        "CacheDescs' shapes must be equal but for the batch dimension"
+                    )
                 layout = ByteLayout.of_span(slot * per_slot, req.size)
         return layout, tensors
 
@@ -534,9 +572,25 @@ def _check_blocks_cache(cache: Cache, block_bytes: int) -> None:
     """Blocks of ``block_bytes`` of ``cache`` may be named: it is a blocks cache of that
     block size."""
     if not cache.is_blocks_cache:
-        raise _invalid("the cache is not a blocks cache")
+        raise _invalid(
+            f"cache {cache.cache_id} here (the owner's) is not a blocks cache: allocate or "
+            "register it with the *_blocks_cache calls to move it by blocks"
+        )
     if block_bytes != cache.block_bytes:
-        raise _invalid(f"block sizes differ ({block_bytes} vs {cache.block_bytes} bytes)")
+        raise _invalid(
+            f"block sizes differ: the requester's cache has {block_bytes} bytes per block, "
+            f"cache {cache.cache_id} here (the owner's) has {cache.block_bytes} (shape "
+            f"{list(cache.cache_desc.shape)}, {cache.cache_desc.data_type.name}); "
+            "CacheDesc.shape after dim 0 and data_type must give equal blocks"
+        )
+
+
+def _dtype_name(value: int) -> str:
+    """``DataType`` ``value``'s name (a peer's number: maybe no member)."""
+    try:
+        return DataType(value).name
+    except ValueError:
+        return f"data type {value}"
 
 
 def _ignore(ok: bool) -> None:

@@ -68,7 +68,11 @@ async def main(say: Callable[..., Any] = print) -> None:
         # the decoder's blocks cache, named by a key the prefill pushes to
         dst = await decode.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(DECODE))
         assert prefill.listen_address is not None
-        peer = LLMClusterInfo(remote_cluster_id=PREFILL, remote_ip_info=[prefill.listen_address])
+        peer = LLMClusterInfo(
+            remote_cluster_id=PREFILL,
+            local_ip_info=[("127.0.0.1", 0)],
+            remote_ip_info=[prefill.listen_address],
+        )
         code, _ = await decode.link_clusters([peer], timeout=10_000)  # serves both directions
         assert code == LLMStatusCode.LLM_SUCCESS, code
 

@@ -72,7 +72,9 @@ async def decode(address: tuple[str, int], say: Callable[..., Any] = print) -> b
     async with LLMDataDist(LLMRole.DECODER, DECODE, config()) as dd:
         cm = dd.cache_manager
         cache = await cm.allocate_blocks_cache(DESC)
-        peer = LLMClusterInfo(remote_cluster_id=PREFILL, remote_ip_info=[address])
+        peer = LLMClusterInfo(
+            remote_cluster_id=PREFILL, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
+        )
         code, _ = await dd.link_clusters([peer], timeout=10_000)
         if code != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link to {address} failed: {code}")

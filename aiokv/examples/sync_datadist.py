@@ -71,6 +71,7 @@ def main(say: Callable[..., Any] = print) -> None:
         cluster = LLMClusterInfo()
         cluster.remote_cluster_id = PROMPT
         assert prompt.listen_address is not None
+        cluster.append_local_ip_info("127.0.0.1", 0)
         cluster.append_remote_ip_info(*prompt.listen_address)
         ret, rets = decoder.link_clusters([cluster], timeout=5000)
         if ret != LLMStatusCode.LLM_SUCCESS:

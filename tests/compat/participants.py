@@ -29,4 +29,6 @@ def participant(**overrides: Any) -> LLMConfig:
 def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
     """The cluster ``cluster_id`` listening at ``address``."""
     assert address is not None
-    return LLMClusterInfo(remote_cluster_id=cluster_id, remote_ip_info=[address])
+    return LLMClusterInfo(
+        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
+    )

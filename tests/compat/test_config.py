@@ -309,6 +309,7 @@ def test_sync_hixl_link_with_full_link_total_time_and_second_init() -> None:
         info = LLMClusterInfo()
         info.remote_cluster_id = 21
         assert address is not None
+        info.append_local_ip_info("127.0.0.1", 0)
         info.append_remote_ip_info(*address)
         code, codes = decoder.link_clusters([info], timeout=5000)
         assert (code, codes) == (LLMStatusCode.LLM_SUCCESS, [LLMStatusCode.LLM_SUCCESS])

@@ -50,7 +50,9 @@ async def linked(**prompt: Any) -> AsyncIterator[tuple[CacheManager, CacheManage
         LLMDataDist(LLMRole.DECODER, 2, config()) as d,
     ):
         assert p.listen_address is not None
-        peer = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        peer = LLMClusterInfo(
+            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
+        )
         assert await d.link_clusters([peer]) == (CODE.LLM_SUCCESS, [CODE.LLM_SUCCESS])
         yield p.cache_manager, d.cache_manager
 

@@ -292,5 +292,10 @@ async def test_switch_role_legacy_rules() -> None:
         )
         await d.switch_role(LLMRole.DECODER)
         assert d.listen_address is None
-        await raises(CODE.LLM_FEATURE_NOT_ENABLED, d.link("c", {1: 0, 2: 1}, "{}"))
+        # legacy mode: llm_datadist's LLM_PARAM_INVALID, naming the option to set
+        with pytest.raises(LLMException) as ei:
+            await d.link("c", {1: 0, 2: 1}, "{}")
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        assert "not supported when llm.EnableCacheManager is not configured" in str(ei.value)
+        assert "enable_cache_manager=True" in str(ei.value)
         await d.kv_cache_manager.deallocate_blocks_cache(dst)

@@ -59,7 +59,9 @@ def options(**kw: Any) -> dict[str, Any]:
 
 def info(address: tuple[str, int] | None) -> LLMClusterInfo:
     assert address is not None
-    return LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[address])
+    return LLMClusterInfo(
+        remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
+    )
 
 
 def pattern() -> list[torch.Tensor]:

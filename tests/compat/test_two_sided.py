@@ -54,7 +54,11 @@ def rank_table(*parties: Any) -> str:
 
 
 def _info(cluster_id: int) -> LLMClusterInfo:
-    return LLMClusterInfo(remote_cluster_id=cluster_id, remote_ip_info=[("127.0.0.1", 1)])
+    return LLMClusterInfo(
+        remote_cluster_id=cluster_id,
+        local_ip_info=[("127.0.0.1", 0)],
+        remote_ip_info=[("127.0.0.1", 1)],
+    )
 
 
 def blocks() -> CacheDesc:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import itertools
 import json
 import multiprocessing as mp
 import socket
@@ -88,7 +87,9 @@ async def linked(**prompt: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]
         LLMDataDist(LLMRole.DECODER, 2, config()) as d,
     ):
         assert p.listen_address is not None
-        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        info = LLMClusterInfo(
+            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
+        )
         assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
         yield p, d
 
@@ -236,33 +237,64 @@ async def test_a_finished_pull_keeps_a_key_rebound_meanwhile() -> None:
     assert reg.by_key(key) is None
 
 
-# ---- 6: reads by id need a remote-accessible cache ----------------------------------------
-async def test_reads_by_cache_id_need_remote_access_reads_by_key_do_not() -> None:
+# ---- 6: reads by id: llm_datadist's rules per mode, aiokv's stricter one as an option ----
+async def test_reads_by_cache_id_follow_llm_datadist_per_mode() -> None:
     desc = CacheDesc(1, [2, 256], DataType.DT_UINT8)
-    async with linked() as (p, d):  # enable_remote_cache_accessible=False
+    host = CacheDesc(1, [2, 256], DataType.DT_UINT8, Placement.HOST)
+    # without enable_remote_cache_accessible the owner serves reads by id (by request)
+    async with linked() as (p, d):
         src = await p.cache_manager.allocate_cache(desc, [CacheKey(1, req_id=1)])
         dst = await d.cache_manager.allocate_cache(desc)
-        await raises(
-            CODE.LLM_FEATURE_NOT_ENABLED,
-            d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst),
-        )
+        await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst)
         await d.cache_manager.pull_cache(CacheKey(1, req_id=1), dst)  # by key: as before
+    # with it, the cache must be remote_accessible (llm_datadist: LLM_PARAM_INVALID)
     async with linked(enable_remote_cache_accessible=True) as (p, d):
-        host = CacheDesc(1, [2, 256], DataType.DT_UINT8, Placement.HOST)
         private = await p.cache_manager.register_cache(host, [torch.zeros(2, 256).byte()])
         shared = await p.cache_manager.register_cache(host, [torch.zeros(2, 256).byte()], (), True)
         dst = await d.cache_manager.allocate_cache(desc)
-        await raises(
-            CODE.LLM_FEATURE_NOT_ENABLED,
-            d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, private.cache_id, 0), dst),
-        )
+        with pytest.raises(LLMException) as ei:
+            await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, private.cache_id, 0), dst)
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        # cause and remedy
+        assert f"cache {private.cache_id} of cluster 1 is not remote accessible" in str(ei.value)
+        assert "remote_accessible=True" in str(ei.value)
         await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, shared.cache_id, 0), dst)
 
 
-def test_cache_ids_are_not_sequential() -> None:
-    ids = [_slot_cache(0, 1).cache_id for _ in range(64)]
-    assert len(set(ids)) == 64 and all(0 < i < 2**63 for i in ids)
-    assert sum(b - a == 1 for a, b in itertools.pairwise(ids)) == 0
+async def test_restrict_reads_by_id_is_the_owners_opt_in() -> None:
+    desc = CacheDesc(1, [2, 256], DataType.DT_UINT8)
+    async with linked(restrict_reads_by_id=True) as (p, d):
+        src = await p.cache_manager.allocate_cache(desc, [CacheKey(1, req_id=1)])
+        dst = await d.cache_manager.allocate_cache(desc)
+        with pytest.raises(LLMException) as ei:
+            await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst)
+        assert ei.value.status_code == CODE.LLM_FEATURE_NOT_ENABLED
+        msg = str(ei.value)
+        assert "restrict_reads_by_id" in msg and "enable_remote_cache_accessible" in msg
+        await d.cache_manager.pull_cache(CacheKey(1, req_id=1), dst)  # by key: allowed
+    async with linked(restrict_reads_by_id=True, enable_remote_cache_accessible=True) as (p, d):
+        src = await p.cache_manager.allocate_cache(desc)
+        dst = await d.cache_manager.allocate_cache(desc)
+        await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst)
+
+
+async def test_cache_ids_count_from_1_per_instance_as_llm_datadist() -> None:
+    desc = CacheDesc(1, [2, 256], DataType.DT_UINT8)
+    async with linked() as (p, d):
+        ids = [(await p.cache_manager.allocate_cache(desc)).cache_id for _ in range(3)]
+        user = await p.cache_manager.register_cache(
+            CacheDesc(1, [2, 256], DataType.DT_UINT8, Placement.HOST), [torch.zeros(2, 256).byte()]
+        )
+        assert [*ids, user.cache_id] == [1, 2, 3, 4]
+        await p.cache_manager.deallocate_cache(await p.cache_manager.allocate_cache(desc))
+        assert (await p.cache_manager.allocate_cache(desc)).cache_id == 6  # never reused
+        # another instance (the decoder, same process) numbers its own from 1
+        assert (await d.cache_manager.allocate_cache(desc)).cache_id == 1
+    # a cache no LLMDataDist tracks: -1, as llm_datadist's create_cpu_cache
+    cpu = Cache.create_cpu_cache(
+        CacheDesc(1, [2, 256], DataType.DT_UINT8, Placement.HOST), [torch.zeros(2, 256).byte()]
+    )
+    assert cpu.cache_id == -1
 
 
 # ---- 8: request amplification ------------------------------------------------------------

@@ -61,7 +61,9 @@ def config(secret: str | None = None) -> LLMConfig:
 
 def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
     assert address is not None
-    return LLMClusterInfo(remote_cluster_id=cluster_id, remote_ip_info=[address])
+    return LLMClusterInfo(
+        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
+    )
 
 
 async def eventually(cond: Callable[[], bool], within_s: float = 10.0) -> None:

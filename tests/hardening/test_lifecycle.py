@@ -57,7 +57,9 @@ def config() -> LLMConfig:
 
 def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
     assert address is not None
-    return LLMClusterInfo(remote_cluster_id=cluster_id, remote_ip_info=[address])
+    return LLMClusterInfo(
+        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
+    )
 
 
 def aiokv_threads() -> list[str]:

@@ -91,7 +91,9 @@ async def participants(
 
 async def link(d: LLMDataDist, p: LLMDataDist) -> LLMStatusCode:
     assert p.listen_address is not None
-    info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+    info = LLMClusterInfo(
+        remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
+    )
     code, codes = await d.link_clusters([info], timeout=5000)
     assert codes == [code]
     return code

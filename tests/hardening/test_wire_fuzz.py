@@ -390,8 +390,9 @@ def model(srv: Server, raw: bytes, write: bool) -> list[Run]:
     assert p.key is not None and p.tensors is not None
     ktag, k = p.key
     m, slot = _lookup(srv, ktag, k)
-    # pushes, and reads by cache id, need a remote-accessible cache on an enabled instance
-    if (write or ktag == "id") and not m.access:
+    # pushes need a remote-accessible cache on an enabled instance; reads by cache id
+    # too on an enabled instance, and nothing on another (llm_datadist's rules)
+    if (write or (ktag == "id" and srv.enable)) and not m.access:
         raise Refuse("not remote accessible")
     if write and ktag == "req":
         raise Refuse("a push needs a cache id")
@@ -940,7 +941,11 @@ async def a_real_client_still_pulls(srv: Server, seed: int) -> None:
         cm = dd.cache_manager
         dst = await cm.allocate_blocks_cache(srv.desc(m.spec))
         assert srv.dd.listen_address is not None
-        info = LLMClusterInfo(remote_cluster_id=srv.cid, remote_ip_info=[srv.dd.listen_address])
+        info = LLMClusterInfo(
+            remote_cluster_id=srv.cid,
+            local_ip_info=[("127.0.0.1", 0)],
+            remote_ip_info=[srv.dd.listen_address],
+        )
         assert (await dd.link_clusters([info], timeout=5000))[0] == CODE.LLM_SUCCESS
         await cm.pull_blocks(BlocksCacheKey(srv.cid, 7), dst, [5, 2, 9], [0, 1, 2])
         for t, got in enumerate(dst.tensors):

@@ -192,7 +192,9 @@ async def linked(
         LLMDataDist(LLMRole.DECODER, 2, config(**(decoder or {}))) as d,
     ):
         assert p.listen_address is not None
-        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        info = LLMClusterInfo(
+            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
+        )
         code, _ = await d.link_clusters([info])
         assert code == CODE.LLM_SUCCESS
         yield p, d
@@ -312,7 +314,9 @@ async def test_a_lost_link_ends_the_leases_on_both_sides() -> None:
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
         await until(lambda: lent(p) == 1 and holding(d) == 1, "a lease")
         assert p.listen_address is not None
-        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        info = LLMClusterInfo(
+            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
+        )
         await d.unlink_clusters([info])
         await until(lambda: lent(p) == 0, "the granter unpins")
         assert holding(d) == 0

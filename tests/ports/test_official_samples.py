@@ -40,6 +40,9 @@ def _by_role(script: str, env: dict[str, str]) -> None:
         # through ``aiokv.sync``: the decoder pushes zeros into blocks 0 and 2 of the
         # prompt's ones (local_comm_res="" turns on remote access)
         "push_blocks_sample.py",
+        # through ``import aiokv.sync as llm_datadist``: the decoder pushes into the
+        # prompt's cache by the literal id 1 (ids count from 1 per process, as upstream)
+        "push_cache_sample.py",
     ],
 )
 def test_sample_by_role(script: str, ports_env: dict[str, str]) -> None:

@@ -60,3 +60,21 @@ def test_cmgr_connector_worker_prefill_to_decode(tmp_path: Path, mla: bool) -> N
     assert_all_ok(results)
     assert "kv_consumer finished request req-0" in results["decode"].output
     assert "kv_producer finished request req-0" in results["prefill"].output
+
+
+def test_older_llmdatadist_connector_pulls_by_cache_ids_1_to_4(ports_env: dict[str, str]) -> None:
+    """vLLM-Ascend's older LLMDataDistConnector (clients/vllm_ascend_llmdatadist_connector.py):
+    legacy mode, the decode side pulls ``CacheKeyByIdAndIndex(cid, 1..4, 0)`` — the literal
+    ids of the prefill side's four caches — with no remote-access option set."""
+    script = "vllm_ascend_llmdatadist_connector.py"
+    results = run_parties(
+        {
+            "prefill": [script, "--kv_role", "kv_producer"],
+            "decode": [script, "--kv_role", "kv_consumer"],
+        },
+        ports_env,
+        25,
+    )
+    assert_all_ok(results)
+    assert "Successfully received all KVs" in results["decode"].output
+    assert "Sample end" in results["prefill"].output

@@ -335,7 +335,9 @@ class WorkerSide:
             if source.cluster_id in self._dd.linked_clusters():
                 return
             info = LLMClusterInfo(
-                remote_cluster_id=source.cluster_id, remote_ip_info=[(source.host, source.port)]
+                remote_cluster_id=source.cluster_id,
+                remote_ip_info=[(source.host, source.port)],
+                local_ip_info=[(self._options.public_host, 0)],  # required, as llm_datadist
             )
             _, codes = await self._dd.link_clusters([info], timeout=self._options.link_timeout_ms)
             if codes[0] not in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK):
