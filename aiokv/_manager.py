@@ -186,7 +186,7 @@ class CacheManager:
         tensors = [pool.view(s).view(desc.torch_dtype).view(desc.shape) for s in spans]
         return tensors, [(pool, s) for s in spans]
 
-    def _add(
+    async def _add(
         self,
         op: str,
         desc: Any,
@@ -200,8 +200,54 @@ class CacheManager:
         """The one body of allocate_* and register_*: check, take memory, track.
 
         ``memory`` is None to allocate from the pool of ``desc.placement``, else the
-        user's tensors or host addresses to register.
+        user's tensors or host addresses to register. A ``blocks_key`` that names a cache
+        lent to peers (leases, over NIXL) moves only once those leases have ended: until
+        then peers still reach the old cache by it, lease or not (:meth:`_move_key`).
         """
+        cache, entry, moving = self._track(
+            op, desc, memory, blocks, keys, blocks_key, remote_accessible
+        )
+        if moving:
+            assert entry is not None
+            await self._move_key(entry, blocks_key)
+        return cache
+
+    async def _move_key(self, entry: Entry, key: BlocksCacheKey) -> None:
+        """Bind ``key`` to ``entry`` once no peer holds a lease on the cache it names:
+        that cache is lent no more, its leases are revoked (a round trip to each holder),
+        then the key moves. Failing (the engine stopped, a cancellation before the
+        revocation began), the new cache is released: nothing changed."""
+        leases = self._client.leases
+        assert leases is not None
+        old: Entry | None = None
+        try:
+            while True:
+                with self._registry.lock:  # lend() runs under it too
+                    old = self._registry.by_blocks_key(key)
+                    if old is None or old is entry or not leases.lent(old):
+                        self._registry.bind_blocks_key(entry, key)
+                        return
+                    old.lendable = False
+                await self._end_leases(old)
+        except BaseException:
+            with self._registry.lock:
+                if old is not None and old.blocks_key == key:
+                    old.lendable = True
+                self._registry.release_id(entry)
+            raise
+
+    def _track(
+        self,
+        op: str,
+        desc: Any,
+        memory: Any,
+        blocks: bool,
+        keys: Any,
+        blocks_key: Any,
+        remote_accessible: Any,
+    ) -> tuple[Cache, Entry | None, bool]:
+        """Check, take memory and track: ``(cache, entry, whether blocks_key is still
+        to be bound)``, the last when it names a cache lent to peers."""
         self._check_open(op)
         check_instance(op, "cache_desc", desc, CacheDesc)
         key_list = check_list(op, "cache_keys", keys, CacheKey)
@@ -221,14 +267,21 @@ class CacheManager:
         spans: list[tuple[MemPool, Span]] = []
         if memory is not None:
             tensors = wrap_memory(op, desc, memory, self._device)
+        leases = self._client.leases
         with self._registry.lock:  # pools are freed under it, from any thread
             if memory is None:
                 tensors, spans = self._allocate(op, desc)
             cache = Cache(desc, tensors, is_blocks_cache=blocks)
-            self._registry.add(
-                cache, spans, remote_accessible=remote, keys=key_list, blocks_key=blocks_key
+            old = None if blocks_key is None else self._registry.by_blocks_key(blocks_key)
+            moving = old is not None and leases is not None and leases.lent(old)
+            entry = self._registry.add(
+                cache,
+                spans,
+                remote_accessible=remote,
+                keys=key_list,
+                blocks_key=None if moving else blocks_key,
             )
-        return cache
+        return cache, entry, moving
 
     async def allocate_cache(
         self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()
@@ -245,7 +298,7 @@ class CacheManager:
             LLMException: ``LLM_PARAM_INVALID`` (more keys than batch slots),
                 ``LLM_FEATURE_NOT_ENABLED`` (no pool), ``LLM_OUT_OF_MEMORY``.
         """
-        return self._add("allocate_cache", cache_desc, None, blocks=False, keys=cache_keys)
+        return await self._add("allocate_cache", cache_desc, None, blocks=False, keys=cache_keys)
 
     async def allocate_blocks_cache(
         self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
@@ -259,7 +312,7 @@ class CacheManager:
             TypeError / NoneArgumentError: wrong argument types.
             LLMException: ``LLM_FEATURE_NOT_ENABLED`` (no pool), ``LLM_OUT_OF_MEMORY``.
         """
-        return self._add(
+        return await self._add(
             "allocate_blocks_cache", cache_desc, None, blocks=True, blocks_key=blocks_cache_key
         )
 
@@ -287,7 +340,7 @@ class CacheManager:
             LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``, more
                 keys than batch slots).
         """
-        return self._add(
+        return await self._add(
             "register_cache",
             cache_desc,
             addrs,
@@ -313,7 +366,7 @@ class CacheManager:
             TypeError / NoneArgumentError: wrong argument types.
             LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``).
         """
-        return self._add(
+        return await self._add(
             "register_blocks_cache",
             cache_desc,
             addrs,

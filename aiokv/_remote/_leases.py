@@ -55,6 +55,7 @@ import numpy.typing as npt
 
 from .._checks import duplicated
 from .._config import LLMConfig
+from .._engine import completing
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._layout import ByteLayout
@@ -264,10 +265,10 @@ class Leases:
                 f"cache {cache.cache_id} is not in memory the link moves by address",
                 status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
             )
-        if not entry.id_held:
+        if not entry.id_held or not entry.lendable:
+            why = "was released" if not entry.id_held else "is losing its key"
             raise LLMException(
-                f"cache {cache.cache_id} was released",
-                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"cache {cache.cache_id} {why}", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
             )
         self._registry.pin(entry, lease=True)
         lid = next(self._ids)
@@ -288,9 +289,13 @@ class Leases:
     async def revoke(self, entry: Entry) -> None:
         """End every lease of ``entry``'s cache: each holder is told and answers once
         its transfers on it are over; one that does not answer in time (or fails to)
-        loses the link. Returns when no lease of the cache is left."""
+        loses the link. Returns when no lease of the cache is left.
+
+        Not cancellable (:func:`~aiokv._engine.completing`): a revocation cut short
+        would leave a holder writing into memory its owner thinks is back; it is bounded
+        by :func:`revoke_timeout`."""
         lids = self._lent_by_cache.get(entry.cache.cache_id, set())
-        await asyncio.gather(*(self._revoke_one(lid) for lid in list(lids)))
+        await completing(asyncio.gather(*(self._revoke_one(lid) for lid in list(lids))))
 
     async def _revoke_one(self, lid: int) -> None:
         lent = self._lent.get(lid)

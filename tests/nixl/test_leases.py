@@ -463,3 +463,52 @@ async def test_a_device_cache_moves_under_a_lease_of_host_memory_in_stream_order
         await asyncio.sleep(0.2)
         assert lent(p) == 0 and holding(d) == 0  # device memory goes by request
         assert all(torch.equal(s[2], t[3]) for s, t in zip(src.tensors, dst.tensors, strict=True))
+
+
+# ----------------------------------------------------- a key that moves ends its leases
+
+
+async def _lease_both_ways(p: LLMDataDist, d: LLMDataDist, key: BlocksCacheKey, dst: Cache) -> None:
+    """The decoder pulls and pushes by ``key`` until it holds a read and a write lease."""
+    await d.cache_manager.pull_blocks(key, dst, [1], [1])
+    await d.cache_manager.push_blocks(key, dst, [2], [2])
+    await until(lambda: lent(p) == 2 and holding(d) == 2, "a read and a write lease")
+
+
+@needs_nixl
+@pytest.mark.parametrize("how", ["allocate", "register"])
+async def test_a_key_bound_to_another_cache_ends_the_leases_on_the_old_one(how: str) -> None:
+    """Prompt binds BlocksCacheKey(1, 0) to cache A; the decoder pulls and pushes by it
+    (a read and a write lease); the prompt binds the key to cache B while A stays
+    allocated. The decoder's next pull reads B and its next push lands in B: A is
+    untouched."""
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        a = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        fill(a, 1)
+        await _lease_both_ways(p, d, key, dst)
+        if how == "allocate":
+            b = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        else:
+            memory = [torch.zeros(32, 4, 64, dtype=torch.float16) for _ in range(4)]
+            b = await p.cache_manager.register_blocks_cache(desc(), memory, key)
+        # before the call returned, the old leases were taken back
+        assert (lent(p), holding(d)) == (0, 0)
+        fill(b, 2)
+        a_before = [t.clone() for t in a.tensors]
+        await d.cache_manager.pull_blocks(key, dst, [3, 4], [3, 4])
+        assert same_blocks(b, [3, 4], dst, [3, 4])
+        fill(dst, 3)
+        await d.cache_manager.push_blocks(key, dst, [5, 6], [7, 8])
+        assert same_blocks(dst, [5, 6], b, [7, 8])
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors, a_before, strict=True))
+        # and again once leases on B are held (they name B)
+        await until(lambda: lent(p) >= 1, "a lease on the new cache", seconds=15)
+        fill(b, 4)
+        await d.cache_manager.pull_blocks(key, dst, [9], [9])
+        assert same_blocks(b, [9], dst, [9])
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors, a_before, strict=True))
+        await p.cache_manager.deallocate_blocks_cache(a)
+        if how == "register":
+            await p.cache_manager.unregister_cache(b.cache_id)

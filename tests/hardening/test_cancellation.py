@@ -1,0 +1,237 @@
+"""A cancelled operation either did not happen or returns its result.
+
+``pull_cache`` by ``CacheKey`` releases the key on its owner once the bytes landed (and
+frees a cache only the key held). A caller cancelled at any moment must find the key
+still bound if the pull raised its cancellation, and released if it returned: never a
+pull reported as cancelled whose key (and KV) is gone. Seeded random cancellation over
+thousands of pulls, counted against that model together with pool bytes and pins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import statistics
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+import pytest
+import torch
+
+from aiokv import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+
+CODE = LLMStatusCode
+DESC = CacheDesc(2, [1, 4096], DataType.DT_UINT8, Placement.HOST)
+WIDE = CacheDesc(2, [10, 4096], DataType.DT_UINT8, Placement.HOST)  # a slot per pull
+SEED = 20261125
+
+
+def config(backend: str) -> LLMConfig:
+    return LLMConfig(
+        device_type="cpu",
+        enable_cache_manager=True,
+        listen_ip_info="127.0.0.1:0",
+        host_mem_pool_cfg='{"memory_size": 4194304, "page_shift": 12}',
+        transfer_backend=backend,
+        sync_kv_timeout=10000,
+    )
+
+
+@contextlib.asynccontextmanager
+async def linked(backend: str) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config(backend)) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config(backend)) as d,
+    ):
+        assert p.listen_address is not None
+        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        code, _ = await d.link_clusters([info])
+        assert code == CODE.LLM_SUCCESS
+        yield p, d
+
+
+async def settled(d: LLMDataDist) -> None:
+    """One refused round trip: the owner has handled every earlier frame of the link
+    (read confirmations and cancellations included), so its keys and pins are final."""
+    probe = Cache.create_cpu_cache(
+        CacheDesc(1, [1, 64], DataType.DT_UINT8, Placement.HOST),
+        [torch.zeros(1, 64, dtype=torch.uint8)],
+    )
+    with pytest.raises(LLMException) as ei:
+        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 2**63), probe, [0], [0])
+    assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+
+
+@dataclass
+class Model:
+    """What happened to each pull, and what that leaves on both sides."""
+
+    returned: int = 0
+    cancelled: int = 0
+    lost: list[int] = field(default_factory=list)  # cancelled, yet the key was released
+    kept: list[int] = field(default_factory=list)  # returned, yet the key is still bound
+
+    def check(self, i: int, p: LLMDataDist, key: CacheKey, pulled: bool) -> None:
+        bound = p.cache_manager._registry.by_key(key) is not None  # type: ignore[attr-defined]
+        if pulled:
+            self.returned += 1
+            if bound:
+                self.kept.append(i)
+        else:
+            self.cancelled += 1
+            if not bound:
+                self.lost.append(i)
+
+
+def _balanced(p: LLMDataDist, d: LLMDataDist, dst_bytes: int) -> None:
+    """Once what cancelled pulls left bound is released: nothing is held on the owner,
+    only the destination on the decoder, and no operation pins anything."""
+    ps, ds = p.cache_manager.statistics(), d.cache_manager.statistics()
+    assert (ps.caches, ps.keys, ps.pins) == (0, 0, 0), ps
+    assert (ds.caches, ds.pins) == (1, 0), ds
+    pool_p = p.cache_manager.get_pool_stats(Placement.HOST)
+    pool_d = d.cache_manager.get_pool_stats(Placement.HOST)
+    assert pool_p is not None and pool_p.used == 0
+    assert pool_d is not None and pool_d.used == dst_bytes
+
+
+async def _typical(p: LLMDataDist, d: LLMDataDist, dst: Cache) -> float:
+    """Median seconds of an uncancelled pull by key, to aim cancellations around it."""
+    took = []
+    for i in range(20):
+        key = CacheKey(1, req_id=10**9 + i)
+        src = await p.cache_manager.allocate_cache(DESC, [key])
+        await p.cache_manager.deallocate_cache(src)
+        t0 = time.perf_counter()
+        await d.cache_manager.pull_cache(key, dst)
+        took.append(time.perf_counter() - t0)
+    return statistics.median(took)
+
+
+async def _pull_cancelled(
+    d: LLMDataDist, key: CacheKey, dst: Cache, slot: int, rng: random.Random, typical: float
+) -> bool:
+    """Pull ``key`` into ``slot`` of ``dst``, cancelled (``Task.cancel`` or an
+    ``asyncio.timeout``) after a random number of loop turns or a random delay around a
+    pull's duration: whether the pull returned. A timeout that expired raises
+    ``TimeoutError``, also where the pull returned (at the block's next await)."""
+    delay = rng.uniform(0, 1.5 * typical)
+    turns = rng.randrange(40) if rng.random() < 0.5 else None
+    pulled = False
+    if rng.random() < 0.5:
+
+        async def pull() -> None:
+            nonlocal pulled
+            await d.cache_manager.pull_cache(key, dst, slot)
+            pulled = True
+
+        task = asyncio.create_task(pull())
+        if turns is None:
+            await asyncio.sleep(delay)
+        else:
+            for _ in range(turns):
+                await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return pulled
+    timed_out = False
+    try:
+        async with asyncio.timeout(delay) as cm:
+            await d.cache_manager.pull_cache(key, dst, slot)
+            pulled = True
+            await asyncio.sleep(0)  # where a late cancellation must arrive
+    except TimeoutError:
+        timed_out = True
+    if cm.expired():
+        assert timed_out, f"{key}: the timeout expired and raised nothing"
+    return pulled
+
+
+@pytest.mark.parametrize(("backend", "loop"), [("tcp", "asyncio"), ("local", "uvloop")])
+def test_a_pull_by_key_cancelled_at_random_moments_keeps_or_releases_the_key(
+    backend: str, loop: str
+) -> None:
+    """1,000 pulls by ``CacheKey`` per transport, 10 at a time, each cancelled at a
+    random moment: a pull that raised leaves the key bound, one that returned released
+    it; pools, keys and pins balance after each round. An ``asyncio.timeout`` that
+    expired still raises ``TimeoutError``. (Run without asyncio's debug mode, which
+    slows every step six-fold: this test is about timing, not slow callbacks.)"""
+    rng = random.Random(SEED)
+    model = Model()
+
+    async def main() -> None:
+        async with linked(backend) as (p, d):
+            dst = await d.cache_manager.allocate_cache(WIDE)
+            dst_bytes = d.cache_manager.get_pool_stats(Placement.HOST).used  # type: ignore[union-attr]
+            typical = await _typical(p, d, dst)
+            for round_ in range(100):
+                keys = [CacheKey(1, req_id=10 * round_ + j) for j in range(10)]
+                for key in keys:
+                    src = await p.cache_manager.allocate_cache(DESC, [key])
+                    await p.cache_manager.deallocate_cache(src)  # the key alone holds it now
+                outcomes = await asyncio.gather(
+                    *(_pull_cancelled(d, k, dst, j, rng, typical) for j, k in enumerate(keys))
+                )
+                await settled(d)
+                for key, pulled in zip(keys, outcomes, strict=True):
+                    model.check(key.req_id, p, key, pulled)
+                    await p.cache_manager.remove_cache_key(key)
+                _balanced(p, d, dst_bytes)
+
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop, debug=False) as runner:
+            runner.run(main())
+    else:
+        asyncio.run(main(), debug=False)
+    assert not model.lost, f"{len(model.lost)} cancelled pulls released their key: {model.lost}"
+    assert not model.kept, f"{len(model.kept)} pulls returned, key still bound: {model.kept}"
+    # both outcomes were exercised often (else the test proves nothing)
+    assert model.returned > 100 and model.cancelled > 100, model
+
+
+def test_a_pull_by_key_under_trio_cancel_scopes_keeps_or_releases_the_key() -> None:
+    """The same model under trio: ``anyio.move_on_after`` at random deadlines."""
+    rng = random.Random(SEED + 1)
+    model = Model()
+
+    async def main() -> None:
+        async with linked("tcp") as (p, d):
+            dst = await d.cache_manager.allocate_cache(DESC)
+            dst_bytes = d.cache_manager.get_pool_stats(Placement.HOST).used  # type: ignore[union-attr]
+            typical = await _typical(p, d, dst)
+            for i in range(400):
+                key = CacheKey(1, req_id=i)
+                src = await p.cache_manager.allocate_cache(DESC, [key])
+                await p.cache_manager.deallocate_cache(src)
+                pulled = False
+                with anyio.move_on_after(rng.uniform(0, 2 * typical)):
+                    await d.cache_manager.pull_cache(key, dst)
+                    pulled = True
+                    await anyio.lowlevel.checkpoint()
+                await settled(d)
+                model.check(i, p, key, pulled)
+                await p.cache_manager.remove_cache_key(key)
+                _balanced(p, d, dst_bytes)
+
+    anyio.run(main, backend="trio")
+    assert not model.lost, f"{len(model.lost)} cancelled pulls released their key: {model.lost}"
+    assert not model.kept, f"{len(model.kept)} pulls returned, key still bound: {model.kept}"
+    assert model.returned > 20 and model.cancelled > 20, model
