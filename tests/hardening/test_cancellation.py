@@ -35,6 +35,7 @@ from aiokv import (
     LLMStatusCode,
     Placement,
 )
+from aiokv._copy import _staging
 
 CODE = LLMStatusCode
 DESC = CacheDesc(2, [1, 4096], DataType.DT_UINT8, Placement.HOST)
@@ -66,9 +67,10 @@ async def linked(backend: str) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]
         yield p, d
 
 
-async def settled(d: LLMDataDist) -> None:
+async def settled(p: LLMDataDist, d: LLMDataDist) -> None:
     """One refused round trip: the owner has handled every earlier frame of the link
-    (read confirmations and cancellations included), so its keys and pins are final."""
+    (read confirmations and cancellations included); then its grants still finishing
+    (a staging copy a cancellation waits for) end: its keys and pins are final."""
     probe = Cache.create_cpu_cache(
         CacheDesc(1, [1, 64], DataType.DT_UINT8, Placement.HOST),
         [torch.zeros(1, 64, dtype=torch.uint8)],
@@ -76,6 +78,10 @@ async def settled(d: LLMDataDist) -> None:
     with pytest.raises(LLMException) as ei:
         await d.cache_manager.pull_blocks(BlocksCacheKey(1, 2**63), probe, [0], [0])
     assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+    end = time.monotonic() + 10
+    while p.cache_manager.statistics().pins:
+        assert time.monotonic() < end, "the owner's grants never ended"
+        await anyio.sleep(0.001)
 
 
 @dataclass
@@ -111,16 +117,24 @@ def _balanced(p: LLMDataDist, d: LLMDataDist, dst_bytes: int) -> None:
     assert pool_d is not None and pool_d.used == dst_bytes
 
 
-async def _typical(p: LLMDataDist, d: LLMDataDist, dst: Cache) -> float:
-    """Median seconds of an uncancelled pull by key, to aim cancellations around it."""
-    took = []
-    for i in range(20):
-        key = CacheKey(1, req_id=10**9 + i)
-        src = await p.cache_manager.allocate_cache(DESC, [key])
-        await p.cache_manager.deallocate_cache(src)
+async def _typical(p: LLMDataDist, d: LLMDataDist, dst: Cache, batch: int) -> float:
+    """Median seconds of an uncancelled pull by key, ``batch`` at a time (as the test
+    runs them), to aim cancellations around it."""
+    took: list[float] = []
+
+    async def timed(key: CacheKey, slot: int) -> None:
         t0 = time.perf_counter()
-        await d.cache_manager.pull_cache(key, dst)
+        await d.cache_manager.pull_cache(key, dst, slot)
         took.append(time.perf_counter() - t0)
+
+    for r in range(4):
+        keys = [CacheKey(1, req_id=10**9 + batch * r + j) for j in range(batch)]
+        for key in keys:
+            src = await p.cache_manager.allocate_cache(DESC, [key])
+            await p.cache_manager.deallocate_cache(src)
+        async with anyio.create_task_group() as tg:  # asyncio or trio
+            for j, k in enumerate(keys):
+                tg.start_soon(timed, k, j)
     return statistics.median(took)
 
 
@@ -164,23 +178,30 @@ async def _pull_cancelled(
     return pulled
 
 
-@pytest.mark.parametrize(("backend", "loop"), [("tcp", "asyncio"), ("local", "uvloop")])
+@pytest.mark.parametrize(
+    ("backend", "loop", "staged"),
+    [("tcp", "asyncio", False), ("local", "uvloop", False), ("tcp", "asyncio", True)],
+)
 def test_a_pull_by_key_cancelled_at_random_moments_keeps_or_releases_the_key(
-    backend: str, loop: str
+    backend: str, loop: str, staged: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """1,000 pulls by ``CacheKey`` per transport, 10 at a time, each cancelled at a
-    random moment: a pull that raised leaves the key bound, one that returned released
-    it; pools, keys and pins balance after each round. An ``asyncio.timeout`` that
-    expired still raises ``TimeoutError``. (Run without asyncio's debug mode, which
-    slows every step six-fold: this test is about timing, not slow callbacks.)"""
-    rng = random.Random(SEED)
+    """1,000 pulls by ``CacheKey`` per case, 10 at a time, each cancelled at a random
+    moment: a pull that raised leaves the key bound, one that returned released it;
+    pools, keys and pins balance after each round. An ``asyncio.timeout`` that expired
+    still raises ``TimeoutError``. ``staged``: the caches move through host staging as
+    device memory does (the pulled bytes are copied into the cache after the owner was
+    told they arrived). Run without asyncio's debug mode, which slows every step
+    six-fold: this test is about timing, not slow callbacks."""
+    if staged:
+        monkeypatch.setattr(_staging, "_STAGE_HOST", True)
+    rng = random.Random(SEED + staged)
     model = Model()
 
     async def main() -> None:
         async with linked(backend) as (p, d):
             dst = await d.cache_manager.allocate_cache(WIDE)
             dst_bytes = d.cache_manager.get_pool_stats(Placement.HOST).used  # type: ignore[union-attr]
-            typical = await _typical(p, d, dst)
+            typical = await _typical(p, d, dst, 10)
             for round_ in range(100):
                 keys = [CacheKey(1, req_id=10 * round_ + j) for j in range(10)]
                 for key in keys:
@@ -189,7 +210,7 @@ def test_a_pull_by_key_cancelled_at_random_moments_keeps_or_releases_the_key(
                 outcomes = await asyncio.gather(
                     *(_pull_cancelled(d, k, dst, j, rng, typical) for j, k in enumerate(keys))
                 )
-                await settled(d)
+                await settled(p, d)
                 for key, pulled in zip(keys, outcomes, strict=True):
                     model.check(key.req_id, p, key, pulled)
                     await p.cache_manager.remove_cache_key(key)
@@ -216,7 +237,7 @@ def test_a_pull_by_key_under_trio_cancel_scopes_keeps_or_releases_the_key() -> N
         async with linked("tcp") as (p, d):
             dst = await d.cache_manager.allocate_cache(DESC)
             dst_bytes = d.cache_manager.get_pool_stats(Placement.HOST).used  # type: ignore[union-attr]
-            typical = await _typical(p, d, dst)
+            typical = await _typical(p, d, dst, 1)
             for i in range(400):
                 key = CacheKey(1, req_id=i)
                 src = await p.cache_manager.allocate_cache(DESC, [key])
@@ -226,7 +247,7 @@ def test_a_pull_by_key_under_trio_cancel_scopes_keeps_or_releases_the_key() -> N
                     await d.cache_manager.pull_cache(key, dst)
                     pulled = True
                     await anyio.lowlevel.checkpoint()
-                await settled(d)
+                await settled(p, d)
                 model.check(i, p, key, pulled)
                 await p.cache_manager.remove_cache_key(key)
                 _balanced(p, d, dst_bytes)
