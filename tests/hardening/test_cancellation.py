@@ -13,9 +13,11 @@ import asyncio
 import contextlib
 import random
 import statistics
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import pytest
@@ -36,6 +38,7 @@ from aiokv import (
     Placement,
 )
 from aiokv._copy import _staging
+from aiokv._engine import Engine
 
 CODE = LLMStatusCode
 DESC = CacheDesc(2, [1, 4096], DataType.DT_UINT8, Placement.HOST)
@@ -256,3 +259,145 @@ def test_a_pull_by_key_under_trio_cancel_scopes_keeps_or_releases_the_key() -> N
     assert not model.lost, f"{len(model.lost)} cancelled pulls released their key: {model.lost}"
     assert not model.kept, f"{len(model.kept)} pulls returned, key still bound: {model.kept}"
     assert model.returned > 20 and model.cancelled > 20, model
+
+
+# -------------------------------------------- the engine: the race, made deterministic
+
+
+@pytest.fixture
+def engine() -> Iterator[Engine]:
+    e = Engine("aiokv-engine-cancel-test")
+    yield e
+    e.stop()
+
+
+def _finishing(go: threading.Event) -> Callable[[], Coroutine[Any, Any, int]]:
+    """An engine operation that completes (with 5) once ``go`` is set."""
+
+    async def op() -> int:
+        await asyncio.to_thread(go.wait, 10)
+        return 5
+
+    return op
+
+
+async def _race(
+    engine: Engine, body: Callable[[], Coroutine[Any, Any, None]]
+) -> asyncio.Task[None]:
+    """Start ``body`` (which awaits an operation on ``engine``) and let it reach that
+    await. The test then blocks this loop while the engine completes the operation, so
+    that its end and a cancellation reach the caller in the same loop turn."""
+    task = asyncio.create_task(body())
+    for _ in range(5):
+        await asyncio.sleep(0.01)
+    return task
+
+
+async def test_a_timeout_that_expires_as_the_operation_completes_returns_then_raises(
+    engine: Engine,
+) -> None:
+    go = threading.Event()
+    op = _finishing(go)
+    got: list[object] = []
+
+    async def body() -> None:
+        async with asyncio.timeout(0.1):
+            got.append(await engine.run(op))
+            await asyncio.sleep(0)  # the expired timeout's cancellation arrives here
+            got.append("not cancelled")
+
+    task = await _race(engine, body)
+    go.set()
+    time.sleep(0.2)  # noqa: ASYNC251  # the engine completes; the timeout falls due
+    with pytest.raises(TimeoutError):
+        await task
+    assert got == [5]
+
+
+async def test_a_completed_last_operation_ends_its_timeout_block_normally(engine: Engine) -> None:
+    """The operation was the block's last await: the block ends normally with its
+    result, and no stale cancellation reaches the code after it."""
+    go = threading.Event()
+    op = _finishing(go)
+    got: list[object] = []
+
+    async def body() -> None:
+        async with asyncio.timeout(0.1):
+            got.append(await engine.run(op))
+        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
+        got.append("after")
+
+    task = await _race(engine, body)
+    go.set()
+    time.sleep(0.2)  # noqa: ASYNC251
+    await task
+    assert got == [5, "after"]
+    assert task.cancelling() == 0
+
+
+async def test_a_task_cancelled_as_its_operation_completes_gets_the_result_then_the_cancel(
+    engine: Engine,
+) -> None:
+    go = threading.Event()
+    op = _finishing(go)
+    got: list[object] = []
+
+    async def body() -> None:
+        got.append(await engine.run(op))
+        await asyncio.sleep(10)  # the cancellation arrives at this next await
+        got.append("not cancelled")
+
+    task = await _race(engine, body)
+    go.set()
+    time.sleep(0.2)  # noqa: ASYNC251
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert got == [5]
+
+
+async def test_an_anyio_scope_on_asyncio_swallows_only_its_own_cancellation(
+    engine: Engine,
+) -> None:
+    go = threading.Event()
+    op = _finishing(go)
+    got: list[object] = []
+
+    async def body() -> None:
+        with anyio.move_on_after(0.1) as scope:
+            got.append(await engine.run(op))
+            await anyio.sleep(10)
+            got.append("not cancelled")
+        got.append(scope.cancelled_caught)
+
+    task = await _race(engine, body)
+    go.set()
+    time.sleep(0.2)  # noqa: ASYNC251
+    await task  # the scope's cancellation, not the task's
+    assert got == [5, True]
+
+
+def test_a_trio_scope_cancelled_as_the_operation_completes_gets_the_result(engine: Engine) -> None:
+    go = threading.Event()
+    op = _finishing(go)
+    got: list[object] = []
+
+    async def main() -> None:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+
+                async def complete_then_cancel() -> None:
+                    await anyio.sleep(0.05)  # the operation is under way, its caller waits
+                    go.set()
+                    time.sleep(0.2)  # noqa: ASYNC251  # the engine completes meanwhile
+                    scope.cancel()  # before trio saw that end
+
+                tg.start_soon(complete_then_cancel)
+                got.append(await engine.run(op))
+                await anyio.sleep(10)
+                got.append("not cancelled")
+        got.append(scope.cancelled_caught)
+
+    anyio.run(main, backend="trio")
+    assert got == [5, True]
