@@ -512,3 +512,29 @@ async def test_a_key_bound_to_another_cache_ends_the_leases_on_the_old_one(how: 
         await p.cache_manager.deallocate_blocks_cache(a)
         if how == "register":
             await p.cache_manager.unregister_cache(b.cache_id)
+
+
+@needs_nixl
+async def test_a_cancelled_deallocate_still_takes_the_lease_back() -> None:
+    """Cancelling ``deallocate_blocks_cache`` while it waits for a holder does not cut
+    the revocation short (the memory would go back to the pool while the holder may
+    still write to it): the holder that never answers loses its link, then the call
+    returns (it completed: the cache was released)."""
+    async with LLMDataDist(LLMRole.PROMPT, 1, config(sync_kv_timeout=1000)) as p:
+        src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
+        async with get_transport("nixl")(3, _Silent()) as raw:
+            assert p.listen_address is not None
+            link = await raw.connect(*p.listen_address, timeout=5)
+            await until(lambda: link.one_sided, "the peer's NIXL metadata")
+            req = protocol.LeaseReq(
+                protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes
+            )
+            await link.read(protocol.encode(req), [memoryview(bytearray(reply_size(4)))], timeout=5)
+            assert lent(p) == 1
+            task = asyncio.create_task(p.cache_manager.deallocate_blocks_cache(src))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            await task  # completed (the revocation ran to its end): no CancelledError
+            await until(lambda: link.broken, "the holder that never answered lost its link")
+            stats = p.cache_manager.statistics()
+            assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
