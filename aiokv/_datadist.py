@@ -313,7 +313,7 @@ class LLMDataDist:
         self._config = config
         self._scheduler = scheduler
         self._transport = transport
-        self._linker = Linker(links, transport, config)
+        self._linker = Linker(links, transport, config, leases.end_link)
         self._device = device
 
     @staticmethod

@@ -227,6 +227,20 @@ class Leases:
         for k in [k for k in self._asked if k[0] is link]:
             del self._asked[k]
 
+    async def end_link(self, link: Link) -> None:
+        """Before this side closes ``link`` (unlink): end the leases on it while it still
+        works. Those it lent are revoked (each holder answers once its transfers on them
+        are over); those it holds are dropped once this side's transfers on them are
+        over. So no one-sided transfer under a lease of the link crosses after the
+        unlink, whatever the peer does with the memory once it sees the link end. Not
+        cancellable; bounded by :func:`revoke_timeout` and the transfers' timeouts."""
+        lent = [lid for lid, x in self._lent.items() if x.link is link]
+        held = list(self._held_ids.get(link, {}).values())
+        for h in held:
+            self._drop(h)
+        busy = [h.idle.wait() for h in held if h.busy]
+        await completing(asyncio.gather(*(self._revoke_one(lid) for lid in lent), *busy))
+
     # ---- granter ----------------------------------------------------------------------
     def lend(
         self, peer: PeerInfo, entry: Entry, tensors: range, *, write: bool

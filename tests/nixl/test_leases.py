@@ -538,3 +538,34 @@ async def test_a_cancelled_deallocate_still_takes_the_lease_back() -> None:
             await until(lambda: link.broken, "the holder that never answered lost its link")
             stats = p.cache_manager.statistics()
             assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
+
+
+@needs_nixl
+@pytest.mark.parametrize("side", ["granter", "holder"])
+async def test_unlink_ends_the_leases_on_the_link_before_it_returns(side: str) -> None:
+    """Unlinking changes what the peer may reach: the leases on the link end before the
+    call returns, on the side that unlinks, while the link still works (the granter
+    takes its leases back from the holder; the holder stops using its leases), so no
+    one-sided transfer under them crosses afterwards, whatever the other side then does
+    with that memory."""
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        await _lease_both_ways(p, d, key, dst)
+        if side == "granter":
+            assert d.listen_address is not None
+            peer = LLMClusterInfo(remote_cluster_id=2, remote_ip_info=[d.listen_address])
+            # the holder is slow to notice the link end (its loop busy for 0.3 s): only
+            # being told, before the link closes, makes it drop its leases in time
+            d._engine.loop.call_soon_threadsafe(time.sleep, 0.3)  # type: ignore[union-attr]
+            assert (await p.unlink_clusters([peer]))[0] == CODE.LLM_SUCCESS
+            assert (lent(p), holding(d)) == (0, 0)  # the holder was told, and answered
+        else:
+            assert p.listen_address is not None
+            peer = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+            assert (await d.unlink_clusters([peer]))[0] == CODE.LLM_SUCCESS
+            assert holding(d) == 0
+            await until(lambda: lent(p) == 0, "the granter sees the link end")
+        await p.cache_manager.deallocate_blocks_cache(src)
+        assert p.cache_manager.statistics().caches == 0
