@@ -36,6 +36,7 @@ from aiokv import (
     LLMRole,
     LLMStatusCode,
     Placement,
+    TransferWithCacheKeyConfig,
 )
 from aiokv._copy import _staging
 from aiokv._engine import Engine
@@ -46,7 +47,7 @@ WIDE = CacheDesc(2, [10, 4096], DataType.DT_UINT8, Placement.HOST)  # a slot per
 SEED = 20261125
 
 
-def config(backend: str) -> LLMConfig:
+def config(backend: str, **kw: Any) -> LLMConfig:
     return LLMConfig(
         device_type="cpu",
         enable_cache_manager=True,
@@ -54,14 +55,15 @@ def config(backend: str) -> LLMConfig:
         host_mem_pool_cfg='{"memory_size": 4194304, "page_shift": 12}',
         transfer_backend=backend,
         sync_kv_timeout=10000,
+        **kw,
     )
 
 
 @contextlib.asynccontextmanager
-async def linked(backend: str) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+async def linked(backend: str, **kw: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
     async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(backend)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(backend)) as d,
+        LLMDataDist(LLMRole.PROMPT, 1, config(backend, **kw)) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config(backend, **kw)) as d,
     ):
         assert p.listen_address is not None
         info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
@@ -401,3 +403,50 @@ def test_a_trio_scope_cancelled_as_the_operation_completes_gets_the_result(engin
 
     anyio.run(main, backend="trio")
     assert got == [5, True]
+
+
+# ------------------------------------------------ a layer-wise transfer cancelled late
+
+
+class _Layers:
+    """A synchronizer that releases layer 0 and never layer 1."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        self.asked.append(layer_index)
+        if layer_index:
+            await asyncio.Event().wait()
+        return True
+
+
+async def test_a_destination_that_completed_reports_success_after_cancel() -> None:
+    """Destination 0 needs layer 0 only, destination 1 layers 0 and 1; layer 1 never
+    comes, so the task is cancelled: destination 0, whose layer landed before, reports
+    ``LLM_SUCCESS`` (not ``None``, "cut short"); destination 1 reports ``None``."""
+    paged = CacheDesc(4, [8, 256], DataType.DT_UINT8, Placement.HOST)
+    cfg = {"enable_remote_cache_accessible": True}
+    async with linked("tcp", **cfg) as (p, d):
+        src = await p.cache_manager.allocate_blocks_cache(paged)
+        for i, t in enumerate(src.tensors):
+            t.fill_(i + 1)
+        a = await d.cache_manager.allocate_blocks_cache(paged, BlocksCacheKey(2, 0))
+        await d.cache_manager.allocate_blocks_cache(paged, BlocksCacheKey(2, 1))
+        sync = _Layers()
+        task = p.cache_manager.transfer_cache_async(
+            src,
+            sync,
+            [
+                TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 1), range(0, 1)),
+                TransferWithCacheKeyConfig(BlocksCacheKey(2, 1), range(0, 2), range(0, 2)),
+            ],
+            [3],
+            [5],
+        )
+        end = time.monotonic() + 5
+        while task._results[0] is None and time.monotonic() < end:  # type: ignore[attr-defined]  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+        task.cancel()
+        assert await task.get_results() == [CODE.LLM_SUCCESS, None]
+        assert all(bool((a.tensors[t][5] == t + 1).all()) for t in (0, 1))
