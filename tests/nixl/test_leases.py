@@ -569,3 +569,45 @@ async def test_unlink_ends_the_leases_on_the_link_before_it_returns(side: str) -
             await until(lambda: lent(p) == 0, "the granter sees the link end")
         await p.cache_manager.deallocate_blocks_cache(src)
         assert p.cache_manager.statistics().caches == 0
+
+
+@needs_nixl
+async def test_pulls_during_a_key_move_see_the_old_cache_then_only_the_new_one() -> None:
+    """A decoder pulls by key in a loop (under its lease, or by request once it is
+    taken back) while the prompt binds the key to another cache: the pulls read the old
+    cache, then the new one, never the old one again, and every pull that starts after
+    the call returned reads the new one."""
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        a = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        await _lease_both_ways(p, d, key, dst)
+        for t in a.tensors:
+            t.fill_(1.0)
+        seen: list[tuple[float, bool]] = []  # (value read, started after the move)
+        moved = False
+        stop = asyncio.Event()
+
+        async def puller() -> None:
+            while not stop.is_set():
+                after = moved
+                await d.cache_manager.pull_blocks(key, dst, [4], [4])
+                seen.append((float(dst.tensors[0][4].float().mean()), after))
+
+        task = asyncio.create_task(puller())
+        await until(lambda: len(seen) >= 5, "pulls under the lease")
+        memory = [torch.full((32, 4, 64), 2.0, dtype=torch.float16) for _ in range(4)]
+        b = await p.cache_manager.register_blocks_cache(desc(), memory, key)
+        moved = True
+        n = len(seen)
+        await until(lambda: len(seen) >= n + 10, "pulls after the move")
+        stop.set()
+        await task
+        values = [v for v, _ in seen]
+        assert set(values) <= {1.0, 2.0}
+        first_new = values.index(2.0)
+        assert all(v == 2.0 for v in values[first_new:]), values  # never the old one again
+        assert all(v == 2.0 for v, after in seen if after)
+        assert all(bool((t == 1.0).all()) for t in a.tensors)  # A untouched
+        await p.cache_manager.deallocate_blocks_cache(a)
+        await p.cache_manager.unregister_cache(b.cache_id)
