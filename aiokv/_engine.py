@@ -309,6 +309,24 @@ class Engine:
         )
         return calls[0].result()
 
+    async def finish(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run ``fn(*args, **kwargs)`` on the engine to its end, from any async backend:
+        for work past a point of no return (the operation's effect is visible already,
+        e.g. a released cache whose leases must end). The caller's cancellation neither
+        stops it nor is raised before it ended; its outcome is the caller's (a result
+        returned, an error raised), the cancellation then delivered at the caller's next
+        checkpoint (:func:`redeliver`)."""
+        call: Callable[..., Awaitable[T]] = _with_kwargs(fn, kwargs) if kwargs else fn
+        if self.on_engine():
+            return await completing(call(*args))
+        calls: list[_Call[T]] = []
+
+        def start(notify: Callable[[], None]) -> None:
+            calls.append(_Call(self, call, args, notify))
+
+        await _until_notified(start, lambda: None, completed=lambda: True)
+        return calls[0].result()
+
     def call(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """Block the calling thread on ``fn(*args, **kwargs)`` run on the engine loop.
 

@@ -215,8 +215,8 @@ class CacheManager:
     async def _move_key(self, entry: Entry, key: BlocksCacheKey) -> None:
         """Bind ``key`` to ``entry`` once no peer holds a lease on the cache it names:
         that cache is lent no more, its leases are revoked (a round trip to each holder),
-        then the key moves. Failing (the engine stopped, a cancellation before the
-        revocation began), the new cache is released: nothing changed."""
+        then the key moves. The revocation is not cancellable (``Engine.finish``); the
+        engine stopped, the new cache is released: nothing changed."""
         leases = self._client.leases
         assert leases is not None
         old: Entry | None = None
@@ -401,10 +401,11 @@ class CacheManager:
 
     async def _end_leases(self, entry: Entry | None) -> None:
         """Take back the leases of ``entry``'s cache (:mod:`aiokv._remote._leases`):
-        returns once no peer uses one any more."""
+        returns once no peer uses one any more. Past the point of no return (the cache
+        was released, or its key is moving), so not cancellable (``Engine.finish``)."""
         leases = self._client.leases
         if entry is not None and leases is not None and leases.lent(entry):
-            await self._engine.run(leases.revoke, entry)
+            await self._engine.finish(leases.revoke, entry)
 
     async def deallocate_cache(self, cache: Cache) -> None:
         """Release the cache id reference; memory returns once no key references it either.
@@ -418,7 +419,8 @@ class CacheManager:
 
         If the cache is lent to peers (leases, over NIXL), it returns once each of them
         stopped using it (a round trip each; one that does not answer within the revoke
-        timeout loses its link).
+        timeout loses its link); cancelled meanwhile, it still waits for that (the
+        release happened) and returns.
         """
         entry = self._release("deallocate_blocks_cache", cache, blocks=True)
         await self._end_leases(entry)
@@ -439,7 +441,9 @@ class CacheManager:
         being served from/into it fails on the peer with ``LLM_KV_CACHE_NOT_EXIST`` (no
         further byte is read or written), a layer-wise transfer from it is cancelled.
         Then the call waits for this side's own pulls/pushes and local copies on it to
-        end (each is bounded: by ``sync_kv_timeout``, or by the copy itself).
+        end (each is bounded: by ``sync_kv_timeout``, or by the copy itself) — also when
+        cancelled meanwhile: the unregistration happened, so the call returns once it
+        holds (the cancellation comes at the caller's next checkpoint).
 
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` if ``cache_id`` names pool memory.
@@ -458,7 +462,7 @@ class CacheManager:
             if not entry.pins:
                 return
         await self._end_leases(entry)
-        await self._engine.run(self._until_unpinned, entry)
+        await self._engine.finish(self._until_unpinned, entry)
 
     async def _until_unpinned(self, entry: Entry) -> None:
         """On the engine: wait until no operation pins ``entry`` any more."""

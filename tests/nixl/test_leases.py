@@ -611,3 +611,23 @@ async def test_pulls_during_a_key_move_see_the_old_cache_then_only_the_new_one()
         assert all(bool((t == 1.0).all()) for t in a.tensors)  # A untouched
         await p.cache_manager.deallocate_blocks_cache(a)
         await p.cache_manager.unregister_cache(b.cache_id)
+
+
+@needs_nixl
+async def test_a_deallocate_cancelled_before_its_revocation_started_still_revokes() -> None:
+    """The cancellation reaches the engine before the revocation's task ran (the engine
+    is busy): the cache was released already, so its leases are still taken back and
+    the call returns; nothing stays lent."""
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        await _lease_both_ways(p, d, key, dst)
+        p._engine.loop.call_soon_threadsafe(time.sleep, 0.3)  # type: ignore[union-attr]
+        task = asyncio.create_task(p.cache_manager.deallocate_blocks_cache(src))
+        await asyncio.sleep(0.05)  # it waits for the engine, which has not started it
+        task.cancel()
+        await task  # the release happened: it returns
+        assert (lent(p), holding(d)) == (0, 0)
+        stats = p.cache_manager.statistics()
+        assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
