@@ -44,6 +44,7 @@ from aiokv._engine import Engine
 CODE = LLMStatusCode
 DESC = CacheDesc(2, [1, 4096], DataType.DT_UINT8, Placement.HOST)
 WIDE = CacheDesc(2, [10, 4096], DataType.DT_UINT8, Placement.HOST)  # a slot per pull
+CHUNKS = CacheDesc(2, [40, 1024], DataType.DT_UINT8, Placement.HOST)  # 4 blocks per pull
 SEED = 20261125
 
 
@@ -110,12 +111,12 @@ class Model:
                 self.lost.append(i)
 
 
-def _balanced(p: LLMDataDist, d: LLMDataDist, dst_bytes: int) -> None:
+def _balanced(p: LLMDataDist, d: LLMDataDist, dst_bytes: int, dsts: int = 1) -> None:
     """Once what cancelled pulls left bound is released: nothing is held on the owner,
     only the destination on the decoder, and no operation pins anything."""
     ps, ds = p.cache_manager.statistics(), d.cache_manager.statistics()
     assert (ps.caches, ps.keys, ps.pins) == (0, 0, 0), ps
-    assert (ds.caches, ds.pins) == (1, 0), ds
+    assert (ds.caches, ds.pins) == (dsts, 0), ds
     pool_p = p.cache_manager.get_pool_stats(Placement.HOST)
     pool_d = d.cache_manager.get_pool_stats(Placement.HOST)
     assert pool_p is not None and pool_p.used == 0
@@ -144,20 +145,37 @@ async def _typical(p: LLMDataDist, d: LLMDataDist, dst: Cache, batch: int) -> fl
 
 
 async def _pull_cancelled(
-    d: LLMDataDist, key: CacheKey, dst: Cache, slot: int, rng: random.Random, typical: float
+    d: LLMDataDist,
+    key: CacheKey,
+    dst: Cache,
+    slot: int,
+    rng: random.Random,
+    typical: float,
+    blocks: Cache | None = None,
 ) -> bool:
-    """Pull ``key`` into ``slot`` of ``dst``, cancelled (``Task.cancel`` or an
-    ``asyncio.timeout``) after a random number of loop turns or a random delay around a
-    pull's duration: whether the pull returned. A timeout that expired raises
-    ``TimeoutError``, also where the pull returned (at the block's next await)."""
+    """Pull ``key`` into ``slot`` of ``dst`` (or, half the time when ``blocks`` is
+    given, into blocks ``4 * slot ...`` of that blocks cache, by ``pull_blocks``),
+    cancelled (``Task.cancel`` or an ``asyncio.timeout``) after a random number of loop
+    turns or a random delay around a pull's duration: whether the pull returned. A
+    timeout that expired raises ``TimeoutError``, also where the pull returned (at the
+    block's next await)."""
     delay = rng.uniform(0, 1.5 * typical)
     turns = rng.randrange(40) if rng.random() < 0.5 else None
     pulled = False
+    chunks = [4 * slot + i for i in range(4)]
+    by_blocks = blocks is not None and rng.random() < 0.5
+
+    def op() -> Coroutine[Any, Any, None]:
+        if by_blocks:
+            assert blocks is not None
+            return d.cache_manager.pull_blocks(key, blocks, dst_blocks=chunks)
+        return d.cache_manager.pull_cache(key, dst, slot)
+
     if rng.random() < 0.5:
 
         async def pull() -> None:
             nonlocal pulled
-            await d.cache_manager.pull_cache(key, dst, slot)
+            await op()
             pulled = True
 
         task = asyncio.create_task(pull())
@@ -173,7 +191,7 @@ async def _pull_cancelled(
     timed_out = False
     try:
         async with asyncio.timeout(delay) as cm:
-            await d.cache_manager.pull_cache(key, dst, slot)
+            await op()
             pulled = True
             await asyncio.sleep(0)  # where a late cancellation must arrive
     except TimeoutError:
@@ -190,9 +208,10 @@ async def _pull_cancelled(
 def test_a_pull_by_key_cancelled_at_random_moments_keeps_or_releases_the_key(
     backend: str, loop: str, staged: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """1,000 pulls by ``CacheKey`` per case, 10 at a time, each cancelled at a random
-    moment: a pull that raised leaves the key bound, one that returned released it;
-    pools, keys and pins balance after each round. An ``asyncio.timeout`` that expired
+    """1,000 pulls by ``CacheKey`` per case (``pull_cache``, or ``pull_blocks`` of the
+    slot's chunks), 10 at a time, each cancelled at a random moment: a pull that raised
+    leaves the key bound, one that returned released it; pools, keys and pins balance
+    after each round. An ``asyncio.timeout`` that expired
     still raises ``TimeoutError``. ``staged``: the caches move through host staging as
     device memory does (the pulled bytes are copied into the cache after the owner was
     told they arrived). Run without asyncio's debug mode, which slows every step
@@ -205,6 +224,7 @@ def test_a_pull_by_key_cancelled_at_random_moments_keeps_or_releases_the_key(
     async def main() -> None:
         async with linked(backend) as (p, d):
             dst = await d.cache_manager.allocate_cache(WIDE)
+            blocks = await d.cache_manager.allocate_blocks_cache(CHUNKS)
             dst_bytes = d.cache_manager.get_pool_stats(Placement.HOST).used  # type: ignore[union-attr]
             typical = await _typical(p, d, dst, 10)
             for round_ in range(100):
@@ -213,13 +233,16 @@ def test_a_pull_by_key_cancelled_at_random_moments_keeps_or_releases_the_key(
                     src = await p.cache_manager.allocate_cache(DESC, [key])
                     await p.cache_manager.deallocate_cache(src)  # the key alone holds it now
                 outcomes = await asyncio.gather(
-                    *(_pull_cancelled(d, k, dst, j, rng, typical) for j, k in enumerate(keys))
+                    *(
+                        _pull_cancelled(d, k, dst, j, rng, typical, blocks)
+                        for j, k in enumerate(keys)
+                    )
                 )
                 await settled(p, d)
                 for key, pulled in zip(keys, outcomes, strict=True):
                     model.check(key.req_id, p, key, pulled)
                     await p.cache_manager.remove_cache_key(key)
-                _balanced(p, d, dst_bytes)
+                _balanced(p, d, dst_bytes, 2)
 
     if loop == "uvloop":
         uvloop = pytest.importorskip("uvloop")
