@@ -473,3 +473,39 @@ async def test_a_destination_that_completed_reports_success_after_cancel() -> No
         task.cancel()
         assert await task.get_results() == [CODE.LLM_SUCCESS, None]
         assert all(bool((a.tensors[t][5] == t + 1).all()) for t in (0, 1))
+
+
+# ------------------------------------------------------ switch_role cancelled midway
+
+
+def test_a_cancelled_switch_role_leaves_one_listener_the_one_it_reports() -> None:
+    """``switch_role`` to a new address opens the new listener, then closes the old one.
+    Cancelled at random moments, it is never left half done: exactly one listener is
+    open, and it is the one ``listen_address`` reports (it completes, cancelled or not:
+    a bind and a close)."""
+    rng = random.Random(SEED + 2)
+    cancelled_while_running = 0
+
+    async def main() -> None:
+        nonlocal cancelled_while_running
+        async with LLMDataDist(LLMRole.PROMPT, 1, config("tcp")) as p:
+            listeners: dict[Any, Any] = p._transport._listeners  # type: ignore[union-attr]
+            opts = {"llm.listenIpInfo": "127.0.0.1:0"}
+            took = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                await p.switch_role(LLMRole.PROMPT, opts)
+                took.append(time.perf_counter() - t0)
+            typical = statistics.median(took)
+            for _ in range(300):
+                before = p.listen_address
+                task = asyncio.create_task(p.switch_role(LLMRole.PROMPT, opts))
+                await asyncio.sleep(rng.uniform(0, 1.5 * typical))
+                cancelled_while_running += task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await asyncio.sleep(0)
+                assert set(listeners) == {p.listen_address}, (before, p.listen_address)
+
+    asyncio.run(main(), debug=False)
+    assert cancelled_while_running > 20  # the test cancelled switches under way
