@@ -206,6 +206,7 @@ class Leases:
         self._held_ids: dict[Link, dict[int, Held]] = {}
         self._asked: dict[tuple[Link, LeaseKey], float | None] = {}  # None: pending
         self._revoked_unknown: dict[Link, int] = {}  # revocations of leases not held
+        self._closing: set[Link] = set()  # links this side is unlinking: nothing lent on them
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- links ------------------------------------------------------------------------
@@ -224,6 +225,7 @@ class Leases:
             held.idle.set()
         self._held.pop(link, None)
         self._revoked_unknown.pop(link, None)
+        self._closing.discard(link)
         for k in [k for k in self._asked if k[0] is link]:
             del self._asked[k]
 
@@ -234,6 +236,7 @@ class Leases:
         over. So no one-sided transfer under a lease of the link crosses after the
         unlink, whatever the peer does with the memory once it sees the link end. Not
         cancellable; bounded by :func:`revoke_timeout` and the transfers' timeouts."""
+        self._closing.add(link)  # lent no more: it closes next
         lent = [lid for lid, x in self._lent.items() if x.link is link]
         held = list(self._held_ids.get(link, {}).values())
         for h in held:
@@ -258,6 +261,10 @@ class Leases:
             raise LLMException(
                 "leases need a one-sided link (NIXL)",
                 status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        if link in self._closing:
+            raise LLMException(
+                "the link is being unlinked", status_code=LLMStatusCode.LLM_LINK_BUSY
             )
         if sum(1 for lent in self._lent.values() if lent.link is link) >= MAX_LEASES:
             raise LLMException(
@@ -359,6 +366,7 @@ class Leases:
         asked = self._asked.get((link, key), -RETRY_S)
         if (
             link.broken
+            or link in self._closing
             or self.held(link, key) is not None
             or asked is None
             or loop.time() - asked < RETRY_S
