@@ -12,7 +12,11 @@ Callers reach it from any thread and any async backend:
   engine loop, and the caller's loop is woken once, thread-safely, when it ends.
   Cancelling the caller's await cancels the engine task and waits (shielded) until it
   has really ended: a cancelled operation is never still running once the caller sees
-  its cancellation.
+  its cancellation. If it had completed before the cancellation reached it, the caller
+  gets its result, and the cancellation at its next checkpoint (:func:`redeliver`).
+* ``await engine.finish(fn, *args)`` is ``run`` for work past a point of no return:
+  never cancelled by the caller, who waits for its end (:func:`completing` is the same
+  for a coroutine on the engine loop).
 * ``engine.call(fn, *args)`` blocks a plain thread the same way (``aiokv.sync``).
 * On the engine thread itself, ``run`` awaits ``fn(*args)`` directly.
 
@@ -36,7 +40,7 @@ import sniffio
 from ._enums import LLMStatusCode
 from ._errors import LLMException
 
-__all__ = ["Engine", "Portal", "checkpoint", "completing", "on_asyncio"]
+__all__ = ["Engine", "Portal", "checkpoint", "completing", "on_asyncio", "redeliver"]
 
 log = logging.getLogger("aiokv")
 
