@@ -208,7 +208,6 @@ class CacheManager:
             op, desc, memory, blocks, keys, blocks_key, remote_accessible
         )
         if moving:
-            assert entry is not None
             await self._move_key(entry, blocks_key)
         return cache
 
@@ -245,7 +244,7 @@ class CacheManager:
         keys: Any,
         blocks_key: Any,
         remote_accessible: Any,
-    ) -> tuple[Cache, Entry | None, bool]:
+    ) -> tuple[Cache, Entry, bool]:
         """Check, take memory and track: ``(cache, entry, whether blocks_key is still
         to be bound)``, the last when it names a cache lent to peers."""
         self._check_open(op)
@@ -306,7 +305,10 @@ class CacheManager:
         """Allocate a paged cache (``shape[0]`` blocks) from the pool of its placement.
 
         ``blocks_cache_key`` names it for peers (``pull_blocks``/``push_blocks``); a key
-        already in use moves to this cache (the later wins; a warning is logged).
+        already in use moves to this cache (the later wins; a warning is logged). If the
+        cache it named is lent to peers (leases, over NIXL), those leases are taken back
+        first (a round trip to each holder): once the call returns, every transfer by
+        the key reaches this cache, none the old one.
 
         Raises:
             TypeError / NoneArgumentError: wrong argument types.
@@ -360,7 +362,8 @@ class CacheManager:
         """Register user memory as a blocks cache (``shape[0]`` blocks), optionally keyed.
 
         Arguments as :meth:`register_cache`. Registering a ``model_id`` already in use
-        moves it here (the later wins; warned).
+        moves it here (the later wins; warned), after the leases on the cache it named
+        are taken back, as in :meth:`allocate_blocks_cache`.
 
         Raises:
             TypeError / NoneArgumentError: wrong argument types.
