@@ -429,8 +429,12 @@ class Leases:
             await held.idle.wait()
 
     async def aclose(self) -> None:
-        """Stop asking (pending requests are cancelled and awaited)."""
+        """``finalize``: stop asking (pending requests are cancelled and awaited), then
+        end the leases of every link still up (:meth:`end_link`) before the links close
+        and the memory goes: a one-sided write may reach memory NIXL no longer knows."""
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        links = {lent.link for lent in self._lent.values()} | set(self._held_ids)
+        await asyncio.gather(*(self.end_link(link) for link in links if not link.broken))

@@ -631,3 +631,23 @@ async def test_a_deallocate_cancelled_before_its_revocation_started_still_revoke
         assert (lent(p), holding(d)) == (0, 0)
         stats = p.cache_manager.statistics()
         assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
+
+
+@needs_nixl
+async def test_finalize_ends_the_leases_before_the_memory_goes() -> None:
+    """A granter that finalizes takes its leases back first (its links still up), so no
+    holder writes into its memory once it is gone, however slow the holder is to see
+    the link end."""
+    async with LLMDataDist(LLMRole.DECODER, 2, config()) as d:
+        p = LLMDataDist(LLMRole.PROMPT, 1, config())
+        await p.init(config())
+        assert p.listen_address is not None
+        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
+        key = BlocksCacheKey(1, 0)
+        await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        await _lease_both_ways(p, d, key, dst)
+        d._engine.loop.call_soon_threadsafe(time.sleep, 0.3)  # type: ignore[union-attr]
+        await p.finalize()
+        assert holding(d) == 0  # told, and answered, before the granter's memory went
