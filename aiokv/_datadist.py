@@ -360,7 +360,7 @@ class LLMDataDist:
         self._config = config
         self._scheduler = scheduler
         self._transport = transport
-        self._linker = Linker(links, transport, config)
+        self._linker = Linker(links, transport, config, leases.end_link)
         self._device = device
         self._inbox.open()
 
@@ -798,7 +798,9 @@ class LLMDataDist:
         and otherwise ignored (they are init-time options). Legacy mode
         (``enable_cache_manager=False``) adds llm_datadist's rules: the role must
         change, and ``PROMPT`` needs ``"llm.listenIpInfo"``; the role gates of
-        ``kv_cache_manager`` follow the new role.
+        ``kv_cache_manager`` follow the new role. Cancelling it does not stop it half
+        way (new listener open, old one closed, role unchanged): it completes (a bind
+        and a close) and returns; the cancellation comes at the caller's next await.
 
         Raises:
             TypeError / ValueError: bad ``role`` or options.
@@ -836,7 +838,7 @@ class LLMDataDist:
             self._manager._role = role
             self._role = role
 
-        await engine.run(switch)
+        await engine.finish(switch)  # never half done: bounded (a bind, a close)
 
     async def __aenter__(self) -> LLMDataDist:
         if self._manager is None and self._pending_config is not None:

@@ -12,7 +12,11 @@ Callers reach it from any thread and any async backend:
   engine loop, and the caller's loop is woken once, thread-safely, when it ends.
   Cancelling the caller's await cancels the engine task and waits (shielded) until it
   has really ended: a cancelled operation is never still running once the caller sees
-  its cancellation.
+  its cancellation. If it had completed before the cancellation reached it, the caller
+  gets its result, and the cancellation at its next checkpoint (:func:`redeliver`).
+* ``await engine.finish(fn, *args)`` is ``run`` for work past a point of no return:
+  never cancelled by the caller, who waits for its end (:func:`completing` is the same
+  for a coroutine on the engine loop).
 * ``engine.call(fn, *args)`` blocks a plain thread the same way (``aiokv.sync``).
 * On the engine thread itself, ``run`` awaits ``fn(*args)`` directly.
 
@@ -40,7 +44,16 @@ from ._enums import LLMStatusCode
 from ._errors import LLMException
 from ._threads import Lane
 
-__all__ = ["SYNC_GRACE_S", "SYNC_THREADS", "Engine", "Portal", "checkpoint", "on_asyncio"]
+__all__ = [
+    "SYNC_GRACE_S",
+    "SYNC_THREADS",
+    "Engine",
+    "Portal",
+    "checkpoint",
+    "completing",
+    "on_asyncio",
+    "redeliver",
+]
 
 log = logging.getLogger("aiokv")
 
@@ -78,6 +91,52 @@ async def checkpoint() -> None:
         await asyncio.sleep(0)
     else:
         await anyio.lowlevel.checkpoint()
+
+
+async def completing(aw: Awaitable[T]) -> T:
+    """Await ``aw`` (on an asyncio loop) to its end even if the caller is cancelled
+    meanwhile: for work that must not be cut short once started (what it does cannot be
+    undone, or must not be left half done).
+
+    Its outcome is the caller's: a result is returned, an error raised, also after a
+    cancellation, which is then delivered again at the caller's next checkpoint
+    (:func:`redeliver`)."""
+    fut = asyncio.ensure_future(aw)
+    caught: asyncio.CancelledError | None = None
+    while not fut.done():
+        try:
+            await asyncio.wait((fut,))  # cancelling the waiter leaves ``fut`` running
+        except asyncio.CancelledError as exc:
+            caught = exc
+    if caught is not None:
+        redeliver(caught)
+    return fut.result()
+
+
+def redeliver(cancelled: asyncio.CancelledError) -> None:
+    """The current asyncio task caught ``cancelled`` and goes on (its operation
+    completed): deliver that cancellation again at the task's next suspension, unless
+    whoever asked for it withdrew the request meanwhile (``Task.uncancel``: an
+    ``asyncio.timeout`` block that ended, a task group).
+
+    The pending cancellation count is left as it was, and the message is kept (anyio
+    tells its own cancellations by it): a scope or timeout still ends promptly, as if
+    the cancellation had arrived just after the operation. On trio, and in anyio's
+    scopes, cancellation is level-triggered and comes back by itself."""
+    task = asyncio.current_task()
+    if task is None:
+        return
+    pending = task.cancelling()
+    if not pending:
+        return  # not a cancellation of this task (a future cancelled by someone else)
+    message = cancelled.args[0] if cancelled.args else None
+
+    def again() -> None:
+        if not task.done() and task.cancelling() >= pending:
+            task.cancel(message)  # sets the flag (and cancels what the task waits on) ...
+            task.uncancel()  # ... without asking once more
+
+    asyncio.get_running_loop().call_soon(again)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -147,6 +206,11 @@ class _Call(Generic[T]):
         self.outcome = outcome
         self._fn = self._args = None  # type: ignore[assignment]  # drop references
         self._notify()
+
+    @property
+    def completed(self) -> bool:
+        """Whether the task has ended with a result (not an error, not cancelled)."""
+        return isinstance(self.outcome, tuple)
 
     def cancel(self) -> None:
         """Any thread: cancel the engine task (or keep it from starting)."""
@@ -281,13 +345,36 @@ class Engine:
         def start(notify: Callable[[], None]) -> None:
             calls.append(_Call(self, fn, args, notify))
 
-        await _until_notified(start, lambda: calls[0].cancel())
+        await _until_notified(
+            start, lambda: calls[0].cancel(), completed=lambda: calls[0].completed
+        )
+        return calls[0].result()
+
+    async def finish(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run ``fn(*args, **kwargs)`` on the engine to its end, from any async backend:
+        for work past a point of no return (the operation's effect is visible already,
+        e.g. a released cache whose leases must end). The caller's cancellation neither
+        stops it nor is raised before it ended; its outcome is the caller's (a result
+        returned, an error raised), the cancellation then delivered at the caller's next
+        checkpoint (:func:`redeliver`)."""
+        call: Callable[..., Awaitable[T]] = _with_kwargs(fn, kwargs) if kwargs else fn
+        if self.on_engine():
+            return await completing(call(*args))
+        calls: list[_Call[T]] = []
+
+        def start(notify: Callable[[], None]) -> None:
+            calls.append(_Call(self, call, args, notify))
+
+        await _until_notified(start, lambda: None, completed=lambda: True)
         return calls[0].result()
 
     def call(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """Block the calling thread on ``fn(*args, **kwargs)`` run on the engine loop.
 
-        An interrupt (``KeyboardInterrupt``) cancels the engine task and waits for it.
+        An interrupt (``KeyboardInterrupt``) cancels the engine task, waits for it and
+        is re-raised; if the operation had completed before the cancellation reached it,
+        its effects stand (as for an interrupt just after the call returned) and a note
+        on the exception says so.
 
         Raises:
             RuntimeError: called on the engine thread (it would wait for itself).
@@ -302,9 +389,11 @@ class Engine:
         call = _Call(self, _with_kwargs(fn, kwargs) if kwargs else fn, args, ended.set)
         try:
             ended.wait()
-        except BaseException:
+        except BaseException as exc:
             call.cancel()
             ended.wait()
+            if call.completed:
+                exc.add_note(f"aiokv: {_name(fn)} had completed; its effects stand")
             raise
         return call.result()
 
@@ -391,10 +480,14 @@ async def _until_notified(
     cancel: Callable[[], None],
     *,
     shield: bool = True,
+    completed: Callable[[], bool] = lambda: False,
 ) -> None:
     """Start something that calls ``notify()`` once, from any thread, when it has ended;
     wait for that without blocking the running loop (asyncio or trio). Cancelled, call
-    ``cancel()`` and (``shield``) still wait for the end, then re-raise."""
+    ``cancel()`` and (``shield``) still wait for the end; then, if it ``completed``
+    anyway (it ended before the cancellation reached it), return normally — the
+    cancellation comes again at the caller's next checkpoint (:func:`redeliver`; trio
+    and anyio scopes by themselves) — else re-raise."""
     if on_asyncio():
         loop = asyncio.get_running_loop()
         ended = False
@@ -413,13 +506,18 @@ async def _until_notified(
         start(notify)
         try:
             await waiter
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             cancel()
+            caught: asyncio.CancelledError | None = None
             while shield and not ended:  # shielded: wait for the real end, however often cancelled
                 waiter = loop.create_future()
-                with contextlib.suppress(asyncio.CancelledError):
+                try:
                     await waiter
-            raise
+                except asyncio.CancelledError as again:
+                    caught = again
+            if not (shield and completed()):
+                raise
+            redeliver(caught or exc)
         return
     event = anyio.Event()
     soon = _threadsafe_caller()
@@ -428,10 +526,17 @@ async def _until_notified(
         await event.wait()
     except anyio.get_cancelled_exc_class():
         cancel()
-        if shield:
-            with anyio.CancelScope(shield=True):
-                await event.wait()
-        raise
+        if not shield:
+            raise
+        with anyio.CancelScope(shield=True):
+            await event.wait()
+        if not completed():
+            raise
+        # trio's cancellation is level-triggered: the next checkpoint raises it again
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def _with_kwargs(

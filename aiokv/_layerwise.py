@@ -224,9 +224,11 @@ async def run_layers(
     """Walk the layers in order, overlapping each layer's sends with the next wait.
 
     ``results[j]`` gets plan j's code as soon as it is known (the first failure, or
-    ``LLM_SUCCESS`` after its last layer landed). The sends run in a task group owned
-    by this coroutine: cancelling it cancels them and waits for them to end.
+    ``LLM_SUCCESS`` as soon as its last layer landed: a destination that completed is
+    reported so even if the transfer is cancelled afterwards). The sends run in a task
+    group owned by this coroutine: cancelling it cancels them and waits for them to end.
     """
+    left = [len(p.layers) for p in plans]  # layers of each plan not landed yet
 
     async def send(j: int, layer: int) -> None:
         try:
@@ -234,6 +236,10 @@ async def run_layers(
         except Exception as exc:
             if results[j] is None:
                 results[j] = status_of(exc, log, f"layer {layer} to destination {j}")
+            return
+        left[j] -= 1
+        if not left[j] and results[j] is None:
+            results[j] = Code.LLM_SUCCESS
 
     first = min(p.layers.start for p in plans)
     last = max(p.layers.stop for p in plans)
@@ -264,7 +270,7 @@ class CacheTask:
     and ``get_results`` take an optional timeout in ms; a timeout returns
     ``LLM_TIMEOUT`` (per unfinished destination for ``get_results``) and does NOT
     cancel the transfer. ``cancel()`` cancels it; destinations not finished then
-    report ``None``.
+    report ``None`` (one whose every layer had landed reports ``LLM_SUCCESS``).
 
     Raises (at creation):
         LLMException: ``LLM_FAILED`` when the engine has stopped (``spawn`` not called).
@@ -339,7 +345,8 @@ class CacheTask:
 
     async def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
         """Per-destination codes, in ``transfer_configs`` order (``LLM_TIMEOUT`` for those
-        still running after the timeout; ``None`` for those cut short by ``cancel()``)."""
+        still running after the timeout; ``None`` for those cut short by ``cancel()``,
+        ``LLM_SUCCESS`` for those that had completed before it)."""
         finished = await self._wait(timeout_in_millis)
         if finished:
             return list(self._results)

@@ -186,7 +186,7 @@ class CacheManager:
         tensors = [pool.view(s).view(desc.torch_dtype).view(desc.shape) for s in spans]
         return tensors, [(pool, s) for s in spans]
 
-    def _add(
+    async def _add(
         self,
         op: str,
         desc: Any,
@@ -200,8 +200,53 @@ class CacheManager:
         """The one body of allocate_* and register_*: check, take memory, track.
 
         ``memory`` is None to allocate from the pool of ``desc.placement``, else the
-        user's tensors or host addresses to register.
+        user's tensors or host addresses to register. A ``blocks_key`` that names a cache
+        lent to peers (leases, over NIXL) moves only once those leases have ended: until
+        then peers still reach the old cache by it, lease or not (:meth:`_move_key`).
         """
+        cache, entry, moving = self._track(
+            op, desc, memory, blocks, keys, blocks_key, remote_accessible
+        )
+        if moving:
+            await self._move_key(entry, blocks_key)
+        return cache
+
+    async def _move_key(self, entry: Entry, key: BlocksCacheKey) -> None:
+        """Bind ``key`` to ``entry`` once no peer holds a lease on the cache it names:
+        that cache is lent no more, its leases are revoked (a round trip to each holder),
+        then the key moves. The revocation is not cancellable (``Engine.finish``); the
+        engine stopped, the new cache is released: nothing changed."""
+        leases = self._client.leases
+        assert leases is not None
+        old: Entry | None = None
+        try:
+            while True:
+                with self._registry.lock:  # lend() runs under it too
+                    old = self._registry.by_blocks_key(key)
+                    if old is None or old is entry or not leases.lent(old):
+                        self._registry.bind_blocks_key(entry, key)
+                        return
+                    old.lendable = False
+                await self._end_leases(old)
+        except BaseException:
+            with self._registry.lock:
+                if old is not None and old.blocks_key == key:
+                    old.lendable = True
+                self._registry.release_id(entry)
+            raise
+
+    def _track(
+        self,
+        op: str,
+        desc: Any,
+        memory: Any,
+        blocks: bool,
+        keys: Any,
+        blocks_key: Any,
+        remote_accessible: Any,
+    ) -> tuple[Cache, Entry, bool]:
+        """Check, take memory and track: ``(cache, entry, whether blocks_key is still
+        to be bound)``, the last when it names a cache lent to peers."""
         self._check_open(op)
         check_instance(op, "cache_desc", desc, CacheDesc)
         key_list = check_list(op, "cache_keys", keys, CacheKey)
@@ -221,14 +266,21 @@ class CacheManager:
         spans: list[tuple[MemPool, Span]] = []
         if memory is not None:
             tensors = wrap_memory(op, desc, memory, self._device)
+        leases = self._client.leases
         with self._registry.lock:  # pools are freed under it, from any thread
             if memory is None:
                 tensors, spans = self._allocate(op, desc)
             cache = Cache(desc, tensors, is_blocks_cache=blocks)
-            self._registry.add(
-                cache, spans, remote_accessible=remote, keys=key_list, blocks_key=blocks_key
+            old = None if blocks_key is None else self._registry.by_blocks_key(blocks_key)
+            moving = old is not None and leases is not None and leases.lent(old)
+            entry = self._registry.add(
+                cache,
+                spans,
+                remote_accessible=remote,
+                keys=key_list,
+                blocks_key=None if moving else blocks_key,
             )
-        return cache
+        return cache, entry, moving
 
     async def allocate_cache(
         self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()
@@ -245,7 +297,7 @@ class CacheManager:
             LLMException: ``LLM_PARAM_INVALID`` (more keys than batch slots),
                 ``LLM_FEATURE_NOT_ENABLED`` (no pool), ``LLM_OUT_OF_MEMORY``.
         """
-        return self._add("allocate_cache", cache_desc, None, blocks=False, keys=cache_keys)
+        return await self._add("allocate_cache", cache_desc, None, blocks=False, keys=cache_keys)
 
     async def allocate_blocks_cache(
         self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
@@ -253,13 +305,16 @@ class CacheManager:
         """Allocate a paged cache (``shape[0]`` blocks) from the pool of its placement.
 
         ``blocks_cache_key`` names it for peers (``pull_blocks``/``push_blocks``); a key
-        already in use moves to this cache (the later wins; a warning is logged).
+        already in use moves to this cache (the later wins; a warning is logged). If the
+        cache it named is lent to peers (leases, over NIXL), those leases are taken back
+        first (a round trip to each holder): once the call returns, every transfer by
+        the key reaches this cache, none the old one.
 
         Raises:
             TypeError / NoneArgumentError: wrong argument types.
             LLMException: ``LLM_FEATURE_NOT_ENABLED`` (no pool), ``LLM_OUT_OF_MEMORY``.
         """
-        return self._add(
+        return await self._add(
             "allocate_blocks_cache", cache_desc, None, blocks=True, blocks_key=blocks_cache_key
         )
 
@@ -287,7 +342,7 @@ class CacheManager:
             LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``, more
                 keys than batch slots).
         """
-        return self._add(
+        return await self._add(
             "register_cache",
             cache_desc,
             addrs,
@@ -307,13 +362,14 @@ class CacheManager:
         """Register user memory as a blocks cache (``shape[0]`` blocks), optionally keyed.
 
         Arguments as :meth:`register_cache`. Registering a ``model_id`` already in use
-        moves it here (the later wins; warned).
+        moves it here (the later wins; warned), after the leases on the cache it named
+        are taken back, as in :meth:`allocate_blocks_cache`.
 
         Raises:
             TypeError / NoneArgumentError: wrong argument types.
             LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``).
         """
-        return self._add(
+        return await self._add(
             "register_blocks_cache",
             cache_desc,
             addrs,
@@ -348,10 +404,11 @@ class CacheManager:
 
     async def _end_leases(self, entry: Entry | None) -> None:
         """Take back the leases of ``entry``'s cache (:mod:`aiokv._remote._leases`):
-        returns once no peer uses one any more."""
+        returns once no peer uses one any more. Past the point of no return (the cache
+        was released, or its key is moving), so not cancellable (``Engine.finish``)."""
         leases = self._client.leases
         if entry is not None and leases is not None and leases.lent(entry):
-            await self._engine.run(leases.revoke, entry)
+            await self._engine.finish(leases.revoke, entry)
 
     async def deallocate_cache(self, cache: Cache) -> None:
         """Release the cache id reference; memory returns once no key references it either.
@@ -365,7 +422,8 @@ class CacheManager:
 
         If the cache is lent to peers (leases, over NIXL), it returns once each of them
         stopped using it (a round trip each; one that does not answer within the revoke
-        timeout loses its link).
+        timeout loses its link); cancelled meanwhile, it still waits for that (the
+        release happened) and returns.
         """
         entry = self._release("deallocate_blocks_cache", cache, blocks=True)
         await self._end_leases(entry)
@@ -386,7 +444,9 @@ class CacheManager:
         being served from/into it fails on the peer with ``LLM_KV_CACHE_NOT_EXIST`` (no
         further byte is read or written), a layer-wise transfer from it is cancelled.
         Then the call waits for this side's own pulls/pushes and local copies on it to
-        end (each is bounded: by ``sync_kv_timeout``, or by the copy itself).
+        end (each is bounded: by ``sync_kv_timeout``, or by the copy itself) — also when
+        cancelled meanwhile: the unregistration happened, so the call returns once it
+        holds (the cancellation comes at the caller's next checkpoint).
 
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` if ``cache_id`` names pool memory.
@@ -405,7 +465,7 @@ class CacheManager:
             if not entry.pins:
                 return
         await self._end_leases(entry)
-        await self._engine.run(self._until_unpinned, entry)
+        await self._engine.finish(self._until_unpinned, entry)
 
     async def _until_unpinned(self, entry: Entry) -> None:
         """On the engine: wait until no operation pins ``entry`` any more."""

@@ -107,6 +107,9 @@ class Entry:
     blocks_key: BlocksCacheKey | None = None
     pins: int = 0
     leases: int = 0  # of the pins, those of leases
+    #: whether peers may be lent its memory (leases); False from the moment its
+    #: ``BlocksCacheKey`` starts moving to another cache: the key is how a lease names it
+    lendable: bool = True
     freed: bool = False
     #: how to revoke the operations that may be ended early (served grants, layer-wise
     #: tasks): token -> ``revoke(status)``, callable from any thread
@@ -165,19 +168,26 @@ class CacheRegistry:
             if not is_placeholder(key):
                 self._bind_key(key, entry, slot)
         if blocks_key is not None:
-            old = self.blocks_keys.get(blocks_key.model_id)
-            if old is not None:
-                log.warning(
-                    "%s: model_id %d was registered to cache %d; now cache %d",
-                    blocks_key,
-                    blocks_key.model_id,
-                    old,
-                    cache.cache_id,
-                )
-                self.entries[old].blocks_key = None
-            self.blocks_keys[blocks_key.model_id] = cache.cache_id
-            entry.blocks_key = blocks_key
+            self.bind_blocks_key(entry, blocks_key)
         return entry
+
+    @_locked
+    def bind_blocks_key(self, entry: Entry, key: BlocksCacheKey) -> None:
+        """Bind ``key`` to ``entry``'s cache; a cache it named before loses it (the later
+        registration wins, with a warning). Leases on that cache must have ended first
+        (``CacheManager`` sees to it): they name it by this key."""
+        old = self.blocks_keys.get(key.model_id)
+        if old is not None and old != entry.cache.cache_id:
+            log.warning(
+                "%s: model_id %d was registered to cache %d; now cache %d",
+                key,
+                key.model_id,
+                old,
+                entry.cache.cache_id,
+            )
+            self.entries[old].blocks_key = None
+        self.blocks_keys[key.model_id] = entry.cache.cache_id
+        entry.blocks_key = key
 
     def _bind_key(self, key: CacheKey, entry: Entry, slot: int) -> None:
         kid = key_id(key)

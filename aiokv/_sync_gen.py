@@ -49,7 +49,8 @@ class CacheTaskOps:
         """Blocking form of the async ``CacheTask.get_results``.
 
         Per-destination codes, in ``transfer_configs`` order (``LLM_TIMEOUT`` for those
-        still running after the timeout; ``None`` for those cut short by ``cancel()``).
+        still running after the timeout; ``None`` for those cut short by ``cancel()``,
+        ``LLM_SUCCESS`` for those that had completed before it).
         """
         return self._engine.call(self._async.get_results, timeout_in_millis)
 
@@ -86,7 +87,10 @@ class CacheManagerOps:
         Allocate a paged cache (``shape[0]`` blocks) from the pool of its placement.
 
         ``blocks_cache_key`` names it for peers (``pull_blocks``/``push_blocks``); a key
-        already in use moves to this cache (the later wins; a warning is logged).
+        already in use moves to this cache (the later wins; a warning is logged). If the
+        cache it named is lent to peers (leases, over NIXL), those leases are taken back
+        first (a round trip to each holder): once the call returns, every transfer by
+        the key reaches this cache, none the old one.
 
         Raises:
             TypeError / NoneArgumentError: wrong argument types.
@@ -137,7 +141,8 @@ class CacheManagerOps:
         Register user memory as a blocks cache (``shape[0]`` blocks), optionally keyed.
 
         Arguments as :meth:`register_cache`. Registering a ``model_id`` already in use
-        moves it here (the later wins; warned).
+        moves it here (the later wins; warned), after the leases on the cache it named
+        are taken back, as in :meth:`allocate_blocks_cache`.
 
         Raises:
             TypeError / NoneArgumentError: wrong argument types.
@@ -167,7 +172,8 @@ class CacheManagerOps:
 
         If the cache is lent to peers (leases, over NIXL), it returns once each of them
         stopped using it (a round trip each; one that does not answer within the revoke
-        timeout loses its link).
+        timeout loses its link); cancelled meanwhile, it still waits for that (the
+        release happened) and returns.
         """
         return self._engine.call(self._async.deallocate_blocks_cache, cache)
 
@@ -189,7 +195,9 @@ class CacheManagerOps:
         being served from/into it fails on the peer with ``LLM_KV_CACHE_NOT_EXIST`` (no
         further byte is read or written), a layer-wise transfer from it is cancelled.
         Then the call waits for this side's own pulls/pushes and local copies on it to
-        end (each is bounded: by ``sync_kv_timeout``, or by the copy itself).
+        end (each is bounded: by ``sync_kv_timeout``, or by the copy itself) — also when
+        cancelled meanwhile: the unregistration happened, so the call returns once it
+        holds (the cancellation comes at the caller's next checkpoint).
 
         Raises:
             LLMException: ``LLM_PARAM_INVALID`` if ``cache_id`` names pool memory.
@@ -595,7 +603,9 @@ class LLMDataDistOps:
         and otherwise ignored (they are init-time options). Legacy mode
         (``enable_cache_manager=False``) adds llm_datadist's rules: the role must
         change, and ``PROMPT`` needs ``"llm.listenIpInfo"``; the role gates of
-        ``kv_cache_manager`` follow the new role.
+        ``kv_cache_manager`` follow the new role. Cancelling it does not stop it half
+        way (new listener open, old one closed, role unchanged): it completes (a bind
+        and a close) and returns; the cancellation comes at the caller's next await.
 
         Raises:
             TypeError / ValueError: bad ``role`` or options.

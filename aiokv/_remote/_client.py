@@ -18,6 +18,7 @@ import torch
 from .._cache import Cache
 from .._config import LLMConfig
 from .._copy import MAX_STAGED_BYTES, PART_BYTES, Stager, is_staged
+from .._engine import completing, redeliver
 from .._enums import LLMStatusCode
 from .._errors import LLMException, map_errors
 from .._layout import tensor_bytes
@@ -219,22 +220,29 @@ class RemoteClient:
                 )
             return left
 
+        committed = False  # a releasing part arrived: the peer released the key
+
+        async def send(part: Part, views: list[memoryview] | DeviceRuns, left: float) -> None:
+            nonlocal committed
+            await self.transfer(
+                op, link, part.request, views, write=write, about=about, timeout=left
+            )
+            committed = committed or getattr(part.request, "release", False)
+
         async def one(part: Part) -> None:
             left = time_left()
             if direct:
                 bases = [flat[t - job.tensors.start].data_ptr() for t in part.tensors]
-                runs = DeviceRuns(str(device), part.layout.addresses(bases))
                 try:
-                    await self.transfer(
-                        op, link, part.request, runs, write=write, about=about, timeout=left
-                    )
+                    await send(part, DeviceRuns(str(device), part.layout.addresses(bases)), left)
                     return
                 except _NotDirect:  # the peer granted host memory NIXL cannot reach
                     left = time_left()
             if not staged:
-                views = part.layout.views([tensor_bytes(cache.tensors[t]) for t in part.tensors])
-                await self.transfer(
-                    op, link, part.request, views, write=write, about=about, timeout=left
+                await send(
+                    part,
+                    part.layout.views([tensor_bytes(cache.tensors[t]) for t in part.tensors]),
+                    left,
                 )
                 return
             bufs = [flat[t - job.tensors.start] for t in part.tensors]
@@ -244,12 +252,16 @@ class RemoteClient:
                 else:
                     box = await self._stager.reserve(part.nbytes, bufs[0].device, left, link.peer)
             try:
-                await self.transfer(
-                    op, link, part.request, [box.view], write=write, about=about, timeout=left
-                )
+                await send(part, [box.view], left)
                 if not write:
+                    scatter = self._stager.scatter(box, bufs, part.layout)
                     with map_errors(op):
-                        await self._stager.scatter(box, bufs, part.layout)
+                        if committed:
+                            # the peer released the key on our READ_DONE: the pull has
+                            # happened, so its bytes land whatever cancels us meanwhile
+                            await completing(scatter)
+                        else:
+                            await scatter
             finally:
                 box.release()
 
@@ -269,6 +281,10 @@ class RemoteClient:
                     group.create_task(slot(part))
         except BaseExceptionGroup as eg:
             raise _first(eg) from None
+        except asyncio.CancelledError as exc:
+            if not committed:  # (a pull in one part: the group held its releasing part)
+                raise
+            redeliver(exc)  # it has happened: done, the cancellation comes again later
         if releasing:
             await one(parts[-1])
 

@@ -55,6 +55,7 @@ import numpy.typing as npt
 
 from .._checks import duplicated
 from .._config import LLMConfig
+from .._engine import completing
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._layout import ByteLayout
@@ -205,6 +206,7 @@ class Leases:
         self._held_ids: dict[Link, dict[int, Held]] = {}
         self._asked: dict[tuple[Link, LeaseKey], float | None] = {}  # None: pending
         self._revoked_unknown: dict[Link, int] = {}  # revocations of leases not held
+        self._closing: set[Link] = set()  # links this side is unlinking: nothing lent on them
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ---- links ------------------------------------------------------------------------
@@ -223,8 +225,24 @@ class Leases:
             held.idle.set()
         self._held.pop(link, None)
         self._revoked_unknown.pop(link, None)
+        self._closing.discard(link)
         for k in [k for k in self._asked if k[0] is link]:
             del self._asked[k]
+
+    async def end_link(self, link: Link) -> None:
+        """Before this side closes ``link`` (unlink): end the leases on it while it still
+        works. Those it lent are revoked (each holder answers once its transfers on them
+        are over); those it holds are dropped once this side's transfers on them are
+        over. So no one-sided transfer under a lease of the link crosses after the
+        unlink, whatever the peer does with the memory once it sees the link end. Not
+        cancellable; bounded by :func:`revoke_timeout` and the transfers' timeouts."""
+        self._closing.add(link)  # lent no more: it closes next
+        lent = [lid for lid, x in self._lent.items() if x.link is link]
+        held = list(self._held_ids.get(link, {}).values())
+        for h in held:
+            self._drop(h)
+        busy = [h.idle.wait() for h in held if h.busy]
+        await completing(asyncio.gather(*(self._revoke_one(lid) for lid in lent), *busy))
 
     # ---- granter ----------------------------------------------------------------------
     def lend(
@@ -243,6 +261,10 @@ class Leases:
             raise LLMException(
                 "leases need a one-sided link (NIXL)",
                 status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        if link in self._closing:
+            raise LLMException(
+                "the link is being unlinked", status_code=LLMStatusCode.LLM_LINK_BUSY
             )
         if sum(1 for lent in self._lent.values() if lent.link is link) >= MAX_LEASES:
             raise LLMException(
@@ -264,10 +286,10 @@ class Leases:
                 f"cache {cache.cache_id} is not in memory the link moves by address",
                 status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
             )
-        if not entry.id_held:
+        if not entry.id_held or not entry.lendable:
+            why = "was released" if not entry.id_held else "is losing its key"
             raise LLMException(
-                f"cache {cache.cache_id} was released",
-                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"cache {cache.cache_id} {why}", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
             )
         self._registry.pin(entry, lease=True)
         lid = next(self._ids)
@@ -288,9 +310,13 @@ class Leases:
     async def revoke(self, entry: Entry) -> None:
         """End every lease of ``entry``'s cache: each holder is told and answers once
         its transfers on it are over; one that does not answer in time (or fails to)
-        loses the link. Returns when no lease of the cache is left."""
+        loses the link. Returns when no lease of the cache is left.
+
+        Not cancellable (:func:`~aiokv._engine.completing`): a revocation cut short
+        would leave a holder writing into memory its owner thinks is back; it is bounded
+        by :func:`revoke_timeout`."""
         lids = self._lent_by_cache.get(entry.cache.cache_id, set())
-        await asyncio.gather(*(self._revoke_one(lid) for lid in list(lids)))
+        await completing(asyncio.gather(*(self._revoke_one(lid) for lid in list(lids))))
 
     async def _revoke_one(self, lid: int) -> None:
         lent = self._lent.get(lid)
@@ -340,6 +366,7 @@ class Leases:
         asked = self._asked.get((link, key), -RETRY_S)
         if (
             link.broken
+            or link in self._closing
             or self.held(link, key) is not None
             or asked is None
             or loop.time() - asked < RETRY_S
@@ -402,8 +429,12 @@ class Leases:
             await held.idle.wait()
 
     async def aclose(self) -> None:
-        """Stop asking (pending requests are cancelled and awaited)."""
+        """``finalize``: stop asking (pending requests are cancelled and awaited), then
+        end the leases of every link still up (:meth:`end_link`) before the links close
+        and the memory goes: a one-sided write may reach memory NIXL no longer knows."""
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        links = {lent.link for lent in self._lent.values()} | set(self._held_ids)
+        await asyncio.gather(*(self.end_link(link) for link in links if not link.broken))

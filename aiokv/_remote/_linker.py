@@ -27,7 +27,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from .._config import LLMConfig
@@ -69,12 +69,21 @@ class Linker:
         links: the link table it files links in.
         transport: connects, and lists the connections to close.
         config: ``link_retry_count`` and ``link_total_time``.
+        before_close: awaited with each link this side is about to close (unlink), while
+            it still works: the leases on it end there (:meth:`Leases.end_link`).
     """
 
-    def __init__(self, links: LinkTable, transport: Transport, config: LLMConfig) -> None:
+    def __init__(
+        self,
+        links: LinkTable,
+        transport: Transport,
+        config: LLMConfig,
+        before_close: Callable[[Link], Awaitable[None]] | None = None,
+    ) -> None:
         self._links = links
         self._transport = transport
         self._config = config
+        self._before_close = before_close
         self._comms: dict[int, _Comm] = {}
         self._ids = itertools.count(1)
 
@@ -195,9 +204,10 @@ class Linker:
             links.append(filed)
         await self._close(links)
 
-    @staticmethod
-    async def _close(links: list[Link]) -> None:
+    async def _close(self, links: list[Link]) -> None:
         for link in links:
+            if self._before_close is not None and not link.broken:
+                await self._before_close(link)
             await link.aclose()
 
     @staticmethod

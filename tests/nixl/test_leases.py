@@ -467,3 +467,191 @@ async def test_a_device_cache_moves_under_a_lease_of_host_memory_in_stream_order
         await asyncio.sleep(0.2)
         assert lent(p) == 0 and holding(d) == 0  # device memory goes by request
         assert all(torch.equal(s[2], t[3]) for s, t in zip(src.tensors, dst.tensors, strict=True))
+
+
+# ----------------------------------------------------- a key that moves ends its leases
+
+
+async def _lease_both_ways(p: LLMDataDist, d: LLMDataDist, key: BlocksCacheKey, dst: Cache) -> None:
+    """The decoder pulls and pushes by ``key`` until it holds a read and a write lease."""
+    await d.cache_manager.pull_blocks(key, dst, [1], [1])
+    await d.cache_manager.push_blocks(key, dst, [2], [2])
+    await until(lambda: lent(p) == 2 and holding(d) == 2, "a read and a write lease")
+
+
+@needs_nixl
+@pytest.mark.parametrize("how", ["allocate", "register"])
+async def test_a_key_bound_to_another_cache_ends_the_leases_on_the_old_one(how: str) -> None:
+    """Prompt binds BlocksCacheKey(1, 0) to cache A; the decoder pulls and pushes by it
+    (a read and a write lease); the prompt binds the key to cache B while A stays
+    allocated. The decoder's next pull reads B and its next push lands in B: A is
+    untouched."""
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        a = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        fill(a, 1)
+        await _lease_both_ways(p, d, key, dst)
+        if how == "allocate":
+            b = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        else:
+            memory = [torch.zeros(32, 4, 64, dtype=torch.float16) for _ in range(4)]
+            b = await p.cache_manager.register_blocks_cache(desc(), memory, key)
+        # before the call returned, the old leases were taken back
+        assert (lent(p), holding(d)) == (0, 0)
+        fill(b, 2)
+        a_before = [t.clone() for t in a.tensors]
+        await d.cache_manager.pull_blocks(key, dst, [3, 4], [3, 4])
+        assert same_blocks(b, [3, 4], dst, [3, 4])
+        fill(dst, 3)
+        await d.cache_manager.push_blocks(key, dst, [5, 6], [7, 8])
+        assert same_blocks(dst, [5, 6], b, [7, 8])
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors, a_before, strict=True))
+        # and again once leases on B are held (they name B)
+        await until(lambda: lent(p) >= 1, "a lease on the new cache", seconds=15)
+        fill(b, 4)
+        await d.cache_manager.pull_blocks(key, dst, [9], [9])
+        assert same_blocks(b, [9], dst, [9])
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors, a_before, strict=True))
+        await p.cache_manager.deallocate_blocks_cache(a)
+        if how == "register":
+            await p.cache_manager.unregister_cache(b.cache_id)
+
+
+@needs_nixl
+async def test_a_cancelled_deallocate_still_takes_the_lease_back() -> None:
+    """Cancelling ``deallocate_blocks_cache`` while it waits for a holder does not cut
+    the revocation short (the memory would go back to the pool while the holder may
+    still write to it): the holder that never answers loses its link, then the call
+    returns (it completed: the cache was released)."""
+    async with LLMDataDist(LLMRole.PROMPT, 1, config(sync_kv_timeout=1000)) as p:
+        src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
+        async with get_transport("nixl")(3, _Silent()) as raw:
+            assert p.listen_address is not None
+            link = await raw.connect(*p.listen_address, timeout=5)
+            await until(lambda: link.one_sided, "the peer's NIXL metadata")
+            req = protocol.LeaseReq(
+                protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes
+            )
+            await link.read(protocol.encode(req), [memoryview(bytearray(reply_size(4)))], timeout=5)
+            assert lent(p) == 1
+            task = asyncio.create_task(p.cache_manager.deallocate_blocks_cache(src))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            await task  # completed (the revocation ran to its end): no CancelledError
+            await until(lambda: link.broken, "the holder that never answered lost its link")
+            stats = p.cache_manager.statistics()
+            assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
+
+
+@needs_nixl
+@pytest.mark.parametrize("side", ["granter", "holder"])
+async def test_unlink_ends_the_leases_on_the_link_before_it_returns(side: str) -> None:
+    """Unlinking changes what the peer may reach: the leases on the link end before the
+    call returns, on the side that unlinks, while the link still works (the granter
+    takes its leases back from the holder; the holder stops using its leases), so no
+    one-sided transfer under them crosses afterwards, whatever the other side then does
+    with that memory."""
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        await _lease_both_ways(p, d, key, dst)
+        if side == "granter":
+            assert d.listen_address is not None
+            peer = LLMClusterInfo(remote_cluster_id=2, remote_ip_info=[d.listen_address])
+            # the holder is slow to notice the link end (its loop busy for 0.3 s): only
+            # being told, before the link closes, makes it drop its leases in time
+            d._engine.loop.call_soon_threadsafe(time.sleep, 0.3)  # type: ignore[union-attr]
+            assert (await p.unlink_clusters([peer]))[0] == CODE.LLM_SUCCESS
+            assert (lent(p), holding(d)) == (0, 0)  # the holder was told, and answered
+        else:
+            assert p.listen_address is not None
+            peer = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+            assert (await d.unlink_clusters([peer]))[0] == CODE.LLM_SUCCESS
+            assert holding(d) == 0
+            await until(lambda: lent(p) == 0, "the granter sees the link end")
+        await p.cache_manager.deallocate_blocks_cache(src)
+        assert p.cache_manager.statistics().caches == 0
+
+
+@needs_nixl
+async def test_pulls_during_a_key_move_see_the_old_cache_then_only_the_new_one() -> None:
+    """A decoder pulls by key in a loop (under its lease, or by request once it is
+    taken back) while the prompt binds the key to another cache: the pulls read the old
+    cache, then the new one, never the old one again, and every pull that starts after
+    the call returned reads the new one."""
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        a = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        await _lease_both_ways(p, d, key, dst)
+        for t in a.tensors:
+            t.fill_(1.0)
+        seen: list[tuple[float, bool]] = []  # (value read, started after the move)
+        moved = False
+        stop = asyncio.Event()
+
+        async def puller() -> None:
+            while not stop.is_set():
+                after = moved
+                await d.cache_manager.pull_blocks(key, dst, [4], [4])
+                seen.append((float(dst.tensors[0][4].float().mean()), after))
+
+        task = asyncio.create_task(puller())
+        await until(lambda: len(seen) >= 5, "pulls under the lease")
+        memory = [torch.full((32, 4, 64), 2.0, dtype=torch.float16) for _ in range(4)]
+        b = await p.cache_manager.register_blocks_cache(desc(), memory, key)
+        moved = True
+        n = len(seen)
+        await until(lambda: len(seen) >= n + 10, "pulls after the move")
+        stop.set()
+        await task
+        values = [v for v, _ in seen]
+        assert set(values) <= {1.0, 2.0}
+        first_new = values.index(2.0)
+        assert all(v == 2.0 for v in values[first_new:]), values  # never the old one again
+        assert all(v == 2.0 for v, after in seen if after)
+        assert all(bool((t == 1.0).all()) for t in a.tensors)  # A untouched
+        await p.cache_manager.deallocate_blocks_cache(a)
+        await p.cache_manager.unregister_cache(b.cache_id)
+
+
+@needs_nixl
+async def test_a_deallocate_cancelled_before_its_revocation_started_still_revokes() -> None:
+    """The cancellation reaches the engine before the revocation's task ran (the engine
+    is busy): the cache was released already, so its leases are still taken back and
+    the call returns; nothing stays lent."""
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        await _lease_both_ways(p, d, key, dst)
+        p._engine.loop.call_soon_threadsafe(time.sleep, 0.3)  # type: ignore[union-attr]
+        task = asyncio.create_task(p.cache_manager.deallocate_blocks_cache(src))
+        await asyncio.sleep(0.05)  # it waits for the engine, which has not started it
+        task.cancel()
+        await task  # the release happened: it returns
+        assert (lent(p), holding(d)) == (0, 0)
+        stats = p.cache_manager.statistics()
+        assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
+
+
+@needs_nixl
+async def test_finalize_ends_the_leases_before_the_memory_goes() -> None:
+    """A granter that finalizes takes its leases back first (its links still up), so no
+    holder writes into its memory once it is gone, however slow the holder is to see
+    the link end."""
+    async with LLMDataDist(LLMRole.DECODER, 2, config()) as d:
+        p = LLMDataDist(LLMRole.PROMPT, 1, config())
+        await p.init(config())
+        assert p.listen_address is not None
+        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
+        key = BlocksCacheKey(1, 0)
+        await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        await _lease_both_ways(p, d, key, dst)
+        d._engine.loop.call_soon_threadsafe(time.sleep, 0.3)  # type: ignore[union-attr]
+        await p.finalize()
+        assert holding(d) == 0  # told, and answered, before the granter's memory went
