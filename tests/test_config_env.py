@@ -248,7 +248,13 @@ async def test_a_secret_given_in_ge_options_authenticates_links() -> None:
         await good.init({"aiokv.linkSecret": SECRET, "aiokv.deviceType": "cpu"})
         await bad.init(LLMConfig(device_type="cpu"))
         assert p.listen_address is not None
-        peer = [LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])]
+        peer = [
+            LLMClusterInfo(
+                remote_cluster_id=1,
+                remote_ip_info=[p.listen_address],
+                local_ip_info=[("127.0.0.1", 0)],
+            )
+        ]
         assert (await bad.link_clusters(peer))[1] == [LLMStatusCode.LLM_LINK_FAILED]
         assert (await good.link_clusters(peer))[1] == [LLMStatusCode.LLM_SUCCESS]
     finally:

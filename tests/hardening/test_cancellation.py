@@ -67,7 +67,9 @@ async def linked(backend: str, **kw: Any) -> AsyncIterator[tuple[LLMDataDist, LL
         LLMDataDist(LLMRole.DECODER, 2, config(backend, **kw)) as d,
     ):
         assert p.listen_address is not None
-        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        info = LLMClusterInfo(
+            remote_cluster_id=1, remote_ip_info=[p.listen_address], local_ip_info=[("127.0.0.1", 0)]
+        )
         code, _ = await d.link_clusters([info])
         assert code == CODE.LLM_SUCCESS
         yield p, d

@@ -82,7 +82,9 @@ async def linked(backend: str, **kw: Any) -> AsyncIterator[tuple[LLMDataDist, LL
         LLMDataDist(LLMRole.DECODER, 2, config(backend, **kw)) as d,
     ):
         assert p.listen_address is not None
-        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        info = LLMClusterInfo(
+            remote_cluster_id=1, remote_ip_info=[p.listen_address], local_ip_info=[("127.0.0.1", 0)]
+        )
         assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
         yield p, d
 
@@ -250,7 +252,11 @@ async def main():
     await d.init(cfg)
     desc = CacheDesc(2, [4, 4096], DataType.DT_UINT8)
     await p.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
-    info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+    info = LLMClusterInfo(
+        remote_cluster_id=1,
+        remote_ip_info=[p.listen_address],
+        local_ip_info=[("127.0.0.1", 0)],
+    )
     assert (await d.link_clusters([info]))[0] == LLMStatusCode.LLM_SUCCESS
     src = await d.cache_manager.allocate_blocks_cache(desc)
     task = d.cache_manager.transfer_cache_async(

@@ -804,7 +804,11 @@ def test_a_flood_of_handshaked_idle_links_still_lets_a_peer_link() -> None:
                         if failed == 3:
                             break
                 async with LLMDataDist(LLMRole.DECODER, 22, cfg) as d:
-                    info = LLMClusterInfo(remote_cluster_id=11, remote_ip_info=[(HOST, port)])
+                    info = LLMClusterInfo(
+                        remote_cluster_id=11,
+                        remote_ip_info=[(HOST, port)],
+                        local_ip_info=[("127.0.0.1", 0)],
+                    )
                     t0 = time.monotonic()
                     assert await d.link_clusters([info], timeout=5000) == (
                         Code.LLM_SUCCESS,

@@ -559,7 +559,11 @@ async def test_unlink_ends_the_leases_on_the_link_before_it_returns(side: str) -
         await _lease_both_ways(p, d, key, dst)
         if side == "granter":
             assert d.listen_address is not None
-            peer = LLMClusterInfo(remote_cluster_id=2, remote_ip_info=[d.listen_address])
+            peer = LLMClusterInfo(
+                remote_cluster_id=2,
+                remote_ip_info=[d.listen_address],
+                local_ip_info=[("127.0.0.1", 0)],
+            )
             # the holder is slow to notice the link end (its loop busy for 0.3 s): only
             # being told, before the link closes, makes it drop its leases in time
             d._engine.loop.call_soon_threadsafe(time.sleep, 0.3)  # type: ignore[union-attr]
@@ -567,7 +571,11 @@ async def test_unlink_ends_the_leases_on_the_link_before_it_returns(side: str) -
             assert (lent(p), holding(d)) == (0, 0)  # the holder was told, and answered
         else:
             assert p.listen_address is not None
-            peer = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+            peer = LLMClusterInfo(
+                remote_cluster_id=1,
+                remote_ip_info=[p.listen_address],
+                local_ip_info=[("127.0.0.1", 0)],
+            )
             assert (await d.unlink_clusters([peer]))[0] == CODE.LLM_SUCCESS
             assert holding(d) == 0
             await until(lambda: lent(p) == 0, "the granter sees the link end")
@@ -646,7 +654,9 @@ async def test_finalize_ends_the_leases_before_the_memory_goes() -> None:
         p = LLMDataDist(LLMRole.PROMPT, 1, config())
         await p.init(config())
         assert p.listen_address is not None
-        info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+        info = LLMClusterInfo(
+            remote_cluster_id=1, remote_ip_info=[p.listen_address], local_ip_info=[("127.0.0.1", 0)]
+        )
         assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
         key = BlocksCacheKey(1, 0)
         await p.cache_manager.allocate_blocks_cache(desc(), key)

@@ -45,7 +45,11 @@ _PROGRAM = textwrap.dedent(
             for t in src.tensors:
                 t.fill_(3)
             dst = await d.cache_manager.allocate_blocks_cache(DESC)
-            info = LLMClusterInfo(remote_cluster_id=1, remote_ip_info=[p.listen_address])
+            info = LLMClusterInfo(
+                remote_cluster_id=1,
+                remote_ip_info=[p.listen_address],
+                local_ip_info=[("127.0.0.1", 0)],
+            )
             code, _ = await d.link_clusters([info], timeout=10_000)
             assert code == LLMStatusCode.LLM_SUCCESS, code
             await d.cache_manager.pull_blocks(BlocksCacheKey(1), dst, [0, 1], [2, 3])

@@ -57,7 +57,9 @@ def backend(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
     assert address is not None
-    return LLMClusterInfo(remote_cluster_id=cluster_id, remote_ip_info=[address])
+    return LLMClusterInfo(
+        remote_cluster_id=cluster_id, remote_ip_info=[address], local_ip_info=[("127.0.0.1", 0)]
+    )
 
 
 @contextlib.asynccontextmanager
