@@ -24,7 +24,15 @@ from ._models import (
     TransferWithCacheKeyConfig,
 )
 from ._pool import PoolStats
-from ._stats import CopyStats, DataDistStats, Histogram, LinkStats, OpStats, ServedStats
+from ._stats import (
+    CopyStats,
+    DataDistStats,
+    Histogram,
+    LinkStats,
+    NotificationStats,
+    OpStats,
+    ServedStats,
+)
 
 __version__ = "0.1.0"
 
@@ -59,6 +67,7 @@ __all__ = [
     "MemPoolConfig",
     "Memtype",
     "NoneArgumentError",
+    "NotificationStats",
     "OpStats",
     "Placement",
     "PoolStats",

@@ -14,7 +14,7 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -37,7 +37,17 @@ from ._manager import CacheManager, KvCacheManager
 from ._models import LLMClusterInfo
 from ._pool import MemPool, PoolStats
 from ._registry import CacheRegistry, RegistryStats
-from ._remote import Leases, Linker, LinkTable, PeerService, RemoteClient, parse_link
+from ._remote import (
+    MAX_NOTIFICATION_BYTES,
+    Inbox,
+    Leases,
+    Linker,
+    LinkTable,
+    PeerService,
+    RemoteClient,
+    parse_link,
+)
+from ._remote._protocol import NotifyReq, encode
 from ._stats import CopyStats, DataDistStats, OpCounter, PeerCounters
 from .transport import Link, LinkCallback, Transport, get_transport, load_tls
 
@@ -82,6 +92,7 @@ class LLMDataDist:
         self._copy_jobs = OpCounter()
         self._copy_inline = OpCounter()
         self._links = LinkTable(self._counters)
+        self._inbox = Inbox()  # notifications; its counters survive init cycles
         self._listen: tuple[str, int] | None = None
         self._engine: Engine | None = None
         self._closing = False  # finalize has begun: the teardown runs until the engine ends
@@ -283,7 +294,9 @@ class LLMDataDist:
         )
         transport = get_transport(config.transfer_backend)(
             self._cluster_id,
-            PeerService(self._cluster_id, registry, config, stager, self._counters, leases),
+            PeerService(
+                self._cluster_id, registry, config, stager, self._counters, leases, self._inbox
+            ),
             secret=secret,
             handshake_timeout=config.handshake_timeout / 1000,
             on_link=_each(leases.on_link, links.add),
@@ -315,6 +328,7 @@ class LLMDataDist:
         self._transport = transport
         self._linker = Linker(links, transport, config)
         self._device = device
+        self._inbox.open()
 
     @staticmethod
     async def _make_pool(
@@ -413,6 +427,7 @@ class LLMDataDist:
                     steps.push_async_callback(step.aclose)
             if self._manager is not None:
                 steps.push_async_callback(self._manager._close)
+            steps.callback(self._inbox.close)  # first: ends the waits for notifications
 
     def __del__(self) -> None:
         if getattr(self, "_engine", None) is None or self._closing:
@@ -524,6 +539,7 @@ class LLMDataDist:
             device_pool=pools[0],
             host_pool=pools[1],
             caches=caches,
+            notifications=self._inbox.statistics(),
         )
 
     def linked_clusters(self) -> list[int]:
@@ -546,6 +562,76 @@ class LLMDataDist:
             self._links.require(op, cid)
 
         await engine.run(check)
+
+    # ---- notifications -----------------------------------------------------------------
+    async def send_notification(self, cluster_id: int, payload: bytes) -> None:
+        """Send ``payload`` to the linked cluster ``cluster_id``'s application: it arrives
+        there, in the order sent, through ``notifications()`` / ``get_notifications()``.
+
+        A notification travels on the link, authenticated as the link is (``link_secret``,
+        TLS). It returns once the peer filed it (within ``sync_kv_timeout``). A link that
+        breaks while it is sent may leave it delivered although this raised.
+
+        Args:
+            cluster_id: a cluster with a live link (either direction).
+            payload: at most :data:`~aiokv._remote.MAX_NOTIFICATION_BYTES` (64 KiB).
+
+        Raises:
+            TypeError / ValueError: ``cluster_id`` not a uint64, ``payload`` not bytes.
+            LLMException: ``LLM_PARAM_INVALID`` for a payload over 64 KiB,
+                ``LLM_NOT_YET_LINK`` when not linked, ``LLM_LINK_BUSY`` when the peer's
+                queue is full (:data:`~aiokv._remote.NOTIFICATION_QUEUE` waiting: take
+                them there, then retry), ``LLM_TIMEOUT``, ``LLM_LINK_FAILED``.
+            RuntimeError: not initialized.
+        """
+        op = "send_notification"
+        engine, _ = self._linker_on(op)
+        cid = check_int(op, "cluster_id", cluster_id, 0, 2**64 - 1)
+        check_instance(op, "payload", payload, (bytes, bytearray))
+        if len(payload) > MAX_NOTIFICATION_BYTES:
+            param_invalid(op, f"payload of {len(payload)} bytes; at most {MAX_NOTIFICATION_BYTES}")
+        meta = encode(NotifyReq(bytes(payload)))
+        timeout = self.config.sync_kv_timeout / 1000
+
+        async def send() -> None:
+            link = self._links.require(op, cid)
+            with self._links.request(cid), map_errors(op):
+                await link.write(meta, [], timeout=timeout)
+            self._inbox.sent()
+
+        await engine.run(send)
+
+    async def notifications(self) -> AsyncIterator[tuple[int, bytes]]:
+        """Every notification received, as ``(cluster_id, payload)``, oldest first, as
+        it arrives: ``async for cid, payload in dd.notifications():``. Ends when the
+        instance is finalized. Several iterators share one queue (each notification
+        goes to one of them, or to ``get_notifications``).
+
+        Raises:
+            RuntimeError: not initialized.
+        """
+        engine, _ = self._linker_on("notifications")
+        while True:
+            try:
+                item = await engine.run(self._inbox.next)
+            except LLMException:
+                if self._closing or self._engine is not engine:
+                    return  # finalized while it waited
+                raise
+            if item is None:
+                return
+            yield item
+
+    def get_notifications(self) -> list[tuple[int, bytes]]:
+        """Take the notifications received so far, ``(cluster_id, payload)`` oldest
+        first; ``[]`` when none. Never blocks; callable from any thread at any time.
+
+        At most :data:`~aiokv._remote.NOTIFICATION_QUEUE` (1024) wait at once; a
+        notification beyond is refused (the sender gets ``LLM_LINK_BUSY``) and counted
+        in ``statistics().notifications.refused``. Those waiting at ``finalize`` are
+        dropped.
+        """
+        return self._inbox.drain()
 
     async def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
         """Start linking with the other parties of a communicator; its ``comm_id``.

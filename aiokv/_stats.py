@@ -32,6 +32,7 @@ __all__ = [
     "DataDistStats",
     "Histogram",
     "LinkStats",
+    "NotificationStats",
     "OpCounter",
     "OpStats",
     "PeerCounters",
@@ -317,6 +318,24 @@ class CopyStats:
 
 
 @dataclass(frozen=True, slots=True)
+class NotificationStats:
+    """Notifications of one ``LLMDataDist`` (``DataDistStats.notifications``).
+
+    Attributes:
+        sent: notifications this side sent that the peer accepted.
+        received: notifications peers sent that this side accepted.
+        refused: notifications refused because the queue was full (``LLM_LINK_BUSY``
+            on the sender).
+        queued: received and not yet taken (now).
+    """
+
+    sent: int = 0
+    received: int = 0
+    refused: int = 0
+    queued: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class DataDistStats:
     """A snapshot of one ``LLMDataDist`` (``LLMDataDist.statistics()``).
 
@@ -333,6 +352,8 @@ class DataDistStats:
         device_pool: the device pool's usage, ``None`` without one.
         host_pool: the host pool's usage, ``None`` without one.
         caches: the registry's bookkeeping, ``None`` when not initialized.
+        notifications: notifications sent, received, refused and queued:
+            :class:`NotificationStats`.
     """
 
     cluster_id: int
@@ -344,3 +365,4 @@ class DataDistStats:
     device_pool: PoolStats | None
     host_pool: PoolStats | None
     caches: RegistryStats | None
+    notifications: NotificationStats = NotificationStats()

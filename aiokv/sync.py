@@ -17,7 +17,7 @@ exit. An instance never finalized is finalized at interpreter exit.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -41,7 +41,15 @@ from ._models import (
 )
 from ._pool import PoolStats
 from ._registry import RegistryStats
-from ._stats import CopyStats, DataDistStats, Histogram, LinkStats, OpStats, ServedStats
+from ._stats import (
+    CopyStats,
+    DataDistStats,
+    Histogram,
+    LinkStats,
+    NotificationStats,
+    OpStats,
+    ServedStats,
+)
 
 __all__ = [
     "BlocksCacheKey",
@@ -70,6 +78,7 @@ __all__ = [
     "MemPoolConfig",
     "Memtype",
     "NoneArgumentError",
+    "NotificationStats",
     "OpStats",
     "Placement",
     "PoolStats",
@@ -284,6 +293,30 @@ class LLMDataDist:
     def check_link_status(self, remote_cluster_id: int) -> None:
         """Raise ``LLMException(LLM_NOT_YET_LINK)`` unless the cluster is linked."""
         self._engine().call(self._async.check_link_status, remote_cluster_id)
+
+    def send_notification(self, cluster_id: int, payload: bytes) -> None:
+        """Send a notification to a linked cluster (see the async ``send_notification``)."""
+        self._engine().call(self._async.send_notification, cluster_id, payload)
+
+    def get_notifications(self) -> list[tuple[int, bytes]]:
+        """Take the notifications received so far, oldest first; never blocks."""
+        return self._async.get_notifications()
+
+    def notifications(self) -> Iterator[tuple[int, bytes]]:
+        """Every notification received, ``(cluster_id, payload)``, blocking until the
+        next arrives; ends at ``finalize`` (see the async ``notifications``)."""
+        engine = self._engine()
+        inbox = self._async._inbox
+        while True:
+            try:
+                item = engine.call(inbox.next)
+            except LLMException:
+                if self._async._engine is not engine or self._async._closing:
+                    return
+                raise
+            if item is None:
+                return
+            yield item
 
     def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
         """Start a two-sided link (see the async ``link``); its ``comm_id``."""

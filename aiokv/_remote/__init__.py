@@ -7,9 +7,11 @@
 * :mod:`._client` — the local half of pulls and pushes.
 * :mod:`._service` — the serving half: answers peers against the registry.
 * :mod:`._leases` — a blocks cache's memory lent by address over one-sided links.
+* :mod:`._inbox` — notifications received from peers, bounded.
 """
 
 from ._client import RemoteClient
+from ._inbox import MAX_NOTIFICATION_BYTES, NOTIFICATION_QUEUE, Inbox
 from ._leases import Leases
 from ._linker import Linker
 from ._links import LinkTable
@@ -18,6 +20,9 @@ from ._ranktable import Party, parse_link
 from ._service import PeerService
 
 __all__ = [
+    "MAX_NOTIFICATION_BYTES",
+    "NOTIFICATION_QUEUE",
+    "Inbox",
     "Leases",
     "LinkTable",
     "Linker",

@@ -20,6 +20,8 @@ Requests:
       ``TransferConfig``).
     * :class:`LeaseReq` / :class:`RevokeReq`: lend a blocks cache's memory by address to
       a one-sided link, and end that loan (:mod:`._leases`).
+    * :class:`NotifyReq`: a notification, a small message for the application
+      (:mod:`._inbox`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 
 from .._checks import Blocks
 from .._models import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+from ._inbox import MAX_NOTIFICATION_BYTES
 
 __all__ = [
     "MAX_BLOCKS",
@@ -44,6 +47,7 @@ __all__ = [
     "KeyByReq",
     "LeaseReq",
     "Message",
+    "NotifyReq",
     "Request",
     "RevokeReq",
     "SlotReq",
@@ -175,10 +179,17 @@ class RevokeReq(msgspec.Struct, frozen=True, tag="revoke"):
     lease: U64
 
 
+class NotifyReq(msgspec.Struct, frozen=True, tag="notify"):
+    """A notification for the peer's application (a write of 0 bytes, answered once
+    the peer filed it, or refused when its queue is full)."""
+
+    payload: Annotated[bytes, msgspec.Meta(max_length=MAX_NOTIFICATION_BYTES)]
+
+
 #: A transfer's request.
 Request = BlocksReq | ChunksReq | SlotReq | AddrsReq
-#: Anything a peer may send: a transfer's request, or a lease's.
-Message = Request | LeaseReq | RevokeReq
+#: Anything a peer may send: a transfer's request, a lease's, or a notification.
+Message = Request | LeaseReq | RevokeReq | NotifyReq
 
 
 class _Envelope(msgspec.Struct, frozen=True, array_like=True):

@@ -30,6 +30,7 @@ from .._models import BlocksCacheKey, CacheKey
 from .._registry import CacheRegistry, Entry
 from .._stats import PeerCounters
 from ..transport import DeviceRuns, DirectCheck, Grant, PeerInfo
+from ._inbox import Inbox
 from ._leases import Leases
 from ._protocol import (
     MAX_BLOCKS,
@@ -41,6 +42,7 @@ from ._protocol import (
     KeyById,
     KeyByReq,
     LeaseReq,
+    NotifyReq,
     RevokeReq,
     SlotReq,
     Tensors,
@@ -99,6 +101,8 @@ class PeerService:
         counters: where each request served is counted, per peer cluster.
         leases: the leases this side lends and holds; without them, lease requests are
             refused with ``LLM_FEATURE_NOT_ENABLED``.
+        inbox: where peers' notifications are filed; without one, they are refused
+            with ``LLM_FEATURE_NOT_ENABLED``.
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class PeerService:
         stager: Stager | None = None,
         counters: PeerCounters | None = None,
         leases: Leases | None = None,
+        inbox: Inbox | None = None,
     ) -> None:
         self._cluster_id = cluster_id
         self._registry = registry
@@ -116,6 +121,7 @@ class PeerService:
         self._stager = stager
         self._counters = counters if counters is not None else PeerCounters()
         self._leases = leases
+        self._inbox = inbox
 
     # ---- RequestHandler -----------------------------------------------------------------
     async def grant_read(
@@ -159,6 +165,8 @@ class PeerService:
                 raise _invalid(f"malformed request: {exc}") from None
             if isinstance(req, LeaseReq | RevokeReq):
                 return self._lease_req(peer, req, write=write)
+            if isinstance(req, NotifyReq):
+                return self._notify(peer, req, write=write)
             if isinstance(req, AddrsReq):
                 if not write:
                     raise _invalid("address reads are not served")
@@ -220,6 +228,17 @@ class PeerService:
 
         grant = Grant(Code.LLM_SUCCESS, [memoryview(bytearray(reply))], done=done)
         return self._counted(peer, False, grant, len(reply))
+
+    def _notify(self, peer: PeerInfo, req: NotifyReq, *, write: bool) -> Grant:
+        """A notification (a write of nothing, its payload bounded by the decoder): filed
+        in the inbox, or refused with ``LLM_LINK_BUSY`` when the inbox is full."""
+        if self._inbox is None:
+            raise _Refused(Code.LLM_FEATURE_NOT_ENABLED, "no notifications here")
+        if not write:
+            raise _invalid("a notification is a write")
+        if not self._inbox.put(peer.cluster_id, req.payload):
+            raise _Refused(Code.LLM_LINK_BUSY, "the notification queue is full")
+        return Grant(Code.LLM_SUCCESS, [], done=_ignore)
 
     def _refuse(self, peer: PeerInfo, write: bool, code: LLMStatusCode, why: str) -> Grant:
         """A refusal, logged, counted and carrying its reason to the peer."""

@@ -1,0 +1,102 @@
+"""``Inbox``: the notifications one ``LLMDataDist`` received, bounded, in arrival order.
+
+A notification is a small message (at most :data:`MAX_NOTIFICATION_BYTES`) that a peer
+sends over an existing link (:class:`~._protocol.NotifyReq`, a write of 0 bytes). The
+peer service files it with :meth:`Inbox.put` on the engine thread; the application
+takes it with :meth:`Inbox.drain` (any thread, never blocks) or waits for the next one
+with :meth:`Inbox.next` (on the engine loop). At most :data:`NOTIFICATION_QUEUE`
+notifications wait at once: one more is *refused* — the sender's ``send_notification``
+fails with ``LLM_LINK_BUSY`` and nothing is dropped silently — and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from typing import Final
+
+from .._stats import NotificationStats
+
+__all__ = ["MAX_NOTIFICATION_BYTES", "NOTIFICATION_QUEUE", "Inbox"]
+
+#: Most bytes of one notification's payload.
+MAX_NOTIFICATION_BYTES: Final = 64 << 10
+#: Most notifications received and not yet taken, per ``LLMDataDist`` (so at most
+#: 64 MiB of payload waits).
+NOTIFICATION_QUEUE: Final = 1024
+
+
+class Inbox:
+    """Received notifications, oldest first, at most ``capacity`` waiting.
+
+    Counters are totals over the inbox's life; :meth:`close` drops what waits (at
+    ``finalize``) and :meth:`open` takes notifications again (at ``init``).
+    """
+
+    def __init__(self, capacity: int = NOTIFICATION_QUEUE) -> None:
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[int, bytes]] = deque()
+        self._open = False
+        self._wake: asyncio.Event | None = None  # of the engine loop, made by the first next()
+        self._sent = self._received = self._refused = 0
+
+    def open(self) -> None:
+        """Take notifications from now on (waiters then run on the new engine loop)."""
+        with self._lock:
+            self._open = True
+            self._wake = None
+
+    def close(self) -> None:
+        """Drop what waits, refuse what comes, and end every :meth:`next` waiting (on the
+        engine loop, where :meth:`next` runs)."""
+        with self._lock:
+            self._open = False
+            self._queue.clear()
+        if self._wake is not None:
+            self._wake.set()
+
+    def put(self, cluster_id: int, payload: bytes) -> bool:
+        """File a notification from ``cluster_id``; False (and counted) when the queue is
+        full or the inbox is closed. On the engine loop."""
+        with self._lock:
+            if not self._open or len(self._queue) >= self._capacity:
+                self._refused += 1
+                return False
+            self._queue.append((cluster_id, payload))
+            self._received += 1
+        if self._wake is not None:
+            self._wake.set()
+        return True
+
+    def sent(self) -> None:
+        """Count one notification this side sent and the peer accepted."""
+        with self._lock:
+            self._sent += 1
+
+    def drain(self) -> list[tuple[int, bytes]]:
+        """Take every waiting notification, oldest first (``[]`` when none). Any thread."""
+        with self._lock:
+            out = list(self._queue)
+            self._queue.clear()
+        return out
+
+    async def next(self) -> tuple[int, bytes] | None:
+        """The oldest waiting notification, once there is one; None once closed. On the
+        engine loop (one event, woken by :meth:`put` and :meth:`close`)."""
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        while True:
+            with self._lock:
+                if self._queue:
+                    return self._queue.popleft()
+                if not self._open:
+                    return None
+                self._wake.clear()
+            await self._wake.wait()
+
+    def statistics(self) -> NotificationStats:
+        """A snapshot of the counters and the queue length."""
+        with self._lock:
+            return NotificationStats(self._sent, self._received, self._refused, len(self._queue))

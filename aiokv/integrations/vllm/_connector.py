@@ -1,0 +1,216 @@
+"""``AiokvConnector``: vLLM's ``KVConnectorBase_V1`` over aiokv (needs vLLM).
+
+A thin facade: it reads what it needs from vLLM's objects and forwards to
+:class:`~._scheduler.SchedulerSide` (in the scheduler process) or
+:class:`~._worker.WorkerSide` (in each worker process), which hold all the logic.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ._options import ConnectorOptions
+from ._params import Endpoint
+from ._plan import StepPlan
+from ._scheduler import SchedulerSide
+from ._worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["AiokvConnector", "AiokvHandshake", "AiokvMetadata"]
+
+log = logging.getLogger("aiokv.vllm")
+
+
+@dataclass
+class AiokvHandshake(KVConnectorHandshakeMetadata):
+    """Where one worker rank listens (worker → scheduler, at start-up)."""
+
+    host: str
+    port: int
+    cluster_id: int
+
+
+@dataclass
+class AiokvMetadata(KVConnectorMetadata):
+    """One step's plan (scheduler → workers)."""
+
+    plan: StepPlan
+
+
+class AiokvConnector(KVConnectorBase_V1):
+    """A vLLM V1 KV connector that moves KV blocks with aiokv (pull mode).
+
+    Load with ``KVTransferConfig(kv_connector="AiokvConnector",
+    kv_connector_module_path="aiokv.integrations.vllm", kv_role=...)``; options in
+    ``kv_connector_extra_config`` (:class:`~._options.ConnectorOptions`). Both sides
+    need the same tensor-parallel size and block size.
+    """
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None and transfer.engine_id is not None
+        self._options = ConnectorOptions.parse(
+            transfer.kv_connector_extra_config, kv_port=transfer.kv_port
+        )
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError(
+                "AiokvConnector supports models with one KV cache group "
+                f"(this one has {len(kv_cache_config.kv_cache_groups)})"
+            )
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("AiokvConnector does not support pipeline parallelism")
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                engine_id=transfer.engine_id,
+                block_size=vllm_config.cache_config.block_size,
+                tp_size=parallel.tensor_parallel_size,
+                lease_s=self._options.lease_timeout_s,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerSide(
+                self._options,
+                engine_id=transfer.engine_id,
+                rank=get_tensor_model_parallel_rank(),
+            )
+
+    # ---- scheduler side ---------------------------------------------------------------------
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on a worker connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().matched_tokens(
+            request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens
+        )
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        group = blocks.blocks[0] if blocks.blocks else ()
+        cached = sum(1 for b in group if b.block_hash is not None and not b.is_null)
+        new = [b.block_id for b in group if b.block_hash is None and not b.is_null]
+        self._sched().after_alloc(
+            request.request_id,
+            request.kv_transfer_params,
+            cached_blocks=cached,
+            new_blocks=new,
+            num_external_tokens=num_external_tokens,
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return AiokvMetadata(self._sched().take_plan())
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        completed = request.status in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        )
+        return self._sched().finished(
+            request.request_id,
+            request.kv_transfer_params,
+            completed=completed,
+            block_ids=list(block_ids),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        ranks: dict[int, Endpoint] = {}
+        for rank, meta in metadata.items():
+            if not isinstance(meta, AiokvHandshake):
+                raise ValueError(f"AiokvConnector: unexpected handshake metadata {meta!r}")
+            ranks[rank] = Endpoint(meta.host, meta.port, meta.cluster_id)
+        self._sched().set_ranks(ranks)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    # ---- worker side ------------------------------------------------------------------------
+    def _work(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on the scheduler connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().start(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        endpoint = self._work().endpoint
+        if endpoint is None:
+            return None
+        return AiokvHandshake(endpoint.host, endpoint.port, endpoint.cluster_id)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AiokvMetadata)
+        self._work().step(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        done = self._work().results()
+        return KVConnectorTransferResults(
+            finished_sending=done.finished_sending,
+            finished_recving=done.finished_recving,
+            failed_recving=done.failed_recving,
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = self.get_transfer_results(finished_req_ids)
+        return done.finished_sending or None, done.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

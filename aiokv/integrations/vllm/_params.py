@@ -1,0 +1,163 @@
+"""``kv_transfer_params``: what a finished prefill hands the decode side, through the
+proxy, verbatim.
+
+The prefill request carries ``{"do_remote_decode": True}``; its output carries the
+params :func:`producer_params` makes; the proxy passes those unchanged as the decode
+request's ``kv_transfer_params``, which :func:`parse_remote_prefill` checks — they come
+from a client, so they are untrusted: anything malformed becomes an error message for
+that one request, never an exception in the engine.
+
+Fields (all present in what the prefill returns):
+
+==========================  =====================================================
+``do_remote_prefill``       True: the decode side loads this prompt's KV
+``do_remote_decode``        False
+``remote_engine_id``        the prefill's vLLM engine id
+``remote_request_id``       the prefill's request id (what the done notice names)
+``remote_block_ids``        the prefill's block ids holding the prompt, in order
+``remote_num_tokens``       prompt tokens whose KV those blocks hold
+``remote_block_size``       tokens per block on the prefill side
+``remote_ranks``            per tensor-parallel rank ``[host, port, cluster_id]``
+``remote_token``            a random token the done notice must repeat
+``aiokv``                   the params' schema version (1)
+==========================  =====================================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final, TypeGuard
+
+__all__ = [
+    "MAX_PARAM_BLOCKS",
+    "PARAMS_VERSION",
+    "Endpoint",
+    "RemotePrefill",
+    "parse_remote_prefill",
+    "producer_params",
+]
+
+PARAMS_VERSION: Final = 1
+#: Most block ids params may name (a bound on what a client can make us allocate).
+MAX_PARAM_BLOCKS: Final = 1 << 20
+_MAX_TEXT: Final = 1024
+_MAX_RANKS: Final = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where one prefill worker rank listens, and its aiokv cluster id."""
+
+    host: str
+    port: int
+    cluster_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefill:
+    """Checked params of a decode request whose prompt's KV is on a prefill instance."""
+
+    engine_id: str
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    block_size: int
+    ranks: tuple[Endpoint, ...]
+    token: str
+
+
+def producer_params(
+    *,
+    engine_id: str,
+    request_id: str,
+    block_ids: list[int],
+    num_tokens: int,
+    block_size: int,
+    ranks: list[Endpoint],
+    token: str,
+) -> dict[str, Any]:
+    """The params a finished prefill returns (plain JSON values)."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_block_ids": list(block_ids),
+        "remote_num_tokens": num_tokens,
+        "remote_block_size": block_size,
+        "remote_ranks": [[r.host, r.port, r.cluster_id] for r in ranks],
+        "remote_token": token,
+        "aiokv": PARAMS_VERSION,
+    }
+
+
+def parse_remote_prefill(
+    params: dict[str, Any], *, block_size: int, tp_size: int
+) -> RemotePrefill | str:
+    """``params`` checked against this decode instance, or why they are unusable.
+
+    Args:
+        params: a request's ``kv_transfer_params`` with ``do_remote_prefill`` set.
+        block_size: this instance's tokens per block (must equal the prefill's).
+        tp_size: this instance's tensor-parallel size (must equal the prefill's).
+    """
+    if params.get("aiokv") != PARAMS_VERSION:
+        return (
+            f"not AiokvConnector params of version {PARAMS_VERSION} (aiokv={params.get('aiokv')!r})"
+        )
+    engine_id = params.get("remote_engine_id")
+    request_id = params.get("remote_request_id")
+    token = params.get("remote_token")
+    for name, text in (
+        ("remote_engine_id", engine_id),
+        ("remote_request_id", request_id),
+        ("remote_token", token),
+    ):
+        if not isinstance(text, str) or not 0 < len(text) <= _MAX_TEXT:
+            return f"{name} must be a non-empty string of at most {_MAX_TEXT} characters"
+    assert isinstance(engine_id, str) and isinstance(request_id, str) and isinstance(token, str)
+    blocks = params.get("remote_block_ids")
+    if not isinstance(blocks, list) or not 0 < len(blocks) <= MAX_PARAM_BLOCKS:
+        return f"remote_block_ids must be a list of 1 to {MAX_PARAM_BLOCKS} block ids"
+    if not all(_is_int(b) and 0 <= b < 2**63 for b in blocks):
+        return "remote_block_ids must hold block ids (ints >= 0)"
+    num_tokens = params.get("remote_num_tokens")
+    if not _is_int(num_tokens) or num_tokens <= 0:
+        return "remote_num_tokens must be an int > 0"
+    remote_block_size = params.get("remote_block_size")
+    if remote_block_size != block_size or not _is_int(remote_block_size):
+        return f"remote_block_size {remote_block_size!r} differs from this instance's {block_size}"
+    if -(-num_tokens // block_size) > len(blocks):
+        return f"{num_tokens} tokens need more than the {len(blocks)} remote_block_ids given"
+    ranks = _endpoints(params.get("remote_ranks"))
+    if isinstance(ranks, str):
+        return ranks
+    if len(ranks) != tp_size:
+        return (
+            f"the prefill has {len(ranks)} tensor-parallel ranks and this instance {tp_size}: "
+            "AiokvConnector needs the same tensor-parallel size on both sides"
+        )
+    return RemotePrefill(engine_id, request_id, tuple(blocks), num_tokens, block_size, ranks, token)
+
+
+def _endpoints(value: Any) -> tuple[Endpoint, ...] | str:
+    why = "remote_ranks must be a list of [host, port, cluster_id]"
+    if not isinstance(value, list) or not 0 < len(value) <= _MAX_RANKS:
+        return why
+    out = []
+    for entry in value:
+        if not isinstance(entry, list | tuple) or len(entry) != 3:
+            return why
+        host, port, cid = entry
+        if not isinstance(host, str) or not 0 < len(host) <= 255:
+            return why
+        if not _is_int(port) or not 0 < port <= 65535:
+            return why
+        if not _is_int(cid) or not 0 <= cid < 2**64:
+            return why
+        out.append(Endpoint(host, port, cid))
+    return tuple(out)
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)

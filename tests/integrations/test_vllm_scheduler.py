@@ -1,0 +1,247 @@
+"""The vLLM connector's scheduler side and params, with fake requests and blocks (no
+vLLM needed): token counting, block mapping, holds, releases, bad params."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from aiokv.integrations.vllm import ConnectorOptions, SchedulerSide
+from aiokv.integrations.vllm._options import derive_cluster_id
+from aiokv.integrations.vllm._params import Endpoint, parse_remote_prefill
+from aiokv.integrations.vllm._plan import Hold, Load, Release
+
+BS = 32
+RANKS = {0: Endpoint("127.0.0.1", 5000, 11), 1: Endpoint("127.0.0.1", 5001, 12)}
+
+
+def side(tp: int = 1, lease: float = 480.0) -> SchedulerSide:
+    s = SchedulerSide(engine_id="engine-p", block_size=BS, tp_size=tp, lease_s=lease)
+    s.set_ranks({r: RANKS[r] for r in range(tp)})
+    return s
+
+
+def prefill(s: SchedulerSide, blocks: list[int], tokens: int, rid: str = "p1") -> dict[str, Any]:
+    """A finished prefill request's params, as its output carries them."""
+    delay, params = s.finished(
+        rid,
+        {"do_remote_decode": True},
+        completed=True,
+        block_ids=blocks,
+        num_computed_tokens=tokens,
+    )
+    assert delay and params is not None
+    return params
+
+
+# ---- prefill side --------------------------------------------------------------------------
+def test_prefill_holds_its_blocks_and_returns_what_the_decode_needs() -> None:
+    s = side(tp=2, lease=30)
+    params = prefill(s, [7, 3, 9, 4], tokens=100)  # 100 tokens: 4 blocks of 32
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_block_ids"] == [7, 3, 9, 4]
+    assert params["remote_num_tokens"] == 100
+    assert params["remote_request_id"] == "p1"
+    assert params["remote_ranks"] == [["127.0.0.1", 5000, 11], ["127.0.0.1", 5001, 12]]
+    plan = s.take_plan()
+    assert plan.holds == (Hold("p1", params["remote_token"], 30),)
+    assert s.take_plan().holds == ()  # taken once
+
+
+def test_prefill_sends_only_the_blocks_of_computed_tokens() -> None:
+    s = side()
+    params = prefill(s, [1, 2, 3, 4, 5], tokens=64)  # a block allocated beyond the prompt
+    assert params["remote_block_ids"] == [1, 2]
+    assert prefill(s, [1, 2, 3], tokens=65, rid="p2")["remote_block_ids"] == [1, 2, 3]
+
+
+def test_aborted_or_plain_requests_free_at_once() -> None:
+    s = side()
+    assert s.finished(
+        "a", {"do_remote_decode": True}, completed=False, block_ids=[1], num_computed_tokens=10
+    ) == (False, None)
+    assert s.finished("b", None, completed=True, block_ids=[1], num_computed_tokens=10) == (
+        False,
+        None,
+    )
+    assert s.finished("c", {}, completed=True, block_ids=[1], num_computed_tokens=10) == (
+        False,
+        None,
+    )
+    assert s.finished(
+        "d", {"do_remote_decode": True}, completed=True, block_ids=[], num_computed_tokens=0
+    ) == (False, None)
+    assert s.take_plan().holds == ()
+
+
+def test_no_endpoints_known_frees_at_once() -> None:
+    s = SchedulerSide(engine_id="e", block_size=BS, tp_size=1, lease_s=1)
+    assert s.finished(
+        "a", {"do_remote_decode": True}, completed=True, block_ids=[1], num_computed_tokens=5
+    ) == (False, None)
+    with pytest.raises(ValueError, match="ranks"):
+        s.set_ranks({1: RANKS[1]})
+
+
+def test_tokens_are_random_per_request() -> None:
+    s = side()
+    assert prefill(s, [1], 5, "a")["remote_token"] != prefill(s, [1], 5, "b")["remote_token"]
+
+
+# ---- decode side ---------------------------------------------------------------------------
+def test_decode_loads_the_whole_prompt_asynchronously() -> None:
+    p, d = side(), side()
+    params = prefill(p, [7, 3, 9, 4], tokens=100)
+    assert d.matched_tokens(params, 100, 0) == (100, True)
+    assert d.matched_tokens(params, 100, 0) == (100, True)  # no side effect
+    assert d.take_plan().loads == ()
+    d.after_alloc(
+        "d1", params, cached_blocks=0, new_blocks=[20, 21, 22, 23], num_external_tokens=100
+    )
+    assert params["do_remote_prefill"] is False  # once
+    (load,) = d.take_plan().loads
+    assert load == Load(
+        "d1", (20, 21, 22, 23), (7, 3, 9, 4), "p1", params["remote_token"], (RANKS[0],)
+    )
+    d.after_alloc("d1", params, cached_blocks=0, new_blocks=[20, 21, 22, 23], num_external_tokens=0)
+    assert d.take_plan().loads == ()
+    assert d.matched_tokens(params, 100, 0) == (0, False)
+
+
+def test_decode_with_a_local_prefix_hit_loads_the_rest() -> None:
+    p, d = side(), side()
+    params = prefill(p, [7, 3, 9, 4], tokens=100)
+    assert d.matched_tokens(params, 100, 64) == (36, True)
+    d.after_alloc("d1", params, cached_blocks=2, new_blocks=[30, 31], num_external_tokens=36)
+    (load,) = d.take_plan().loads
+    assert (load.local_blocks, load.remote_blocks, load.error) == ((30, 31), (9, 4), None)
+
+
+def test_decode_prompt_longer_than_the_prefill_computes_the_rest() -> None:
+    p, d = side(), side()
+    params = prefill(p, [7, 3], tokens=40)
+    assert d.matched_tokens(params, 90, 0) == (40, True)
+    d.after_alloc("d1", params, cached_blocks=0, new_blocks=[5, 6, 8], num_external_tokens=40)
+    (load,) = d.take_plan().loads
+    assert (load.local_blocks, load.remote_blocks) == ((5, 6), (7, 3))
+
+
+def test_full_local_hit_releases_the_prefill() -> None:
+    p, d = side(), side()
+    params = prefill(p, [7, 3], tokens=64)
+    assert d.matched_tokens(params, 64, 64) == (0, False)
+    d.after_alloc("d1", params, cached_blocks=2, new_blocks=[], num_external_tokens=0)
+    plan = d.take_plan()
+    assert plan.loads == ()
+    assert plan.releases == (Release("p1", params["remote_token"], (RANKS[0],)),)
+
+
+def test_decode_aborted_before_scheduling_releases_the_prefill() -> None:
+    p, d = side(), side()
+    params = prefill(p, [7], tokens=5)
+    assert d.finished("d1", params, completed=False, block_ids=[], num_computed_tokens=0) == (
+        False,
+        None,
+    )
+    assert d.take_plan().releases == (Release("p1", params["remote_token"], (RANKS[0],)),)
+    # the decode request's own end (params now cleared) asks nothing more
+    assert d.finished("d1", params, completed=True, block_ids=[1], num_computed_tokens=5) == (
+        False,
+        None,
+    )
+    assert d.take_plan().holds == ()
+
+
+def test_too_few_allocated_blocks_is_a_failed_load() -> None:
+    p, d = side(), side()
+    params = prefill(p, [7, 3, 9], tokens=70)
+    d.after_alloc("d1", params, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=70)
+    (load,) = d.take_plan().loads
+    assert load.error is not None and "3 blocks to load" in load.error
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"aiokv": 2}, "version"),
+        ({"remote_block_ids": []}, "remote_block_ids"),
+        ({"remote_block_ids": [1, -2, 3, 4]}, "remote_block_ids"),
+        ({"remote_block_ids": [1, True, 3, 4]}, "remote_block_ids"),
+        ({"remote_block_ids": "1,2"}, "remote_block_ids"),
+        ({"remote_block_ids": [1]}, "more than the 1"),
+        ({"remote_num_tokens": 0}, "remote_num_tokens"),
+        ({"remote_num_tokens": "100"}, "remote_num_tokens"),
+        ({"remote_block_size": 16}, "remote_block_size"),
+        ({"remote_ranks": []}, "remote_ranks"),
+        ({"remote_ranks": [["h", 70000, 1]]}, "remote_ranks"),
+        ({"remote_ranks": [["h", 1, -1]]}, "remote_ranks"),
+        ({"remote_ranks": [["h", 1, 1], ["h", 2, 2]]}, "tensor-parallel"),
+        ({"remote_request_id": ""}, "remote_request_id"),
+        ({"remote_token": None}, "remote_token"),
+        ({"remote_engine_id": "x" * 5000}, "remote_engine_id"),
+    ],
+)
+def test_bad_params_fail_that_request_only(change: dict[str, Any], why: str) -> None:
+    p, d = side(), side()
+    params = {**prefill(p, [7, 3, 9, 4], tokens=100), **change}
+    reason = parse_remote_prefill(params, block_size=BS, tp_size=1)
+    assert isinstance(reason, str) and why in reason
+    # still loaded asynchronously, so that vLLM's kv_load_failure_policy applies
+    assert d.matched_tokens(copy.deepcopy(params), 100, 0) == (100, True)
+    d.after_alloc("d1", params, cached_blocks=0, new_blocks=[1, 2, 3, 4], num_external_tokens=100)
+    (load,) = d.take_plan().loads
+    assert load.request_id == "d1" and load.error is not None and why in load.error
+
+
+def test_plain_requests_are_left_alone() -> None:
+    d = side()
+    for params in (None, {}, {"do_remote_prefill": False}, {"do_remote_decode": True}):
+        assert d.matched_tokens(params, 50, 0) == (0, False)
+        d.after_alloc("x", params, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=0)
+    plan = d.take_plan()
+    assert plan.loads == plan.releases == plan.holds == ()
+
+
+# ---- options -------------------------------------------------------------------------------
+def test_options_defaults_and_overrides() -> None:
+    o = ConnectorOptions.parse({})
+    assert (o.mode, o.transfer_backend, o.host, o.port, o.lease_timeout_s) == (
+        "pull",
+        "tcp",
+        "127.0.0.1",
+        None,
+        480.0,
+    )
+    assert o.listen_port(3) == 0
+    assert ConnectorOptions.parse({}, kv_port=6000).listen_port(2) == 6002
+    assert ConnectorOptions.parse({"port": 7000}, kv_port=6000).listen_port(1) == 7001
+    assert o.worker_cluster_id("e", 0) == derive_cluster_id("e", 0) != derive_cluster_id("e", 1)
+    assert ConnectorOptions.parse({"cluster_id": 40}).worker_cluster_id("e", 2) == 42
+    assert (
+        ConnectorOptions.parse({"host": "0.0.0.0", "advertise_host": "10.0.0.2"}).public_host
+        == "10.0.0.2"
+    )
+    assert (
+        ConnectorOptions.parse({"transfer_backend": "nixl", "lease_timeout_s": 5}).lease_timeout_s
+        == 5
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({"prot": 1}, "prot"),
+        ({"port": 70000}, "port"),
+        ({"port": "80"}, "port"),
+        ({"transfer_backend": "rdma"}, "transfer_backend"),
+        ({"lease_timeout_s": 0}, "lease_timeout_s"),
+        ({"mode": "push"}, "push"),
+        ({"mode": "teleport"}, "mode"),
+        ({"host": "0.0.0.0"}, "advertise_host"),
+    ],
+)
+def test_bad_options_are_refused_by_name(extra: dict[str, Any], why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        ConnectorOptions.parse(extra)

@@ -1,0 +1,214 @@
+"""The vLLM connector's worker side over real aiokv instances (no vLLM needed): vLLM's
+KV tensors registered in place, pulls into different block ids, done notices, leases,
+and failures reported within their bound."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from aiokv import LLMException
+from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
+from aiokv.integrations.vllm._params import Endpoint
+from aiokv.integrations.vllm._plan import Hold, Load, Release, StepPlan
+from aiokv.integrations.vllm._worker import DoneNotice, TransferResults, blocks_desc
+from aiokv.transport import get_transport
+
+LAYERS, BLOCKS, SHAPE = (
+    3,
+    24,
+    (2, 32, 2 * 16),
+)  # CPU layout: [blocks, heads, block_size, 2*head_dim]
+
+
+def kv(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer.{i}": torch.randn(BLOCKS, *SHAPE, generator=g) for i in range(LAYERS)}
+
+
+Pair = tuple[WorkerSide, dict[str, torch.Tensor], WorkerSide, dict[str, torch.Tensor]]
+
+
+@pytest.fixture(params=["tcp", "nixl"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A prefill and a decode worker over ``tcp`` or ``nixl``."""
+    if request.param == "nixl":
+        try:
+            get_transport("nixl")
+        except LLMException as exc:
+            pytest.skip(f"nixl: {exc}")
+    opts = ConnectorOptions.parse(
+        {"transfer_timeout_ms": 3000, "link_timeout_ms": 2000, "transfer_backend": request.param}
+    )
+    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
+    pkv, dkv = kv(1), kv(2)
+    p.start(pkv)
+    try:
+        d.start(dkv)
+        try:
+            yield p, pkv, d, dkv
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
+def wait_for(side: WorkerSide, pred: Any, timeout: float = 20.0) -> TransferResults:
+    """Poll ``side.results()`` (as vLLM does each step) until ``pred(accumulated)``."""
+    acc = TransferResults()
+    end = time.monotonic() + timeout
+    while True:
+        got = side.results()
+        acc.finished_sending |= got.finished_sending
+        acc.finished_recving |= got.finished_recving
+        acc.failed_recving |= got.failed_recving
+        if pred(acc):
+            return acc
+        assert time.monotonic() < end, f"not within {timeout} s: {acc}"
+        time.sleep(0.01)
+
+
+def load(p: WorkerSide, rid: str, local: list[int], remote: list[int], token: str = "t") -> Load:
+    assert p.endpoint is not None
+    return Load(rid, tuple(local), tuple(remote), "p-" + rid, token, (p.endpoint,))
+
+
+def test_registers_vllm_tensors_in_place(pair: Any) -> None:
+    p, pkv, _, _ = pair
+    cache = p._cache
+    assert cache is not None
+    assert [t.data_ptr() for t in cache.tensors] == [t.data_ptr() for t in pkv.values()]
+    assert p.endpoint is not None and p.endpoint.port > 0 and p.endpoint.host == "127.0.0.1"
+
+
+def test_pull_into_other_block_ids_then_the_prefill_frees(pair: Any) -> None:
+    p, pkv, d, dkv = pair
+    remote, local = [5, 0, 17, 3], [9, 10, 2, 23]
+    untouched = {n: t.clone() for n, t in dkv.items()}
+    p.step(StepPlan(holds=(Hold("p-r1", "tok", 60.0),)))
+    d.step(StepPlan(loads=(load(p, "r1", local, remote, "tok"),)))
+    done = wait_for(d, lambda a: "r1" in a.finished_recving)
+    assert done.failed_recving == set()
+    for name in pkv:
+        assert torch.equal(dkv[name][local], pkv[name][remote])
+        rest = [b for b in range(BLOCKS) if b not in local]
+        assert torch.equal(dkv[name][rest], untouched[name][rest])  # nothing else written
+    sent = wait_for(p, lambda a: "p-r1" in a.finished_sending)
+    assert sent.finished_sending == {"p-r1"}
+    assert p.results().finished_sending == set()  # reported once
+
+
+def test_notice_before_the_hold_still_frees(pair: Any) -> None:
+    p, _, d, _ = pair
+    d.step(StepPlan(loads=(load(p, "r2", [1], [2], "early"),)))
+    wait_for(d, lambda a: "r2" in a.finished_recving)
+    deadline = time.monotonic() + 10
+    while not p._early and time.monotonic() < deadline:  # the notice arrives, nothing held yet
+        p.results()
+        time.sleep(0.01)
+    p.step(StepPlan(holds=(Hold("p-r2", "early", 60.0),)))
+    assert p.results().finished_sending == {"p-r2"}
+
+
+def test_a_notice_with_a_wrong_token_frees_nothing(pair: Any) -> None:
+    p, _, d, _ = pair
+    p.step(StepPlan(holds=(Hold("p-r3", "right", 60.0),)))
+    d.step(StepPlan(loads=(load(p, "r3", [1], [2], "wrong"),)))
+    wait_for(d, lambda a: "r3" in a.finished_recving)
+    assert d._dd is not None and p._dd is not None
+    d._portal.call(d._dd.send_notification, p.cluster_id, b"not json")  # malformed: ignored
+    time.sleep(0.3)
+    assert p.results().finished_sending == set()
+    assert "p-r3" in p._holds
+
+
+def test_lease_frees_what_no_decode_takes(pair: Any) -> None:
+    p, _, _, _ = pair
+    p.step(StepPlan(holds=(Hold("p-r4", "x", 0.2),)))
+    assert p.results().finished_sending == set()
+    done = wait_for(p, lambda a: "p-r4" in a.finished_sending, timeout=5)
+    assert done.finished_sending == {"p-r4"}
+    assert p._holds == {}
+
+
+def test_release_without_load_frees_the_prefill(pair: Any) -> None:
+    p, _, d, _ = pair
+    p.step(StepPlan(holds=(Hold("p-r5", "k", 60.0),)))
+    assert p.endpoint is not None
+    d.step(StepPlan(releases=(Release("p-r5", "k", (p.endpoint,)),)))
+    wait_for(p, lambda a: "p-r5" in a.finished_sending)
+    assert d.results().finished_recving == set()  # nothing loaded, nothing reported
+
+
+def test_wrong_block_id_fails_the_load(pair: Any) -> None:
+    p, _, d, _ = pair
+    p.step(StepPlan(holds=(Hold("p-r6", "t", 60.0),)))
+    d.step(StepPlan(loads=(load(p, "r6", [1, 2], [3, BLOCKS + 5]),)))
+    done = wait_for(d, lambda a: "r6" in a.finished_recving)
+    assert done.failed_recving == {"r6"}
+    wait_for(p, lambda a: "p-r6" in a.finished_sending)  # released all the same
+
+
+def test_params_error_fails_at_once(pair: Any) -> None:
+    _, _, d, _ = pair
+    d.step(StepPlan(loads=(Load("r7", (), (), "", "", (), error="bad params"),)))
+    done = d.results()
+    assert (done.finished_recving, done.failed_recving) == ({"r7"}, {"r7"})
+
+
+def test_dead_prefill_fails_within_the_link_bound() -> None:
+    opts = ConnectorOptions.parse({"link_timeout_ms": 1000, "transfer_timeout_ms": 1000})
+    d = WorkerSide(opts, engine_id="D", rank=0)
+    d.start(kv(3))
+    try:
+        nobody = Endpoint("127.0.0.1", 9, 1234)  # discard port: nothing listens
+        start = time.monotonic()
+        d.step(StepPlan(loads=(Load("r8", (1,), (1,), "p", "t", (nobody,)),)))
+        done = wait_for(d, lambda a: "r8" in a.finished_recving, timeout=10)
+        assert done.failed_recving == {"r8"}
+        assert time.monotonic() - start < 2 + 1  # link + transfer bound, plus slack
+    finally:
+        d.close()
+
+
+def test_step_never_blocks(pair: Any) -> None:
+    _, _, d, _ = pair
+    slow = Endpoint("10.255.255.1", 9, 99)  # unroutable: the link attempt hangs until its bound
+    start = time.monotonic()
+    d.step(StepPlan(loads=(Load("r9", (1,), (1,), "p", "t", (slow,)),)))
+    d.results()
+    assert time.monotonic() - start < 0.5
+    wait_for(d, lambda a: "r9" in a.failed_recving, timeout=10)
+
+
+def test_close_is_idempotent_and_stops_loads() -> None:
+    d = WorkerSide(ConnectorOptions.parse({}), engine_id="D", rank=0)
+    d.start(kv(4))
+    d.step(StepPlan(loads=(Load("r10", (1,), (1,), "p", "t", (Endpoint("10.255.255.1", 9, 99),)),)))
+    d.close()
+    d.close()
+    assert threading.active_count() < 50
+
+
+def test_done_notice_is_small_json() -> None:
+    import msgspec
+
+    raw = msgspec.json.encode(DoneNotice("req-1", "abc"))
+    assert raw == b'{"request":"req-1","token":"abc"}'
+
+
+def test_blocks_desc_refuses_other_layouts() -> None:
+    t = torch.zeros(4, 2, 8, 16)
+    desc = blocks_desc([t, t.clone()])
+    assert desc.num_tensors == 2 and desc.shape == (4, 2, 8, 16)
+    with pytest.raises(ValueError, match="hybrid"):
+        blocks_desc([t, torch.zeros(4, 2, 8, 8)])
+    with pytest.raises(ValueError, match="contiguous"):
+        blocks_desc([torch.zeros(2, 4, 8, 16).transpose(0, 1)])
+    with pytest.raises(ValueError, match="no KV"):
+        blocks_desc([])

@@ -1,0 +1,223 @@
+"""Notifications: small messages over an existing link, over every transport present
+(and TCP with TLS): order, bounds, not-linked, the receive queue's bound, the async
+iterator, polling, and the blocking API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import aiokv.sync as blocking
+from aiokv import LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from aiokv._bench._pki import TlsFiles, make_pki
+from aiokv._remote import MAX_NOTIFICATION_BYTES, NOTIFICATION_QUEUE
+from aiokv._remote import _protocol as protocol
+from aiokv.transport import get_transport
+
+CODE = LLMStatusCode
+_PKI: dict[Path, TlsFiles] = {}
+BACKENDS = ["local", "tcp", "tcp+tls", "nixl"]
+
+
+def config(backend: str, tmp: Path, **kw: Any) -> LLMConfig:
+    base: dict[str, Any] = {
+        "device_type": "cpu",
+        "enable_cache_manager": True,
+        "listen_ip_info": "127.0.0.1:0",
+        "transfer_backend": backend,
+        "sync_kv_timeout": 3000,
+    }
+    if backend == "nixl":
+        try:
+            get_transport("nixl")
+        except LLMException as exc:
+            pytest.skip(f"nixl: {exc}")
+    if backend == "tcp+tls":
+        pki = tmp / "pki"
+        files = make_pki(pki).leaves["a"] if not pki.exists() else _PKI[pki]
+        _PKI[pki] = files
+        base.update(transfer_backend="tcp", **files.options())
+    base.update(kw)
+    return LLMConfig(**base)
+
+
+def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
+    assert address is not None
+    return LLMClusterInfo(remote_cluster_id=cluster_id, remote_ip_info=[address])
+
+
+@contextlib.asynccontextmanager
+async def linked(
+    backend: str, tmp: Path, **kw: Any
+) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+    """A prompt (cluster 1) and a decoder (cluster 2), D linked to P."""
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config(backend, tmp, **kw)) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config(backend, tmp, **kw)) as d,
+    ):
+        code, _ = await d.link_clusters([info(1, p.listen_address)])
+        assert code == CODE.LLM_SUCCESS
+        yield p, d
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_both_ways_in_order(backend: str, tmp_path: Path) -> None:
+    async with linked(backend, tmp_path) as (p, d):
+        payloads = [b"", b"x", bytes(range(256)) * 3, b"y" * MAX_NOTIFICATION_BYTES]
+        for payload in payloads:
+            await d.send_notification(1, payload)
+        await p.send_notification(2, b"back")  # on the link D opened
+        assert p.get_notifications() == [(2, x) for x in payloads]
+        assert p.get_notifications() == []
+        assert d.get_notifications() == [(1, b"back")]
+        stats = p.statistics().notifications
+        assert (stats.sent, stats.received, stats.refused, stats.queued) == (1, 4, 0, 0)
+        assert d.statistics().notifications.sent == 4
+
+
+async def test_async_iterator_waits_and_ends_at_finalize(tmp_path: Path) -> None:
+    async with linked("tcp", tmp_path) as (p, d):
+        got: list[tuple[int, bytes]] = []
+        five = asyncio.Event()
+
+        async def take() -> None:
+            async for item in p.notifications():
+                got.append(item)
+                if len(got) == 5:
+                    five.set()
+
+        taker = asyncio.create_task(take())
+        await asyncio.sleep(0.05)  # the iterator waits on an empty queue
+        assert not got
+        for i in range(5):
+            await d.send_notification(1, b"%d" % i)
+        async with asyncio.timeout(10):
+            await five.wait()
+        assert got == [(2, b"%d" % i) for i in range(5)]
+        await p.finalize()
+        async with asyncio.timeout(10):
+            await taker  # ended, without an error
+
+
+async def test_iterator_cancelled_leaves_the_queue_intact(tmp_path: Path) -> None:
+    async with linked("local", tmp_path) as (p, d):
+        it = p.notifications()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await anext(it)
+        await it.aclose()
+        await d.send_notification(1, b"kept")
+        assert p.get_notifications() == [(2, b"kept")]
+
+
+async def test_bad_arguments_and_not_linked(tmp_path: Path) -> None:
+    async with linked("tcp", tmp_path) as (p, d):
+        with pytest.raises(LLMException) as ei:
+            await d.send_notification(1, b"z" * (MAX_NOTIFICATION_BYTES + 1))
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        with pytest.raises(LLMException) as ei:
+            await d.send_notification(77, b"nobody")
+        assert ei.value.status_code == CODE.LLM_NOT_YET_LINK
+        with pytest.raises(TypeError):
+            await d.send_notification(1, "text")  # type: ignore[arg-type]
+        with pytest.raises(ValueError):
+            await d.send_notification(-1, b"")
+        assert p.get_notifications() == []
+        assert p.statistics().notifications.received == 0
+
+
+async def test_unlinked_after_unlink(tmp_path: Path) -> None:
+    async with linked("tcp", tmp_path) as (p, d):
+        await d.unlink_clusters([info(1, p.listen_address)])
+        with pytest.raises(LLMException) as ei:
+            await d.send_notification(1, b"late")
+        assert ei.value.status_code == CODE.LLM_NOT_YET_LINK
+
+
+async def test_queue_bound_refuses_and_counts(tmp_path: Path) -> None:
+    async with linked("local", tmp_path) as (p, d):
+        for i in range(NOTIFICATION_QUEUE):
+            await d.send_notification(1, i.to_bytes(4, "little"))
+        with pytest.raises(LLMException) as ei:
+            await d.send_notification(1, b"one too many")
+        assert ei.value.status_code == CODE.LLM_LINK_BUSY
+        stats = p.statistics().notifications
+        assert (stats.received, stats.refused, stats.queued) == (NOTIFICATION_QUEUE, 1, 1024)
+        got = p.get_notifications()
+        assert [int.from_bytes(x, "little") for _, x in got] == list(range(NOTIFICATION_QUEUE))
+        await d.send_notification(1, b"room again")  # taken: room again
+        assert p.get_notifications() == [(2, b"room again")]
+
+
+async def test_remote_payload_over_the_bound_is_refused(tmp_path: Path) -> None:
+    # a peer that encodes a bigger payload itself: the decoder refuses it before filing
+    async with linked("tcp", tmp_path) as (p, d):
+        big = protocol._encoder.encode(
+            protocol._Envelope(1, protocol.NotifyReq(b"q" * (MAX_NOTIFICATION_BYTES + 1)))
+        )
+        link = d._links.require("test", 1)
+
+        async def send() -> None:
+            await link.write(big, [], timeout=3)
+
+        assert d._engine is not None
+        with pytest.raises(LLMException) as ei:
+            await d._engine.run(send)
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        assert p.get_notifications() == []
+
+
+async def test_a_read_is_not_a_notification(tmp_path: Path) -> None:
+    async with linked("tcp", tmp_path) as (p, d):
+        link = d._links.require("test", 1)
+        meta = protocol.encode(protocol.NotifyReq(b"as a read"))
+
+        async def read() -> None:
+            await link.read(meta, [], timeout=3)
+
+        assert d._engine is not None
+        with pytest.raises(LLMException) as ei:
+            await d._engine.run(read)
+        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        assert p.get_notifications() == []
+
+
+async def test_authenticated_like_the_link(tmp_path: Path) -> None:
+    async with linked("tcp", tmp_path, link_secret="s3cret") as (p, d):
+        await d.send_notification(1, b"signed")
+        assert p.get_notifications() == [(2, b"signed")]
+
+
+def test_blocking_api(tmp_path: Path) -> None:
+    cfg = config("tcp", tmp_path)
+    with (
+        blocking.LLMDataDist(LLMRole.PROMPT, 1, cfg) as p,
+        blocking.LLMDataDist(LLMRole.DECODER, 2, cfg) as d,
+    ):
+        code, _ = d.link_clusters([info(1, p.listen_address)])
+        assert code == CODE.LLM_SUCCESS
+        got: list[tuple[int, bytes]] = []
+
+        def take() -> None:
+            for item in p.notifications():
+                got.append(item)
+
+        taker = threading.Thread(target=take)
+        taker.start()
+        d.send_notification(1, b"a")
+        d.send_notification(1, b"b")
+        with pytest.raises(LLMException) as ei:
+            d.send_notification(9, b"c")
+        assert ei.value.status_code == CODE.LLM_NOT_YET_LINK
+        p.send_notification(2, b"polled")
+        assert d.get_notifications() == [(1, b"polled")]
+        p.finalize()
+        taker.join(10)
+        assert not taker.is_alive()
+        assert got == [(2, b"a"), (2, b"b")]
