@@ -27,6 +27,7 @@ CONNECTOR = ("AiokvConnector", "aiokv.integrations.vllm")
 # some many blocks long (block size 32)
 LENGTHS = [9, 31, 32, 33, 64, 95, 150, 257, 300]
 MAX_TOKENS = 12
+LEASE_S = 20.0
 FREE_TIMEOUT_S = 60.0
 # a decode whose prefill is dead: failed (or recomputed) within this bound
 DEAD_BOUND_S = 90.0
@@ -38,11 +39,14 @@ def remote(params: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def find_block_ids(params: Any, ids: list[int], path: tuple[Any, ...] = ()) -> tuple[Any, ...]:
-    """Where in ``params`` the prefill's block ids ``ids`` sit (a key path), or ()."""
-    if isinstance(params, list | tuple) and (
-        list(params) == ids or (len(params) == 1 and list(params[0]) == ids)
-    ):
-        return path
+    """Where in ``params`` the prefill's block ids sit (a key path), or ().
+
+    ``ids``: the blocks vLLM's scheduler handed the prefill's connector for the request;
+    params name them, or the first of them (those holding the prompt), in order."""
+    if isinstance(params, list | tuple) and params:
+        named = list(params[0]) if isinstance(params[0], list | tuple) else list(params)
+        if named and all(isinstance(b, int) for b in named) and named == ids[: len(named)]:
+            return path
     items = params.items() if isinstance(params, dict) else []
     for key, value in items:
         found = find_block_ids(value, ids, (*path, key))
@@ -71,7 +75,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def engines(model: str) -> Iterator[dict[str, EngineProcess]]:
     name, module = CONNECTOR
     producer = kv_config("kv_producer", name, module)
-    nixl = {"transfer_backend": "nixl"}
+    # the nixl pair also has a short lease (test_unclaimed_blocks_are_freed_by_the_lease)
+    nixl = {"transfer_backend": "nixl", "lease_timeout_s": LEASE_S}
     specs = {
         "baseline": (model, {}),
         "prefill": (model, {"kv_transfer_config": producer}),
@@ -180,6 +185,21 @@ def test_decode_pointed_at_the_wrong_blocks_gives_other_tokens(
     assert out_a.token_ids != baseline[tuple(a)]
     (out_b,) = decode(dec, [b], [first_b])
     assert out_b.token_ids == baseline[tuple(b)]
+    # A's done notice names A's request: the prefill frees A's blocks and B's
+    assert pre.start_blocks is not None
+    assert pre.wait_free(pre.start_blocks[0], FREE_TIMEOUT_S) == pre.start_blocks
+
+
+def test_unclaimed_blocks_are_freed_by_the_lease(engines: dict[str, EngineProcess]) -> None:
+    """A prefill whose decode never comes: its blocks are freed after lease_timeout_s."""
+    pre = engines["prefill_nixl"]
+    assert pre.start_blocks is not None
+    start = time.monotonic()
+    (first,) = prefill(pre, prompts([150], seed=3))
+    assert first.kv_transfer_params is not None
+    assert pre.free_blocks()[0] < pre.start_blocks[0]
+    assert pre.wait_free(pre.start_blocks[0], LEASE_S + FREE_TIMEOUT_S) == pre.start_blocks
+    assert time.monotonic() - start >= LEASE_S * 0.9
 
 
 @pytest.fixture(scope="module")
