@@ -11,6 +11,10 @@ baseline's tokens (greedy, same model), except where it is meant not to.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +22,17 @@ from typing import Any
 
 import pytest
 from tiny_model import make_tiny_llama
-from vllm_harness import BLOCK_SIZE, EngineProcess, Output, Request, kv_config, prompts, start_engines
+from vllm_harness import (
+    BLOCK_SIZE,
+    ENGINE_ARGS,
+    ENGINE_ENV,
+    EngineProcess,
+    Output,
+    Request,
+    kv_config,
+    prompts,
+    start_engines,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -90,8 +104,14 @@ def engines(model: str) -> Iterator[dict[str, EngineProcess]]:
             },
         ),
         "doomed": (model, {"kv_transfer_config": producer}),
-        "prefill_nixl": (model, {"kv_transfer_config": kv_config("kv_producer", name, module, **nixl)}),
-        "decode_nixl": (model, {"kv_transfer_config": kv_config("kv_consumer", name, module, **nixl)}),
+        "prefill_nixl": (
+            model,
+            {"kv_transfer_config": kv_config("kv_producer", name, module, **nixl)},
+        ),
+        "decode_nixl": (
+            model,
+            {"kv_transfer_config": kv_config("kv_consumer", name, module, **nixl)},
+        ),
     }
     started = start_engines(specs)
     # local requests first on each decode, 40 blocks in all, freed in reverse order: the
@@ -123,7 +143,10 @@ def prefill(engine: EngineProcess, batch: list[list[int]]) -> list[Output]:
 def decode(engine: EngineProcess, batch: list[list[int]], first: list[Output]) -> list[Output]:
     """The proxy's second half: the prefill's kv_transfer_params passed on verbatim."""
     return engine.generate(
-        [Request(p, MAX_TOKENS, remote(o.kv_transfer_params)) for p, o in zip(batch, first, strict=True)]
+        [
+            Request(p, MAX_TOKENS, remote(o.kv_transfer_params))
+            for p, o in zip(batch, first, strict=True)
+        ]
     )
 
 
@@ -244,3 +267,38 @@ def test_dead_prefill_with_recompute_gives_the_single_instance_tokens(
     assert [o.token_ids for o in out] == [baseline[tuple(p)] for p in batch]
     assert dec.start_blocks is not None
     assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
+
+
+def test_the_offline_example_gives_the_single_instance_tokens(
+    model: str, baseline: dict[tuple[int, ...], list[int]]
+) -> None:
+    """examples/vllm/offline.py: two engines in two processes, default config."""
+    example = Path(__file__).parents[2] / "examples" / "vllm" / "offline.py"
+    batch = prompts(LENGTHS)[3:7]
+    env = {**os.environ, **ENGINE_ENV}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the example runs vLLM as shipped
+    args = ["--block-size", str(BLOCK_SIZE), "--dtype", str(ENGINE_ARGS["dtype"])]
+    args += ["--kv-cache-gib", str(ENGINE_ARGS["kv_cache_memory_bytes"] / 2**30)]
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(example),
+            "--model",
+            model,
+            "--token-ids",
+            json.dumps(batch),
+            *args,
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--enforce-eager",
+            "--json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [line["token_ids"] for line in lines] == [baseline[tuple(p)] for p in batch]

@@ -12,6 +12,7 @@ waiting for its decode side's done notification), as ``vllm serve``'s busy loop 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -204,7 +205,10 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._process = ctx.Process(
-            target=_serve, args=(child, model, dict(env or {}), options), name=f"vllm-{name}", daemon=False
+            target=_serve,
+            args=(child, model, dict(env or {}), options),
+            name=f"vllm-{name}",
+            daemon=False,
         )
         self._process.start()
         child.close()
@@ -260,10 +264,8 @@ class EngineProcess:
 
     def stop(self) -> None:
         if self._process.is_alive():
-            try:
+            with contextlib.suppress(OSError, RuntimeError, TimeoutError):
                 self.call("stop", timeout=30)
-            except (OSError, RuntimeError, TimeoutError):
-                pass
             self._process.join(30)
         self.kill()
         self._conn.close()
