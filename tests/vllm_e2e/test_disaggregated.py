@@ -32,6 +32,7 @@ from vllm_harness import (
     kv_config,
     prompts,
     start_engines,
+    stop_engines,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -122,8 +123,7 @@ def engines(model: str) -> Iterator[dict[str, EngineProcess]]:
     try:
         yield started
     finally:
-        for engine in started.values():
-            engine.stop()
+        stop_engines(started.values())
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +223,24 @@ def test_unclaimed_blocks_are_freed_by_the_lease(engines: dict[str, EngineProces
     assert pre.free_blocks()[0] < pre.start_blocks[0]
     assert pre.wait_free(pre.start_blocks[0], LEASE_S + FREE_TIMEOUT_S) == pre.start_blocks
     assert time.monotonic() - start >= LEASE_S * 0.9
+
+
+def test_malformed_params_fail_that_request_and_the_engine_serves_on(
+    engines: dict[str, EngineProcess], baseline: dict[tuple[int, ...], list[int]]
+) -> None:
+    """Params from a client are untrusted: garbage fails that request, nothing else."""
+    pre, dec = engines["prefill"], engines["decode"]
+    a, b = prompts(LENGTHS)[6:8]
+    (first,) = prefill(pre, [a])
+    bad = {**remote(first.kv_transfer_params), "remote_block_ids": "not a list"}
+    out = dec.generate(
+        [Request(a, MAX_TOKENS, bad), Request(b, MAX_TOKENS, {"do_remote_prefill": True})]
+    )
+    assert [o.finish_reason for o in out] == ["error", "error"], out
+    assert [o.token_ids for o in decode(dec, [a], [first])] == [baseline[tuple(a)]]
+    assert pre.start_blocks is not None and dec.start_blocks is not None
+    assert pre.wait_free(pre.start_blocks[0], FREE_TIMEOUT_S) == pre.start_blocks
+    assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
 
 
 @pytest.fixture(scope="module")

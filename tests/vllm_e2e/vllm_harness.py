@@ -17,8 +17,8 @@ import multiprocessing as mp
 import os
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -62,8 +62,6 @@ class Output:
     finish_reason: str | None
     kv_transfer_params: dict[str, Any] | None
     seconds: float = 0.0
-    error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _free_blocks(llm: Any) -> tuple[int, int]:
@@ -213,6 +211,7 @@ class EngineProcess:
         self._process.start()
         child.close()
         self.start_blocks: tuple[int, int] | None = None
+        self._stopping = False
 
     @property
     def pid(self) -> int | None:
@@ -262,13 +261,28 @@ class EngineProcess:
             self._process.kill()
         self._process.join(30)
 
+    def request_stop(self) -> None:
+        """Ask the engine to stop, without waiting (see :meth:`stop`)."""
+        if self._process.is_alive() and not self._stopping:
+            with contextlib.suppress(OSError):
+                self._conn.send(("stop", None))
+            self._stopping = True
+
     def stop(self) -> None:
-        if self._process.is_alive():
-            with contextlib.suppress(OSError, RuntimeError, TimeoutError):
-                self.call("stop", timeout=30)
-            self._process.join(30)
+        """Stop the engine: ask, wait up to 30 s for it to exit, then kill it."""
+        self.request_stop()
+        self._process.join(30)
         self.kill()
         self._conn.close()
+
+
+def stop_engines(engines: Iterable[EngineProcess]) -> None:
+    """Stop several engines at once (they shut down in parallel)."""
+    engines = list(engines)
+    for engine in engines:
+        engine.request_stop()
+    for engine in engines:
+        engine.stop()
 
 
 def start_engines(specs: Mapping[str, tuple[str, dict[str, Any]]]) -> dict[str, EngineProcess]:
@@ -278,8 +292,7 @@ def start_engines(specs: Mapping[str, tuple[str, dict[str, Any]]]) -> dict[str, 
         for engine in engines.values():
             engine.wait_ready()
     except BaseException:
-        for engine in engines.values():
-            engine.stop()
+        stop_engines(engines.values())
         raise
     return engines
 
@@ -303,6 +316,3 @@ def kv_config(role: str, connector: str, module: str | None, **extra: Any) -> di
     if extra:
         config["kv_connector_extra_config"] = extra
     return config
-
-
-Transform = Callable[[dict[str, Any]], dict[str, Any]]
