@@ -611,16 +611,19 @@ class LLMDataDist:
             RuntimeError: not initialized.
         """
         engine, _ = self._linker_on("notifications")
+        inbox = self._inbox
         while True:
+            item = inbox.pop()  # taken here, not on the engine: a cancelled wait loses none
+            if item is not None:
+                yield item
+                continue
             try:
-                item = await engine.run(self._inbox.next)
+                if not await engine.run(inbox.wait):
+                    return  # finalized
             except LLMException:
                 if self._closing or self._engine is not engine:
                     return  # finalized while it waited
                 raise
-            if item is None:
-                return
-            yield item
 
     def get_notifications(self) -> list[tuple[int, bytes]]:
         """Take the notifications received so far, ``(cluster_id, payload)`` oldest

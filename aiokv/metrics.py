@@ -178,6 +178,19 @@ class _Families:
             self.gauge("aiokv_up", "1 while the LLMDataDist is initialized", c, s.initialized)
             self.counter("aiokv_links_up_total", "links filed", c, s.links_up)
             self.counter("aiokv_links_down_total", "filed links lost or closed", c, s.links_down)
+            notes = s.notifications
+            for state, value in (
+                ("sent", notes.sent),
+                ("received", notes.received),
+                ("refused", notes.refused),
+            ):
+                self.counter(
+                    "aiokv_notifications_total",
+                    "notifications sent, received, refused (receive queue full)",
+                    {**c, "state": state},
+                    value,
+                )
+            self.gauge("aiokv_notifications_queued", "notifications not yet taken", c, notes.queued)
             for cid, link in s.links.items():
                 p = {**c, "peer": str(cid)}
                 self.gauge("aiokv_link_up", "1 while a link to the peer is filed", p, link.linked)

@@ -308,15 +308,17 @@ class LLMDataDist:
         engine = self._engine()
         inbox = self._async._inbox
         while True:
+            item = inbox.pop()
+            if item is not None:
+                yield item
+                continue
             try:
-                item = engine.call(inbox.next)
+                if not engine.call(inbox.wait):
+                    return
             except LLMException:
                 if self._async._engine is not engine or self._async._closing:
                     return
                 raise
-            if item is None:
-                return
-            yield item
 
     def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
         """Start a two-sided link (see the async ``link``); its ``comm_id``."""

@@ -3,10 +3,11 @@
 A notification is a small message (at most :data:`MAX_NOTIFICATION_BYTES`) that a peer
 sends over an existing link (:class:`~._protocol.NotifyReq`, a write of 0 bytes). The
 peer service files it with :meth:`Inbox.put` on the engine thread; the application
-takes it with :meth:`Inbox.drain` (any thread, never blocks) or waits for the next one
-with :meth:`Inbox.next` (on the engine loop). At most :data:`NOTIFICATION_QUEUE`
-notifications wait at once: one more is *refused* — the sender's ``send_notification``
-fails with ``LLM_LINK_BUSY`` and nothing is dropped silently — and counted.
+takes it with :meth:`Inbox.drain` or :meth:`Inbox.pop` (any thread, never blocks),
+after :meth:`Inbox.wait` (on the engine loop) when it waits for one. At most
+:data:`NOTIFICATION_QUEUE` notifications wait at once: one more is *refused* — the
+sender's ``send_notification`` fails with ``LLM_LINK_BUSY``, nothing is dropped silently
+— and counted.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class Inbox:
             self._wake = None
 
     def close(self) -> None:
-        """Drop what waits, refuse what comes, and end every :meth:`next` waiting (on the
-        engine loop, where :meth:`next` runs)."""
+        """Drop what waits, refuse what comes, and end every :meth:`wait` (on the engine
+        loop, where :meth:`wait` runs)."""
         with self._lock:
             self._open = False
             self._queue.clear()
@@ -82,17 +83,23 @@ class Inbox:
             self._queue.clear()
         return out
 
-    async def next(self) -> tuple[int, bytes] | None:
-        """The oldest waiting notification, once there is one; None once closed. On the
-        engine loop (one event, woken by :meth:`put` and :meth:`close`)."""
+    def pop(self) -> tuple[int, bytes] | None:
+        """Take the oldest waiting notification; None when none waits. Any thread."""
+        with self._lock:
+            return self._queue.popleft() if self._queue else None
+
+    async def wait(self) -> bool:
+        """Until a notification waits (True) or the inbox is closed (False). On the
+        engine loop (one event, woken by :meth:`put` and :meth:`close`). Takes nothing:
+        a waiter cancelled at any point loses no notification."""
         if self._wake is None:
             self._wake = asyncio.Event()
         while True:
             with self._lock:
                 if self._queue:
-                    return self._queue.popleft()
+                    return True
                 if not self._open:
-                    return None
+                    return False
                 self._wake.clear()
             await self._wake.wait()
 

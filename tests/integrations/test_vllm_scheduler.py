@@ -12,13 +12,30 @@ from aiokv.integrations.vllm import ConnectorOptions, SchedulerSide
 from aiokv.integrations.vllm._options import derive_cluster_id
 from aiokv.integrations.vllm._params import Endpoint, parse_remote_prefill
 from aiokv.integrations.vllm._plan import Hold, Load, Release
+from aiokv.integrations.vllm._scheduler import load_deadline
 
 BS = 32
 RANKS = {0: Endpoint("127.0.0.1", 5000, 11), 1: Endpoint("127.0.0.1", 5001, 12)}
 
 
-def side(tp: int = 1, lease: float = 480.0) -> SchedulerSide:
-    s = SchedulerSide(engine_id="engine-p", block_size=BS, tp_size=tp, lease_s=lease)
+class Clock:
+    """A fake monotonic clock: tests move it, no sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def side(tp: int = 1, lease: float = 480.0, clock: Clock | None = None) -> SchedulerSide:
+    s = SchedulerSide(
+        engine_id="engine-p",
+        block_size=BS,
+        tp_size=tp,
+        lease_s=lease,
+        clock=clock or Clock(),
+    )
     s.set_ranks({r: RANKS[r] for r in range(tp)})
     return s
 
@@ -45,6 +62,7 @@ def test_prefill_holds_its_blocks_and_returns_what_the_decode_needs() -> None:
     assert params["remote_num_tokens"] == 100
     assert params["remote_request_id"] == "p1"
     assert params["remote_ranks"] == [["127.0.0.1", 5000, 11], ["127.0.0.1", 5001, 12]]
+    assert params["remote_lease_s"] == 30
     plan = s.take_plan()
     assert plan.holds == (Hold("p1", params["remote_token"], 30),)
     assert s.take_plan().holds == ()  # taken once
@@ -108,6 +126,25 @@ def test_decode_loads_the_whole_prompt_asynchronously() -> None:
     d.after_alloc("d1", params, cached_blocks=0, new_blocks=[20, 21, 22, 23], num_external_tokens=0)
     assert d.take_plan().loads == ()
     assert d.matched_tokens(params, 100, 0) == (0, False)
+
+
+def test_a_load_that_begins_after_the_prefills_lease_fails() -> None:
+    clock = Clock()
+    p, d = side(lease=100), side(clock=clock)
+    params = prefill(p, [7, 3], tokens=64)
+    assert load_deadline(100) == 89
+    d.arrived("late", params)
+    d.arrived("soon", copy.deepcopy(params))
+    clock.now += 88  # still within the deadline: loads
+    d.after_alloc(
+        "soon", copy.deepcopy(params), cached_blocks=0, new_blocks=[1, 2], num_external_tokens=64
+    )
+    clock.now += 2  # past it: the blocks may be gone, the load fails
+    d.after_alloc("late", params, cached_blocks=0, new_blocks=[3, 4], num_external_tokens=64)
+    soon, late = d.take_plan().loads
+    assert soon.error is None
+    assert late.error is not None and "lease" in late.error
+    assert d._arrivals == {}  # nothing kept
 
 
 def test_decode_with_a_local_prefix_hit_loads_the_rest() -> None:
@@ -181,6 +218,8 @@ def test_too_few_allocated_blocks_is_a_failed_load() -> None:
         ({"remote_request_id": ""}, "remote_request_id"),
         ({"remote_token": None}, "remote_token"),
         ({"remote_engine_id": "x" * 5000}, "remote_engine_id"),
+        ({"remote_lease_s": 0}, "remote_lease_s"),
+        ({"remote_lease_s": "480"}, "remote_lease_s"),
     ],
 )
 def test_bad_params_fail_that_request_only(change: dict[str, Any], why: str) -> None:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -16,7 +17,12 @@ from aiokv import LLMException
 from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
 from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._plan import Hold, Load, Release, StepPlan
-from aiokv.integrations.vllm._worker import DoneNotice, TransferResults, blocks_desc
+from aiokv.integrations.vllm._worker import (
+    DoneNotice,
+    TransferResults,
+    blocks_desc,
+    logical_blocks,
+)
 from aiokv.transport import get_transport
 
 LAYERS, BLOCKS, SHAPE = (
@@ -117,13 +123,16 @@ def test_notice_before_the_hold_still_frees(pair: Any) -> None:
 
 def test_a_notice_with_a_wrong_token_frees_nothing(pair: Any) -> None:
     p, _, d, _ = pair
-    p.step(StepPlan(holds=(Hold("p-r3", "right", 60.0),)))
+    p.step(StepPlan(holds=(Hold("p-r3", "right", 60.0), Hold("p-r3b", "b", 60.0))))
     d.step(StepPlan(loads=(load(p, "r3", [1], [2], "wrong"),)))
     wait_for(d, lambda a: "r3" in a.finished_recving)
-    assert d._dd is not None and p._dd is not None
+    assert d._dd is not None and d._portal is not None
     d._portal.call(d._dd.send_notification, p.cluster_id, b"not json")  # malformed: ignored
-    time.sleep(0.3)
-    assert p.results().finished_sending == set()
+    valid = msgspec.json.encode(DoneNotice("p-r3b", "b"))
+    d._portal.call(d._dd.send_notification, p.cluster_id, valid)
+    # notifications arrive in order: once the last one freed p-r3b, the others were seen
+    done = wait_for(p, lambda a: "p-r3b" in a.finished_sending)
+    assert done.finished_sending == {"p-r3b"}
     assert "p-r3" in p._holds
 
 
@@ -187,17 +196,20 @@ def test_step_never_blocks(pair: Any) -> None:
 
 
 def test_close_is_idempotent_and_stops_loads() -> None:
+    before = {t.ident for t in threading.enumerate()}
     d = WorkerSide(ConnectorOptions.parse({}), engine_id="D", rank=0)
     d.start(kv(4))
-    d.step(StepPlan(loads=(Load("r10", (1,), (1,), "p", "t", (Endpoint("10.255.255.1", 9, 99),)),)))
+    hung = Endpoint("10.255.255.1", 9, 99)  # unroutable: this load would wait its bound
+    d.step(StepPlan(loads=(Load("r10", (1,), (1,), "p", "t", (hung,)),)))
+    start = time.monotonic()
     d.close()
     d.close()
-    assert threading.active_count() < 50
+    assert time.monotonic() - start < 3  # the load was stopped, not waited for
+    assert {t.ident for t in threading.enumerate()} <= before  # no thread left behind
+    assert d.results().finished_recving <= {"r10"}
 
 
 def test_done_notice_is_small_json() -> None:
-    import msgspec
-
     raw = msgspec.json.encode(DoneNotice("req-1", "abc"))
     assert raw == b'{"request":"req-1","token":"abc"}'
 
@@ -212,3 +224,34 @@ def test_blocks_desc_refuses_other_layouts() -> None:
         blocks_desc([torch.zeros(2, 4, 8, 16).transpose(0, 1)])
     with pytest.raises(ValueError, match="no KV"):
         blocks_desc([])
+    assert blocks_desc([t], num_blocks=4).shape == (4, 2, 8, 16)
+    with pytest.raises(ValueError, match="blocks first"):  # e.g. [2, num_blocks, ...]
+        blocks_desc([torch.zeros(2, 4, 8, 16)], num_blocks=4)
+
+
+def test_prefill_gone_after_linking_fails_the_next_load() -> None:
+    opts = ConnectorOptions.parse({"link_timeout_ms": 1000, "transfer_timeout_ms": 1000})
+    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
+    p.start(kv(5))
+    d.start(kv(6))
+    try:
+        d.step(StepPlan(loads=(load(p, "first", [1], [1]),)))
+        assert wait_for(d, lambda a: "first" in a.finished_recving).failed_recving == set()
+        p.close()  # the prefill dies; the decode's link to it breaks
+        start = time.monotonic()
+        d.step(StepPlan(loads=(load(p, "second", [2], [2]),)))
+        done = wait_for(d, lambda a: "second" in a.finished_recving, timeout=10)
+        assert done.failed_recving == {"second"}
+        assert time.monotonic() - start < 3
+    finally:
+        d.close()
+        p.close()
+
+
+def test_kernel_blocks_smaller_than_vllm_blocks_are_grouped() -> None:
+    t = torch.arange(8 * 3 * 4, dtype=torch.float32).reshape(8, 3, 4)  # 8 kernel blocks
+    (v,) = logical_blocks([t], num_blocks=4)  # 4 vLLM blocks of 2 kernel blocks each
+    assert v.shape == (4, 2, 3, 4) and v.data_ptr() == t.data_ptr()
+    assert torch.equal(v[1], t[2:4])
+    assert logical_blocks([t], None)[0] is t
+    assert logical_blocks([t], 8)[0] is t

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,11 +20,16 @@ from aiokv._remote import _protocol as protocol
 from aiokv.transport import get_transport
 
 CODE = LLMStatusCode
-_PKI: dict[Path, TlsFiles] = {}
 BACKENDS = ["local", "tcp", "tcp+tls", "nixl"]
 
 
-def config(backend: str, tmp: Path, **kw: Any) -> LLMConfig:
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """Throwaway TLS files (made once, outside any event loop: openssl blocks)."""
+    return make_pki(tmp_path_factory.mktemp("pki")).leaves["a"]
+
+
+def config(backend: str, **kw: Any) -> LLMConfig:
     base: dict[str, Any] = {
         "device_type": "cpu",
         "enable_cache_manager": True,
@@ -38,13 +42,17 @@ def config(backend: str, tmp: Path, **kw: Any) -> LLMConfig:
             get_transport("nixl")
         except LLMException as exc:
             pytest.skip(f"nixl: {exc}")
-    if backend == "tcp+tls":
-        pki = tmp / "pki"
-        files = make_pki(pki).leaves["a"] if not pki.exists() else _PKI[pki]
-        _PKI[pki] = files
-        base.update(transfer_backend="tcp", **files.options())
     base.update(kw)
     return LLMConfig(**base)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """A transport's options: every transport present, and TCP with TLS."""
+    if request.param == "tcp+tls":
+        files: TlsFiles = request.getfixturevalue("tls")
+        return {"transfer_backend": "tcp", **files.options()}
+    return {"transfer_backend": request.param}
 
 
 def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
@@ -53,22 +61,20 @@ def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
 
 
 @contextlib.asynccontextmanager
-async def linked(
-    backend: str, tmp: Path, **kw: Any
-) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+async def linked(backend: str, **kw: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
     """A prompt (cluster 1) and a decoder (cluster 2), D linked to P."""
     async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(backend, tmp, **kw)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(backend, tmp, **kw)) as d,
+        LLMDataDist(LLMRole.PROMPT, 1, config(backend, **kw)) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config(backend, **kw)) as d,
     ):
         code, _ = await d.link_clusters([info(1, p.listen_address)])
         assert code == CODE.LLM_SUCCESS
         yield p, d
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-async def test_both_ways_in_order(backend: str, tmp_path: Path) -> None:
-    async with linked(backend, tmp_path) as (p, d):
+async def test_both_ways_in_order(backend: dict[str, Any]) -> None:
+    opts = dict(backend)
+    async with linked(opts.pop("transfer_backend"), **opts) as (p, d):
         payloads = [b"", b"x", bytes(range(256)) * 3, b"y" * MAX_NOTIFICATION_BYTES]
         for payload in payloads:
             await d.send_notification(1, payload)
@@ -81,8 +87,8 @@ async def test_both_ways_in_order(backend: str, tmp_path: Path) -> None:
         assert d.statistics().notifications.sent == 4
 
 
-async def test_async_iterator_waits_and_ends_at_finalize(tmp_path: Path) -> None:
-    async with linked("tcp", tmp_path) as (p, d):
+async def test_async_iterator_waits_and_ends_at_finalize() -> None:
+    async with linked("tcp") as (p, d):
         got: list[tuple[int, bytes]] = []
         five = asyncio.Event()
 
@@ -105,8 +111,8 @@ async def test_async_iterator_waits_and_ends_at_finalize(tmp_path: Path) -> None
             await taker  # ended, without an error
 
 
-async def test_iterator_cancelled_leaves_the_queue_intact(tmp_path: Path) -> None:
-    async with linked("local", tmp_path) as (p, d):
+async def test_iterator_cancelled_leaves_the_queue_intact() -> None:
+    async with linked("local") as (p, d):
         it = p.notifications()
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.1):
@@ -116,8 +122,8 @@ async def test_iterator_cancelled_leaves_the_queue_intact(tmp_path: Path) -> Non
         assert p.get_notifications() == [(2, b"kept")]
 
 
-async def test_bad_arguments_and_not_linked(tmp_path: Path) -> None:
-    async with linked("tcp", tmp_path) as (p, d):
+async def test_bad_arguments_and_not_linked() -> None:
+    async with linked("tcp") as (p, d):
         with pytest.raises(LLMException) as ei:
             await d.send_notification(1, b"z" * (MAX_NOTIFICATION_BYTES + 1))
         assert ei.value.status_code == CODE.LLM_PARAM_INVALID
@@ -132,16 +138,16 @@ async def test_bad_arguments_and_not_linked(tmp_path: Path) -> None:
         assert p.statistics().notifications.received == 0
 
 
-async def test_unlinked_after_unlink(tmp_path: Path) -> None:
-    async with linked("tcp", tmp_path) as (p, d):
+async def test_unlinked_after_unlink() -> None:
+    async with linked("tcp") as (p, d):
         await d.unlink_clusters([info(1, p.listen_address)])
         with pytest.raises(LLMException) as ei:
             await d.send_notification(1, b"late")
         assert ei.value.status_code == CODE.LLM_NOT_YET_LINK
 
 
-async def test_queue_bound_refuses_and_counts(tmp_path: Path) -> None:
-    async with linked("local", tmp_path) as (p, d):
+async def test_queue_bound_refuses_and_counts() -> None:
+    async with linked("local") as (p, d):
         for i in range(NOTIFICATION_QUEUE):
             await d.send_notification(1, i.to_bytes(4, "little"))
         with pytest.raises(LLMException) as ei:
@@ -155,9 +161,9 @@ async def test_queue_bound_refuses_and_counts(tmp_path: Path) -> None:
         assert p.get_notifications() == [(2, b"room again")]
 
 
-async def test_remote_payload_over_the_bound_is_refused(tmp_path: Path) -> None:
+async def test_remote_payload_over_the_bound_is_refused() -> None:
     # a peer that encodes a bigger payload itself: the decoder refuses it before filing
-    async with linked("tcp", tmp_path) as (p, d):
+    async with linked("tcp") as (p, d):
         big = protocol._encoder.encode(
             protocol._Envelope(1, protocol.NotifyReq(b"q" * (MAX_NOTIFICATION_BYTES + 1)))
         )
@@ -173,8 +179,8 @@ async def test_remote_payload_over_the_bound_is_refused(tmp_path: Path) -> None:
         assert p.get_notifications() == []
 
 
-async def test_a_read_is_not_a_notification(tmp_path: Path) -> None:
-    async with linked("tcp", tmp_path) as (p, d):
+async def test_a_read_is_not_a_notification() -> None:
+    async with linked("tcp") as (p, d):
         link = d._links.require("test", 1)
         meta = protocol.encode(protocol.NotifyReq(b"as a read"))
 
@@ -188,14 +194,14 @@ async def test_a_read_is_not_a_notification(tmp_path: Path) -> None:
         assert p.get_notifications() == []
 
 
-async def test_authenticated_like_the_link(tmp_path: Path) -> None:
-    async with linked("tcp", tmp_path, link_secret="s3cret") as (p, d):
+async def test_authenticated_like_the_link() -> None:
+    async with linked("tcp", link_secret="s3cret") as (p, d):
         await d.send_notification(1, b"signed")
         assert p.get_notifications() == [(2, b"signed")]
 
 
-def test_blocking_api(tmp_path: Path) -> None:
-    cfg = config("tcp", tmp_path)
+def test_blocking_api() -> None:
+    cfg = config("tcp")
     with (
         blocking.LLMDataDist(LLMRole.PROMPT, 1, cfg) as p,
         blocking.LLMDataDist(LLMRole.DECODER, 2, cfg) as d,
@@ -221,3 +227,75 @@ def test_blocking_api(tmp_path: Path) -> None:
         taker.join(10)
         assert not taker.is_alive()
         assert got == [(2, b"a"), (2, b"b")]
+
+
+async def test_prometheus_exports_the_counters() -> None:
+    pytest.importorskip("prometheus_client")
+    from aiokv.metrics import Collector
+
+    async with linked("local") as (p, d):
+        await d.send_notification(1, b"a")
+        await d.send_notification(1, b"b")
+        samples = {
+            (s.name, s.labels.get("state")): s.value
+            for fam in Collector(p, d).collect()
+            for s in fam.samples
+            if s.labels.get("cluster") == "1" and s.name.startswith("aiokv_notifications")
+        }
+        assert samples[("aiokv_notifications_total", "received")] == 2
+        assert samples[("aiokv_notifications_total", "refused")] == 0
+        assert samples[("aiokv_notifications_queued", None)] == 2
+
+
+def test_under_trio() -> None:
+    import anyio
+
+    async def main() -> list[tuple[int, bytes]]:
+        async with (
+            LLMDataDist(LLMRole.PROMPT, 1, config("tcp")) as p,
+            LLMDataDist(LLMRole.DECODER, 2, config("tcp")) as d,
+        ):
+            code, _ = await d.link_clusters([info(1, p.listen_address)])
+            assert code == CODE.LLM_SUCCESS
+            got: list[tuple[int, bytes]] = []
+            async with anyio.create_task_group() as tg:
+
+                async def take() -> None:
+                    async for item in p.notifications():
+                        got.append(item)
+                        if len(got) == 2:
+                            tg.cancel_scope.cancel()
+
+                tg.start_soon(take)
+                await d.send_notification(1, b"one")
+                await d.send_notification(1, b"two")
+            await d.send_notification(1, b"three")  # the cancelled iterator lost nothing
+            return [*got, *p.get_notifications()]
+
+    assert anyio.run(main, backend="trio") == [(2, b"one"), (2, b"two"), (2, b"three")]
+
+
+async def test_inbox_waiting_takes_nothing() -> None:
+    # the iterators take a notification on the caller's side, after the engine-side
+    # wait: a wait cancelled at any point (even as a notification arrives) loses none
+    from aiokv._remote import Inbox
+
+    inbox = Inbox(capacity=2)
+    assert not inbox.put(1, b"closed")  # refused before open()
+    inbox.open()
+    waiter = asyncio.ensure_future(inbox.wait())
+    await asyncio.sleep(0)
+    assert inbox.put(1, b"x") and inbox.put(1, b"y") and not inbox.put(1, b"full")
+    assert await waiter is True
+    waiter = asyncio.ensure_future(inbox.wait())
+    await asyncio.sleep(0)
+    waiter.cancel()
+    assert inbox.pop() == (1, b"x")
+    assert inbox.drain() == [(1, b"y")]
+    assert inbox.pop() is None
+    stats = inbox.statistics()
+    assert (stats.received, stats.refused, stats.queued) == (2, 2, 0)
+    closer = asyncio.ensure_future(inbox.wait())
+    await asyncio.sleep(0)
+    inbox.close()
+    assert await closer is False

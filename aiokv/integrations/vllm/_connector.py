@@ -41,6 +41,18 @@ __all__ = ["AiokvConnector", "AiokvHandshake", "AiokvMetadata"]
 log = logging.getLogger("aiokv.vllm")
 
 
+def _log_like_vllm() -> None:
+    """Show the connector's records (logger ``aiokv.vllm``) where vLLM shows its own,
+    unless the application configured that logger."""
+    ours, theirs = logging.getLogger("aiokv.vllm"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
 @dataclass
 class AiokvHandshake(KVConnectorHandshakeMetadata):
     """Where one worker rank listens (worker → scheduler, at start-up)."""
@@ -75,6 +87,7 @@ class AiokvConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_like_vllm()
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None and transfer.engine_id is not None
         self._options = ConnectorOptions.parse(
@@ -110,6 +123,9 @@ class AiokvConnector(KVConnectorBase_V1):
     def _sched(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler-side call on a worker connector"
         return self._scheduler
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().arrived(request.request_id, request.kv_transfer_params)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -171,7 +187,7 @@ class AiokvConnector(KVConnectorBase_V1):
         return self._worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work().start(kv_caches)
+        self._work().start(kv_caches, self._kv_cache_config.num_blocks)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         endpoint = self._work().endpoint

@@ -19,6 +19,7 @@ Fields (all present in what the prefill returns):
 ``remote_block_size``       tokens per block on the prefill side
 ``remote_ranks``            per tensor-parallel rank ``[host, port, cluster_id]``
 ``remote_token``            a random token the done notice must repeat
+``remote_lease_s``          how long the prefill holds the blocks for a decode side
 ``aiokv``                   the params' schema version (1)
 ==========================  =====================================================
 """
@@ -64,6 +65,7 @@ class RemotePrefill:
     block_size: int
     ranks: tuple[Endpoint, ...]
     token: str
+    lease_s: float
 
 
 def producer_params(
@@ -75,6 +77,7 @@ def producer_params(
     block_size: int,
     ranks: list[Endpoint],
     token: str,
+    lease_s: float,
 ) -> dict[str, Any]:
     """The params a finished prefill returns (plain JSON values)."""
     return {
@@ -87,6 +90,7 @@ def producer_params(
         "remote_block_size": block_size,
         "remote_ranks": [[r.host, r.port, r.cluster_id] for r in ranks],
         "remote_token": token,
+        "remote_lease_s": lease_s,
         "aiokv": PARAMS_VERSION,
     }
 
@@ -129,6 +133,9 @@ def parse_remote_prefill(
         return f"remote_block_size {remote_block_size!r} differs from this instance's {block_size}"
     if -(-num_tokens // block_size) > len(blocks):
         return f"{num_tokens} tokens need more than the {len(blocks)} remote_block_ids given"
+    lease_s = params.get("remote_lease_s")
+    if not isinstance(lease_s, int | float) or isinstance(lease_s, bool) or not 0 < lease_s < 1e9:
+        return "remote_lease_s must be a number of seconds > 0"
     ranks = _endpoints(params.get("remote_ranks"))
     if isinstance(ranks, str):
         return ranks
@@ -137,7 +144,9 @@ def parse_remote_prefill(
             f"the prefill has {len(ranks)} tensor-parallel ranks and this instance {tp_size}: "
             "AiokvConnector needs the same tensor-parallel size on both sides"
         )
-    return RemotePrefill(engine_id, request_id, tuple(blocks), num_tokens, block_size, ranks, token)
+    return RemotePrefill(
+        engine_id, request_id, tuple(blocks), num_tokens, block_size, ranks, token, float(lease_s)
+    )
 
 
 def _endpoints(value: Any) -> tuple[Endpoint, ...] | str:

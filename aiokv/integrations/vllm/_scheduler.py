@@ -3,6 +3,8 @@
 The vLLM facade (:mod:`._connector`) reads what it needs from vLLM's ``Request`` and
 ``KVCacheBlocks`` and calls these methods in vLLM's order:
 
+0. :meth:`~SchedulerSide.arrived` (``on_new_request``): when a decode request came in
+   (its prefill's lease counts from about then).
 1. :meth:`~SchedulerSide.matched_tokens` (``get_num_new_matched_tokens``, maybe
    several times, no side effect): a decode request whose params name a prefill loads
    its prompt's KV asynchronously.
@@ -19,14 +21,23 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ._params import Endpoint, RemotePrefill, parse_remote_prefill, producer_params
 from ._plan import Hold, Load, Release, StepPlan
 
-__all__ = ["SchedulerSide"]
+__all__ = ["SchedulerSide", "load_deadline"]
 
 log = logging.getLogger("aiokv.vllm")
+
+
+def load_deadline(lease_s: float) -> float:
+    """Seconds after a decode request came in within which its load must begin: the
+    prefill's lease less a margin (a tenth of it, plus a second) for the time between
+    the prefill's end and the decode request's arrival."""
+    return lease_s - (lease_s / 10 + 1.0)
 
 
 class SchedulerSide:
@@ -37,13 +48,24 @@ class SchedulerSide:
         block_size: tokens per KV block.
         tp_size: tensor-parallel size (workers, one aiokv instance each).
         lease_s: how long a finished prefill request's blocks wait for a decode side.
+        clock: seconds, monotonic (tests pass a fake one).
     """
 
-    def __init__(self, *, engine_id: str, block_size: int, tp_size: int, lease_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        engine_id: str,
+        block_size: int,
+        tp_size: int,
+        lease_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._engine_id = engine_id
         self._block_size = block_size
         self._tp_size = tp_size
         self._lease_s = lease_s
+        self._clock = clock
+        self._arrivals: dict[str, float] = {}  # decode request -> when it came in
         self._ranks: list[Endpoint] | None = None
         self._loads: list[Load] = []
         self._releases: list[Release] = []
@@ -65,6 +87,13 @@ class SchedulerSide:
         if not params or not params.get("do_remote_prefill"):
             return None
         return parse_remote_prefill(params, block_size=self._block_size, tp_size=self._tp_size)
+
+    def arrived(self, request_id: str, params: dict[str, Any] | None) -> None:
+        """``on_new_request``: note when a decode request came in (the proxy sends it
+        right after its prefill finished, so the prefill's lease ends no sooner than
+        about :func:`load_deadline` after this)."""
+        if params and params.get("do_remote_prefill"):
+            self._arrivals[request_id] = self._clock()
 
     def matched_tokens(
         self, params: dict[str, Any] | None, num_prompt_tokens: int, num_computed: int
@@ -102,6 +131,7 @@ class SchedulerSide:
             num_external_tokens: tokens to load (0: nothing; the prefill is released).
         """
         remote = self._remote(params)
+        arrived = self._arrivals.pop(request_id, None)
         if remote is None:
             return
         assert params is not None
@@ -119,7 +149,11 @@ class SchedulerSide:
         local = new_blocks[: stop - first]
         remote_blocks = remote.block_ids[first:stop]
         error = None
-        if len(local) != stop - first or len(remote_blocks) != len(local):
+        if arrived is not None and self._clock() > arrived + load_deadline(remote.lease_s):
+            # the prefill may have freed (and reused) its blocks: never load them
+            error = f"the prefill's lease of {remote.lease_s:g} s ran out before the load began"
+            log.error("request %s: %s", request_id, error)
+        elif len(local) != stop - first or len(remote_blocks) != len(local):
             error = (
                 f"{stop - first} blocks to load, {len(local)} allocated here and "
                 f"{len(remote_blocks)} named by the prefill"
@@ -151,6 +185,7 @@ class SchedulerSide:
         request that completed (``completed``: stopped or length-capped, not aborted):
         its blocks are held until the decode side's done notice or the lease; else
         ``(False, None)`` (its blocks are freed now)."""
+        self._arrivals.pop(request_id, None)
         if not params:
             return False, None
         if params.get("do_remote_prefill"):
@@ -181,6 +216,7 @@ class SchedulerSide:
             block_size=self._block_size,
             ranks=self._ranks,
             token=token,
+            lease_s=self._lease_s,
         )
 
     def take_plan(self) -> StepPlan:

@@ -24,9 +24,9 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import anyio
 import msgspec
@@ -49,7 +49,7 @@ from ._options import ConnectorOptions
 from ._params import Endpoint
 from ._plan import Load, Release, StepPlan
 
-__all__ = ["DoneNotice", "TransferResults", "WorkerSide"]
+__all__ = ["DoneNotice", "TransferResults", "WorkerSide", "blocks_desc", "logical_blocks"]
 
 log = logging.getLogger("aiokv.vllm")
 
@@ -62,6 +62,9 @@ _DEVICES: Final[dict[str, Literal["cpu", "cuda", "npu"]]] = {
     "cuda": "cuda",
     "npu": "npu",
 }
+
+
+_Item = TypeVar("_Item", Load, Release)
 
 
 class DoneNotice(msgspec.Struct, frozen=True):
@@ -111,17 +114,23 @@ class WorkerSide:
         self._pending: set[Any] = set()  # futures of loads and notices in flight
 
     # ---- life -----------------------------------------------------------------------------
-    def start(self, kv_caches: Mapping[str, torch.Tensor]) -> Endpoint:
+    def start(
+        self, kv_caches: Mapping[str, torch.Tensor], num_blocks: int | None = None
+    ) -> Endpoint:
         """Start aiokv (listening), register ``kv_caches`` (one tensor per layer, in
         the mapping's order) as one blocks cache, and return where it listens.
 
+        Args:
+            kv_caches: vLLM's KV tensors by layer name.
+            num_blocks: vLLM's block count, when known: the first dimension must be it.
+
         Raises:
             ValueError: tensors that are not one blocks cache: different shapes, dtypes
-                or devices, or not contiguous (the first dimension must be the blocks).
+                or devices, not contiguous, or a first dimension that is not the blocks.
             LLMException: aiokv could not start (address in use, ...).
         """
-        tensors = list(kv_caches.values())
-        desc = blocks_desc(tensors)
+        tensors = logical_blocks(list(kv_caches.values()), num_blocks)
+        desc = blocks_desc(tensors, num_blocks)
         device = tensors[0].device
         if device.type not in _DEVICES:
             raise ValueError(f"AiokvConnector: KV cache on {device}; aiokv moves {_DEVICES}")
@@ -244,7 +253,7 @@ class WorkerSide:
             self._early.popitem(last=False)
 
     # ---- loads ----------------------------------------------------------------------------
-    def _spawn(self, fn: Any, item: Load | Release) -> None:
+    def _spawn(self, fn: Callable[[_Item], Awaitable[None]], item: _Item) -> None:
         if self._portal is None:
             if isinstance(item, Load):
                 self._ended(item.request_id, ok=False)
@@ -336,18 +345,41 @@ class WorkerSide:
                 )
 
 
-def blocks_desc(tensors: list[torch.Tensor]) -> CacheDesc:
+def logical_blocks(tensors: list[torch.Tensor], num_blocks: int | None) -> list[torch.Tensor]:
+    """``tensors`` viewed with vLLM's (logical) blocks first: a contiguous tensor of
+    ``r * num_blocks`` kernel blocks (a kernel block size ``r`` times smaller than the
+    scheduler's) becomes ``[num_blocks, r, ...]`` over the same memory; others are
+    returned as they are (and checked by :func:`blocks_desc`)."""
+    if num_blocks is None or num_blocks <= 0:
+        return tensors
+    out = []
+    for t in tensors:
+        rows = t.shape[0] if t.dim() else 0
+        if t.is_contiguous() and rows > num_blocks and rows % num_blocks == 0:
+            t = t.view(num_blocks, rows // num_blocks, *t.shape[1:])
+        out.append(t)
+    return out
+
+
+def blocks_desc(tensors: list[torch.Tensor], num_blocks: int | None = None) -> CacheDesc:
     """The ``CacheDesc`` of vLLM's per-layer KV tensors as one blocks cache: every
     tensor the same shape, dtype and device, contiguous, blocks along dimension 0
     (vLLM's CPU layout ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, or
     any other whose first dimension is the blocks).
 
     Raises:
-        ValueError: no tensors, or tensors that do not form one blocks cache.
+        ValueError: no tensors, or tensors that do not form one blocks cache (with
+            ``num_blocks``: whose first dimension is not ``num_blocks``).
     """
     if not tensors:
         raise ValueError("AiokvConnector: no KV cache tensors to register")
     first = tensors[0]
+    if num_blocks is not None and first.shape[0] != num_blocks:
+        raise ValueError(
+            f"AiokvConnector: KV tensors of shape {tuple(first.shape)} for {num_blocks} "
+            "blocks: this KV layout does not put the blocks first (supported: vLLM's CPU "
+            "layout, [num_blocks, ...] per layer)"
+        )
     for i, t in enumerate(tensors):
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
             raise ValueError(
