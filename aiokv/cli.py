@@ -1,5 +1,5 @@
 """The ``aiokv`` command: ``aiokv demo``, ``aiokv info`` and ``aiokv bench ...`` (local,
-transfer, layerwise, latency, raw). Ctrl-C ends any of them within a second.
+transfer, layerwise, latency, raw, vllm). Ctrl-C ends any of them within a second.
 
 Every argument is checked before any work starts; an error is one line on stderr that
 names the fix (exit status 2 for a bad argument, 1 for a failure while running), with a
@@ -423,6 +423,23 @@ def bench_raw(quick: Quick = False, as_json: Json = False, plot: Plot = None) ->
     from ._bench.raw import run_raw_bench
 
     _run_bench("raw", lambda: run_raw_bench(quick=quick), as_json, plot)
+
+
+@bench_app.command("vllm")
+def bench_vllm(
+    quick: Quick = False,
+    as_json: Json = False,
+    plot: Plot = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="A local model directory (default: a random 4-layer Llama)."),
+    ] = None,
+) -> None:
+    """Under real vLLM: AiokvConnector vs vLLM's NixlConnector vs a colocated engine
+    (run it with the Python that has vLLM: .venv-vllm/bin/aiokv)."""
+    from ._bench.vllm import run_vllm_bench
+
+    _run_bench("vllm", lambda: run_vllm_bench(quick=quick, model=model), as_json, plot)
 
 
 def main() -> None:

