@@ -22,7 +22,15 @@ import types
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ._enums import LLMStatusCode
@@ -110,6 +118,17 @@ class MemPoolConfig(Model):
     _positional = ("memory_size", "page_shift")
     memory_size: int = Field(gt=0, le=1 << 48)
     page_shift: int = Field(default=16, ge=10, lt=31)
+
+    @field_validator("memory_size", "page_shift", mode="before")
+    @classmethod
+    def _an_int(cls, value: Any, info: ValidationInfo) -> Any:
+        """A value of the wrong kind (``"64MiB"``, ``1.5``) is a ``TypeError`` that says
+        what the key must be; ``None`` is left to the None check."""
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            key = str(info.field_name)
+            shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
+            raise TypeError(f"MemPoolConfig: {key} must be {_POOL_KEYS[key]}, got {shown}")
+        return value
 
     @model_validator(mode="after")
     def _fits(self) -> MemPoolConfig:

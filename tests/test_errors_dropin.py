@@ -259,6 +259,15 @@ def test_a_value_of_the_wrong_kind_is_the_same_config_error(bad: str) -> None:
         cfg.mem_pool_cfg = f'{{"memory_size": 67108864, "page_shift": {bad}}}'
 
 
+@pytest.mark.parametrize("bad", ["64MiB", 1.5, True])
+def test_a_pool_built_directly_with_a_value_of_the_wrong_kind_names_the_unit(bad: Any) -> None:
+    with pytest.raises(TypeError) as ei:  # SPEC: a wrong type is a TypeError
+        llm_datadist.MemPoolConfig(memory_size=bad)
+    assert "memory_size must be an integer number of bytes (67108864 for 64 MiB)" in str(ei.value)
+    with pytest.raises(TypeError, match="page_shift must be an integer, log2 of the page size"):
+        llm_datadist.MemPoolConfig(memory_size=1 << 26, page_shift=bad)
+
+
 # ---------------------------------------------------------------- lifecycle wording
 
 
