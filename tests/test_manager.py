@@ -528,11 +528,15 @@ async def test_cancel_large_swap_in_flight_keeps_everything_consistent() -> None
         task = asyncio.create_task(cm.swap_blocks(dev, host, mapping))
         await asyncio.sleep(0)  # let it start
         task.cancel()
-        with pytest.raises(asyncio.CancelledError):
+        try:
             await task
-        # the copy either never ran or ran to the end: never half-written after return
+            returned = True
+        except asyncio.CancelledError:
+            returned = False
+        # raised or returned, never both: a raised cancellation means the copy never
+        # ran; a return, that it ran to its end
         sums = await asyncio.to_thread(lambda: {int(t.sum()) for t in host.tensors})
-        assert sums <= {0, 7 * (64 << 20)} and len(sums) == 1
+        assert sums == ({7 * (64 << 20)} if returned else {0})
         assert stats(cm) == NOTHING | {"caches": 2, "allocated": 2}  # no pin left behind
         await cm.deallocate_blocks_cache(host)
         await cm.deallocate_blocks_cache(dev)

@@ -11,8 +11,10 @@ long local copy never delays a transfer past its deadline. Threads start on dema
 are named ``aiokv-<pool>-<n>``, and are joined by :meth:`CopyScheduler.aclose`.
 
 Cancellation: a job cancelled before it starts never runs; once started it is never
-abandoned half-way: the awaiting task waits (shielded) for it to finish, then
-``CancelledError`` propagates. So no worker writes caller memory after the await returned.
+abandoned half-way: the awaiting task waits (shielded) for it to finish, so no worker
+writes caller memory after the await returned. A job that then completed returns its
+result (the cancellation comes again at the next suspension); one that failed raises
+``CancelledError``.
 """
 
 from __future__ import annotations
@@ -68,9 +70,11 @@ class CopyScheduler:
     """Runs copy jobs for one device on worker threads; every method is awaited.
 
     Each call is one job. If the awaiting task is cancelled before the job starts, it
-    never runs; if cancelled while it runs, the await still waits for it to finish and
-    then raises ``CancelledError``, so no worker touches the caller's memory after the
-    call returned. Exceptions raised by a job propagate unchanged (callers map them).
+    never runs; if cancelled while it runs, the await still waits for it to finish, so
+    no worker touches the caller's memory after the call returned, and then returns the
+    job's result (it happened; the cancellation comes again at the next suspension) or,
+    if the job failed, raises ``CancelledError``. Exceptions raised by a job propagate
+    unchanged (callers map them).
 
     Args:
         device: the device this scheduler serves (``cpu``, ``cuda:N`` or ``npu:N``).

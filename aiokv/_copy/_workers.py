@@ -3,7 +3,8 @@
 A job is queued to a pool, runs on one of its threads, and its outcome resolves an
 asyncio future through ONE ``loop.call_soon_threadsafe`` callback: the loop never
 sleeps, polls or blocks on a worker. A job cancelled before it starts never runs; once
-started it is never abandoned half-way.
+started it is never abandoned half-way, and one that then completes returns its result
+(the cancellation comes again at the caller's next suspension).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
+
+from .._cancel import redeliver
 
 __all__ = ["WorkerPool"]
 
@@ -37,7 +40,7 @@ class _Job(Generic[T]):
     exactly one of them wins.
     """
 
-    __slots__ = ("_fn", "_lock", "_state", "_waiter", "finished", "future", "loop")
+    __slots__ = ("_fn", "_lock", "_state", "_waiter", "finished", "future", "loop", "outcome")
 
     def __init__(self, fn: Callable[[], T], loop: asyncio.AbstractEventLoop) -> None:
         self._fn = fn
@@ -45,6 +48,8 @@ class _Job(Generic[T]):
         self._state = _JobState.PENDING
         self._waiter: asyncio.Future[None] | None = None
         self.finished = False
+        # kept here too: a cancelled awaiter's future is done before the outcome arrives
+        self.outcome: tuple[T] | BaseException | None = None
         self.loop = loop
         self.future: asyncio.Future[T] = loop.create_future()
 
@@ -70,6 +75,7 @@ class _Job(Generic[T]):
             self.loop.call_soon_threadsafe(self._finish, outcome)
 
     def _finish(self, outcome: tuple[T] | BaseException) -> None:
+        self.outcome = outcome
         self.finished = True
         if not self.future.done():
             if isinstance(outcome, BaseException):
@@ -133,9 +139,12 @@ class WorkerPool:
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on a worker thread and return its result.
 
-        Cancelled before ``fn`` started, it never runs. Cancelled while it runs, this
-        waits (shielded against further cancellation) until it has finished, then
-        raises ``CancelledError``: ``fn`` never runs on after this returned.
+        Cancelled before ``fn`` started, it never runs, and this raises the cancellation.
+        Cancelled while it runs, this waits (shielded against further cancellation)
+        until it has finished: ``fn`` never runs on after this returned. Then, if ``fn``
+        returned, its result is returned (it happened) and the cancellation is
+        delivered again at the task's next suspension (:func:`~aiokv._cancel.redeliver`);
+        if ``fn`` raised, the cancellation is raised.
 
         Raises:
             RuntimeError: ``fn`` raised ``StopIteration`` (chained as the cause).
@@ -145,10 +154,15 @@ class WorkerPool:
         self._submit(job)
         try:
             return await job.future
-        except asyncio.CancelledError:
-            if not job.cancel_if_pending():
-                await job.wait_finished()
-            raise
+        except asyncio.CancelledError as cancelled:
+            if job.cancel_if_pending():
+                raise
+            await job.wait_finished()
+            outcome = job.outcome
+            if not isinstance(outcome, tuple):
+                raise
+            redeliver(cancelled)  # it completed: its result stands
+            return outcome[0]
 
     async def aclose(self) -> None:
         """Let the queued jobs finish, then stop every thread and join it.

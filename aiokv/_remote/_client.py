@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from .._cache import Cache
+from .._cancel import redeliver
 from .._config import LLMConfig
 from .._copy import MAX_STAGED_BYTES, PART_BYTES, Stager, is_staged
-from .._engine import completing, redeliver
+from .._engine import completing
 from .._enums import LLMStatusCode
 from .._errors import LLMException, map_errors
 from .._layout import tensor_bytes

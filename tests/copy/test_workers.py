@@ -45,7 +45,7 @@ async def test_many_concurrent_calls_use_few_threads() -> None:
         await s.aclose()
 
 
-async def test_cancel_while_running_waits_for_the_job() -> None:
+async def test_cancel_while_running_waits_for_the_job_and_returns_what_it_did() -> None:
     s = CopyScheduler(CPU, SchedulerConfig(swap_out_threads=1))
     try:
         gate = Gate()
@@ -59,10 +59,57 @@ async def test_cancel_while_running_waits_for_the_job() -> None:
             await asyncio.sleep(0)
         assert not task.done(), "returned while the worker was still running"
         gate.release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        # the job ran to its end: its result, not a cancellation (raised or returned,
+        # never both); the task had no later suspension to take the cancellation at
+        assert await task == "done"
         assert gate.finished
         assert await s.call(lambda: 7) == 7  # the scheduler still works
+    finally:
+        await s.aclose()
+
+
+async def test_a_completed_job_returns_and_the_cancellation_comes_at_the_next_await() -> None:
+    s = CopyScheduler(CPU, SchedulerConfig(swap_out_threads=1))
+    try:
+        gate = Gate()
+        got: list[str] = []
+
+        async def caller() -> None:
+            got.append(await s.call(gate))
+            await asyncio.sleep(3600)  # the pending cancellation ends this at once
+
+        task = asyncio.ensure_future(caller())
+        await gate.started.wait()
+        task.cancel()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        gate.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
+        assert got == ["done"]
+    finally:
+        await s.aclose()
+
+
+async def test_a_failed_job_under_cancellation_raises_the_cancellation() -> None:
+    s = CopyScheduler(CPU, SchedulerConfig(swap_out_threads=1))
+    try:
+        loop = asyncio.get_running_loop()
+        started, release = asyncio.Event(), threading.Event()
+
+        def fail() -> None:
+            loop.call_soon_threadsafe(started.set)
+            release.wait()
+            raise KeyError("boom")
+
+        task = asyncio.ensure_future(s.call(fail))
+        await started.wait()
+        task.cancel()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
     finally:
         await s.aclose()
 
