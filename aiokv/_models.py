@@ -11,8 +11,8 @@ from __future__ import annotations
 import ipaddress
 import math
 import socket
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import torch
 from pydantic import (
@@ -414,13 +414,61 @@ class LLMClusterInfo(Model):
 
     @property
     def local_ip_info_list(self) -> list[tuple[int | str, int]]:
-        """``local_ip_info`` in llm_datadist's form (IPv4 as its integer encoding)."""
-        return [(_ip_int(ip), port) for ip, port in self.local_ip_info]
+        """``local_ip_info`` in llm_datadist's form (IPv4 as its integer encoding).
+
+        As in llm_datadist, ``append`` / ``extend`` on it add addresses (through
+        :meth:`append_local_ip_info`); other changes raise ``TypeError``."""
+        return _IpInfoList(self.local_ip_info, self.append_local_ip_info, "local")
 
     @property
     def remote_ip_info_list(self) -> list[tuple[int | str, int]]:
-        """``remote_ip_info`` in llm_datadist's form (IPv4 as its integer encoding)."""
-        return [(_ip_int(ip), port) for ip, port in self.remote_ip_info]
+        """``remote_ip_info`` in llm_datadist's form (IPv4 as its integer encoding).
+
+        As in llm_datadist, ``append`` / ``extend`` on it add addresses (through
+        :meth:`append_remote_ip_info`); other changes raise ``TypeError``."""
+        return _IpInfoList(self.remote_ip_info, self.append_remote_ip_info, "remote")
+
+
+class _IpInfoList(list[tuple[int | str, int]]):
+    """A ``*_ip_info_list`` view: ``append`` and ``extend`` write through to the
+    ``LLMClusterInfo`` (llm_datadist's list is the object's own); any other change
+    would be lost, so it raises instead of being silently ignored."""
+
+    def __init__(
+        self,
+        info: list[tuple[str, int]],
+        add: Callable[[str | int, int], None],
+        side: str,
+    ) -> None:
+        super().__init__((_ip_int(ip), port) for ip, port in info)
+        self._add = add
+        self._side = side
+
+    def append(self, item: tuple[int | str, int]) -> None:
+        ip, port = _ip_pair(item, self._side)
+        self._add(ip, port)  # checked there; nothing changes when it raises
+        super().append((_ip_int(ip) if isinstance(ip, str) else ip, port))
+
+    def extend(self, items: Iterable[tuple[int | str, int]]) -> None:
+        for item in list(items):
+            self.append(item)
+
+    def _refuse(self, *_: Any, **__: Any) -> NoReturn:
+        raise TypeError(
+            f"LLMClusterInfo.{self._side}_ip_info_list: only append and extend change it; "
+            f"to set the addresses, assign {self._side}_ip_info=[(ip, port), ...]"
+        )
+
+    insert = remove = pop = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
+
+
+def _ip_pair(item: Any, side: str) -> tuple[str | int, int]:
+    if not isinstance(item, tuple) or len(item) != 2:
+        raise TypeError(
+            f"LLMClusterInfo.{side}_ip_info_list.append: an (ip, port) tuple, got {item!r:.60}"
+        )
+    return item[0], item[1]
 
 
 def _ip_int(ip: str) -> int | str:

@@ -199,3 +199,28 @@ def test_transfer_configs() -> None:
         TransferConfig(2, [1], [0, 1])
     wk = TransferWithCacheKeyConfig(CacheKey(1, 2), range(0, 1), range(0, 1))
     assert wk.src_layer_range == range(0, 1)
+
+
+def test_ip_info_lists_take_appends_as_llm_datadist_and_refuse_other_changes() -> None:
+    """llm_datadist's ``*_ip_info_list`` is the object's own list: an append adds an
+    address. Ours writes append/extend through; any other change raises (never lost)."""
+    info = LLMClusterInfo(remote_cluster_id=1)
+    info.remote_ip_info_list.append(("127.0.0.1", 26000))
+    info.remote_ip_info_list.append((16777343, 26001))  # llm_datadist's int form
+    info.local_ip_info_list.extend([("10.0.0.1", 0)])
+    assert info.remote_ip_info == [("127.0.0.1", 26000), ("127.0.0.1", 26001)]
+    assert info.local_ip_info == [("10.0.0.1", 0)]
+    assert info.remote_ip_info_list == [(16777343, 26000), (16777343, 26001)]
+    with pytest.raises(ValueError, match="not an IP address"):
+        info.remote_ip_info_list.append(("999.1.1.1", 1))
+    with pytest.raises(TypeError, match=r"an \(ip, port\) tuple"):
+        info.remote_ip_info_list.append("127.0.0.1:1")  # type: ignore[arg-type]
+    for change in (
+        lambda lst: lst.pop(),
+        lambda lst: lst.clear(),
+        lambda lst: lst.insert(0, ("127.0.0.1", 1)),
+        lambda lst: lst.__setitem__(0, ("127.0.0.1", 1)),
+    ):
+        with pytest.raises(TypeError, match="only append and extend change it"):
+            change(info.remote_ip_info_list)
+    assert info.remote_ip_info == [("127.0.0.1", 26000), ("127.0.0.1", 26001)]  # unchanged
