@@ -56,7 +56,7 @@ class CacheTaskOps:
 
 
 class CacheManagerOps:
-    """The blocking methods of ``CacheManager`` (``aiokv/_manager.py``)."""
+    """The blocking methods of ``CacheManager`` (``aiokv/_manager/``)."""
 
     __slots__ = ()
     _engine: Engine

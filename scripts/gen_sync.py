@@ -9,8 +9,10 @@ and IDEs see real signatures. Like httpcore's ``scripts/unasync.py``:
     python scripts/gen_sync.py --check   # exit 1 if it is stale (tests run this)
 
 Rerun it after adding or changing an ``async def`` of ``LLMDataDist``, ``CacheManager``
-or ``CacheTask`` (a merge included). A public ``async def`` that has no blocking form
-(neither generated nor in :data:`BY_HAND`) fails ``--check``.
+or ``CacheTask`` (a merge included). A class's methods include those of its bases
+defined in aiokv (``CacheManager``'s parts, one module per job), the class's own first.
+A public ``async def`` that has no blocking form (neither generated nor in
+:data:`BY_HAND`) fails ``--check``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ TARGET = ROOT / "aiokv" / "_sync_gen.py"
 class Face:
     """One async class and the mixin of blocking methods made from it."""
 
-    module: str  # path under aiokv/
+    module: str  # path under aiokv/ of the module that defines the class
     cls: str  # the async class
     mixin: str  # the generated class
     engine: str  # how a method reaches the engine (an expression on ``self``)
@@ -40,7 +42,7 @@ class Face:
 
 FACES = (
     Face("_layerwise.py", "CacheTask", "CacheTaskOps", "self._engine"),
-    Face("_manager.py", "CacheManager", "CacheManagerOps", "self._engine"),
+    Face("_manager/__init__.py", "CacheManager", "CacheManagerOps", "self._engine"),
     Face("_datadist.py", "LLMDataDist", "LLMDataDistOps", 'self._engine("{name}")'),
 )
 #: async methods whose blocking form ``aiokv/sync.py`` writes by hand (``notifications``
@@ -48,15 +50,31 @@ FACES = (
 BY_HAND = {"LLMDataDist": {"init", "finalize", "notifications"}}
 
 
-def _imports(tree: ast.Module) -> dict[str, str]:
-    """name -> the import line that binds it at module level in ``tree``."""
+def _package(path: str) -> list[str]:
+    """The package of the module at ``path`` under aiokv/, as dotted parts."""
+    return ["aiokv", *path.split("/")[:-1]]
+
+
+def _absolute(path: str, node: ast.ImportFrom) -> str:
+    """The dotted module ``node`` imports from, in the module at ``path`` under aiokv/."""
+    if not node.level:
+        return node.module or ""
+    base = _package(path)[: len(_package(path)) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _imports(tree: ast.Module, path: str) -> dict[str, str]:
+    """name -> the import line that binds it at module level in ``tree`` (the module at
+    ``path`` under aiokv/), written as ``aiokv/_sync_gen.py`` needs it."""
     found: dict[str, str] = {}
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and node.module != "__future__":
-            dots = "." * node.level
+            module = _absolute(path, node)
+            if module.startswith("aiokv."):
+                module = "." + module.removeprefix("aiokv.")
             for alias in node.names:
                 name = alias.asname or alias.name
-                found[name] = f"from {dots}{node.module or ''} import {alias.name}" + (
+                found[name] = f"from {module} import {alias.name}" + (
                     f" as {alias.asname}" if alias.asname else ""
                 )
         elif isinstance(node, ast.Import):
@@ -90,6 +108,61 @@ def _forward(args: ast.arguments) -> str:
     if args.kwarg:
         parts.append(f"**{args.kwarg.arg}")
     return ", ".join(parts)
+
+
+def _source(module: str) -> str | None:
+    """The path under aiokv/ of the dotted ``module``, if it is one of aiokv's."""
+    parts = module.split(".")
+    if parts[0] != "aiokv":
+        return None
+    for path in ("/".join(parts[1:]) + ".py", "/".join([*parts[1:], "__init__.py"])):
+        if (ROOT / "aiokv" / path).is_file():
+            return path
+    return None
+
+
+def _async_methods(path: str, name: str) -> list[tuple[ast.AsyncFunctionDef, dict[str, str]]]:
+    """The public ``async def`` methods of class ``name`` of the module at ``path`` under
+    aiokv/, with the imports of the module each is written in: the class's own first,
+    then those of its bases defined in aiokv, depth first, each name once (as Python
+    resolves them for these mixins)."""
+    found: list[tuple[ast.AsyncFunctionDef, dict[str, str]]] = []
+    seen: set[str] = set()
+
+    def visit(path: str, name: str) -> None:
+        tree = ast.parse((ROOT / "aiokv" / path).read_text())
+        bound = _imports(tree, path)
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+        for fn in cls.body:
+            if (
+                isinstance(fn, ast.AsyncFunctionDef)
+                and not fn.name.startswith("_")
+                and fn.name not in seen
+            ):
+                seen.add(fn.name)
+                found.append((fn, bound))
+        for base in cls.bases:
+            if not isinstance(base, ast.Name):
+                continue
+            if any(isinstance(n, ast.ClassDef) and n.name == base.id for n in tree.body):
+                visit(path, base.id)
+                continue
+            node = next(
+                (
+                    n
+                    for n in tree.body
+                    if isinstance(n, ast.ImportFrom)
+                    and any((a.asname or a.name) == base.id for a in n.names)
+                ),
+                None,
+            )
+            where = None if node is None else _source(_absolute(path, node))
+            if node is not None and where is not None:
+                alias = next(a for a in node.names if (a.asname or a.name) == base.id)
+                visit(where, alias.name)
+
+    visit(path, name)
+    return found
 
 
 def _method(face: Face, fn: ast.AsyncFunctionDef) -> tuple[str, list[ast.AST]]:
@@ -129,30 +202,26 @@ def generate() -> str:
     classes: list[str] = []
     imports: set[str] = set()
     for face in FACES:
-        tree = ast.parse((ROOT / "aiokv" / face.module).read_text())
-        bound = _imports(tree)
-        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == face.cls)
         methods = []
         hand = BY_HAND.get(face.cls, set())
-        for fn in cls.body:
-            if not isinstance(fn, ast.AsyncFunctionDef) or fn.name.startswith("_"):
-                continue
+        for fn, bound in _async_methods(face.module, face.cls):
             if fn.name in hand:
                 continue
             text, used = _method(face, fn)
             methods.append(text)
             for name in _names(used):
                 if name in bound:
-                    imports.add(bound[name].replace("from .", "from .", 1))
+                    imports.add(bound[name])
         engine_type = "Callable[[str], Engine]" if "(" in face.engine else "Engine"
+        where = face.module.removesuffix("__init__.py")  # a package: its folder
         classes.append(
             f"class {face.mixin}:\n"
-            f'    """The blocking methods of ``{face.cls}`` (``aiokv/{face.module}``)."""\n\n'
+            f'    """The blocking methods of ``{face.cls}`` (``aiokv/{where}``)."""\n\n'
             "    __slots__ = ()\n"
             f"    _engine: {engine_type}\n"
             f"    _async: _Async{face.cls}\n\n" + "\n\n".join(methods)
         )
-        module = face.module.removesuffix(".py")
+        module = face.module.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
         imports.add(f"from .{module} import {face.cls} as _Async{face.cls}")
     imports |= {
         "from collections.abc import Callable",
@@ -194,11 +263,8 @@ def missing() -> list[str]:
 
     out = []
     for face in FACES:
-        tree = ast.parse((ROOT / "aiokv" / face.module).read_text())
-        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == face.cls)
-        for fn in cls.body:
-            public = isinstance(fn, ast.AsyncFunctionDef) and not fn.name.startswith("_")
-            if public and not callable(getattr(getattr(blocking, face.cls), fn.name, None)):
+        for fn, _ in _async_methods(face.module, face.cls):
+            if not callable(getattr(getattr(blocking, face.cls), fn.name, None)):
                 out.append(f"{face.cls}.{fn.name}")
     return out
 
