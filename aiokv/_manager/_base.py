@@ -15,19 +15,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._checks import (
-    UINT64_MAX,
-    check_instance,
-    param_invalid,
-)
+from .._checks import UINT64_MAX, check_instance, param_invalid
 from .._config import LLMConfig
 from .._copy import CopyScheduler
 from .._engine import Engine
 from .._enums import LLMRole, LLMStatusCode, Placement
 from .._errors import LLMException
-from .._models import (
-    CacheKey,
-)
+from .._models import CacheKey
 from .._pool import MemPool
 from .._registry import CacheRegistry, Entry
 from .._remote import RemoteClient

@@ -11,21 +11,10 @@ from typing import Any
 import torch
 
 from .._cache import Cache, wrap_memory
-from .._checks import (
-    UINT64_MAX,
-    check_instance,
-    check_int,
-    check_list,
-    param_invalid,
-    renamed,
-)
+from .._checks import UINT64_MAX, check_instance, check_int, check_list, param_invalid, renamed
 from .._enums import LLMStatusCode, Placement
 from .._errors import LLMException
-from .._models import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-)
+from .._models import BlocksCacheKey, CacheDesc, CacheKey
 from .._pool import MemPool, Span
 from .._registry import Entry, is_placeholder
 from ._base import ManagerBase

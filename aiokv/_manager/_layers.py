@@ -22,10 +22,7 @@ from .._checks import (
 from .._engine import Portal
 from .._enums import LLMStatusCode
 from .._layerwise import CacheTask, LayerSynchronizer, Source, plan, run_layers
-from .._models import (
-    TransferConfig,
-    TransferWithCacheKeyConfig,
-)
+from .._models import TransferConfig, TransferWithCacheKeyConfig
 from ._base import ManagerBase
 
 __all__ = ["LayerWise"]

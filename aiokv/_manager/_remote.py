@@ -23,12 +23,7 @@ from .._checks import (
 )
 from .._enums import LLMStatusCode, Memtype
 from .._errors import LLMException
-from .._models import (
-    BlocksCacheKey,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    MemInfo,
-)
+from .._models import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, MemInfo
 from .._registry import Entry
 from .._remote import Transfer
 from .._remote._protocol import (
