@@ -180,6 +180,26 @@ def test_home_page_program_runs_as_written(tmp_path: Path) -> None:
     assert proc.stdout.strip() == "pulled: True"
 
 
+def test_no_heading_names_an_issue_or_a_run() -> None:
+    """Headings name topics; history belongs in CHANGELOG.md and the benchmarks' history."""
+    word = re.compile(
+        r"issue|#\d|\bbranch|\bround\b|\b(?:first|second|third|fourth) run|"
+        r"before ?/ ?after|the rework|withdrawn|"
+        # the code names work was done under
+        r"\b(?:nixlprep|nixlvram|nixlbench|gpunixl|docsite|fuzz|pack|grants|staging)\)",
+        re.I,
+    )
+    bad = []
+    for md in sorted(DOCS.rglob("*.md")):
+        fence = False
+        for line in md.read_text().splitlines():
+            if line.startswith("```"):
+                fence = not fence
+            if not fence and re.match(r"#{1,6} ", line) and word.search(line):
+                bad.append(f"{md.relative_to(ROOT)}: {line}")
+    assert bad == []
+
+
 def test_migration_guide_lists_every_option_key() -> None:
     guide = (DOCS / "migration.md").read_text()
     keys = set(_config._OPTION_KEYS.values()) | set(_config._OLD_KEYS) | _config._PASSTHROUGH_KEYS
