@@ -124,12 +124,16 @@ def test_no_emphasis_inside_a_word(site: Path) -> None:
 
 
 def test_lists_and_code_blocks_are_not_swallowed_by_a_paragraph(site: Path) -> None:
-    """A list (or a code block) right under a line of text needs a blank line before it
-    in Markdown; without one it renders as one paragraph with ``- `` in its text."""
+    """A list, a table or a code block right under a line of text needs a blank line
+    before it in Markdown; without one it renders as one paragraph with ``- `` (or
+    ``| a | b |``) in its text."""
     bad: dict[str, str] = {}
     for page, html in _pages(site).items():
         for para in re.findall(r"<p>(.*?)</p>", html, flags=re.S):
-            if re.search(r"\n\s*(?:[-*+]|\d+\.) ", para) or '<div class="highlight">' in para:
+            swallowed = re.search(r"\n\s*(?:[-*+]|\d+\.) ", para) or re.search(
+                r"(?:^|\n)\s*\|.*\|", para
+            )
+            if swallowed or '<div class="highlight">' in para:
                 bad[page] = para[:120]
     assert bad == {}
 
