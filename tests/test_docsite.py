@@ -1,6 +1,8 @@
-"""The documentation site (issue #12 item 1): ``mkdocs build --strict`` passes (no broken
-link or anchor, no docstring the reference cannot parse), the generated reference
-covers every public name, and the migration guide lists every option key."""
+"""The documentation site: ``mkdocs build --strict`` passes (no broken link or anchor, no
+docstring the reference cannot parse), the generated reference covers every public name
+on pages of a readable size, the built HTML has none of the rendering faults Markdown
+makes easy (escaped pipes, Sphinx roles, emphasis inside identifiers, swallowed lists),
+and the migration guide lists every option key."""
 
 from __future__ import annotations
 
@@ -23,10 +25,19 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
 
-def test_site_builds_strict_with_every_public_name(tmp_path: Path) -> None:
+REFERENCE = ROOT / "docs" / "reference"
+#: The largest a generated reference page may be (bytes of HTML, theme included): one
+#: page per class or topic, never the whole package on one page.
+MAX_REFERENCE_PAGE = 200_000
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as ``mkdocs build --strict`` writes it (no broken link or anchor, no
+    docstring the reference cannot parse)."""
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings_handlers.python")
-    site = tmp_path / "site"
+    site = tmp_path_factory.mktemp("docs") / "site"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
@@ -34,28 +45,163 @@ def test_site_builds_strict_with_every_public_name(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return site
 
-    def ids(page: str) -> set[str]:
+
+def _pages(site: Path) -> dict[str, str]:
+    return {
+        str(p.parent.relative_to(site)): p.read_text()
+        for p in sorted(site.rglob("index.html"))
+        if p.parent.name != "404"
+    }
+
+
+def _ids(site: Path, pages: list[str]) -> set[str]:
+    found: set[str] = set()
+    for page in pages:
         html = (site / "reference" / page / "index.html").read_text()
-        return set(re.findall(r'id="([\w.]+)"', html))
+        found |= set(re.findall(r'id="([\w.]+)"', html))
+    return found
 
+
+def test_site_builds_strict_with_every_public_name(site: Path) -> None:
+    pages = [p.stem for p in REFERENCE.glob("*.md")]
     public = {f"aiokv.{n}" for n in aiokv.__all__ if n != "__version__"}
-    assert public - ids("aiokv") == set()
+    assert public - _ids(site, pages) == set()
     faces = {"LLMDataDist", "CacheManager", "KvCacheManager", "CacheTask"}
-    assert {f"aiokv.sync.{n}" for n in faces} - ids("sync") == set()
-    sync_table = (DOCS / "reference" / "sync.md").read_text()
+    assert {f"aiokv.sync.{n}" for n in faces} - _ids(site, ["sync", "sync-managers"]) == set()
+    sync_table = (REFERENCE / "sync-managers.md").read_text()
     ops = [n for n in vars(aiokv._sync_gen.CacheManagerOps) if not n.startswith("_")]
     assert ops
     for op in ops:
         assert f"[aiokv.CacheManager.{op}]" in sync_table
-    assert {f"aiokv.transport.{n}" for n in aiokv.transport.__all__} - ids("transport") == set()
-    assert {f"aiokv.metrics.{n}" for n in aiokv.metrics.__all__} - ids("metrics") == set()
+    transport = {f"aiokv.transport.{n}" for n in aiokv.transport.__all__}
+    assert transport - _ids(site, ["transport"]) == set()
+    assert {f"aiokv.metrics.{n}" for n in aiokv.metrics.__all__} - _ids(site, ["metrics"]) == set()
     for page in ("quickstart", "concepts", "migration", "examples", "security", "design"):
         assert (site / page / "index.html").is_file()
+
+
+def _prose(html: str) -> str:
+    """``html`` without its code blocks (``<pre>``), where any text may stand."""
+    return re.sub(r"<pre\b.*?</pre>", "", html, flags=re.S)
+
+
+def test_no_literal_escaped_pipe_in_table_cells(site: Path) -> None:
+    """A ``\\|`` in the Markdown of a table cell must not reach the reader."""
+    bad = {
+        page: cell[:80]
+        for page, html in _pages(site).items()
+        for cell in re.findall(r"<td\b[^>]*>(.*?)</td>", html, flags=re.S)
+        if "\\|" in cell
+    }
+    assert bad == {}
+
+
+def test_no_sphinx_role_leaks_as_text(site: Path) -> None:
+    """Docstrings' ``:class:`X``` roles render as code, not as the role's text."""
+    role = re.compile(r":(?:py:)?(?:class|func|meth|data|attr|exc|mod|obj|const):")
+    bad = {
+        page: m.group(0) for page, html in _pages(site).items() if (m := role.search(_prose(html)))
+    }
+    assert bad == {}
+
+
+def test_no_emphasis_inside_a_word(site: Path) -> None:
+    """Underscores inside identifiers (``llm_datadist's``) never open or close emphasis:
+    an ``<em>`` / ``<strong>`` glued to a letter on its outer side is one that did."""
+    glued = re.compile(r"\w<(em|strong)>|</(em|strong)>\w")
+    bad = {
+        page: _prose(html)[m.start() - 40 : m.end() + 40]
+        for page, html in _pages(site).items()
+        if (m := glued.search(_prose(html)))
+    }
+    assert bad == {}
+
+
+def test_lists_and_code_blocks_are_not_swallowed_by_a_paragraph(site: Path) -> None:
+    """A list, a table or a code block right under a line of text needs a blank line
+    before it in Markdown; without one it renders as one paragraph with ``- `` (or
+    ``| a | b |``) in its text."""
+    bad: dict[str, str] = {}
+    for page, html in _pages(site).items():
+        for para in re.findall(r"<p>(.*?)</p>", html, flags=re.S):
+            swallowed = re.search(r"\n\s*(?:[-*+]|\d+\.) ", para) or re.search(
+                r"(?:^|\n)\s*\|.*\|", para
+            )
+            if swallowed or '<div class="highlight">' in para:
+                bad[page] = para[:120]
+    assert bad == {}
+
+
+def test_reference_is_split_with_the_main_classes_first(site: Path) -> None:
+    sizes = {
+        page: len(html.encode())
+        for page, html in _pages(site).items()
+        if page.startswith("reference/")
+    }
+    assert len(sizes) >= 8
+    assert {p: s for p, s in sizes.items() if s > MAX_REFERENCE_PAGE} == {}
+    # The navigation lists the reference pages in order: LLMDataDist, CacheManager and
+    # aiokv.sync come first, after the reference's own index.
+    html = (site / "reference" / "aiokv" / "index.html").read_text()
+    order: list[str] = []
+    for href in re.findall(r'href="\.\./([\w-]+)/"', html):
+        if (REFERENCE / f"{href}.md").is_file() and href not in order:
+            order.append(href)
+    assert order[:4] == ["llmdatadist", "cachemanager", "sync", "sync-managers"], order
+
+
+def test_home_page_is_a_front_door(site: Path) -> None:
+    """The home page says what aiokv is, shows a short program, and points onward."""
+    html = (site / "index.html").read_text()
+    assert "KV" in html and "llm_datadist" in html
+    code = re.findall(r"<pre\b.*?</pre>", html, flags=re.S)
+    assert code, "no code on the home page"
+    lines = re.sub(r"<[^>]+>", "", code[0]).strip().splitlines()
+    assert 8 <= len(lines) <= 30
+    for target in ("quickstart/", "concepts/", "api/", "reference/aiokv/", "why/"):
+        assert f'href="{target}' in html, target
+
+
+def test_home_page_program_runs_as_written(tmp_path: Path) -> None:
+    program = re.findall(r"```python\n(.*?)```", (DOCS / "index.md").read_text(), re.S)[0]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", program],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "pulled: True"
+
+
+def test_no_heading_names_an_issue_or_a_run() -> None:
+    """Headings name topics; history belongs in CHANGELOG.md and the benchmarks' history."""
+    word = re.compile(
+        r"issue|#\d|\bbranch|\bround\b|\b(?:first|second|third|fourth) run|"
+        r"before ?/ ?after|the rework|withdrawn|"
+        # the code names work was done under
+        r"\b(?:nixlprep|nixlvram|nixlbench|gpunixl|docsite|fuzz|pack|grants|staging)\)",
+        re.I,
+    )
+    bad = []
+    for md in sorted(DOCS.rglob("*.md")):
+        fence = False
+        for line in md.read_text().splitlines():
+            if line.startswith("```"):
+                fence = not fence
+            if not fence and re.match(r"#{1,6} ", line) and word.search(line):
+                bad.append(f"{md.relative_to(ROOT)}: {line}")
+    assert bad == []
 
 
 def test_migration_guide_lists_every_option_key() -> None:
