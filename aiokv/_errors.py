@@ -26,6 +26,9 @@ from ._enums import LLMStatusCode
 __all__ = ["LLMException", "NoneArgumentError", "Status", "map_errors", "status_of"]
 
 
+_CODES = frozenset(LLMStatusCode)
+
+
 class LLMException(RuntimeError):
     """An operation failed; ``status_code`` says why.
 
@@ -48,7 +51,8 @@ class LLMException(RuntimeError):
         context: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(*args)
-        self.status_code = LLMStatusCode(status_code)
+        # a code llm_datadist does not name is kept as the int given, as there
+        self.status_code = LLMStatusCode(status_code) if status_code in _CODES else status_code
         self.op = op
         self.context: Mapping[str, Any] = dict(context or {})
 

@@ -57,7 +57,8 @@ def _translate(model: str, exc: ValidationError, *, args_invalid: bool = False) 
     kind = err["type"]
     if args_invalid and kind in ("missing", "extra_forbidden"):
         return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID, op=model)
-    if kind == "no_such_attribute":
+    if kind in ("no_such_attribute", "frozen_instance", "frozen_field"):
+        # llm_datadist's fields are read-only properties: assigning one is an AttributeError
         return AttributeError(msg)
     if err.get("input", ...) is None and kind != "missing":
         return NoneArgumentError(f"{model}: {loc} must not be None")
@@ -339,9 +340,21 @@ class CacheKeyByIdAndIndex(Model):
     cache_id: int
     batch_index: int = 0
 
-    _ranges = field_validator("cluster_id", "cache_id", "batch_index")(
-        classmethod(lambda cls, v: _u64(v))
-    )
+    _ranges = field_validator("cluster_id")(classmethod(lambda cls, v: _u64(v)))
+
+    @field_validator("cache_id")
+    @classmethod
+    def _cache_id(cls, v: int) -> int:
+        if not 0 <= v < 1 << 63:  # llm_datadist: an int64; aiokv's ids are >= 1
+            raise ValueError(f"cache_id {v} is out of range [0, 2**63-1]")
+        return v
+
+    @field_validator("batch_index")
+    @classmethod
+    def _batch_index(cls, v: int) -> int:
+        if not 0 <= v < 1 << 32:  # a uint32, as llm_datadist
+            raise ValueError(f"batch_index {v} is not a uint32 value")
+        return v
 
 
 class LLMClusterInfo(Model):
@@ -549,6 +562,11 @@ class TransferConfig(Model):
         classmethod(lambda cls, v: _check_range(v))
     )
 
+    @property
+    def dst_layer_range(self) -> None:
+        """``None``, as llm_datadist's attribute: the layers land where they leave."""
+        return None
+
 
 class TransferWithCacheKeyConfig(Model):
     """One destination of ``transfer_cache_async`` named by a key on the peer."""
@@ -575,3 +593,8 @@ class TransferWithCacheKeyConfig(Model):
     _layers = field_validator("src_layer_range", "dst_layer_range", mode="before")(
         classmethod(lambda cls, v: _check_range(v))
     )
+
+    @property
+    def dst_cluster_id(self) -> int:
+        """The cluster of ``cache_key``, as llm_datadist's attribute."""
+        return self.cache_key.cluster_id
