@@ -357,6 +357,17 @@ class CacheKeyByIdAndIndex(Model):
         return v
 
 
+class AddressError(LLMException, ValueError):
+    """An IP that is not an address: ``LLMException(LLM_PARAM_INVALID)``, so the
+    ``RuntimeError`` llm_datadist raises, and the ``ValueError`` SPEC §1.2 names."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status_code=LLMStatusCode.LLM_PARAM_INVALID, op="LLMClusterInfo")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self),))
+
+
 class LLMClusterInfo(Model):
     """A peer to link with: its cluster id and its ``(ip, port)`` addresses.
 
@@ -412,7 +423,7 @@ class LLMClusterInfo(Model):
         try:
             ipaddress.ip_address(ip)
         except ValueError:
-            raise ValueError(f"LLMClusterInfo: {ip!r} is not an IP address") from None
+            raise AddressError(f"LLMClusterInfo: {ip!r} is not an IP address") from None
         if not 0 <= port <= 65535:
             raise ValueError(f"LLMClusterInfo: port {port} out of range [0, 65535]")
         return (ip, port)
@@ -535,12 +546,25 @@ class TransferConfig(Model):
             src_batch_index: int = ...,
         ) -> None: ...
 
+    # assignable and checked, as llm_datadist's setters
     model_config = ConfigDict(
-        strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True
+        strict=True,
+        extra="forbid",
+        frozen=False,
+        validate_assignment=True,
+        arbitrary_types_allowed=True,
     )
     _positional = ("dst_cluster_id", "dst_addrs", "src_layer_range", "src_batch_index")
     dst_cluster_id: int
-    dst_addrs: tuple[int, ...]
+    if TYPE_CHECKING:  # a list is assignable too, as llm_datadist's setter takes it
+
+        @property
+        def dst_addrs(self) -> tuple[int, ...]: ...
+        @dst_addrs.setter
+        def dst_addrs(self, value: Sequence[int]) -> None: ...
+
+    else:
+        dst_addrs: tuple[int, ...]
     src_layer_range: range | None = None
     src_batch_index: int = Field(default=0, ge=0)
 
@@ -581,8 +605,13 @@ class TransferWithCacheKeyConfig(Model):
             src_batch_index: int = ...,
         ) -> None: ...
 
+    # assignable and checked, as llm_datadist's setters
     model_config = ConfigDict(
-        strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True
+        strict=True,
+        extra="forbid",
+        frozen=False,
+        validate_assignment=True,
+        arbitrary_types_allowed=True,
     )
     _positional = ("cache_key", "src_layer_range", "dst_layer_range", "src_batch_index")
     cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey

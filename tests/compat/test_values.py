@@ -12,6 +12,7 @@ from aiokv import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
+    LLMClusterInfo,
     LLMException,
     LLMStatusCode,
     MemInfo,
@@ -58,7 +59,52 @@ def test_transfer_configs_have_llm_datadist_s_derived_attributes() -> None:
 def test_llm_exception_keeps_a_code_llm_datadist_does_not_name() -> None:
     """``LLMException(status_code=...)`` stores what it is given, as upstream; a known
     code reads back as the ``LLMStatusCode`` member."""
-    assert LLMException("x", status_code=5).status_code == 5
-    known = LLMException("x", status_code=int(LLMStatusCode.LLM_PARAM_INVALID)).status_code
+    assert LLMException("x", status_code=5).status_code == 5  # type: ignore[arg-type]
+    code = int(LLMStatusCode.LLM_PARAM_INVALID)
+    known = LLMException("x", status_code=code).status_code  # type: ignore[arg-type]
     assert known is LLMStatusCode.LLM_PARAM_INVALID
     assert LLMException("x").status_code is LLMStatusCode.LLM_SUCCESS
+
+
+def test_llm_exception_status_code_is_read_only() -> None:
+    exc = LLMException("x", status_code=LLMStatusCode.LLM_FAILED)
+    with pytest.raises(AttributeError):
+        exc.status_code = LLMStatusCode.LLM_SUCCESS  # type: ignore[misc]
+    assert exc.status_code is LLMStatusCode.LLM_FAILED
+
+
+def test_transfer_configs_are_assignable_and_checked_as_llm_datadist_s_setters() -> None:
+    cfg = TransferConfig(1, [4096, 8192])
+    cfg.src_batch_index = 3
+    cfg.src_layer_range = range(0, 1)
+    cfg.dst_addrs = [1, 2]
+    assert (cfg.src_batch_index, cfg.src_layer_range, tuple(cfg.dst_addrs)) == (
+        3,
+        range(0, 1),
+        (1, 2),
+    )
+    with pytest.raises(ValueError):
+        cfg.src_layer_range = range(0, 4, 2)
+    with pytest.raises(ValueError):
+        cfg.dst_cluster_id = -1
+    assert cfg.src_layer_range == range(0, 1) and cfg.dst_cluster_id == 1  # refused: unchanged
+    key = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(1, 2), range(0, 1), range(0, 1))
+    key.cache_key = BlocksCacheKey(5)
+    key.dst_layer_range = range(1, 2)
+    assert key.dst_cluster_id == 5 and key.dst_layer_range == range(1, 2)
+    with pytest.raises(TypeError):
+        key.cache_key = 5  # type: ignore[assignment]
+    assert key.cache_key == BlocksCacheKey(5)
+
+
+def test_a_bad_ip_raises_llm_datadist_s_runtime_error_too() -> None:
+    """llm_datadist: ``RuntimeError("Can not parse ip str:...")``; aiokv's error is that
+    (an ``LLMException(LLM_PARAM_INVALID)``) and a ``ValueError``."""
+    info = LLMClusterInfo()
+    for append in (info.append_local_ip_info, info.append_remote_ip_info):
+        with pytest.raises(RuntimeError) as caught:
+            append("localhost", 26000)
+        assert isinstance(caught.value, ValueError)
+        assert isinstance(caught.value, LLMException)
+        assert caught.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
+    assert info.local_ip_info_list == [] and info.remote_ip_info_list == []
