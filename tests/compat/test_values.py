@@ -108,3 +108,15 @@ def test_a_bad_ip_raises_llm_datadist_s_runtime_error_too() -> None:
         assert isinstance(caught.value, LLMException)
         assert caught.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
     assert info.local_ip_info_list == [] and info.remote_ip_info_list == []
+
+
+def test_enums_iterate_in_llm_datadist_s_order() -> None:
+    """The order of llm_datadist's declarations (``status.py``, ``data_type.py``)."""
+    assert [m.name for m in DataType] == [
+        "DT_FLOAT", "DT_FLOAT16", "DT_BF16", "DT_INT8", "DT_INT16", "DT_UINT16", "DT_UINT8",
+        "DT_INT32", "DT_INT64", "DT_UINT32", "DT_UINT64", "DT_BOOL", "DT_DOUBLE", "DT_STRING",
+    ]  # fmt: skip
+    assert [m.name for m in LLMStatusCode][:5] == [
+        "LLM_SUCCESS", "LLM_FAILED", "LLM_PARAM_INVALID", "LLM_WAIT_PROCESS_TIMEOUT",
+        "LLM_KV_CACHE_NOT_EXIST",
+    ]  # fmt: skip
