@@ -247,6 +247,30 @@ _IGNORED_FIELDS = (
     "cluster_info",
     "global_resource_config",
 )
+#: llm_datadist's ``None``: assigned (or given) it, these fields go back to unset
+_NONE_UNSETS = frozenset(
+    {
+        "enable_cache_manager",
+        "enable_remote_cache_accessible",
+        "enable_switch_role",
+        "transfer_backend",
+        "local_comm_res",
+        "global_resource_config",
+    }
+)
+#: fields llm_datadist's ``generate_options()`` leaves out while they are false (``""``,
+#: ``False``), set or not; the others are emitted once set, ``""`` / ``0`` / ``False`` too
+_EMITTED_WHEN_TRUE = frozenset(
+    {
+        "listen_ip_info",
+        "deploy_res_path",
+        "buf_pool_cfg",
+        "cluster_info",
+        "mem_pool_cfg",
+        "host_mem_pool_cfg",
+        "enable_switch_role",
+    }
+)
 #: fields whose value is a secret (``SecretStr``): masked in ``generate_options()``
 _SECRET_FIELDS = frozenset({"link_secret"})
 #: the option keys of those fields: masked where ``ge_options`` carries them
@@ -345,21 +369,21 @@ class LLMConfig(Model):
             mem_pool_cfg: MemPoolConfig | str | None = ...,
             host_mem_pool_cfg: MemPoolConfig | str | None = ...,
             listen_ip_info: str | None = ...,
-            enable_cache_manager: bool = ...,
-            enable_remote_cache_accessible: bool = ...,
+            enable_cache_manager: bool | None = ...,
+            enable_remote_cache_accessible: bool | None = ...,
             link_total_time: int = ...,
             link_retry_count: int = ...,
-            transfer_backend: Literal["tcp", "local", "nixl", "hixl"] = ...,
+            transfer_backend: Literal["tcp", "local", "nixl", "hixl"] | None = ...,
             local_comm_res: str | None = ...,
             ge_options: dict[str, str] = ...,
-            enable_switch_role: bool = ...,
+            enable_switch_role: bool | None = ...,
             rdma_traffic_class: int | None = ...,
             rdma_service_level: int | None = ...,
             buf_pool_cfg: str | None = ...,
             mem_utilization: float = ...,
             deploy_res_path: str | None = ...,
             output_max_size: int | None = ...,
-            cluster_info: str | None = ...,
+            cluster_info: str = ...,
             global_resource_config: str | None = ...,
             link_secret: str | SecretStr | None = ...,
             handshake_timeout: int = ...,
@@ -381,6 +405,7 @@ class LLMConfig(Model):
                         raise TypeError(
                             f"LLMConfig: {unknown_name('option', name, type(self).model_fields)}"
                         )
+                kwargs = {k: v for k, v in kwargs.items() if not (v is None and k in _NONE_UNSETS)}
                 env = {} if _CHECKING_ENV.get() else _env_defaults()
                 super().__init__(*args, **(env | kwargs))
             if env:  # defaults from the environment are not options that were set
@@ -409,23 +434,65 @@ class LLMConfig(Model):
         sync_kv_timeout: int = Field(default=1000, gt=0, le=2**31 - 1)
         mem_pool_cfg: MemPoolConfig | None = None
         host_mem_pool_cfg: MemPoolConfig | None = None
-    listen_ip_info: str | None = None
-    enable_cache_manager: bool = False
-    enable_remote_cache_accessible: bool = False
+    listen_ip_info: str | None = ""
+    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
+
+        @property
+        def enable_cache_manager(self) -> bool: ...
+        @enable_cache_manager.setter
+        def enable_cache_manager(self, value: bool | None) -> None: ...
+
+    else:
+        enable_cache_manager: bool = False
+    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
+
+        @property
+        def enable_remote_cache_accessible(self) -> bool: ...
+        @enable_remote_cache_accessible.setter
+        def enable_remote_cache_accessible(self, value: bool | None) -> None: ...
+
+    else:
+        enable_remote_cache_accessible: bool = False
     link_total_time: int = Field(default=0, ge=0, le=2**32 - 1)
     link_retry_count: int = Field(default=1, ge=1, le=100)
-    transfer_backend: Literal["tcp", "local", "nixl"] = "tcp"
+    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
+
+        @property
+        def transfer_backend(self) -> Literal["tcp", "local", "nixl"]: ...
+        @transfer_backend.setter
+        def transfer_backend(
+            self, value: Literal["tcp", "local", "nixl", "hixl"] | None
+        ) -> None: ...
+
+    else:
+        transfer_backend: Literal["tcp", "local", "nixl"] = "tcp"
     local_comm_res: str | None = None
     ge_options: dict[str, str] = Field(default_factory=dict)
-    enable_switch_role: bool = False
+    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
+
+        @property
+        def enable_switch_role(self) -> bool: ...
+        @enable_switch_role.setter
+        def enable_switch_role(self, value: bool | None) -> None: ...
+
+    else:
+        enable_switch_role: bool = False
     rdma_traffic_class: int | None = Field(default=None, ge=0, le=2**32 - 1)
     rdma_service_level: int | None = Field(default=None, ge=0, le=2**32 - 1)
-    buf_pool_cfg: str | None = None
+    buf_pool_cfg: str | None = ""
     mem_utilization: float = Field(default=0.95, ge=0.0, le=1.0)
-    deploy_res_path: str | None = None
+    deploy_res_path: str | None = ""
     output_max_size: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    cluster_info: str | None = None
-    global_resource_config: str | None = None
+    cluster_info: str = ""
+    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
+
+        @property
+        def global_resource_config(self) -> str: ...
+        @global_resource_config.setter
+        def global_resource_config(self, value: str | None) -> None: ...
+
+    else:
+        global_resource_config: str = ""
     link_secret: SecretStr | None = Field(default=None, min_length=1, max_length=_SECRET_MAX)
     handshake_timeout: int = Field(default=10000, gt=0, le=2**31 - 1)
     tls_cert_file: str | None = Field(default=None, min_length=1, max_length=4096)
@@ -444,6 +511,9 @@ class LLMConfig(Model):
             raise AttributeError(
                 f"LLMConfig: {unknown_name('attribute', name, type(self).model_fields)}"
             )
+        if value is None and name in _NONE_UNSETS:
+            self._unset(name)
+            return
         saved, fields_set = dict(self.__dict__), set(self.__pydantic_fields_set__)
         ge_secrets = self._ge_secrets
         try:
@@ -455,6 +525,16 @@ class LLMConfig(Model):
             object.__setattr__(self, "__pydantic_fields_set__", fields_set)
             self.__pydantic_private__["_ge_secrets"] = ge_secrets  # type: ignore[index]
             raise
+
+    def _unset(self, name: str) -> None:
+        """Back to unset, as llm_datadist's ``None``: the default value, left out of
+        ``generate_options()``; the ``enable_*`` fields follow ``local_comm_res`` again."""
+        self.__pydantic_fields_set__.discard(name)
+        self.__dict__[name] = type(self).model_fields[name].get_default(call_default_factory=True)
+        implied = self.local_comm_res is not None
+        for field in ("enable_cache_manager", "enable_remote_cache_accessible"):
+            if field not in self.__pydantic_fields_set__:
+                self.__dict__[field] = implied
 
     @field_validator("sync_kv_timeout", mode="before")
     @classmethod
@@ -474,9 +554,8 @@ class LLMConfig(Model):
 
     @field_validator("cluster_info")
     @classmethod
-    def _json(cls, v: str | None) -> str | None:
-        if v is not None:
-            json.loads(v)  # a ValueError (JSONDecodeError) when it is not JSON, as upstream
+    def _json(cls, v: str) -> str:
+        json.loads(v)  # a ValueError (JSONDecodeError) when it is not JSON ("" too), as upstream
         return v
 
     @field_validator("mem_utilization")
@@ -489,7 +568,7 @@ class LLMConfig(Model):
     @field_validator("mem_pool_cfg", "host_mem_pool_cfg", mode="before")
     @classmethod
     def _pool(cls, v: Any) -> Any:
-        return None if v is None else MemPoolConfig.parse(v)
+        return None if v is None or v == "" else MemPoolConfig.parse(v)  # "": no pool, as there
 
     @field_validator("host_mem_pool_cfg")
     @classmethod
@@ -501,7 +580,7 @@ class LLMConfig(Model):
     @field_validator("listen_ip_info")
     @classmethod
     def _listen(cls, v: str | None) -> str | None:
-        if v is not None:
+        if v:  # "" and None: not set, as in llm_datadist
             _ip_port(v)
         return v
 
@@ -550,7 +629,7 @@ class LLMConfig(Model):
     @property
     def listen_address(self) -> tuple[str, int] | None:
         """``listen_ip_info`` as ``(host, port)``."""
-        return None if self.listen_ip_info is None else _ip_port(self.listen_ip_info)
+        return _ip_port(self.listen_ip_info) if self.listen_ip_info else None
 
     def generate_options(self, *, reveal_secrets: bool = False) -> dict[str, str]:
         """The ``dict[str, str]`` form accepted by ``LLMDataDist.init``: only the options
@@ -565,6 +644,8 @@ class LLMConfig(Model):
         for field, key in _OPTION_KEYS.items():
             value = getattr(self, field)
             if field not in self.model_fields_set or value is None:
+                continue
+            if not value and field in _EMITTED_WHEN_TRUE:
                 continue
             if isinstance(value, SecretStr):
                 out[key] = value.get_secret_value() if reveal_secrets else SECRET_MASK

@@ -25,20 +25,21 @@ class DataType(_Named):
     can hold it.
     """
 
+    # llm_datadist's order (iteration follows it); the values are GE's
     DT_FLOAT = 0
     DT_FLOAT16 = 1
+    DT_BF16 = 27
     DT_INT8 = 2
-    DT_INT32 = 3
-    DT_UINT8 = 4
     DT_INT16 = 6
     DT_UINT16 = 7
-    DT_UINT32 = 8
+    DT_UINT8 = 4
+    DT_INT32 = 3
     DT_INT64 = 9
+    DT_UINT32 = 8
     DT_UINT64 = 10
-    DT_DOUBLE = 11
     DT_BOOL = 12
+    DT_DOUBLE = 11
     DT_STRING = 13
-    DT_BF16 = 27
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -120,13 +121,13 @@ class LLMStatusCode(_Named):
     (507057). ``LLM_SEQ_LENOVERLIMIT`` keeps llm_datadist's spelling.
     """
 
-    LLM_SUCCESS = 0
+    LLM_SUCCESS = 0  # llm_datadist's order (iteration follows it)
     LLM_FAILED = 0xFFFFFFFF
+    LLM_PARAM_INVALID = _BASE + 5
     LLM_WAIT_PROCESS_TIMEOUT = _BASE + 1
     LLM_KV_CACHE_NOT_EXIST = _BASE + 2
     LLM_REPEAT_REQUEST = _BASE + 3
     LLM_REQUEST_ALREADY_COMPLETED = _BASE + 4
-    LLM_PARAM_INVALID = _BASE + 5
     LLM_ENGINE_FINALIZED = _BASE + 6
     LLM_NOT_YET_LINK = _BASE + 7
     LLM_ALREADY_LINK = _BASE + 8

@@ -26,6 +26,9 @@ from ._enums import LLMStatusCode
 __all__ = ["LLMException", "NoneArgumentError", "Status", "map_errors", "status_of"]
 
 
+_CODES = frozenset(LLMStatusCode)
+
+
 class LLMException(RuntimeError):
     """An operation failed; ``status_code`` says why.
 
@@ -34,7 +37,6 @@ class LLMException(RuntimeError):
     the code part of ``args``, as upstream).
 
     Attributes:
-        status_code: the llm_datadist code.
         op: the public operation that failed, once known (``None`` while the error is
             still inside a lower layer, e.g. a transport).
         context: what the operation was about (peer cluster, key, ...), set with ``op``.
@@ -48,9 +50,15 @@ class LLMException(RuntimeError):
         context: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(*args)
-        self.status_code = LLMStatusCode(status_code)
+        # a code llm_datadist does not name is kept as the int given, as there
+        self._status_code = LLMStatusCode(status_code) if status_code in _CODES else status_code
         self.op = op
         self.context: Mapping[str, Any] = dict(context or {})
+
+    @property
+    def status_code(self) -> LLMStatusCode:
+        """The llm_datadist code (read-only, as there)."""
+        return self._status_code
 
     def in_context(self, op: str, **context: Any) -> LLMException:
         """This error as seen by the public operation ``op``; added once, by one layer.

@@ -57,7 +57,8 @@ def _translate(model: str, exc: ValidationError, *, args_invalid: bool = False) 
     kind = err["type"]
     if args_invalid and kind in ("missing", "extra_forbidden"):
         return LLMException(msg, status_code=LLMStatusCode.LLM_PARAM_INVALID, op=model)
-    if kind == "no_such_attribute":
+    if kind in ("no_such_attribute", "frozen_instance", "frozen_field"):
+        # llm_datadist's fields are read-only properties: assigning one is an AttributeError
         return AttributeError(msg)
     if err.get("input", ...) is None and kind != "missing":
         return NoneArgumentError(f"{model}: {loc} must not be None")
@@ -339,9 +340,32 @@ class CacheKeyByIdAndIndex(Model):
     cache_id: int
     batch_index: int = 0
 
-    _ranges = field_validator("cluster_id", "cache_id", "batch_index")(
-        classmethod(lambda cls, v: _u64(v))
-    )
+    _ranges = field_validator("cluster_id")(classmethod(lambda cls, v: _u64(v)))
+
+    @field_validator("cache_id")
+    @classmethod
+    def _cache_id(cls, v: int) -> int:
+        if not 0 <= v < 1 << 63:  # llm_datadist: an int64; aiokv's ids are >= 1
+            raise ValueError(f"cache_id {v} is out of range [0, 2**63-1]")
+        return v
+
+    @field_validator("batch_index")
+    @classmethod
+    def _batch_index(cls, v: int) -> int:
+        if not 0 <= v < 1 << 32:  # a uint32, as llm_datadist
+            raise ValueError(f"batch_index {v} is not a uint32 value")
+        return v
+
+
+class AddressError(LLMException, ValueError):
+    """An IP that is not an address: ``LLMException(LLM_PARAM_INVALID)``, so the
+    ``RuntimeError`` llm_datadist raises, and the ``ValueError`` SPEC §1.2 names."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status_code=LLMStatusCode.LLM_PARAM_INVALID, op="LLMClusterInfo")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self),))
 
 
 class LLMClusterInfo(Model):
@@ -399,7 +423,7 @@ class LLMClusterInfo(Model):
         try:
             ipaddress.ip_address(ip)
         except ValueError:
-            raise ValueError(f"LLMClusterInfo: {ip!r} is not an IP address") from None
+            raise AddressError(f"LLMClusterInfo: {ip!r} is not an IP address") from None
         if not 0 <= port <= 65535:
             raise ValueError(f"LLMClusterInfo: port {port} out of range [0, 65535]")
         return (ip, port)
@@ -522,12 +546,25 @@ class TransferConfig(Model):
             src_batch_index: int = ...,
         ) -> None: ...
 
+    # assignable and checked, as llm_datadist's setters
     model_config = ConfigDict(
-        strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True
+        strict=True,
+        extra="forbid",
+        frozen=False,
+        validate_assignment=True,
+        arbitrary_types_allowed=True,
     )
     _positional = ("dst_cluster_id", "dst_addrs", "src_layer_range", "src_batch_index")
     dst_cluster_id: int
-    dst_addrs: tuple[int, ...]
+    if TYPE_CHECKING:  # a list is assignable too, as llm_datadist's setter takes it
+
+        @property
+        def dst_addrs(self) -> tuple[int, ...]: ...
+        @dst_addrs.setter
+        def dst_addrs(self, value: Sequence[int]) -> None: ...
+
+    else:
+        dst_addrs: tuple[int, ...]
     src_layer_range: range | None = None
     src_batch_index: int = Field(default=0, ge=0)
 
@@ -549,6 +586,11 @@ class TransferConfig(Model):
         classmethod(lambda cls, v: _check_range(v))
     )
 
+    @property
+    def dst_layer_range(self) -> None:
+        """``None``, as llm_datadist's attribute: the layers land where they leave."""
+        return None
+
 
 class TransferWithCacheKeyConfig(Model):
     """One destination of ``transfer_cache_async`` named by a key on the peer."""
@@ -563,8 +605,13 @@ class TransferWithCacheKeyConfig(Model):
             src_batch_index: int = ...,
         ) -> None: ...
 
+    # assignable and checked, as llm_datadist's setters
     model_config = ConfigDict(
-        strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True
+        strict=True,
+        extra="forbid",
+        frozen=False,
+        validate_assignment=True,
+        arbitrary_types_allowed=True,
     )
     _positional = ("cache_key", "src_layer_range", "dst_layer_range", "src_batch_index")
     cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey
@@ -575,3 +622,8 @@ class TransferWithCacheKeyConfig(Model):
     _layers = field_validator("src_layer_range", "dst_layer_range", mode="before")(
         classmethod(lambda cls, v: _check_range(v))
     )
+
+    @property
+    def dst_cluster_id(self) -> int:
+        """The cluster of ``cache_key``, as llm_datadist's attribute."""
+        return self.cache_key.cluster_id

@@ -36,7 +36,7 @@ def test_environment_supplies_defaults_and_arguments_win(monkeypatch: pytest.Mon
     cfg = LLMConfig()
     assert (cfg.device_id, cfg.enable_cache_manager, cfg.sync_kv_timeout) == (3, True, 2500)
     assert cfg.host_mem_pool_cfg is not None and cfg.host_mem_pool_cfg.page_shift == 12
-    assert cfg.transfer_backend == "tcp" and cfg.listen_ip_info is None
+    assert cfg.transfer_backend == "tcp" and cfg.listen_ip_info == ""
     # defaults, not options that were set: generate_options() leaves them out
     assert cfg.generate_options() == {}
     explicit = LLMConfig(device_id=1, sync_kv_timeout=10)

@@ -17,6 +17,7 @@ import pytest
 import aiokv
 import aiokv.sync
 from aiokv import LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from aiokv._config import _OPTION_KEYS
 from aiokv.transport.tcp import TcpTransport
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
@@ -122,18 +123,98 @@ def test_generate_options_emits_only_what_was_set() -> None:
     cfg = LLMConfig(link_retry_count=1)  # a default value, but set: emitted
     assert cfg.generate_options() == {"llm.LinkRetryCount": "1"}
     cfg.device_id = 3
-    cfg.enable_switch_role = False
+    cfg.enable_switch_role = True
     cfg.mem_utilization = 0.5
     assert cfg.generate_options() == {
         "llm.LinkRetryCount": "1",
         "ge.exec.deviceId": "3",
         "ge.session_device_id": "3",
-        "llm.EnableSwitchRole": "0",
+        "llm.EnableSwitchRole": "1",
         "llm.MemoryUtilization": "0.5",
     }
-    cfg.listen_ip_info = None  # set to "not set"
+    cfg.listen_ip_info = ""  # "not set", as in llm_datadist
     assert "llm.listenIpInfo" not in cfg.generate_options()
     assert LLMConfig.from_options(cfg.generate_options()) == cfg
+
+
+def test_false_values_are_left_out_where_llm_datadist_leaves_them_out() -> None:
+    """llm_datadist's ``gen_options()`` emits these only while true (``if value:``);
+    ``local_comm_res``, ``global_resource_config`` and the numbers and ``enable_*``
+    flags it emits once set, ``""`` / ``0`` / ``False`` included."""
+    cfg = LLMConfig()
+    cfg.enable_switch_role = False
+    cfg.deploy_res_path = ""
+    cfg.buf_pool_cfg = ""
+    cfg.listen_ip_info = ""
+    cfg.mem_pool_cfg = ""
+    cfg.host_mem_pool_cfg = ""
+    assert cfg.generate_options() == {}
+    assert cfg.listen_address is None and cfg.mem_pool_cfg is None  # "": no listener, no pool
+    cfg.local_comm_res = ""
+    cfg.global_resource_config = ""
+    cfg.enable_cache_manager = True
+    cfg.enable_remote_cache_accessible = False
+    cfg.link_total_time = 0
+    cfg.output_max_size = 0
+    assert cfg.generate_options() == {
+        "llm.LocalCommRes": "",
+        "llm.GlobalResourceConfig": "",
+        "llm.EnableCacheManager": "1",
+        "llm.EnableRemoteCacheAccessible": "0",
+        "llm.LinkTotalTime": "0",
+        "llm.OutputMaxSize": "0",
+    }
+
+
+def test_unset_string_options_read_empty_as_in_llm_datadist() -> None:
+    cfg = LLMConfig()
+    for field in (
+        "listen_ip_info",
+        "deploy_res_path",
+        "buf_pool_cfg",
+        "cluster_info",
+        "global_resource_config",
+    ):
+        assert getattr(cfg, field) == "", field
+    cfg.listen_ip_info = None  # stored, as there; not set either way
+    cfg.deploy_res_path = None
+    assert (cfg.listen_ip_info, cfg.deploy_res_path) == (None, None)
+    assert cfg.generate_options() == {}
+    with pytest.raises(TypeError):  # llm_datadist: json.loads(None), a TypeError
+        cfg.cluster_info = None  # type: ignore[assignment]
+    param_invalid(lambda: setattr(cfg, "cluster_info", ""))  # not JSON, as there
+    assert cfg.cluster_info == "" and cfg.generate_options() == {}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "unset"),
+    [
+        ("enable_cache_manager", True, False),
+        ("enable_remote_cache_accessible", True, False),
+        ("enable_switch_role", True, False),
+        ("transfer_backend", "local", "tcp"),
+        ("local_comm_res", "{}", None),
+        ("global_resource_config", "g", ""),
+    ],
+)
+def test_none_unsets_as_in_llm_datadist(field: str, value: Any, unset: Any) -> None:
+    cfg = LLMConfig(**{field: value})
+    assert _OPTION_KEYS[field] in cfg.generate_options()
+    setattr(cfg, field, None)
+    assert getattr(cfg, field) == unset
+    assert cfg.generate_options() == {}
+    given: dict[str, Any] = {field: None}
+    assert LLMConfig(**given).generate_options() == {}  # given as None: not given
+
+
+def test_none_unset_enable_flags_follow_local_comm_res_again() -> None:
+    cfg = LLMConfig(local_comm_res="{}", enable_remote_cache_accessible=False)
+    assert not cfg.enable_remote_cache_accessible
+    cfg.enable_remote_cache_accessible = None
+    assert cfg.enable_remote_cache_accessible  # implied by local_comm_res again
+    assert cfg.generate_options() == {"llm.LocalCommRes": "{}"}
+    cfg.local_comm_res = None
+    assert not cfg.enable_cache_manager and not cfg.enable_remote_cache_accessible
 
 
 def test_digit_strings_where_llm_datadist_takes_them() -> None:
