@@ -10,20 +10,23 @@ definition.
 
 Runs are computed once per layout (numpy for long block lists, kept as numpy arrays, so
 a layout that is only ever turned into addresses — NIXL — costs no Python per run;
-plain Python for short ones); turning a layout into buffers costs one memoryview slice
-(~0.1 µs) per run per buffer, never a fresh view over raw memory.
+plain Python for short ones). Turning a layout into buffers (:meth:`ByteLayout.views`)
+makes no Python object per run: a :class:`LayoutViews` hands out address rows (numpy)
+to transports that move bytes by address, and makes a view (one memoryview slice,
+~0.1 µs) only when one is asked for.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-__all__ = ["ByteLayout", "LayoutViews", "address_of", "tensor_bytes"]
+__all__ = ["ByteLayout", "LayoutViews", "address_of", "tensor_bytes", "total_bytes"]
 
 #: block lists up to this long are laid out in plain Python (cheaper than numpy's setup)
 _SMALL = 32
@@ -54,7 +57,7 @@ class ByteLayout:
             long (the serving side checks it against the memory it registered).
     """
 
-    __slots__ = ("_nonempty", "_slices", "ends", "extent", "per_buffer", "runs", "starts")
+    __slots__ = ("_nonempty", "ends", "extent", "per_buffer", "runs", "starts")
 
     def __init__(
         self,
@@ -62,7 +65,6 @@ class ByteLayout:
         ends: Sequence[int] | npt.NDArray[np.int64],
     ) -> None:
         self.starts, self.ends = starts, ends
-        self._slices: list[slice] | None = None  # built on the first views()
         self.runs = len(starts)
         if isinstance(starts, np.ndarray) and isinstance(ends, np.ndarray):
             lens = ends - starts  # long lists stay numpy: no Python object per run
@@ -126,29 +128,23 @@ class ByteLayout:
         """Bytes a transfer over ``nbuffers`` buffers moves."""
         return self.per_buffer * nbuffers
 
-    def views(self, buffers: Sequence[memoryview]) -> list[memoryview]:
+    def views(self, buffers: Sequence[memoryview]) -> Sequence[memoryview]:
         """The runs of each buffer in wire order (buffer-major): slices, no copies.
 
         Over flat ``'B'`` buffers each at least :attr:`extent` long, with every run
-        non-empty (the usual case), the list is a :class:`LayoutViews`, which also
-        knows the runs' addresses without a look at each view.
+        non-empty (the usual case), the answer is a :class:`LayoutViews`: it makes no
+        view until one is asked for, and knows the runs' addresses without any, so a
+        transport that moves bytes by address (TCP's ``readv`` / ``writev``, NIXL) costs
+        no Python object per run. Otherwise it is a list of slices.
         """
-        out: list[memoryview] = []
-        for buf in buffers:
-            out.extend(map(buf.__getitem__, self.slices()))
         if (
             self.runs
             and all(b.format == "B" and b.ndim == 1 and len(b) >= self.extent for b in buffers)
             and self._nonempty
         ):
-            return LayoutViews(out, buffers, self)
-        return out
-
-    def slices(self) -> list[slice]:
-        """The runs of one buffer as slices, in wire order (built once)."""
-        if self._slices is None:
-            self._slices = [slice(a, b) for a, b in self.bounds()]
-        return self._slices
+            return LayoutViews(buffers, self)
+        bounds = self.bounds()
+        return [buf[a:b] for buf in buffers for a, b in bounds]
 
     def bounds(self) -> list[tuple[int, int]]:
         """The runs of one buffer as ``(start, end)`` Python ints, in wire order."""
@@ -177,10 +173,14 @@ class ByteLayout:
         return f"ByteLayout(runs={self.runs}, per_buffer={self.per_buffer}, extent={self.extent})"
 
 
-class LayoutViews(list[memoryview]):
-    """:meth:`ByteLayout.views` over flat ``'B'`` buffers: the views (flat, non-empty,
-    each inside its buffer) plus their memory as address runs, for transports that
-    move bytes by address (NIXL) without looking at each view.
+class LayoutViews(Sequence[memoryview]):
+    """:meth:`ByteLayout.views` over flat ``'B'`` buffers: a read-only sequence of the
+    views (flat, non-empty, each inside its buffer), made one at a time when asked for
+    (indexing, iteration), plus their memory as address rows (:meth:`runs`), for
+    transports that move bytes by address without a Python object per run.
+
+    The buffers' memory must stay alive (and, for :meth:`runs`, in place) while the
+    views or rows are used, as for any view.
 
     Attributes:
         total: bytes over all views.
@@ -189,18 +189,45 @@ class LayoutViews(list[memoryview]):
 
     __slots__ = ("_bases", "_layout", "readonly", "total")
 
-    def __init__(
-        self, views: list[memoryview], buffers: Sequence[memoryview], layout: ByteLayout
-    ) -> None:
-        super().__init__(views)
+    def __init__(self, buffers: Sequence[memoryview], layout: ByteLayout) -> None:
         self._layout = layout
-        self._bases = buffers
-        self.total = layout.per_buffer * len(buffers)
-        self.readonly = any(b.readonly for b in buffers)
+        self._bases = list(buffers)
+        self.total = layout.per_buffer * len(self._bases)
+        self.readonly = any(b.readonly for b in self._bases)
+
+    def __len__(self) -> int:
+        return self._layout.runs * len(self._bases)
+
+    @overload
+    def __getitem__(self, index: int) -> memoryview: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[memoryview]: ...
+    def __getitem__(self, index: int | slice) -> memoryview | list[memoryview]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError("LayoutViews index out of range")
+        buf, run = divmod(index, self._layout.runs)
+        return self._bases[buf][int(self._layout.starts[run]) : int(self._layout.ends[run])]
+
+    def __iter__(self) -> Iterator[memoryview]:
+        bounds = self._layout.bounds()
+        for buf in self._bases:
+            for a, b in bounds:
+                yield buf[a:b]
 
     def runs(self) -> npt.NDArray[np.uint64]:
-        """The views' memory as ``(address, length)`` rows in order, adjacent ones merged."""
+        """The views' memory as ``(address, length)`` rows in order, adjacent ones merged
+        (numpy: no per-run Python)."""
         return self._layout.addresses([address_of(b) for b in self._bases])
+
+
+def total_bytes(views: Sequence[memoryview]) -> int:
+    """Bytes over flat ``'B'`` ``views`` (a :class:`LayoutViews` knows without making any)."""
+    return views.total if isinstance(views, LayoutViews) else sum(map(len, views))
 
 
 def address_of(view: memoryview) -> int:

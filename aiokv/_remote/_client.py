@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from .._copy import MAX_STAGED_BYTES, PART_BYTES, Stager, is_staged
 from .._engine import completing
 from .._enums import LLMStatusCode
 from .._errors import LLMException, map_errors
-from .._layout import tensor_bytes
+from .._layout import tensor_bytes, total_bytes
 from .._stats import PeerCounters
 from ..transport import DeviceRuns, Link
 from ._leases import LeaseKey, Leases, reply_size
@@ -223,7 +224,7 @@ class RemoteClient:
 
         committed = False  # a releasing part arrived: the peer released the key
 
-        async def send(part: Part, views: list[memoryview] | DeviceRuns, left: float) -> None:
+        async def send(part: Part, views: Sequence[memoryview] | DeviceRuns, left: float) -> None:
             nonlocal committed
             await self.transfer(
                 op, link, part.request, views, write=write, about=about, timeout=left
@@ -294,7 +295,7 @@ class RemoteClient:
         op: str,
         link: Link,
         request: Request,
-        views: list[memoryview] | DeviceRuns,
+        views: Sequence[memoryview] | DeviceRuns,
         *,
         write: bool,
         about: dict[str, Any],
@@ -317,7 +318,7 @@ class RemoteClient:
         if timeout is None:
             timeout = self._config.sync_kv_timeout / 1000
         cid = link.peer.cluster_id
-        nbytes = views.total if isinstance(views, DeviceRuns) else sum(map(len, views))
+        nbytes = views.total if isinstance(views, DeviceRuns) else total_bytes(views)
         try:
             with (
                 self._links.request(cid),

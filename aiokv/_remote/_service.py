@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -25,7 +26,7 @@ from .._config import LLMConfig
 from .._copy import MAX_STAGED_BYTES, Stager, is_staged
 from .._enums import DataType, LLMStatusCode
 from .._errors import LLMException
-from .._layout import ByteLayout, tensor_bytes
+from .._layout import ByteLayout, tensor_bytes, total_bytes
 from .._models import BlocksCacheKey, CacheKey
 from .._registry import CacheRegistry, Entry
 from .._stats import PeerCounters
@@ -197,7 +198,7 @@ class PeerService:
         except LLMException as exc:  # e.g. the memory is being unregistered
             served.refused(exc.status_code)
             raise
-        return self._counted(peer, write, grant, sum(map(len, views)))
+        return self._counted(peer, write, grant, total_bytes(views))
 
     def _lease_req(
         self, peer: PeerInfo, req: LeaseReq | RevokeReq, *, write: bool
@@ -359,7 +360,7 @@ class PeerService:
     def _issue(
         self,
         entries: list[Entry],
-        views: list[memoryview],
+        views: Sequence[memoryview],
         release: CacheKey | None,
         *,
         pinned: bool = False,

@@ -135,7 +135,7 @@ class Grant:
     """
 
     status: LLMStatusCode
-    buffers: list[memoryview] = field(default_factory=list)
+    buffers: Sequence[memoryview] = field(default_factory=list)
     done: Callable[[bool], None] | None = None
     commit: Callable[[], Awaitable[LLMStatusCode]] | None = None
     reason: str = ""
@@ -551,7 +551,7 @@ class Transport(abc.ABC):
 
 def flatten_views(
     op: str, views: Sequence[Any] | DeviceRuns, *, writable: bool
-) -> tuple[list[memoryview], int]:
+) -> tuple[Sequence[memoryview], int]:
     """Flat, non-empty ``'B'`` views over ``views`` and their total length (a
     :class:`~aiokv._layout.LayoutViews` is returned as it is: checked when made).
 
@@ -646,7 +646,7 @@ def grant_reason(grant: object) -> str:
 
 def check_grant(
     grant: object, name: str, *, writable: bool, device_ok: bool = False
-) -> tuple[LLMStatusCode, list[memoryview], int]:
+) -> tuple[LLMStatusCode, Sequence[memoryview], int]:
     """A handler's answer as ``(status, flat buffers, total)``.
 
     Anything unusable (not a :class:`Grant`, an unknown status, buffers that are not flat

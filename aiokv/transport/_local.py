@@ -144,7 +144,7 @@ class _Op:
         self.task: asyncio.Task[None] | None = None
         self.status = _S.LLM_FAILED  # unless the handler answers
         self.reason = ""  # the server's reason for a refusal (sanitized)
-        self.views: list[memoryview] = []
+        self.views: Sequence[memoryview] = []
         self.total = 0
         self.done: Callable[[bool], None] | None = None
         self.commit: Callable[[], Awaitable[LLMStatusCode]] | None = None  # Grant.commit
@@ -359,7 +359,9 @@ class _LocalLink(Link):
                 status_code=status,
             )
 
-    async def _copy(self, name: str, op: _Op, src: list[memoryview], dst: list[memoryview]) -> None:
+    async def _copy(
+        self, name: str, op: _Op, src: Sequence[memoryview], dst: Sequence[memoryview]
+    ) -> None:
         """Copy ``src`` into ``dst`` (equal totals, any split), yielding between steps."""
         si = so = di = do = 0
         budget = _CHUNK_BYTES

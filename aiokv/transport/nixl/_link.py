@@ -139,7 +139,7 @@ class NixlLink(TcpLink):
 
     # ------------------------------------------------------------------ granter side
 
-    def _serve_nixl(self, op: PeerOp, views: list[memoryview], total: int) -> bool:
+    def _serve_nixl(self, op: PeerOp, views: Sequence[memoryview], total: int) -> bool:
         runs = runs_of(views)
         return self._n.regions.covers(runs) and self._grant_place(op, ("DRAM", 0, runs), total)
 
@@ -209,7 +209,7 @@ class NixlLink(TcpLink):
     def _usable(self) -> bool:
         return self.peer_agent is not None and self._n.agent is not None and not self._broken
 
-    def _direct(self, views: list[memoryview], total: int) -> Place | None:
+    def _direct(self, views: Sequence[memoryview], total: int) -> Place | None:
         """Our ``("DRAM", 0, rows)`` of ``views`` if NIXL can move them on this link,
         else None (they move as DATA)."""
         if not total or not self._usable():
@@ -247,7 +247,8 @@ class NixlLink(TcpLink):
             plan = self._direct_device(local)
         else:
             total = local.total if isinstance(local, LayoutViews) else sum(map(len, local))
-            plan = self._direct(local if isinstance(local, list) else list(local), total)
+            views = local if isinstance(local, list | LayoutViews) else list(local)
+            plan = self._direct(views, total)
         far = _far_place(remote)
         if plan is None or far is None or self.peer_agent is None:
             raise LLMException(

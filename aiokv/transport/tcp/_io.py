@@ -3,17 +3,90 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
+import os
 import socket
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
 
-__all__ = ["RawSock", "SockIO", "wake"]
+__all__ = ["IOV_MAX", "RawSock", "SockIO", "readv", "vectored", "wake", "writev"]
+
+#: Most buffers one vectored send or receive takes.
+IOV_MAX: Final = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 
 # Waits for at least this many more bytes of a frame use SO_RCVLOWAT (see readable()).
 _LOWAT_MIN: Final = 64 << 10
+
+
+def _libc_calls() -> tuple[Callable[[int, int, int], int], Callable[[int, int, int], int]] | None:
+    """libc's ``readv`` / ``writev`` (errno kept), where ``struct iovec`` is two
+    pointer-sized words and the C library can be loaded; else None."""
+    if not sys.platform.startswith(("linux", "darwin")) or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        calls = libc.readv, libc.writev
+    except (OSError, AttributeError):
+        return None
+    for fn in calls:
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        fn.restype = ctypes.c_ssize_t
+    return calls
+
+
+_CALLS = _libc_calls()
+
+
+def vectored(sock: object) -> bool:
+    """Whether ``sock`` moves payload by address (:func:`readv` / :func:`writev`): a
+    plain ``socket.socket`` where libc's calls are available (TLS never: its bytes go
+    through OpenSSL)."""
+    return _CALLS is not None and type(sock) is socket.socket
+
+
+def _vcall(i: int, sock: RawSock, rows: npt.NDArray[np.uint64]) -> int:
+    fd = sock.fileno()  # checked right before the call: a closed socket's fd may be reused
+    if fd < 0:
+        raise ConnectionResetError("socket closed")
+    assert _CALLS is not None and rows.dtype == np.uint64 and rows.flags.c_contiguous
+    n: int = _CALLS[i](fd, rows.ctypes.data, min(len(rows), IOV_MAX))
+    if n >= 0:
+        return n
+    err = ctypes.get_errno()
+    if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+        raise BlockingIOError(err, os.strerror(err))
+    if err == errno.EINTR:
+        raise InterruptedError(err, os.strerror(err))
+    raise OSError(err, os.strerror(err))
+
+
+def readv(sock: RawSock, rows: npt.NDArray[np.uint64]) -> int:
+    """Receive into the memory of ``rows`` (``(address, length)``, ``uint64``, C order;
+    the first :data:`IOV_MAX` of them) from a :func:`vectored` socket; bytes received
+    (0: the peer closed). The caller guarantees the memory is writable and alive.
+
+    Raises:
+        BlockingIOError / InterruptedError: as ``recv_into`` on a non-blocking socket.
+        OSError: the connection failed (``ConnectionResetError`` once closed locally).
+    """
+    return _vcall(0, sock, rows)
+
+
+def writev(sock: RawSock, rows: npt.NDArray[np.uint64]) -> int:
+    """Send from the memory of ``rows`` (as for :func:`readv`); bytes the kernel took.
+
+    Raises:
+        as :func:`readv`.
+    """
+    return _vcall(1, sock, rows)
 
 
 def wake(fut: asyncio.Future[None]) -> None:

@@ -8,13 +8,18 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
+import itertools
 import logging
-import os
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
+import numpy as np
+import numpy.typing as npt
+
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
+from ..._layout import address_of
 from .. import _wire as wire
 from .._base import (
     DIRECT_REFUSED,
@@ -32,8 +37,8 @@ from .._base import (
     grant_reason,
     refusal,
 )
-from ._io import SockIO, wake
-from ._ops import Bufs, Cursor, MyOp, PeerOp, State, Stream, code_of
+from ._io import IOV_MAX, SockIO, readv, vectored, wake, writev
+from ._ops import Bufs, MyOp, PeerOp, RunCursor, State, Stream, code_of, cursor_of
 
 if TYPE_CHECKING:
     from ._transport import TcpTransport
@@ -45,7 +50,6 @@ _NOT_DIRECT: Final = "granted memory not reachable by address"
 _log = logging.getLogger("aiokv.transport.tcp")
 _S = LLMStatusCode
 _F = wire.FrameType
-_IOV_MAX: Final = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 # A peer that keeps the socket full would let the reader (or a fast peer the writer) run
 # without ever suspending; they yield to the loop after about this many bytes.
 _YIELD_BYTES: Final = 4 << 20
@@ -109,12 +113,17 @@ class TcpLink(Link):
         self._theirs: dict[int, PeerOp] = {}
         # our cancelled writes waiting for the peer's CANCEL_ACK
         self._cancelling: dict[int, asyncio.Future[None]] = {}
-        # Writer state. `_iov[_pos:]` is the unsent part of the batch in flight.
+        # Writer state. `_iov[_pos:]` is the unsent part of the batch in flight: a list
+        # of buffers, or (a batch with payload moved by address: see _next_batch)
+        # `(address, length)` rows over the memory of `_keep` and of the streams.
         # `first_frame` (the accepting side's last handshake frame) leads every other
         self._ctrl: Bufs = [] if first_frame is None else [first_frame]
         self._streams: collections.deque[Stream] = collections.deque()
-        self._iov: Bufs = []
+        self._iov: Bufs | npt.NDArray[np.uint64] = []
+        self._keep: list[object] = []
         self._pos = 0
+        # payload of LayoutViews moves by address (readv / writev): no object per run
+        self._vec = vectored(self._sock)
         self._inflight: list[Stream] = []
         # streams whose last byte is in the batch, with the iov index just past that byte:
         # a stream is `sent` once the kernel took it, not when the whole batch is out (a
@@ -155,7 +164,7 @@ class TcpLink(Link):
         op = self._start(is_read=True, total=total)
         op.device = isinstance(into, DeviceRuns)
         if not op.device:  # a direct request may be answered with DATA too
-            op.cursor = Cursor(views, total)
+            op.cursor = cursor_of(views, total)
         acked = False
         try:
             kind = _F.READ_REQ if direct is None else _F.NREAD_REQ
@@ -223,7 +232,7 @@ class TcpLink(Link):
 
     def _buffers(
         self, name: str, bufs: Sequence[memoryview] | DeviceRuns, *, writable: bool
-    ) -> tuple[list[memoryview], int, Any | None]:
+    ) -> tuple[Sequence[memoryview], int, Any | None]:
         """``(flat views, total, direct plan)`` of a request's buffers; device memory
         has no views and always a plan (else ``LLM_PARAM_INVALID``)."""
         if isinstance(bufs, DeviceRuns):
@@ -247,7 +256,7 @@ class TcpLink(Link):
         """Hook: as :meth:`_serve_nixl`, for a device grant (False: refused)."""
         return False
 
-    def _direct(self, views: list[memoryview], total: int) -> Any | None:
+    def _direct(self, views: Sequence[memoryview], total: int) -> Any | None:
         """Hook: a plan to move ``views`` outside this socket (a NIXL link: their
         memory's address runs), or None to move them as DATA frames. With a plan the
         request is sent as ``NREAD_REQ`` / ``NWRITE_REQ``, and a ``NIXL_GRANT`` answer
@@ -390,7 +399,7 @@ class TcpLink(Link):
             self._ctrl_replies += len(frame) + _REPLY_OVERHEAD
         self._kick()
 
-    def _add_stream(self, rid: int, views: list[memoryview], total: int) -> Stream:
+    def _add_stream(self, rid: int, views: Sequence[memoryview], total: int) -> Stream:
         stream = Stream(rid, views, total)
         self._streams.append(stream)
         self._kick()
@@ -407,30 +416,52 @@ class TcpLink(Link):
             # Frames must stay whole, so the batch in flight is finished from private
             # copies of whatever was not handed to the kernel yet.
             iov = self._iov
+            if isinstance(iov, np.ndarray):
+                self._keep.append(_privatize(iov[self._pos :]))
+                return
             for i in range(self._pos, len(iov)):
                 if isinstance(iov[i], memoryview):
                     iov[i] = bytes(iov[i])
 
     def _next_batch(self) -> bool:
-        """Fill `_iov` with control frames plus up to ~one chunk from each stream in turn."""
-        iov: Bufs = self._ctrl
+        """Fill `_iov` with control frames plus up to ~one chunk from each stream in turn.
+
+        Payload of a :class:`RunCursor` on a :func:`vectored` socket is taken as address
+        rows; a batch with any becomes one array of rows (each buffer of the batch one
+        row, kept alive by `_keep`), sent with ``writev``.
+        """
+        iov: list[bytes | memoryview | npt.NDArray[np.uint64]] = list(self._ctrl)
         self._ctrl = []
         self._batch_replies, self._ctrl_replies = self._ctrl_replies, 0
         inflight: list[Stream] = []
+        finishing: list[tuple[int, Stream]] = []  # piece index just past a stream's end
+        by_address = False
         budget = self._t.chunk_bytes
         streams = self._streams
         while streams and budget > 0:
             s = streams.popleft()
             n = min(s.cursor.remaining, self._t.chunk_bytes)
             iov.append(wire.encode_header(_F.DATA, s.rid, size=n))
-            iov.extend(s.cursor.take(n))
+            if self._vec and type(s.cursor) is RunCursor:
+                iov.append(s.cursor.take_rows(n))
+                by_address = True
+            else:
+                iov.extend(s.cursor.take(n))
             budget -= n
             inflight.append(s)
             if s.cursor.remaining:
                 streams.append(s)
             else:
-                self._finishing.append((len(iov), s))
-        self._iov, self._pos, self._inflight = iov, 0, inflight
+                finishing.append((len(iov), s))
+        if by_address:
+            self._iov, ends = _as_rows(iov)
+            self._keep = [p for p in iov if not isinstance(p, np.ndarray)]
+            self._finishing.extend((ends[i - 1], s) for i, s in finishing)
+        else:
+            self._iov = iov  # type: ignore[assignment]  # no rows in it
+            self._keep = []
+            self._finishing.extend(finishing)
+        self._pos, self._inflight = 0, inflight
         self._batch_data = self._t.chunk_bytes - budget
         return bool(iov)
 
@@ -456,18 +487,25 @@ class TcpLink(Link):
                     return _DONE
                 sent += self._batch_data
             iov, pos = self._iov, self._pos
-            try:
-                n = sock.sendmsg(iov[pos : pos + _IOV_MAX])
-            except (BlockingIOError, InterruptedError):
-                return _BLOCKED
-            while n:
-                k = len(iov[pos])
-                if n >= k:
-                    n -= k
-                    pos += 1
-                else:
-                    iov[pos] = memoryview(iov[pos])[n:]
-                    n = 0
+            if isinstance(iov, np.ndarray):
+                try:
+                    n = writev(sock, iov[pos : pos + IOV_MAX])
+                except (BlockingIOError, InterruptedError):
+                    return _BLOCKED
+                pos = _advance(iov, pos, n)
+            else:
+                try:
+                    n = sock.sendmsg(iov[pos : pos + IOV_MAX])
+                except (BlockingIOError, InterruptedError):
+                    return _BLOCKED
+                while n:
+                    k = len(iov[pos])
+                    if n >= k:
+                        n -= k
+                        pos += 1
+                    else:
+                        iov[pos] = memoryview(iov[pos])[n:]
+                        n = 0
             self._pos = pos
             finishing = self._finishing
             while finishing and finishing[0][0] <= pos:
@@ -585,6 +623,9 @@ class TcpLink(Link):
             self._fail_sink(sink, "sent more bytes than granted")
             await self._discard(size)
             return
+        if self._vec and type(sink.cursor) is RunCursor:
+            await self._recv_rows(sink, sink.cursor.take_rows(size))
+            return
         iov = sink.cursor.take(size)
         pos, sock, left = 0, self._sock, size
         while pos < len(iov):
@@ -596,7 +637,7 @@ class TcpLink(Link):
                 if pos + 1 == len(iov):
                     k = sock.recv_into(iov[pos])
                 else:
-                    k = sock.recvmsg_into(iov[pos : pos + _IOV_MAX])[0]
+                    k = sock.recvmsg_into(iov[pos : pos + IOV_MAX])[0]
             except (BlockingIOError, InterruptedError):
                 await self._io.readable(left)
                 continue
@@ -611,6 +652,28 @@ class TcpLink(Link):
                 else:
                     iov[pos] = iov[pos][k:]
                     k = 0
+        if not sink.cursor.remaining:
+            sink.on_filled(self)
+
+    async def _recv_rows(self, sink: MyOp | PeerOp, rows: npt.NDArray[np.uint64]) -> None:
+        """Receive one DATA chunk into the memory of ``rows`` (``readv``), as
+        :meth:`_on_data` does into views; the rest of the chunk is dropped once ``sink``
+        stops receiving (cancelled mid-chunk)."""
+        assert sink.cursor is not None
+        pos, sock, left = 0, self._sock, int(rows[:, 1].sum())
+        while pos < len(rows):
+            if sink.state is not State.RECEIVING:
+                await self._discard(left)
+                return
+            try:
+                k = readv(sock, rows[pos : pos + IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                await self._io.readable(left)
+                continue
+            if not k:
+                raise ConnectionResetError("connection closed by peer")
+            left -= k
+            pos = _advance(rows, pos, k)
         if not sink.cursor.remaining:
             sink.on_filled(self)
 
@@ -671,7 +734,7 @@ class TcpLink(Link):
         """A NIXL grant: only an answer to a NIXL request, which a TCP link never sends."""
         raise wire.WireError("unexpected NIXL_GRANT frame")
 
-    def _serve_nixl(self, op: PeerOp, views: list[memoryview], total: int) -> bool:
+    def _serve_nixl(self, op: PeerOp, views: Sequence[memoryview], total: int) -> bool:
         """Answer the peer's NIXL request ``op`` with a NIXL grant of ``views``; True if it
         did. A TCP link never does: the bytes move as DATA frames."""
         return False
@@ -814,7 +877,7 @@ class TcpLink(Link):
                 op.stream = self._add_stream(op.rid, views, total)
         else:
             op.state = State.RECEIVING
-            op.cursor = Cursor(views, total)
+            op.cursor = cursor_of(views, total)
             self._post(wire.encode_frame(reply, op.rid, status=status))
             if not total:
                 op.on_filled(self)
@@ -860,3 +923,67 @@ class TcpLink(Link):
         tasks = [t for t in self._tasks if t is not current]
         if tasks:
             await asyncio.wait(tasks)
+
+
+# ------------------------------------------------------------------ address rows (writev)
+
+
+def _as_rows(
+    pieces: list[bytes | memoryview | npt.NDArray[np.uint64]],
+) -> tuple[npt.NDArray[np.uint64], list[int]]:
+    """One ``(address, length)`` row array over ``pieces`` in order (a buffer: one row;
+    an array: its rows), and the row index just past each piece."""
+    parts: list[npt.NDArray[np.uint64]] = []
+    ends: list[int] = []
+    pending: list[tuple[int, int]] = []  # consecutive buffers, one array for them all
+    for p in pieces:
+        if isinstance(p, np.ndarray):
+            if pending:
+                parts.append(np.array(pending, dtype=np.uint64))
+                pending = []
+            parts.append(p)
+        else:
+            pending.append((_addr(p), len(p)))
+        ends.append(len(p) if isinstance(p, np.ndarray) else 1)
+    if pending:
+        parts.append(np.array(pending, dtype=np.uint64))
+    return np.ascontiguousarray(np.concatenate(parts)), list(itertools.accumulate(ends))
+
+
+def _addr(buf: bytes | memoryview) -> int:
+    """The address of a flat byte buffer of a batch (frames: bytes; views: flat ``'B'``)."""
+    if isinstance(buf, bytes):
+        addr = ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value  # its own bytes
+        assert addr is not None
+        return addr
+    return address_of(buf)
+
+
+def _advance(rows: npt.NDArray[np.uint64], pos: int, n: int) -> int:
+    """Past ``n`` bytes moved from ``rows[pos:]``: the first row not fully moved (its
+    start and length moved on by what of it was)."""
+    if not n:
+        return pos
+    ends = np.cumsum(rows[pos : pos + IOV_MAX, 1])
+    k = int(np.searchsorted(ends, n, side="right"))  # rows moved whole
+    if k < len(ends):
+        part = n - (int(ends[k - 1]) if k else 0)
+        if part:
+            rows[pos + k, 0] += np.uint64(part)
+            rows[pos + k, 1] -= np.uint64(part)
+    return pos + k
+
+
+def _privatize(rows: npt.NDArray[np.uint64]) -> bytearray:
+    """Copy the memory of ``rows`` into a fresh buffer and point the rows at the copy
+    (a withdrawn stream's memory is read no more); returns the copy, to be kept alive."""
+    lens = rows[:, 1].copy()
+    copy = bytearray(int(lens.sum()))
+    if not len(copy):
+        return copy
+    base = ctypes.addressof(ctypes.c_char.from_buffer(copy))
+    offs = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.uint64)
+    for (addr, ln), off in zip(rows.tolist(), offs.tolist(), strict=True):
+        ctypes.memmove(base + off, addr, ln)
+    rows[:, 0] = np.uint64(base) + offs
+    return copy
