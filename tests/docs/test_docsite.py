@@ -19,7 +19,7 @@ import aiokv.sync
 import aiokv.transport
 from aiokv import _config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 
