@@ -34,6 +34,7 @@ from aiokv import (
     TransferWithCacheKeyConfig,
 )
 from aiokv._engine import Engine
+from aiokv.testing import cluster_info
 
 CODE = LLMStatusCode
 BLOCKS = 64
@@ -61,9 +62,7 @@ def pattern(cluster_id: int) -> list[torch.Tensor]:
 
 def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
     assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
-    )
+    return cluster_info(cluster_id, address)
 
 
 def engine_threads() -> list[threading.Thread]:

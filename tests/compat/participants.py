@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from aiokv import LLMClusterInfo, LLMConfig
+from aiokv.testing import cluster_info
 
 
 def pool(size: int) -> str:
@@ -29,6 +30,4 @@ def participant(**overrides: Any) -> LLMConfig:
 def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
     """The cluster ``cluster_id`` listening at ``address``."""
     assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
-    )
+    return cluster_info(cluster_id, address)

@@ -24,7 +24,6 @@ from aiokv import (
     CacheKeyByIdAndIndex,
     CacheManager,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -32,6 +31,7 @@ from aiokv import (
     LLMStatusCode,
     Placement,
 )
+from aiokv.testing import cluster_info
 
 CODE = LLMStatusCode
 NONE = 2**64 - 1  # neither a request nor a prefix
@@ -50,9 +50,7 @@ async def linked(**prompt: Any) -> AsyncIterator[tuple[CacheManager, CacheManage
         LLMDataDist(LLMRole.DECODER, 2, config()) as d,
     ):
         assert p.listen_address is not None
-        peer = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
+        peer = cluster_info(1, p.listen_address)
         assert await d.link_clusters([peer]) == (CODE.LLM_SUCCESS, [CODE.LLM_SUCCESS])
         yield p.cache_manager, d.cache_manager
 

@@ -37,6 +37,7 @@ from aiokv import (
     Placement,
     Status,
 )
+from aiokv.testing import cluster_info
 
 CODE = LLMStatusCode
 POOL = '{"memory_size": 1048576, "page_shift": 12}'
@@ -87,9 +88,7 @@ async def pusher_and_receiver(
         LLMDataDist(LLMRole.PROMPT, 1, config(enable_remote_cache_accessible=pusher_flag)) as p,
     ):
         assert d.listen_address is not None
-        peer = LLMClusterInfo(
-            remote_cluster_id=2, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[d.listen_address]
-        )
+        peer = cluster_info(2, d.listen_address)
         assert (await p.link_clusters([peer]))[0] == CODE.LLM_SUCCESS
         yield p.cache_manager, d.cache_manager
 

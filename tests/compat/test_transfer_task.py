@@ -36,6 +36,7 @@ from aiokv import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aiokv.testing import cluster_info
 
 CODE = LLMStatusCode
 BLOCKS = 8
@@ -59,9 +60,7 @@ def options(**kw: Any) -> dict[str, Any]:
 
 def info(address: tuple[str, int] | None) -> LLMClusterInfo:
     assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
-    )
+    return cluster_info(1, address)
 
 
 def pattern() -> list[torch.Tensor]:

@@ -24,6 +24,7 @@ from aiokv import (
     LLMStatusCode,
     RegisterMemStatus,
 )
+from aiokv.testing import cluster_info
 
 CODE = LLMStatusCode
 OK, PREPARING, FAILED = RegisterMemStatus.OK, RegisterMemStatus.PREPARING, RegisterMemStatus.FAILED
@@ -54,11 +55,7 @@ def rank_table(*parties: Any) -> str:
 
 
 def _info(cluster_id: int) -> LLMClusterInfo:
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id,
-        local_ip_info=[("127.0.0.1", 0)],
-        remote_ip_info=[("127.0.0.1", 1)],
-    )
+    return cluster_info(cluster_id, ("127.0.0.1", 1))
 
 
 def blocks() -> CacheDesc:

@@ -15,12 +15,12 @@ from aiokv import (
     CacheDesc,
     CacheKeyByIdAndIndex,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
     LLMRole,
 )
+from aiokv.testing import cluster_info
 
 
 async def _run(conn: Connection, port: int, cache_id: int, nbytes: int) -> None:
@@ -32,11 +32,7 @@ async def _run(conn: Connection, port: int, cache_id: int, nbytes: int) -> None:
         sync_kv_timeout=10000,
     )
     async with LLMDataDist(LLMRole.PROMPT, 2, cfg) as dd:
-        owner = LLMClusterInfo(
-            remote_cluster_id=1,
-            local_ip_info=[("127.0.0.1", 0)],
-            remote_ip_info=[("127.0.0.1", port)],
-        )
+        owner = cluster_info(1, ("127.0.0.1", port))
         code, _ = await dd.link_clusters([owner])
         cm = dd.cache_manager
         src = await cm.allocate_cache(CacheDesc(1, [1, nbytes], DataType.DT_UINT8))

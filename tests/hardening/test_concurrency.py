@@ -17,13 +17,13 @@ from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
     LLMRole,
     LLMStatusCode,
 )
+from aiokv.testing import cluster_info
 
 HOST = "127.0.0.1"
 # 16 KiB blocks: a writer batch (chunks of several streams) fills the socket mid-way,
@@ -92,11 +92,7 @@ def test_thousands_of_concurrent_mixed_ops_between_processes_all_succeed() -> No
                 sync_kv_timeout=20000,
             )
             async with LLMDataDist(LLMRole.DECODER, 32, cfg) as d:
-                info = LLMClusterInfo(
-                    remote_cluster_id=OWNER,
-                    local_ip_info=[("127.0.0.1", 0)],
-                    remote_ip_info=[(HOST, port)],
-                )
+                info = cluster_info(OWNER, (HOST, port))
                 assert (await d.link_clusters([info]))[0] == LLMStatusCode.LLM_SUCCESS
                 cm, key = d.cache_manager, BlocksCacheKey(OWNER, 0)
                 mine = await cm.allocate_blocks_cache(DESC)  # pushed from (256..511)

@@ -28,7 +28,6 @@ from aiokv import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -50,6 +49,7 @@ from aiokv._remote._protocol import (
     pack_blocks,
 )
 from aiokv._remote._service import PeerService
+from aiokv.testing import cluster_info
 from aiokv.transport import PeerInfo
 from aiokv.transport import _wire as wire
 
@@ -87,9 +87,7 @@ async def linked(**prompt: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]
         LLMDataDist(LLMRole.DECODER, 2, config()) as d,
     ):
         assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
+        info = cluster_info(1, p.listen_address)
         assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
         yield p, d
 

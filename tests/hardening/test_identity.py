@@ -38,6 +38,7 @@ from aiokv import (
     Placement,
 )
 from aiokv._remote._links import PROBE_TIMEOUT_S
+from aiokv.testing import cluster_info
 from aiokv.transport import _wire as wire
 from aiokv.transport.tcp._handshake import mac
 
@@ -61,9 +62,7 @@ def config(secret: str | None = None) -> LLMConfig:
 
 def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
     assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
-    )
+    return cluster_info(cluster_id, address)
 
 
 async def eventually(cond: Callable[[], bool], within_s: float = 10.0) -> None:

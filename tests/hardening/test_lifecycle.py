@@ -38,6 +38,7 @@ from aiokv import (
     Placement,
     TransferWithCacheKeyConfig,
 )
+from aiokv.testing import cluster_info
 
 LAYERS = 16
 DESC = CacheDesc(2 * LAYERS, [8, 1024], DataType.DT_UINT8, Placement.DEVICE)
@@ -57,9 +58,7 @@ def config() -> LLMConfig:
 
 def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
     assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
-    )
+    return cluster_info(cluster_id, address)
 
 
 def aiokv_threads() -> list[str]:

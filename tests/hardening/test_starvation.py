@@ -48,18 +48,13 @@ from aiokv._copy._staging import Budget
 from aiokv._remote import _service as service_mod
 from aiokv._remote._protocol import BlocksReq, KeyByBlocks, Tensors, encode
 from aiokv._threads import Lane
+from aiokv.testing import requires_transport
 from aiokv.transport import _wire as wire
-from aiokv.transport import get_transport
 
 CODE = LLMStatusCode
 MIB = 1 << 20
 
-try:
-    get_transport("nixl")
-    NIXL = None
-except LLMException as exc:
-    NIXL = str(exc)
-needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+needs_nixl = requires_transport("nixl")
 
 
 def config(backend: str, **kw: Any) -> LLMConfig:

@@ -33,6 +33,7 @@ from aiokv import (
     LLMStatusCode,
 )
 from aiokv._config import InvalidOptionError
+from aiokv.testing import cluster_info
 from aiokv.transport import Grant, Link, PeerInfo, get_transport, transport_names
 from aiokv.transport import _wire as wire
 from aiokv.transport._wire import FrameType
@@ -236,11 +237,7 @@ def test_a_flood_past_the_descriptor_limit_still_lets_a_peer_link() -> None:
                 for i in range(1100):
                     flood.append(await _connect_raw(port, source=f"127.0.{1 + i // 200}.1"))
                 async with LLMDataDist(LLMRole.DECODER, 22, cfg) as d:
-                    info = LLMClusterInfo(
-                        remote_cluster_id=11,
-                        local_ip_info=[("127.0.0.1", 0)],
-                        remote_ip_info=[(HOST, port)],
-                    )
+                    info = cluster_info(11, (HOST, port))
                     t0 = time.monotonic()
                     assert await d.link_clusters([info], timeout=5000) == (
                         Code.LLM_SUCCESS,
@@ -302,13 +299,9 @@ async def test_public_paths_check_ports_and_timeouts() -> None:
     with pytest.raises(ValueError):
         LLMConfig(listen_ip_info="127.0.0.1:70000")
     with pytest.raises(ValueError):
-        LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[(HOST, 70000)]
-        )
+        cluster_info(1, (HOST, 70000))
     async with LLMDataDist(LLMRole.DECODER, 2, LLMConfig(device_type="cpu")) as d:
-        info = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[(HOST, 1)]
-        )
+        info = cluster_info(1, (HOST, 1))
         for timeout, exc in ((True, TypeError), (1.5, TypeError), (2**31, ValueError)):
             with pytest.raises(exc):
                 await d.link_clusters([info], timeout=timeout)  # type: ignore[arg-type]

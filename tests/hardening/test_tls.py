@@ -23,7 +23,6 @@ from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -31,6 +30,7 @@ from aiokv import (
     LLMStatusCode,
 )
 from aiokv._bench._pki import Pki, TlsFiles, make_pki
+from aiokv.testing import cluster_info
 from aiokv.transport import Grant, PeerInfo, TlsContexts, load_tls
 from aiokv.transport.tcp import TcpTransport
 
@@ -91,9 +91,7 @@ async def participants(
 
 async def link(d: LLMDataDist, p: LLMDataDist) -> LLMStatusCode:
     assert p.listen_address is not None
-    info = LLMClusterInfo(
-        remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-    )
+    info = cluster_info(1, p.listen_address)
     code, codes = await d.link_clusters([info], timeout=5000)
     assert codes == [code]
     return code

@@ -49,7 +49,6 @@ from aiokv import (
     CacheDesc,
     CacheKey,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -60,6 +59,7 @@ from aiokv import (
 from aiokv._cache import Cache
 from aiokv._registry import CacheRegistry
 from aiokv._remote._service import PeerService
+from aiokv.testing import cluster_info
 from aiokv.transport import Grant, Link, PeerInfo
 from aiokv.transport.tcp import TcpTransport
 
@@ -941,11 +941,7 @@ async def a_real_client_still_pulls(srv: Server, seed: int) -> None:
         cm = dd.cache_manager
         dst = await cm.allocate_blocks_cache(srv.desc(m.spec))
         assert srv.dd.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=srv.cid,
-            local_ip_info=[("127.0.0.1", 0)],
-            remote_ip_info=[srv.dd.listen_address],
-        )
+        info = cluster_info(srv.cid, srv.dd.listen_address)
         assert (await dd.link_clusters([info], timeout=5000))[0] == CODE.LLM_SUCCESS
         await cm.pull_blocks(BlocksCacheKey(srv.cid, 7), dst, [5, 2, 9], [0, 1, 2])
         for t, got in enumerate(dst.tensors):

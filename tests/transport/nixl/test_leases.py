@@ -34,16 +34,12 @@ from aiokv import (
 )
 from aiokv._remote import _protocol as protocol
 from aiokv._remote._leases import Held, decode_reply, encode_reply, reply_size
+from aiokv.testing import cluster_info, requires_transport
 from aiokv.transport import Grant, PeerInfo, get_transport
 
 CODE = LLMStatusCode
 
-try:
-    get_transport("nixl")
-    NIXL = None
-except LLMException as exc:
-    NIXL = str(exc)
-needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+needs_nixl = requires_transport("nixl")
 
 
 # ------------------------------------------------------------------------- the reply
@@ -192,9 +188,7 @@ async def linked(
         LLMDataDist(LLMRole.DECODER, 2, config(**(decoder or {}))) as d,
     ):
         assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
+        info = cluster_info(1, p.listen_address)
         code, _ = await d.link_clusters([info])
         assert code == CODE.LLM_SUCCESS
         yield p, d
@@ -314,9 +308,7 @@ async def test_a_lost_link_ends_the_leases_on_both_sides() -> None:
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
         await until(lambda: lent(p) == 1 and holding(d) == 1, "a lease")
         assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
+        info = cluster_info(1, p.listen_address)
         await d.unlink_clusters([info])
         await until(lambda: lent(p) == 0, "the granter unpins")
         assert holding(d) == 0
@@ -429,7 +421,8 @@ async def test_a_holder_that_keeps_the_lease_loses_its_link() -> None:
             assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or NIXL is not None, reason="needs CUDA and NIXL")
+@needs_nixl
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_a_device_cache_moves_under_a_lease_of_host_memory_in_stream_order() -> None:
     """The holder's cache on ``cuda:0`` (VRAM), the owner's in host memory: a lease, and
     each transfer waits for the work queued on the holder's stream first (no

@@ -23,7 +23,6 @@ from aiokv import (
     CacheDesc,
     CacheKey,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -32,6 +31,7 @@ from aiokv import (
     Placement,
 )
 from aiokv._copy import Stager
+from aiokv.testing import cluster_info
 from aiokv.transport import DeviceRuns, Grant, PeerInfo, get_transport
 from aiokv.transport._base import check_grant
 
@@ -162,9 +162,7 @@ async def linked(
         LLMDataDist(LLMRole.DECODER, 2, config("cuda", backends[1])) as d,
     ):
         assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
+        info = cluster_info(1, p.listen_address)
         code, _ = await d.link_clusters([info])
         assert code == CODE.LLM_SUCCESS
         yield p, d
