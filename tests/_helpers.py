@@ -1,17 +1,28 @@
 """Helpers of this test suite that a user of aiokv would not need (those live in
 ``aiokv.testing``): asserting an ``LLMException``'s code, waiting for what a peer does on
-its own thread."""
+its own thread, a raw-socket peer that asks and never reads, a fresh interpreter run from
+the repository root."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from aiokv import LLMException, LLMStatusCode
+from aiokv.transport import _wire as wire
+
+#: the repository root (this checkout)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def raises(code: LLMStatusCode, coro: Awaitable[Any]) -> LLMException:
@@ -29,3 +40,47 @@ async def until(cond: Callable[[], bool], seconds: float = 5.0, step: float = 0.
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(step)
+
+
+def raw_link(port: int, cluster_id: int = 7) -> socket.socket:
+    """A blocking socket linked (the handshake by hand, no secret) as ``cluster_id`` to
+    the listener on 127.0.0.1 ``port``, with a 4 KiB receive buffer: a peer that can ask
+    for more than it will ever read."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(5)
+    s.connect(("127.0.0.1", port))
+
+    def recv_frame() -> wire.Header:
+        raw = b""
+        while len(raw) < wire.HEADER_SIZE:
+            raw += s.recv(wire.HEADER_SIZE - len(raw))
+        h = wire.decode_header(raw)
+        left = h.meta_len
+        while left:
+            left -= len(s.recv(left))
+        return h
+
+    hello = {"cluster_id": cluster_id, "nonce": "00" * 32}
+    s.sendall(wire.encode_frame(wire.FrameType.HELLO, meta=json.dumps(hello).encode()))
+    recv_frame()
+    s.sendall(wire.encode_frame(wire.FrameType.AUTH, meta=b'{"mac":null}'))
+    assert recv_frame().status == LLMStatusCode.LLM_SUCCESS
+    return s
+
+
+def run_python(
+    *args: str, timeout: float, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in a fresh interpreter (this one's executable) from the repository
+    root, its output captured as text, killed after ``timeout`` seconds; ``env`` defaults to
+    this environment with this checkout on ``PYTHONPATH``. The exit status is not checked."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=dict(env) if env is not None else {**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

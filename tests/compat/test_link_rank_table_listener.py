@@ -21,14 +21,13 @@ from aiokv import (
     LLMStatusCode,
     RegisterMemStatus,
 )
+from aiokv.testing import make_config
 
 
 def config() -> LLMConfig:
-    return LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-    )
+    """A participant that does not listen (the rank table says where), over TCP."""
+    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
+    return make_config("tcp", pool=1 << 20, sync_kv_timeout=1000, **options)
 
 
 def free_port() -> int:

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from _helpers import raises
 from participants import participant
 
 import aiokv.sync
@@ -60,12 +61,6 @@ def _info(cluster_id: int) -> LLMClusterInfo:
 
 def blocks() -> CacheDesc:
     return CacheDesc(2, [4, 256], DataType.DT_UINT8)
-
-
-async def raises(code: LLMStatusCode, coro: Any) -> None:
-    with pytest.raises(LLMException) as ei:
-        await coro
-    assert ei.value.status_code == code, ei.value
 
 
 async def status_until(dd: LLMDataDist, comm_id: int, want: RegisterMemStatus) -> None:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_python
 
 import aiokv
 import aiokv._sync_gen
@@ -28,14 +27,8 @@ def test_site_builds_strict_with_every_public_name(tmp_path: Path) -> None:
     pytest.importorskip("mkdocstrings_handlers.python")
     site = tmp_path / "site"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    proc = run_python(
+        "-m", "mkdocs", "build", "--strict", "--site-dir", str(site), env=env, timeout=120
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

@@ -15,7 +15,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,6 @@ from aiokv import (
     CacheDesc,
     CacheKey,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -40,6 +39,7 @@ from aiokv import (
 )
 from aiokv._copy import _staging
 from aiokv._engine import Engine
+from aiokv.testing import linked_pair, make_config
 
 CODE = LLMStatusCode
 DESC = CacheDesc(2, [1, 4096], DataType.DT_UINT8, Placement.HOST)
@@ -49,30 +49,9 @@ SEED = 20261125
 
 
 def config(backend: str, **kw: Any) -> LLMConfig:
-    return LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        listen_ip_info="127.0.0.1:0",
-        host_mem_pool_cfg='{"memory_size": 4194304, "page_shift": 12}',
-        transfer_backend=backend,
-        sync_kv_timeout=10000,
-        **kw,
-    )
-
-
-@contextlib.asynccontextmanager
-async def linked(backend: str, **kw: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(backend, **kw)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(backend, **kw)) as d,
-    ):
-        assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, remote_ip_info=[p.listen_address], local_ip_info=[("127.0.0.1", 0)]
-        )
-        code, _ = await d.link_clusters([info])
-        assert code == CODE.LLM_SUCCESS
-        yield p, d
+    """No device pool, a 4 MiB host pool; refuses pushes."""
+    options = {"enable_remote_cache_accessible": False, "sync_kv_timeout": 10000}
+    return make_config(backend, pool=None, host_pool=4 << 20, **(options | kw))
 
 
 async def settled(p: LLMDataDist, d: LLMDataDist) -> None:
@@ -224,7 +203,7 @@ def test_a_pull_by_key_cancelled_at_random_moments_keeps_or_releases_the_key(
     model = Model()
 
     async def main() -> None:
-        async with linked(backend) as (p, d):
+        async with linked_pair(config(backend)) as (p, d):
             dst = await d.cache_manager.allocate_cache(WIDE)
             blocks = await d.cache_manager.allocate_blocks_cache(CHUNKS)
             dst_bytes = d.cache_manager.get_pool_stats(Placement.HOST).used  # type: ignore[union-attr]
@@ -264,7 +243,7 @@ def test_a_pull_by_key_under_trio_cancel_scopes_keeps_or_releases_the_key() -> N
     model = Model()
 
     async def main() -> None:
-        async with linked("tcp") as (p, d):
+        async with linked_pair(config("tcp")) as (p, d):
             dst = await d.cache_manager.allocate_cache(DESC)
             dst_bytes = d.cache_manager.get_pool_stats(Placement.HOST).used  # type: ignore[union-attr]
             typical = await _typical(p, d, dst, 1)
@@ -465,7 +444,7 @@ def test_a_destination_that_completed_reports_success_after_cancel() -> None:
 async def _completed_destination() -> None:
     paged = CacheDesc(4, [8, 256], DataType.DT_UINT8, Placement.HOST)
     cfg = {"enable_remote_cache_accessible": True}
-    async with linked("tcp", **cfg) as (p, d):
+    async with linked_pair(config("tcp", **cfg)) as (p, d):
         src = await p.cache_manager.allocate_blocks_cache(paged)
         for i, t in enumerate(src.tensors):
             t.fill_(i + 1)

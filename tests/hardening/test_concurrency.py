@@ -17,13 +17,12 @@ from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMConfig,
     LLMDataDist,
     LLMException,
     LLMRole,
     LLMStatusCode,
 )
-from aiokv.testing import cluster_info
+from aiokv.testing import cluster_info, make_config
 
 HOST = "127.0.0.1"
 # 16 KiB blocks: a writer batch (chunks of several streams) fills the socket mid-way,
@@ -49,14 +48,7 @@ def _owner(conn: Connection) -> None:
     pushes write blocks 256..511; answers "digest" with a hash of requested blocks."""
 
     async def main() -> None:
-        cfg = LLMConfig(
-            device_type="cpu",
-            enable_cache_manager=True,
-            enable_remote_cache_accessible=True,
-            listen_ip_info="127.0.0.1:0",
-            mem_pool_cfg=f'{{"memory_size": {24 << 20}, "page_shift": 12}}',
-            sync_kv_timeout=20000,
-        )
+        cfg = make_config("tcp", pool=24 << 20, sync_kv_timeout=20000)
         async with LLMDataDist(LLMRole.PROMPT, OWNER, cfg) as dd:
             cache = await dd.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(OWNER, 0))
             for t, c in zip(cache.tensors, _content(1), strict=True):
@@ -84,13 +76,7 @@ def test_thousands_of_concurrent_mixed_ops_between_processes_all_succeed() -> No
         port = parent.recv()
 
         async def main() -> None:
-            cfg = LLMConfig(
-                device_type="cpu",
-                enable_cache_manager=True,
-                enable_remote_cache_accessible=True,
-                mem_pool_cfg=f'{{"memory_size": {40 << 20}, "page_shift": 12}}',
-                sync_kv_timeout=20000,
-            )
+            cfg = make_config("tcp", pool=40 << 20, listen_ip_info=None, sync_kv_timeout=20000)
             async with LLMDataDist(LLMRole.DECODER, 32, cfg) as d:
                 info = cluster_info(OWNER, (HOST, port))
                 assert (await d.link_clusters([info]))[0] == LLMStatusCode.LLM_SUCCESS

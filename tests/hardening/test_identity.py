@@ -30,7 +30,6 @@ from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMRole,
@@ -38,7 +37,8 @@ from aiokv import (
     Placement,
 )
 from aiokv._remote._links import PROBE_TIMEOUT_S
-from aiokv.testing import cluster_info
+from aiokv.testing import cluster_info as info
+from aiokv.testing import make_config
 from aiokv.transport import _wire as wire
 from aiokv.transport.tcp._handshake import mac
 
@@ -49,20 +49,7 @@ SECRET = "s3cret"
 
 
 def config(secret: str | None = None) -> LLMConfig:
-    return LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        listen_ip_info="127.0.0.1:0",
-        mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-        enable_remote_cache_accessible=True,
-        sync_kv_timeout=3000,
-        link_secret=secret,
-    )
-
-
-def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
-    assert address is not None
-    return cluster_info(cluster_id, address)
+    return make_config("tcp", pool=1 << 20, sync_kv_timeout=3000, link_secret=secret)
 
 
 async def eventually(cond: Callable[[], bool], within_s: float = 10.0) -> None:

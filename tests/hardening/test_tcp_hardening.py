@@ -13,7 +13,7 @@ import secrets
 import socket
 import time
 import tracemalloc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -25,7 +25,6 @@ from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -33,7 +32,7 @@ from aiokv import (
     LLMStatusCode,
 )
 from aiokv._config import InvalidOptionError
-from aiokv.testing import cluster_info
+from aiokv.testing import cluster_info, make_config
 from aiokv.transport import Grant, Link, PeerInfo, get_transport, transport_names
 from aiokv.transport import _wire as wire
 from aiokv.transport._wire import FrameType
@@ -41,6 +40,13 @@ from aiokv.transport.tcp import TcpTransport
 from aiokv.transport.tcp import _link as tcp_link
 
 HOST = "127.0.0.1"
+#: a participant of ``make_config`` that neither listens nor accepts pushes (llm_datadist's
+#: defaults)
+NOT_LISTENING: dict[str, Any] = {
+    "listen_ip_info": None,
+    "enable_remote_cache_accessible": False,
+    "sync_kv_timeout": 1000,
+}
 Code = LLMStatusCode
 F = FrameType
 
@@ -194,13 +200,8 @@ def _flooded_peer(conn: Connection, nofile: int) -> None:
     """A prompt process with a low descriptor limit and a long handshake timeout."""
 
     async def main() -> None:
-        cfg = LLMConfig(
-            device_type="cpu",
-            enable_cache_manager=True,
-            listen_ip_info="127.0.0.1:0",
-            mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-            handshake_timeout=60000,
-        )
+        opts = {"enable_remote_cache_accessible": False, "sync_kv_timeout": 1000}
+        cfg = make_config("tcp", pool=1 << 20, handshake_timeout=60000, **opts)
         async with LLMDataDist(LLMRole.PROMPT, 11, cfg) as dd:
             cache = await dd.cache_manager.allocate_blocks_cache(
                 CacheDesc(1, [4, 256], DataType.DT_UINT8), BlocksCacheKey(11, 0)
@@ -214,10 +215,10 @@ def _flooded_peer(conn: Connection, nofile: int) -> None:
     asyncio.run(main())
 
 
-def test_a_flood_past_the_descriptor_limit_still_lets_a_peer_link() -> None:
-    """1,100 idle connections against a listener limited to 512 descriptors (the
-    default caps): ``link_clusters`` still succeeds within its timeout, and the link
-    carries data."""
+def _flood_then_link_and_pull(flood: Callable[[int, list[socket.socket]], Awaitable[None]]) -> None:
+    """Start a ``_flooded_peer`` process (512 descriptors), run ``flood(port, sockets)``
+    against its listener (what it opens goes into ``sockets``, closed at the end); then a
+    decoder links to it within 5 s and pulls the right bytes."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_flooded_peer, args=(child, 512), daemon=True)
@@ -227,19 +228,15 @@ def test_a_flood_past_the_descriptor_limit_still_lets_a_peer_link() -> None:
         port = parent.recv()
 
         async def main() -> None:
-            flood: list[socket.socket] = []
-            cfg = LLMConfig(
-                device_type="cpu",
-                enable_cache_manager=True,
-                mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-            )
+            sockets: list[socket.socket] = []
+            cfg = make_config("tcp", pool=1 << 20, **NOT_LISTENING)
             try:
-                for i in range(1100):
-                    flood.append(await _connect_raw(port, source=f"127.0.{1 + i // 200}.1"))
+                await flood(port, sockets)
                 async with LLMDataDist(LLMRole.DECODER, 22, cfg) as d:
-                    info = cluster_info(11, (HOST, port))
                     t0 = time.monotonic()
-                    assert await d.link_clusters([info], timeout=5000) == (
+                    assert await d.link_clusters(
+                        [cluster_info(11, (HOST, port))], timeout=5000
+                    ) == (
                         Code.LLM_SUCCESS,
                         [Code.LLM_SUCCESS],
                     )
@@ -250,7 +247,7 @@ def test_a_flood_past_the_descriptor_limit_still_lets_a_peer_link() -> None:
                     want = torch.arange(1024, dtype=torch.uint8).reshape(4, 256)
                     assert torch.equal(dst.tensors[0], want)
             finally:
-                for s in flood:
+                for s in sockets:
                     s.close()
 
         asyncio.run(main())
@@ -259,6 +256,18 @@ def test_a_flood_past_the_descriptor_limit_still_lets_a_peer_link() -> None:
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+def test_a_flood_past_the_descriptor_limit_still_lets_a_peer_link() -> None:
+    """1,100 idle connections against a listener limited to 512 descriptors (the
+    default caps): ``link_clusters`` still succeeds within its timeout, and the link
+    carries data."""
+
+    async def flood(port: int, sockets: list[socket.socket]) -> None:
+        for i in range(1100):
+            sockets.append(await _connect_raw(port, source=f"127.0.{1 + i // 200}.1"))
+
+    _flood_then_link_and_pull(flood)
 
 
 # ------------------------------------------------------------------ argument quirks
@@ -751,12 +760,8 @@ def _no_user_warning() -> Any:
 
 
 async def test_init_warns_when_listening_beyond_loopback_without_protection() -> None:
-    cfg = LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        listen_ip_info="0.0.0.0:0",
-        mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-    )
+    opts = {"enable_remote_cache_accessible": False, "sync_kv_timeout": 1000}
+    cfg = make_config("tcp", pool=1 << 20, listen_ip_info="0.0.0.0:0", **opts)
     with pytest.warns(UserWarning, match="neither link_secret nor TLS"):
         async with LLMDataDist(LLMRole.PROMPT, 1, cfg):
             pass
@@ -771,55 +776,16 @@ def test_a_flood_of_handshaked_idle_links_still_lets_a_peer_link() -> None:
     nothing, against a listener limited to 512 descriptors (the default caps):
     ``link_clusters`` from that same address still succeeds within its timeout, and the
     link carries data."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_flooded_peer, args=(child, 512), daemon=True)
-    proc.start()
-    try:
-        assert parent.poll(60), "peer process did not start"
-        port = parent.recv()
 
-        async def main() -> None:
-            flood: list[socket.socket] = []
-            cfg = LLMConfig(
-                device_type="cpu",
-                enable_cache_manager=True,
-                mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-            )
+    async def flood(port: int, sockets: list[socket.socket]) -> None:
+        failed = 0
+        for i in range(600):
             try:
-                failed = 0
-                for i in range(600):
-                    try:
-                        async with asyncio.timeout(2):
-                            flood.append(await _linked_raw(port, cluster_id=1000 + i))
-                    except (OSError, AssertionError, TimeoutError):
-                        failed += 1  # the listener is out of descriptors: enough
-                        if failed == 3:
-                            break
-                async with LLMDataDist(LLMRole.DECODER, 22, cfg) as d:
-                    info = LLMClusterInfo(
-                        remote_cluster_id=11,
-                        remote_ip_info=[(HOST, port)],
-                        local_ip_info=[("127.0.0.1", 0)],
-                    )
-                    t0 = time.monotonic()
-                    assert await d.link_clusters([info], timeout=5000) == (
-                        Code.LLM_SUCCESS,
-                        [Code.LLM_SUCCESS],
-                    )
-                    assert time.monotonic() - t0 < 5
-                    cm = d.cache_manager
-                    dst = await cm.allocate_blocks_cache(CacheDesc(1, [4, 256], DataType.DT_UINT8))
-                    await cm.pull_blocks(BlocksCacheKey(11, 0), dst, [0, 1, 2, 3], [0, 1, 2, 3])
-                    want = torch.arange(1024, dtype=torch.uint8).reshape(4, 256)
-                    assert torch.equal(dst.tensors[0], want)
-            finally:
-                for s in flood:
-                    s.close()
+                async with asyncio.timeout(2):
+                    sockets.append(await _linked_raw(port, cluster_id=1000 + i))
+            except (OSError, AssertionError, TimeoutError):
+                failed += 1  # the listener is out of descriptors: enough
+                if failed == 3:
+                    break
 
-        asyncio.run(main())
-    finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    _flood_then_link_and_pull(flood)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import random
 import time
@@ -59,7 +58,7 @@ from aiokv import (
 from aiokv._cache import Cache
 from aiokv._registry import CacheRegistry
 from aiokv._remote._service import PeerService
-from aiokv.testing import cluster_info
+from aiokv.testing import cluster_info, make_config
 from aiokv.transport import Grant, Link, PeerInfo
 from aiokv.transport.tcp import TcpTransport
 
@@ -713,16 +712,8 @@ class RefuseAll:
 
 
 def config(enable: bool) -> LLMConfig:
-    return LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        enable_remote_cache_accessible=enable,
-        listen_ip_info=f"{HOST}:0",
-        host_mem_pool_cfg=json.dumps({"memory_size": 1 << 20, "page_shift": 12}),
-        transfer_backend="tcp",
-        sync_kv_timeout=10000,
-        link_secret=SECRET,
-    )
+    options = {"enable_remote_cache_accessible": enable, "link_secret": SECRET}
+    return make_config("tcp", pool=None, host_pool=1 << 20, sync_kv_timeout=10000, **options)
 
 
 @contextlib.asynccontextmanager

@@ -42,7 +42,7 @@ from aiokv._remote import Transfer
 from aiokv._remote import _client as client_mod
 from aiokv._remote import _service as service_mod
 from aiokv._remote._protocol import BlocksReq, KeyByBlocks, SlotReq, Tensors, blocks_of, encode
-from aiokv.testing import cluster_info
+from aiokv.testing import cluster_info, make_config
 
 CODE = LLMStatusCode
 HAS_CUDA = torch.cuda.is_available()
@@ -61,18 +61,9 @@ def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
 
 
 def config(route: str, backend: str, **kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cuda" if route == "cuda" else "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "mem_pool_cfg": '{"memory_size": 67108864, "page_shift": 16}',
-        "host_mem_pool_cfg": '{"memory_size": 67108864, "page_shift": 16}',
-        "enable_remote_cache_accessible": True,
-        "transfer_backend": backend,
-        "sync_kv_timeout": 20000,
-    }
-    base.update(kw)
-    return LLMConfig(**base)
+    options = {"device_type": "cuda" if route == "cuda" else "cpu", "sync_kv_timeout": 20000}
+    pools = {"pool": 64 << 20, "host_pool": 64 << 20, "page_shift": 16}
+    return make_config(backend, **pools, **(options | kw))
 
 
 @contextlib.asynccontextmanager
