@@ -84,3 +84,10 @@ def run_python(
         timeout=timeout,
         check=False,
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (free when asked)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

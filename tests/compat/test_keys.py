@@ -5,16 +5,15 @@ Real prompt/decoder pairs linked over TCP on 127.0.0.1."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
+from _helpers import raises, until
 from participants import participant, pool
 
 from aiokv import (
@@ -76,21 +75,6 @@ def state(cm: CacheManager) -> dict[str, Any]:
     pool = cm.get_pool_stats(Placement.DEVICE)
     assert pool is not None
     return {**dataclasses.asdict(cm.statistics()), "used": pool.used}
-
-
-async def until(cond: Callable[[], bool], seconds: float = 5.0) -> None:
-    """Wait (bounded) for what the owner does on its engine after serving a pull."""
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
-async def raises(code: LLMStatusCode, coro: Any) -> LLMException:
-    with pytest.raises(LLMException) as ei:
-        await coro
-    assert ei.value.status_code == code, ei.value
-    return ei.value
 
 
 async def test_blocks_key_is_found_by_model_id() -> None:

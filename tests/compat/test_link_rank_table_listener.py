@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import pytest
+from _helpers import free_port
 
 from aiokv import (
     BlocksCacheKey,
@@ -28,12 +28,6 @@ def config() -> LLMConfig:
     """A participant that does not listen (the rank table says where), over TCP."""
     options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
     return make_config("tcp", pool=1 << 20, sync_kv_timeout=1000, **options)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def table(rank0: dict[str, str]) -> str:

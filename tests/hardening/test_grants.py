@@ -18,7 +18,7 @@ import grants_peer
 import numpy as np
 import pytest
 import torch
-from _helpers import raises, raw_link
+from _helpers import raises, raw_link, until
 
 from aiokv import (
     BlocksCacheKey,
@@ -61,14 +61,6 @@ def config(backend: str = "local", **kw: Any) -> LLMConfig:
     """8 MiB device and 4 MiB host pools; refuses pushes unless told otherwise."""
     options = {"enable_remote_cache_accessible": False, "sync_kv_timeout": 3000}
     return make_config(backend, pool=8 * MIB, host_pool=4 * MIB, **(options | kw))
-
-
-async def eventually(check: Any, seconds: float = 5) -> None:
-    for _ in range(int(seconds / 0.01)):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    assert check()
 
 
 # ---- 1: no write after unregister_cache -------------------------------------------------
@@ -148,11 +140,11 @@ async def test_a_grant_nobody_reads_expires_and_memory_returns_to_the_pool() -> 
         meta = encode(SlotReq(KeyById(1, cache.cache_id, 0), Tensors(1), n, exact=True))
         sock = await asyncio.to_thread(_raw_pull, owner.listen_address[1], meta, n)
         try:
-            await eventually(lambda: cm.statistics().pins == 1)
+            await until(lambda: cm.statistics().pins == 1)
             t0 = time.monotonic()
             await cm.deallocate_cache(cache)  # the grant keeps it pinned...
             assert cm.statistics().caches == 1
-            await eventually(lambda: cm.statistics().caches == 0)  # ...until it expires
+            await until(lambda: cm.statistics().caches == 0)  # ...until it expires
             assert time.monotonic() - t0 > 0.2
             stats = cm.get_pool_stats()
             assert stats is not None and stats.used == 0

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from _helpers import until
 
 from aiokv import (
     BlocksCacheKey,
@@ -620,13 +621,6 @@ async def _linked_raw(port: int, source: str = HOST, cluster_id: int = 77) -> so
     return sock
 
 
-async def _until(cond: Any, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_quiet_links_beyond_the_caps_make_room_and_a_peer_links() -> None:
     """Handshaked connections that never send a frame: one address keeps at most
     ``max_links_per_host`` (the oldest quiet one goes); a legitimate peer from that very
@@ -637,7 +631,7 @@ async def test_quiet_links_beyond_the_caps_make_room_and_a_peer_links() -> None:
         try:
             for i in range(12):
                 flood.append(await _linked_raw(port, cluster_id=100 + i))
-            await _until(lambda: len(server.links()) == 4)
+            await until(lambda: len(server.links()) == 4, 10.0)
             closed = await asyncio.gather(*(_closed_by_peer(s, 0.2) for s in flood))
             assert closed == [True] * 8 + [False] * 4  # the oldest went first
             t0 = time.monotonic()
