@@ -91,3 +91,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def hide_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For the rest of the test, importing NIXL fails (as where it is not installed) and
+    aiokv's NIXL transport is imported afresh."""
+    for name in [m for m in sys.modules if m.startswith("aiokv.transport.nixl")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in ("nixl_cu12", "nixl_cu12._api", "nixl", "nixl._api"):
+        monkeypatch.setitem(sys.modules, name, None)  # None: "import fails"

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from functools import partial
 from typing import Any
 
 import pytest
+from _helpers import hide_nixl
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -164,10 +164,7 @@ def test_cli_bench_transfer_nixl_times_every_path_on_checked_bytes(
 def test_cli_bench_transfer_nixl_without_nixl_names_the_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for name in [m for m in sys.modules if m.startswith("aiokv.transport.nixl")]:
-        monkeypatch.delitem(sys.modules, name)
-    for name in ("nixl_cu12", "nixl_cu12._api", "nixl", "nixl._api"):
-        monkeypatch.setitem(sys.modules, name, None)  # None: "import fails"
+    hide_nixl(monkeypatch)
     result = CliRunner().invoke(app, ["bench", "transfer", "--backend", "nixl"])
     assert result.exit_code == 1
     assert "pip install 'aiokv[nixl]'" in result.output

@@ -176,13 +176,7 @@ async def test_a_flood_of_idle_connections_cannot_lock_out_a_peer() -> None:
             closed = await asyncio.gather(*(_closed_by_peer(s, 0.5) for s in flood))
             assert closed.count(False) == 16  # 4 hosts x 6 > 16: the global cap holds
             assert all(closed[:60])  # the oldest went first
-            t0 = time.monotonic()
-            link = await client.connect(HOST, port, timeout=5)
-            assert time.monotonic() - t0 < 2
-            handler.regions["x"] = bytearray(b"alive")
-            got = bytearray(5)
-            await link.read(js({"r": "x", "off": 0, "n": 5}), [memoryview(got)], timeout=5)
-            assert got == b"alive"
+            await _links_at_once_and_reads(client, port, handler)
             # one host alone gets at most max_handshakes_per_host slots
             for s in flood:
                 s.close()
@@ -621,6 +615,17 @@ async def _linked_raw(port: int, source: str = HOST, cluster_id: int = 77) -> so
     return sock
 
 
+async def _links_at_once_and_reads(client: TcpTransport, port: int, handler: Regions) -> None:
+    """``client`` links to ``port`` within 2 s and reads through the link."""
+    t0 = time.monotonic()
+    link = await client.connect(HOST, port, timeout=5)
+    assert time.monotonic() - t0 < 2
+    handler.regions["x"] = bytearray(b"alive")
+    got = bytearray(5)
+    await link.read(js({"r": "x", "off": 0, "n": 5}), [memoryview(got)], timeout=5)
+    assert got == b"alive"
+
+
 async def test_quiet_links_beyond_the_caps_make_room_and_a_peer_links() -> None:
     """Handshaked connections that never send a frame: one address keeps at most
     ``max_links_per_host`` (the oldest quiet one goes); a legitimate peer from that very
@@ -634,13 +639,7 @@ async def test_quiet_links_beyond_the_caps_make_room_and_a_peer_links() -> None:
             await until(lambda: len(server.links()) == 4, 10.0)
             closed = await asyncio.gather(*(_closed_by_peer(s, 0.2) for s in flood))
             assert closed == [True] * 8 + [False] * 4  # the oldest went first
-            t0 = time.monotonic()
-            link = await client.connect(HOST, port, timeout=5)
-            assert time.monotonic() - t0 < 2
-            handler.regions["x"] = bytearray(b"alive")
-            got = bytearray(5)
-            await link.read(js({"r": "x", "off": 0, "n": 5}), [memoryview(got)], timeout=5)
-            assert got == b"alive"
+            await _links_at_once_and_reads(client, port, handler)
             assert await _closed_by_peer(flood[8], 2)  # it made room
             assert len(server.links()) == 4
         finally:

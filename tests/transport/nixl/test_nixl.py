@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import importlib
-import sys
 
 import pytest
+from _helpers import hide_nixl
 
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
@@ -15,10 +15,7 @@ from aiokv.transport import Grant, PeerInfo, get_transport
 
 
 def test_missing_nixl_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [m for m in sys.modules if m.startswith("aiokv.transport.nixl")]:
-        monkeypatch.delitem(sys.modules, name)
-    for name in ("nixl_cu12", "nixl_cu12._api", "nixl", "nixl._api"):
-        monkeypatch.setitem(sys.modules, name, None)  # None: "import fails"
+    hide_nixl(monkeypatch)
     with pytest.raises(LLMException) as info:
         get_transport("nixl")
     assert info.value.status_code == Code.LLM_FEATURE_NOT_ENABLED
