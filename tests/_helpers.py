@@ -12,13 +12,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from aiokv import LLMException, LLMStatusCode
+from aiokv import LLMException
+from aiokv import LLMStatusCode
 from aiokv.transport import _wire as wire
 
 #: the repository root (this checkout)

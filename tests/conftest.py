@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 
 import pytest
 

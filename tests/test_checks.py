@@ -5,8 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiokv import LLMException, LLMStatusCode
-from aiokv._checks import MAX_BLOCK_INDEX, check_blocks, check_unique, duplicated
+from aiokv import LLMException
+from aiokv import LLMStatusCode
+from aiokv._checks import MAX_BLOCK_INDEX
+from aiokv._checks import check_blocks
+from aiokv._checks import check_unique
+from aiokv._checks import duplicated
 
 
 def test_check_blocks_returns_a_read_only_int64_array() -> None:

@@ -21,8 +21,10 @@ import torch
 from typer.testing import CliRunner
 
 import aiokv
-from aiokv import LLMStatusCode, _info
-from aiokv._bench import _plot, transfer
+from aiokv import LLMStatusCode
+from aiokv import _info
+from aiokv._bench import _plot
+from aiokv._bench import transfer
 from aiokv._errors import LLMException
 from aiokv.cli import app
 

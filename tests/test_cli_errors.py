@@ -15,7 +15,8 @@ from _helpers import run_python
 from typer.testing import CliRunner
 
 from aiokv import cli
-from aiokv._bench import _plot, transfer
+from aiokv._bench import _plot
+from aiokv._bench import transfer
 from aiokv.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,7 +166,8 @@ def test_demo_over_nixl_without_nixl_names_the_extra_before_any_process(
 ) -> None:
     import multiprocessing
 
-    from aiokv import LLMException, LLMStatusCode
+    from aiokv import LLMException
+    from aiokv import LLMStatusCode
     from aiokv._demo import _run
 
     def missing(name: str) -> None:

@@ -9,7 +9,12 @@ import logging
 import pytest
 from pydantic import SecretStr
 
-from aiokv import LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from aiokv import LLMClusterInfo
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
 from aiokv.sync import LLMConfig as SyncLLMConfig
 from aiokv.testing import cluster_info
 

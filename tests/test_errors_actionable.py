@@ -8,27 +8,32 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv.testing import cluster_info as info
-from aiokv.testing import linked_pair, make_config
-from aiokv.transport import Grant, PeerInfo, get_transport
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
 from aiokv.transport import _wire as wire
-from aiokv.transport._base import REASON_CAP, decode_reason, encode_reason
+from aiokv.transport import get_transport
+from aiokv.transport._base import REASON_CAP
+from aiokv.transport._base import decode_reason
+from aiokv.transport._base import encode_reason
 from aiokv.transport._wire import FrameType
 from aiokv.transport.tcp import TcpTransport
 

@@ -12,18 +12,17 @@ from typing import Any
 import pytest
 
 import aiokv.sync as llm_datadist
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
 from aiokv._config import InvalidOptionError
-from aiokv.testing import cluster_info, make_config
+from aiokv.testing import cluster_info
+from aiokv.testing import make_config
 
 CODE = LLMStatusCode
 pytestmark = pytest.mark.timeout(60)

@@ -5,28 +5,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    CacheKey,
-    CacheManager,
-    DataType,
-    KvCache,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    NoneArgumentError,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheManager
+from aiokv import DataType
+from aiokv import KvCache
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import NoneArgumentError
+from aiokv import Placement
 from aiokv.testing import make_config
 
 POOL = 64 << 20

@@ -12,18 +12,19 @@ import logging
 import pytest
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    DataType,
-    LLMException,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import DataType
+from aiokv import LLMException
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._cache import Cache
-from aiokv._pool import MemPool, Span
-from aiokv._registry import CacheRegistry, Entry, key_id
+from aiokv._pool import MemPool
+from aiokv._pool import Span
+from aiokv._registry import CacheRegistry
+from aiokv._registry import Entry
+from aiokv._registry import key_id
 
 PAGE_SHIFT = 10
 PAGE = 1 << PAGE_SHIFT

@@ -13,9 +13,17 @@ from _helpers import hide_nixl
 from rich.console import Console
 from typer.testing import CliRunner
 
-from aiokv import CacheManager, LLMDataDist
-from aiokv._bench import _harness, layerwise, transfer
-from aiokv._bench._harness import PromptPeer, Report, interleave, run_loop, run_remote, scattered
+from aiokv import CacheManager
+from aiokv import LLMDataDist
+from aiokv._bench import _harness
+from aiokv._bench import layerwise
+from aiokv._bench import transfer
+from aiokv._bench._harness import PromptPeer
+from aiokv._bench._harness import Report
+from aiokv._bench._harness import interleave
+from aiokv._bench._harness import run_loop
+from aiokv._bench._harness import run_remote
+from aiokv._bench._harness import scattered
 from aiokv._errors import LLMException
 from aiokv.cli import app
 from aiokv.transport import get_transport

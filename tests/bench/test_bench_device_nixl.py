@@ -10,8 +10,10 @@ import torch
 from _helpers import hide_nixl
 from typer.testing import CliRunner
 
-from aiokv._bench._harness import run_loop, scattered
-from aiokv._bench.nixl import SETTINGS, RawNixl
+from aiokv._bench._harness import run_loop
+from aiokv._bench._harness import scattered
+from aiokv._bench.nixl import SETTINGS
+from aiokv._bench.nixl import RawNixl
 from aiokv._errors import LLMException
 from aiokv.cli import app
 from aiokv.transport import get_transport

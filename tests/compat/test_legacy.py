@@ -11,17 +11,15 @@ import pytest
 import torch
 
 import aiokv.sync as llm_datadist
-from aiokv import (
-    CacheDesc,
-    DataType,
-    KvCache,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import KvCache
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._datadist import LEGACY_POOL
 
 CODE = LLMStatusCode

@@ -10,20 +10,23 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from _helpers import free_port, raises, until
-from participants import info, participant
+from _helpers import free_port
+from _helpers import raises
+from _helpers import until
+from participants import info
+from participants import participant
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
-from aiokv.transport import Grant, PeerInfo, get_transport
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
+from aiokv.transport import get_transport
 
 CODE = LLMStatusCode
 

@@ -19,26 +19,25 @@ from _helpers import raises
 
 import aiokv
 import aiokv.sync
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    CacheManager,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    MemInfo,
-    Memtype,
-    NoneArgumentError,
-    Placement,
-    Status,
-)
-from aiokv.testing import cluster_info, make_config
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheKeyByIdAndIndex
+from aiokv import CacheManager
+from aiokv import DataType
+from aiokv import LLMClusterInfo
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import MemInfo
+from aiokv import Memtype
+from aiokv import NoneArgumentError
+from aiokv import Placement
+from aiokv import Status
+from aiokv.testing import cluster_info
+from aiokv.testing import make_config
 
 CODE = LLMStatusCode
 

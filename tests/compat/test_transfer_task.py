@@ -21,21 +21,21 @@ import torch
 
 import aiokv
 import aiokv.sync
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheTask,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-    TransferConfig,
-    TransferWithCacheKeyConfig,
-)
-from aiokv.testing import cluster_info, linked_pair, make_config
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheTask
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
+from aiokv import TransferConfig
+from aiokv import TransferWithCacheKeyConfig
+from aiokv.testing import cluster_info
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
 
 CODE = LLMStatusCode
 BLOCKS = 8

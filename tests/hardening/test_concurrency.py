@@ -13,16 +13,15 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
-from aiokv.testing import cluster_info, make_config
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv.testing import cluster_info
+from aiokv.testing import make_config
 
 HOST = "127.0.0.1"
 # 16 KiB blocks: a writer batch (chunks of several streams) fills the socket mid-way,

@@ -18,36 +18,35 @@ import grants_peer
 import numpy as np
 import pytest
 import torch
-from _helpers import raises, raw_link, until
+from _helpers import raises
+from _helpers import raw_link
+from _helpers import until
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheKeyByIdAndIndex
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._cache import Cache
 from aiokv._registry import CacheRegistry
-from aiokv._remote._protocol import (
-    AddrsReq,
-    BlocksReq,
-    KeyByBlocks,
-    KeyById,
-    KeyByReq,
-    SlotReq,
-    Tensors,
-    encode,
-    pack_blocks,
-)
+from aiokv._remote._protocol import AddrsReq
+from aiokv._remote._protocol import BlocksReq
+from aiokv._remote._protocol import KeyByBlocks
+from aiokv._remote._protocol import KeyById
+from aiokv._remote._protocol import KeyByReq
+from aiokv._remote._protocol import SlotReq
+from aiokv._remote._protocol import Tensors
+from aiokv._remote._protocol import encode
+from aiokv._remote._protocol import pack_blocks
 from aiokv._remote._service import PeerService
-from aiokv.testing import linked_pair, make_config
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
 from aiokv.transport import PeerInfo
 from aiokv.transport import _wire as wire
 

@@ -13,7 +13,9 @@ import secrets
 import socket
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -22,20 +24,23 @@ import pytest
 import torch
 from _helpers import until
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
 from aiokv._config import InvalidOptionError
-from aiokv.testing import cluster_info, make_config
-from aiokv.transport import Grant, Link, PeerInfo, get_transport, transport_names
+from aiokv.testing import cluster_info
+from aiokv.testing import make_config
+from aiokv.transport import Grant
+from aiokv.transport import Link
+from aiokv.transport import PeerInfo
 from aiokv.transport import _wire as wire
+from aiokv.transport import get_transport
+from aiokv.transport import transport_names
 from aiokv.transport._wire import FrameType
 from aiokv.transport.tcp import TcpTransport
 from aiokv.transport.tcp import _link as tcp_link

@@ -18,19 +18,24 @@ from typing import Any
 import pytest
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
-from aiokv._bench._pki import Pki, TlsFiles, make_pki
-from aiokv.testing import cluster_info, linked_pair, make_config
-from aiokv.transport import Grant, PeerInfo, TlsContexts, load_tls
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv._bench._pki import Pki
+from aiokv._bench._pki import TlsFiles
+from aiokv._bench._pki import make_pki
+from aiokv.testing import cluster_info
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
+from aiokv.transport import TlsContexts
+from aiokv.transport import load_tls
 from aiokv.transport.tcp import TcpTransport
 
 if shutil.which("openssl") is None:  # pragma: no cover - present wherever aiokv is tested

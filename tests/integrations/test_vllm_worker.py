@@ -14,15 +14,17 @@ import pytest
 import torch
 
 from aiokv import LLMException
-from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
+from aiokv.integrations.vllm import ConnectorOptions
+from aiokv.integrations.vllm import WorkerSide
 from aiokv.integrations.vllm._params import Endpoint
-from aiokv.integrations.vllm._plan import Hold, Load, Release, StepPlan
-from aiokv.integrations.vllm._worker import (
-    DoneNotice,
-    TransferResults,
-    blocks_desc,
-    logical_blocks,
-)
+from aiokv.integrations.vllm._plan import Hold
+from aiokv.integrations.vllm._plan import Load
+from aiokv.integrations.vllm._plan import Release
+from aiokv.integrations.vllm._plan import StepPlan
+from aiokv.integrations.vllm._worker import DoneNotice
+from aiokv.integrations.vllm._worker import TransferResults
+from aiokv.integrations.vllm._worker import blocks_desc
+from aiokv.integrations.vllm._worker import logical_blocks
 from aiokv.transport import get_transport
 
 LAYERS, BLOCKS, SHAPE = (

@@ -20,29 +20,34 @@ import numpy as np
 import pytest
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-    TransferConfig,
-    TransferWithCacheKeyConfig,
-)
-from aiokv._copy import Stager, _staging
+from aiokv import BlocksCacheKey
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheKeyByIdAndIndex
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
+from aiokv import TransferConfig
+from aiokv import TransferWithCacheKeyConfig
+from aiokv._copy import Stager
+from aiokv._copy import _staging
 from aiokv._layout import ByteLayout
 from aiokv._remote import Transfer
 from aiokv._remote import _client as client_mod
 from aiokv._remote import _service as service_mod
-from aiokv._remote._protocol import BlocksReq, KeyByBlocks, SlotReq, Tensors, blocks_of, encode
-from aiokv.testing import cluster_info, make_config
+from aiokv._remote._protocol import BlocksReq
+from aiokv._remote._protocol import KeyByBlocks
+from aiokv._remote._protocol import SlotReq
+from aiokv._remote._protocol import Tensors
+from aiokv._remote._protocol import blocks_of
+from aiokv._remote._protocol import encode
+from aiokv.testing import cluster_info
+from aiokv.testing import make_config
 
 CODE = LLMStatusCode
 HAS_CUDA = torch.cuda.is_available()

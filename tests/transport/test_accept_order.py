@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 
-from aiokv import LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole
+from aiokv import LLMClusterInfo
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMRole
 from aiokv.transport.tcp import _transport
 
 

@@ -19,37 +19,35 @@ import random
 import shutil
 import time
 import typing
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from spans import (
-    KIB,
-    ManyOps,
-    Scatter,
-    gather_spans,
-    js,
-    make_many_ops,
-    make_scatter,
-    outside_spans,
-    views_of,
-)
+from spans import KIB
+from spans import ManyOps
+from spans import Scatter
+from spans import gather_spans
+from spans import js
+from spans import make_many_ops
+from spans import make_scatter
+from spans import outside_spans
+from spans import views_of
 
 from aiokv import LLMConfig
 from aiokv._bench._pki import make_pki
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
-from aiokv.transport import (
-    Grant,
-    Link,
-    PeerInfo,
-    Transport,
-    get_transport,
-    load_tls,
-    transport_names,
-)
+from aiokv.transport import Grant
+from aiokv.transport import Link
+from aiokv.transport import PeerInfo
+from aiokv.transport import Transport
+from aiokv.transport import get_transport
+from aiokv.transport import load_tls
+from aiokv.transport import transport_names
 from aiokv.transport.tcp import TcpTransport
 
 HOST = "127.0.0.1"

@@ -12,30 +12,37 @@ import random
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import pytest
-from spans import (
-    KIB,
-    ManyOps,
-    Scatter,
-    gather_spans,
-    js,
-    layout,
-    make_many_ops,
-    make_scatter,
-    outside_spans,
-    views_of,
-)
+from spans import KIB
+from spans import ManyOps
+from spans import Scatter
+from spans import gather_spans
+from spans import js
+from spans import layout
+from spans import make_many_ops
+from spans import make_scatter
+from spans import outside_spans
+from spans import views_of
 
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
-from aiokv.transport import Grant, Link, PeerInfo, Transport, get_transport, transport_names
+from aiokv.transport import Grant
+from aiokv.transport import Link
+from aiokv.transport import PeerInfo
+from aiokv.transport import Transport
 from aiokv.transport import _wire as wire
+from aiokv.transport import get_transport
+from aiokv.transport import transport_names
 from aiokv.transport._wire import FrameType
-from aiokv.transport.tcp import TcpTransport, _link
+from aiokv.transport.tcp import TcpTransport
+from aiokv.transport.tcp import _link
 
 HOST = "127.0.0.1"
 MIB = 1 << 20

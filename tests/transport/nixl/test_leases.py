@@ -20,22 +20,28 @@ import pytest
 import torch
 from _helpers import until
 
-from aiokv import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
+from aiokv import BlocksCacheKey
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMClusterInfo
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
 from aiokv._remote import _protocol as protocol
-from aiokv._remote._leases import Held, decode_reply, encode_reply, reply_size
-from aiokv.testing import cluster_info, linked_pair, make_config, requires_transport
-from aiokv.transport import Grant, PeerInfo, get_transport
+from aiokv._remote._leases import Held
+from aiokv._remote._leases import decode_reply
+from aiokv._remote._leases import encode_reply
+from aiokv._remote._leases import reply_size
+from aiokv.testing import cluster_info
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
+from aiokv.testing import requires_transport
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
+from aiokv.transport import get_transport
 
 CODE = LLMStatusCode
 
@@ -96,7 +102,8 @@ async def test_a_revocation_that_overtakes_its_lease_voids_it() -> None:
     it; it asks again later instead."""
     from aiokv._config import LLMConfig as Config
     from aiokv._registry import CacheRegistry
-    from aiokv._remote._leases import LeaseKey, Leases
+    from aiokv._remote._leases import LeaseKey
+    from aiokv._remote._leases import Leases
 
     leases = Leases(CacheRegistry(), Config())
     link: Any = _FakeLink()

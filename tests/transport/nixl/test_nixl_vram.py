@@ -10,28 +10,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    CacheKey,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._copy import Stager
-from aiokv.testing import linked_pair, make_config, requires_transport
-from aiokv.transport import DeviceRuns, Grant, PeerInfo, get_transport
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
+from aiokv.testing import requires_transport
+from aiokv.transport import DeviceRuns
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
+from aiokv.transport import get_transport
 from aiokv.transport._base import check_grant
 
 CODE = LLMStatusCode

@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 from aiokv import LLMException
-from aiokv._layout import ByteLayout, LayoutViews, address_of
-from aiokv.testing import requires_transport, skip_unless_transport
+from aiokv._layout import ByteLayout
+from aiokv._layout import LayoutViews
+from aiokv._layout import address_of
+from aiokv.testing import requires_transport
+from aiokv.testing import skip_unless_transport
 from aiokv.transport._base import flatten_views
 
 needs_nixl = requires_transport("nixl")

@@ -39,18 +39,16 @@ import os
 import torch
 import torch.distributed as dist
 
-from aiokv import (  # port: was `from llm_datadist import (`
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey  # port: was `from llm_datadist import (`
+from aiokv import Cache  # port: was `from llm_datadist import (`
+from aiokv import CacheDesc  # port: was `from llm_datadist import (`
+from aiokv import DataType  # port: was `from llm_datadist import (`
+from aiokv import LLMClusterInfo  # port: was `from llm_datadist import (`
+from aiokv import LLMConfig  # port: was `from llm_datadist import (`
+from aiokv import LLMDataDist  # port: was `from llm_datadist import (`
+from aiokv import LLMRole  # port: was `from llm_datadist import (`
+from aiokv import LLMStatusCode  # port: was `from llm_datadist import (`
+from aiokv import Placement  # port: was `from llm_datadist import (`
 
 PROMPT, DECODER = 0, 1  # cluster ids, also the gloo ranks
 BLOCKS, WIDTH = 3, 10  # each registered tensor: BLOCKS blocks of WIDTH floats

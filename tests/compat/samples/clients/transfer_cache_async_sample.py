@@ -30,20 +30,18 @@ import os
 import torch
 import torch.distributed as dist
 
-from aiokv.sync import (  # port: was `from llm_datadist import (`
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    DataType,
-    LayerSynchronizer,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-    TransferWithCacheKeyConfig,
-)
+from aiokv.sync import BlocksCacheKey  # port: was `from llm_datadist import (`
+from aiokv.sync import Cache  # port: was `from llm_datadist import (`
+from aiokv.sync import CacheDesc  # port: was `from llm_datadist import (`
+from aiokv.sync import DataType  # port: was `from llm_datadist import (`
+from aiokv.sync import LayerSynchronizer  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMClusterInfo  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMConfig  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMDataDist  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMRole  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMStatusCode  # port: was `from llm_datadist import (`
+from aiokv.sync import Placement  # port: was `from llm_datadist import (`
+from aiokv.sync import TransferWithCacheKeyConfig  # port: was `from llm_datadist import (`
 
 PROMPT, DECODER = 0, 1  # cluster ids, also the gloo ranks
 BLOCKS, WIDTH = 3, 10  # each registered tensor: BLOCKS blocks of WIDTH floats
