@@ -6,7 +6,9 @@ the repository root."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import multiprocessing as mp
 import os
 import socket
 import subprocess
@@ -14,7 +16,9 @@ import sys
 import time
 from collections.abc import Awaitable
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Mapping
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +107,23 @@ def hide_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delitem(sys.modules, name)
     for name in ("nixl_cu12", "nixl_cu12._api", "nixl", "nixl._api"):
         monkeypatch.setitem(sys.modules, name, None)  # None: "import fails"
+
+
+@contextlib.contextmanager
+def spawned(target: Callable[..., None], *args: Any) -> Iterator[tuple[Connection, Any]]:
+    """A fresh process (``spawn``) running ``target(conn, *args)``; yields the parent's end
+    of ``conn`` and the first thing the process sent (its port, say), which must come
+    within 60 s. On exit the process is told ``"stop"``, joined for 10 s, then killed."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(60), "peer process did not start"
+        yield parent, parent.recv()
+    finally:
+        with contextlib.suppress(OSError):
+            parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()

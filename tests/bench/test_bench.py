@@ -24,9 +24,8 @@ from aiokv._bench._harness import interleave
 from aiokv._bench._harness import run_loop
 from aiokv._bench._harness import run_remote
 from aiokv._bench._harness import scattered
-from aiokv._errors import LLMException
 from aiokv.cli import app
-from aiokv.transport import get_transport
+from aiokv.testing import requires_transport
 
 TINY = ((64, 256), (8, 4096))  # (blocks, block bytes): the benchmark's shapes, scaled down
 
@@ -128,19 +127,11 @@ def _silent(conn: Any) -> None:
     conn.recv()  # until the parent's ("stop",)
 
 
-def _nixl_missing() -> str | None:
-    try:
-        get_transport("nixl")
-    except LLMException as exc:
-        return str(exc)
-    return None
-
-
 async def _skipped(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-@pytest.mark.skipif(_nixl_missing() is not None, reason="NIXL is not installed")
+@requires_transport("nixl")
 def test_cli_bench_transfer_nixl_times_every_path_on_checked_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

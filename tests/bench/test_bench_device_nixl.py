@@ -14,20 +14,10 @@ from aiokv._bench._harness import run_loop
 from aiokv._bench._harness import scattered
 from aiokv._bench.nixl import SETTINGS
 from aiokv._bench.nixl import RawNixl
-from aiokv._errors import LLMException
 from aiokv.cli import app
-from aiokv.transport import get_transport
+from aiokv.testing import requires_transport
 
-
-def _nixl_missing() -> str | None:
-    try:
-        get_transport("nixl")
-    except LLMException as exc:
-        return str(exc)
-    return None
-
-
-needs_nixl = pytest.mark.skipif(_nixl_missing() is not None, reason="NIXL is not installed")
+needs_nixl = requires_transport("nixl")
 
 
 def test_the_backend_option_takes_tcp_or_nixl_only() -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import multiprocessing as mp
 import random
 import time
 from multiprocessing.connection import Connection
 
 import torch
+from _helpers import spawned
 
 from aiokv import BlocksCacheKey
 from aiokv import CacheDesc
@@ -66,13 +66,7 @@ def _owner(conn: Connection) -> None:
 def test_thousands_of_concurrent_mixed_ops_between_processes_all_succeed() -> None:
     """5,000 pulls and pushes of 1-40 blocks, 48 in flight, against a peer process:
     none fails, every pulled byte equals the owner's, every pushed byte landed."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_owner, args=(child,), daemon=True)
-    proc.start()
-    try:
-        assert parent.poll(60), "peer process did not start"
-        port = parent.recv()
+    with spawned(_owner) as (parent, port):
 
         async def main() -> None:
             cfg = make_config("tcp", pool=40 << 20, listen_ip_info=None, sync_kv_timeout=20000)
@@ -123,8 +117,3 @@ def test_thousands_of_concurrent_mixed_ops_between_processes_all_succeed() -> No
                 assert elapsed < 40
 
         asyncio.run(main())
-    finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()

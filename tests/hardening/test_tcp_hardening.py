@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import math
-import multiprocessing as mp
 import resource
 import secrets
 import socket
@@ -22,6 +21,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from _helpers import spawned
 from _helpers import until
 
 from aiokv import BlocksCacheKey
@@ -219,13 +219,7 @@ def _flood_then_link_and_pull(flood: Callable[[int, list[socket.socket]], Awaita
     """Start a ``_flooded_peer`` process (512 descriptors), run ``flood(port, sockets)``
     against its listener (what it opens goes into ``sockets``, closed at the end); then a
     decoder links to it within 5 s and pulls the right bytes."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_flooded_peer, args=(child, 512), daemon=True)
-    proc.start()
-    try:
-        assert parent.poll(60), "peer process did not start"
-        port = parent.recv()
+    with spawned(_flooded_peer, 512) as (_, port):
 
         async def main() -> None:
             sockets: list[socket.socket] = []
@@ -251,11 +245,6 @@ def _flood_then_link_and_pull(flood: Callable[[int, list[socket.socket]], Awaita
                     s.close()
 
         asyncio.run(main())
-    finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
 
 
 def test_a_flood_past_the_descriptor_limit_still_lets_a_peer_link() -> None:
