@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -175,12 +176,22 @@ def linked(
     return linked_pair(config(**p_cfg), config(**(decoder or {})))
 
 
-@needs_nixl
-async def test_pulls_and_pushes_move_under_a_lease_with_todays_bytes() -> None:
+@contextlib.asynccontextmanager
+async def keyed_caches(
+    **dst_desc: int,
+) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist, BlocksCacheKey, Cache, Cache]]:
+    """``linked()``, the prompt's cache under ``BlocksCacheKey(1, 0)`` and a cache of the
+    decoder's (``desc(**dst_desc)``): ``(p, d, key, src, dst)``."""
     async with linked() as (p, d):
         key = BlocksCacheKey(1, 0)
         src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        dst = await d.cache_manager.allocate_blocks_cache(desc(**dst_desc))
+        yield p, d, key, src, dst
+
+
+@needs_nixl
+async def test_pulls_and_pushes_move_under_a_lease_with_todays_bytes() -> None:
+    async with keyed_caches() as (p, d, key, src, dst):
         fill(src, 1)
         await d.cache_manager.pull_blocks(key, dst, [5, 2], [0, 9])  # by request; asks for a lease
         await until(lambda: lent(p) == 1 and holding(d) == 1)
@@ -215,10 +226,7 @@ async def test_pulls_and_pushes_move_under_a_lease_with_todays_bytes() -> None:
 
 @needs_nixl
 async def test_deallocate_takes_the_lease_back_before_it_returns() -> None:
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, src, dst):
         fill(src, 1)
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
         await until(lambda: holding(d) == 1)
@@ -238,10 +246,7 @@ async def test_deallocate_takes_the_lease_back_before_it_returns() -> None:
 
 @needs_nixl
 async def test_what_a_lease_does_not_cover_gets_the_peers_error() -> None:
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc(blocks=64))
+    async with keyed_caches(blocks=64) as (p, d, key, src, dst):
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
         await d.cache_manager.push_blocks(key, dst, [1], [1])
         await until(lambda: holding(d) == 2)
@@ -263,10 +268,7 @@ async def test_a_lease_nixl_refuses_is_dropped_and_the_transfer_goes_by_request(
     """A lease naming memory NIXL does not know (here: forged on the holder's side, as a
     lying granter could) moves nothing: the transfer goes by request, with the right
     bytes, and the holder stops using that lease."""
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, src, dst):
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
         await until(lambda: holding(d) == 1)
         leases = d.cache_manager._client.leases  # type: ignore[attr-defined]
@@ -282,10 +284,7 @@ async def test_a_lease_nixl_refuses_is_dropped_and_the_transfer_goes_by_request(
 
 @needs_nixl
 async def test_a_lost_link_ends_the_leases_on_both_sides() -> None:
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, src, dst):
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
         await until(lambda: lent(p) == 1 and holding(d) == 1)
         assert p.listen_address is not None
@@ -460,10 +459,7 @@ async def test_a_key_bound_to_another_cache_ends_the_leases_on_the_old_one(how: 
     (a read and a write lease); the prompt binds the key to cache B while A stays
     allocated. The decoder's next pull reads B and its next push lands in B: A is
     untouched."""
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        a = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, a, dst):
         fill(a, 1)
         await _lease_both_ways(p, d, key, dst)
         if how == "allocate":
@@ -526,10 +522,7 @@ async def test_unlink_ends_the_leases_on_the_link_before_it_returns(side: str) -
     takes its leases back from the holder; the holder stops using its leases), so no
     one-sided transfer under them crosses afterwards, whatever the other side then does
     with that memory."""
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, src, dst):
         await _lease_both_ways(p, d, key, dst)
         if side == "granter":
             assert d.listen_address is not None
@@ -563,10 +556,7 @@ async def test_pulls_during_a_key_move_see_the_old_cache_then_only_the_new_one()
     taken back) while the prompt binds the key to another cache: the pulls read the old
     cache, then the new one, never the old one again, and every pull that starts after
     the call returned reads the new one."""
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        a = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, a, dst):
         await _lease_both_ways(p, d, key, dst)
         for t in a.tensors:
             t.fill_(1.0)
@@ -604,10 +594,7 @@ async def test_a_deallocate_cancelled_before_its_revocation_started_still_revoke
     """The cancellation reaches the engine before the revocation's task ran (the engine
     is busy): the cache was released already, so its leases are still taken back and
     the call returns; nothing stays lent."""
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, src, dst):
         await _lease_both_ways(p, d, key, dst)
         p._engine.loop.call_soon_threadsafe(time.sleep, 0.3)  # type: ignore[union-attr]
         task = asyncio.create_task(p.cache_manager.deallocate_blocks_cache(src))
