@@ -375,20 +375,25 @@ class _Silent:
         raise AssertionError
 
 
+async def _leased_by_hand(raw: Any, p: LLMDataDist, src: Cache) -> tuple[Any, bytearray]:
+    """``raw`` (a bare NIXL transport) links to ``p`` and asks for a lease on ``src`` (4
+    tensors, keyed ``BlocksCacheKey(1, 0)``); the link and the reply's bytes."""
+    assert p.listen_address is not None
+    link = await raw.connect(*p.listen_address, timeout=5)
+    await until(lambda: link.one_sided)
+    req = protocol.LeaseReq(protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes)
+    buf = bytearray(reply_size(4))
+    await link.read(protocol.encode(req), [memoryview(buf)], timeout=5)
+    return link, buf
+
+
 @needs_nixl
 async def test_a_holder_that_keeps_the_lease_loses_its_link() -> None:
     async with LLMDataDist(LLMRole.PROMPT, 1, config(sync_kv_timeout=1000)) as p:
         src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
         fill(src, 3)
         async with get_transport("nixl")(3, _Silent()) as raw:
-            assert p.listen_address is not None
-            link = await raw.connect(*p.listen_address, timeout=5)
-            await until(lambda: link.one_sided)
-            req = protocol.LeaseReq(
-                protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes
-            )
-            buf = bytearray(reply_size(4))
-            await link.read(protocol.encode(req), [memoryview(buf)], timeout=5)
+            link, buf = await _leased_by_hand(raw, p, src)
             got = decode_reply(buf, 4)
             assert got is not None and got[1] == 32 and got[2] == "cpu"
             assert got[4].tolist() == src.tensor_addrs and p.cache_manager.statistics().leases == 1
@@ -497,13 +502,7 @@ async def test_a_cancelled_deallocate_still_takes_the_lease_back() -> None:
     async with LLMDataDist(LLMRole.PROMPT, 1, config(sync_kv_timeout=1000)) as p:
         src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
         async with get_transport("nixl")(3, _Silent()) as raw:
-            assert p.listen_address is not None
-            link = await raw.connect(*p.listen_address, timeout=5)
-            await until(lambda: link.one_sided)
-            req = protocol.LeaseReq(
-                protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes
-            )
-            await link.read(protocol.encode(req), [memoryview(bytearray(reply_size(4)))], timeout=5)
+            link, _ = await _leased_by_hand(raw, p, src)
             assert lent(p) == 1
             task = asyncio.create_task(p.cache_manager.deallocate_blocks_cache(src))
             await asyncio.sleep(0.1)
