@@ -295,6 +295,13 @@ def _finishing(go: threading.Event) -> Callable[[], Coroutine[Any, Any, int]]:
     return op
 
 
+def _finishing_op() -> tuple[threading.Event, Callable[[], Coroutine[Any, Any, int]], list[object]]:
+    """A fresh ``_finishing`` operation: its ``go`` event, the operation, and a list for
+    what the test's body saw."""
+    go = threading.Event()
+    return go, _finishing(go), []
+
+
 def _landed(go: threading.Event) -> None:
     """Set ``go`` and block (this thread, and so its loop) until the operation has
     completed on the engine and its end is queued for the caller."""
@@ -318,9 +325,7 @@ async def _race(
 async def test_a_timeout_that_expires_as_the_operation_completes_returns_then_raises(
     engine: Engine,
 ) -> None:
-    go = threading.Event()
-    op = _finishing(go)
-    got: list[object] = []
+    go, op, got = _finishing_op()
 
     async def body() -> None:
         async with asyncio.timeout(0.1):
@@ -338,9 +343,7 @@ async def test_a_timeout_that_expires_as_the_operation_completes_returns_then_ra
 async def test_a_completed_last_operation_ends_its_timeout_block_normally(engine: Engine) -> None:
     """The operation was the block's last await: the block ends normally with its
     result, and no stale cancellation reaches the code after it."""
-    go = threading.Event()
-    op = _finishing(go)
-    got: list[object] = []
+    go, op, got = _finishing_op()
 
     async def body() -> None:
         async with asyncio.timeout(0.1):
@@ -359,9 +362,7 @@ async def test_a_completed_last_operation_ends_its_timeout_block_normally(engine
 async def test_a_task_cancelled_as_its_operation_completes_gets_the_result_then_the_cancel(
     engine: Engine,
 ) -> None:
-    go = threading.Event()
-    op = _finishing(go)
-    got: list[object] = []
+    go, op, got = _finishing_op()
 
     async def body() -> None:
         got.append(await engine.run(op))
@@ -379,9 +380,7 @@ async def test_a_task_cancelled_as_its_operation_completes_gets_the_result_then_
 async def test_an_anyio_scope_on_asyncio_swallows_only_its_own_cancellation(
     engine: Engine,
 ) -> None:
-    go = threading.Event()
-    op = _finishing(go)
-    got: list[object] = []
+    go, op, got = _finishing_op()
 
     async def body() -> None:
         with anyio.move_on_after(0.1) as scope:
@@ -397,9 +396,7 @@ async def test_an_anyio_scope_on_asyncio_swallows_only_its_own_cancellation(
 
 
 def test_a_trio_scope_cancelled_as_the_operation_completes_gets_the_result(engine: Engine) -> None:
-    go = threading.Event()
-    op = _finishing(go)
-    got: list[object] = []
+    go, op, got = _finishing_op()
 
     async def main() -> None:
         with anyio.CancelScope() as scope:
