@@ -22,6 +22,7 @@ from aiokv import LLMRole
 from aiokv import LLMStatusCode
 from aiokv._config import InvalidOptionError
 from aiokv.testing import cluster_info
+from aiokv.testing import linked_pair
 from aiokv.testing import make_config
 
 CODE = LLMStatusCode
@@ -73,11 +74,7 @@ async def test_link_failure_logs_once_and_keeps_its_reason(
 
 
 async def test_link_failure_clears_once_linked() -> None:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(listen_ip_info="127.0.0.1:0")) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
-    ):
-        assert p.listen_address is not None
+    async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config(), link=False) as (p, d):
         wrong = cluster_info(1, ("127.0.0.1", dead_port()))
         assert (await d.link_clusters([wrong], timeout=300))[0] == CODE.LLM_LINK_FAILED
         assert d.link_failure(1) is not None
@@ -87,11 +84,7 @@ async def test_link_failure_clears_once_linked() -> None:
 
 
 async def test_wrong_cluster_at_the_address_names_both(caplog: pytest.LogCaptureFixture) -> None:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(listen_ip_info="127.0.0.1:0")) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
-    ):
-        assert p.listen_address is not None
+    async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config(), link=False) as (p, d):
         peer = cluster_info(5, p.listen_address)
         with caplog.at_level(logging.WARNING, logger="aiokv"):
             assert (await d.link_clusters([peer]))[0] == CODE.LLM_LINK_FAILED
@@ -182,13 +175,7 @@ def test_negative_block_index_is_the_same_error_as_past_the_end(sync_cm: Any, ba
 
 
 async def test_remote_mismatch_names_requester_and_owner() -> None:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(listen_ip_info="127.0.0.1:0")) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
-    ):
-        assert p.listen_address is not None
-        peer = cluster_info(1, p.listen_address)
-        assert (await d.link_clusters([peer]))[0] == CODE.LLM_SUCCESS
+    async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config()) as (p, d):
         src = await p.cache_manager.allocate_blocks_cache(
             CacheDesc(1, [4, 64], DataType.DT_BF16), BlocksCacheKey(1, 0)
         )
