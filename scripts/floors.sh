@@ -27,4 +27,4 @@ cd "$VENV"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -x \
   tests/test_packaging.py tests/test_testing_plugin.py tests/test_config_env.py \
   tests/compat/test_config.py tests/test_models.py tests/test_cli.py \
-  "tests/test_remote.py::test_pull_blocks_exact"
+  "tests/remote/test_remote.py::test_pull_blocks_exact"

@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _helpers import run_python
 from typer.testing import CliRunner
 
 from aiokv import cli
@@ -25,15 +25,7 @@ SCRIPT = "import sys; sys.argv[0] = 'aiokv'; from aiokv._console import main; ma
 
 def _aiokv(*argv: str, code: str = SCRIPT) -> tuple[subprocess.CompletedProcess[str], float]:
     t0 = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-c", code, *argv],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = run_python("-c", code, *argv, env=ENV, timeout=120)
     return done, time.monotonic() - t0
 
 

@@ -11,6 +11,7 @@ from pydantic import SecretStr
 
 from aiokv import LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
 from aiokv.sync import LLMConfig as SyncLLMConfig
+from aiokv.testing import cluster_info
 
 SECRET = "tops3cret-value"
 POOL = '{"memory_size": 16777216, "page_shift": 12}'
@@ -111,13 +112,7 @@ async def test_environment_secret_authenticates_links_and_is_never_logged(
         bad = LLMDataDist(LLMRole.DECODER, 3)
         await bad.init(LLMConfig(link_secret="another-secret"))
         assert p.listen_address is not None
-        peer = [
-            LLMClusterInfo(
-                remote_cluster_id=1,
-                local_ip_info=[("127.0.0.1", 0)],
-                remote_ip_info=[p.listen_address],
-            )
-        ]
+        peer = [cluster_info(1, p.listen_address)]
         assert (await bad.link_clusters(peer))[1] == [LLMStatusCode.LLM_LINK_FAILED]
         assert (await good.link_clusters(peer))[1] == [LLMStatusCode.LLM_SUCCESS]
     finally:

@@ -15,17 +15,14 @@ import warnings
 import pytest
 
 from aiokv import LLMConfig, LLMDataDist, LLMRole, sync
+from aiokv.testing import make_config
 
 WARNING = "finalize the old one"
 
 
 def config() -> LLMConfig:
-    return LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        listen_ip_info="127.0.0.1:0",
-        host_mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-    )
+    options = {"enable_remote_cache_accessible": False, "sync_kv_timeout": 1000}
+    return make_config("tcp", pool=None, host_pool=1 << 20, **options)
 
 
 def aiokv_threads() -> list[str]:

@@ -25,7 +25,6 @@ from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMRole,
@@ -34,6 +33,8 @@ from aiokv import (
     TransferWithCacheKeyConfig,
 )
 from aiokv._engine import Engine
+from aiokv.testing import cluster_info as info
+from aiokv.testing import make_config
 
 CODE = LLMStatusCode
 BLOCKS = 64
@@ -41,29 +42,12 @@ DESC = CacheDesc(4, [BLOCKS, 4096], DataType.DT_UINT8, Placement.HOST)
 
 
 def config(**kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "host_mem_pool_cfg": '{"memory_size": 16777216, "page_shift": 12}',
-        "mem_pool_cfg": '{"memory_size": 16777216, "page_shift": 12}',
-        "enable_remote_cache_accessible": True,
-        "sync_kv_timeout": 5000,
-    }
-    base.update(kw)
-    return LLMConfig(**base)
+    return make_config("tcp", pool=16 << 20, host_pool=16 << 20, **kw)
 
 
 def pattern(cluster_id: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(cluster_id)
     return [torch.randint(0, 256, (BLOCKS, 4096), generator=g, dtype=torch.uint8) for _ in range(4)]
-
-
-def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
-    assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
-    )
 
 
 def engine_threads() -> list[threading.Thread]:

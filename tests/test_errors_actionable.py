@@ -17,7 +17,6 @@ from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -25,6 +24,8 @@ from aiokv import (
     LLMStatusCode,
     Placement,
 )
+from aiokv.testing import cluster_info as info
+from aiokv.testing import linked_pair, make_config
 from aiokv.transport import Grant, PeerInfo, get_transport
 from aiokv.transport import _wire as wire
 from aiokv.transport._base import REASON_CAP, decode_reason, encode_reason
@@ -37,34 +38,12 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def config(backend: str, **kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "mem_pool_cfg": '{"memory_size": 4194304, "page_shift": 12}',
-        "enable_remote_cache_accessible": True,
-        "transfer_backend": backend,
-        "sync_kv_timeout": 3000,
-    }
-    base.update(kw)
-    return LLMConfig(**base)
-
-
-def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
-    assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
-    )
+    return make_config(backend, pool=4 << 20, **({"sync_kv_timeout": 3000} | kw))
 
 
 @pytest.fixture(params=["local", "tcp"])
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(request.param)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(request.param)) as d,
-    ):
-        code, _ = await d.link_clusters([info(1, p.listen_address)])
-        assert code == CODE.LLM_SUCCESS
+    async with linked_pair(config(request.param)) as (p, d):
         yield p, d
 
 

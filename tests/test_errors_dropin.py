@@ -16,7 +16,6 @@ from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -24,19 +23,16 @@ from aiokv import (
     LLMStatusCode,
 )
 from aiokv._config import InvalidOptionError
+from aiokv.testing import cluster_info, linked_pair, make_config
 
 CODE = LLMStatusCode
 pytestmark = pytest.mark.timeout(60)
 
 
 def config(**kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "mem_pool_cfg": '{"memory_size": 4194304, "page_shift": 12}',
-        "sync_kv_timeout": 3000,
-    }
-    return LLMConfig(**(base | kw))
+    """A participant that does not listen unless told to (over TCP)."""
+    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
+    return make_config("tcp", pool=4 << 20, **(options | {"sync_kv_timeout": 3000} | kw))
 
 
 def dead_port() -> int:
@@ -54,11 +50,7 @@ async def test_link_failure_logs_once_and_keeps_its_reason(
 ) -> None:
     port = dead_port()
     async with LLMDataDist(LLMRole.DECODER, 2, config(link_retry_count=3)) as d:
-        peer = LLMClusterInfo(
-            remote_cluster_id=7,
-            local_ip_info=[("127.0.0.1", 0)],
-            remote_ip_info=[("127.0.0.1", port)],
-        )
+        peer = cluster_info(7, ("127.0.0.1", port))
         with caplog.at_level(logging.DEBUG, logger="aiokv"):
             code, codes = await d.link_clusters([peer], timeout=600)
         assert code == CODE.LLM_LINK_FAILED and codes == [CODE.LLM_LINK_FAILED]
@@ -82,34 +74,18 @@ async def test_link_failure_logs_once_and_keeps_its_reason(
 
 
 async def test_link_failure_clears_once_linked() -> None:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(listen_ip_info="127.0.0.1:0")) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
-    ):
-        assert p.listen_address is not None
-        wrong = LLMClusterInfo(
-            remote_cluster_id=1,
-            local_ip_info=[("127.0.0.1", 0)],
-            remote_ip_info=[("127.0.0.1", dead_port())],
-        )
+    async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config(), link=False) as (p, d):
+        wrong = cluster_info(1, ("127.0.0.1", dead_port()))
         assert (await d.link_clusters([wrong], timeout=300))[0] == CODE.LLM_LINK_FAILED
         assert d.link_failure(1) is not None
-        right = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
+        right = cluster_info(1, p.listen_address)
         assert (await d.link_clusters([right]))[0] == CODE.LLM_SUCCESS
         assert d.link_failure(1) is None
 
 
 async def test_wrong_cluster_at_the_address_names_both(caplog: pytest.LogCaptureFixture) -> None:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(listen_ip_info="127.0.0.1:0")) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
-    ):
-        assert p.listen_address is not None
-        peer = LLMClusterInfo(
-            remote_cluster_id=5, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
+    async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config(), link=False) as (p, d):
+        peer = cluster_info(5, p.listen_address)
         with caplog.at_level(logging.WARNING, logger="aiokv"):
             assert (await d.link_clusters([peer]))[0] == CODE.LLM_LINK_FAILED
         reason = d.link_failure(5)
@@ -199,15 +175,7 @@ def test_negative_block_index_is_the_same_error_as_past_the_end(sync_cm: Any, ba
 
 
 async def test_remote_mismatch_names_requester_and_owner() -> None:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(listen_ip_info="127.0.0.1:0")) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
-    ):
-        assert p.listen_address is not None
-        peer = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
-        assert (await d.link_clusters([peer]))[0] == CODE.LLM_SUCCESS
+    async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config()) as (p, d):
         src = await p.cache_manager.allocate_blocks_cache(
             CacheDesc(1, [4, 64], DataType.DT_BF16), BlocksCacheKey(1, 0)
         )

@@ -27,20 +27,18 @@ from aiokv import (
     NoneArgumentError,
     Placement,
 )
+from aiokv.testing import make_config
 
 POOL = 64 << 20
 CODE = LLMStatusCode
 
 
 def config(**kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "mem_pool_cfg": f'{{"memory_size": {POOL}, "page_shift": 12}}',
-        "host_mem_pool_cfg": f'{{"memory_size": {POOL}, "page_shift": 12}}',
-    }
-    base.update(kw)
-    return LLMConfig(**base)
+    """Not listening, over TCP, a device and a host pool of ``POOL`` bytes."""
+    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
+    return make_config(
+        "tcp", pool=POOL, host_pool=POOL, **({"sync_kv_timeout": 1000} | options | kw)
+    )
 
 
 @pytest.fixture

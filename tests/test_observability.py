@@ -22,7 +22,6 @@ from aiokv import (
     CacheDesc,
     DataDistStats,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -31,6 +30,7 @@ from aiokv import (
     Placement,
 )
 from aiokv._copy import CopyScheduler
+from aiokv.testing import cluster_info, linked_pair, make_config
 
 CODE = LLMStatusCode
 pytestmark = pytest.mark.timeout(60)
@@ -40,37 +40,13 @@ BLOCK = 512
 
 
 def config(**kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "mem_pool_cfg": '{"memory_size": 1048576, "page_shift": 12}',
-        "enable_remote_cache_accessible": True,
-        "transfer_backend": "tcp",
-        "sync_kv_timeout": 3000,
-    }
-    base.update(kw)
-    return LLMConfig(**base)
+    return make_config("tcp", pool=1 << 20, **({"sync_kv_timeout": 3000} | kw))
 
 
 @pytest.fixture
 async def moved() -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
     """P (1) and D (2), D linked to P; D pulled 3 blocks, pushed 2, and was refused once."""
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
-    ):
-        assert p.listen_address is not None
-        code, _ = await d.link_clusters(
-            [
-                LLMClusterInfo(
-                    remote_cluster_id=1,
-                    local_ip_info=[("127.0.0.1", 0)],
-                    remote_ip_info=[p.listen_address],
-                )
-            ]
-        )
-        assert code == CODE.LLM_SUCCESS
+    async with linked_pair(config()) as (p, d):
         src = await p.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 0))
         for t in src.tensors:
             t.copy_(torch.arange(t.numel()).reshape(t.shape).to(t.dtype))
@@ -185,29 +161,13 @@ async def test_log_levels(caplog: pytest.LogCaptureFixture) -> None:
             LLMDataDist(LLMRole.DECODER, 2, config()) as d,
         ):
             assert p.listen_address is not None
-            await d.link_clusters(
-                [
-                    LLMClusterInfo(
-                        remote_cluster_id=1,
-                        local_ip_info=[("127.0.0.1", 0)],
-                        remote_ip_info=[p.listen_address],
-                    )
-                ]
-            )
+            await d.link_clusters([cluster_info(1, p.listen_address)])
             await p.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 0))
             dst = await d.cache_manager.allocate_blocks_cache(DESC)
             await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
             with pytest.raises(LLMException):
                 await d.cache_manager.pull_blocks(BlocksCacheKey(1, 9), dst, [0], [0])
-            await d.unlink_clusters(
-                [
-                    LLMClusterInfo(
-                        remote_cluster_id=1,
-                        local_ip_info=[("127.0.0.1", 0)],
-                        remote_ip_info=[p.listen_address],
-                    )
-                ]
-            )
+            await d.unlink_clusters([cluster_info(1, p.listen_address)])
 
     def at(level: int, pattern: str) -> list[logging.LogRecord]:
         return [

@@ -6,13 +6,7 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle,
-    RuleBasedStateMachine,
-    invariant,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
 from aiokv import CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
 from aiokv._cache import Cache

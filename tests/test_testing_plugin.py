@@ -11,6 +11,20 @@ from pathlib import Path
 import pytest
 
 import aiokv
+from aiokv import (
+    LLMDataDist,  # imports what an instance runs on
+    LLMException,  # imports what an instance runs on
+    LLMStatusCode,  # imports what an instance runs on
+)
+from aiokv._config import MemPoolConfig
+from aiokv.testing import (
+    cluster_info,
+    linked_pair,
+    make_config,
+    pool_option,
+    requires_transport,
+    skip_unless_transport,
+)
 
 pytest_plugins = ["pytester"]
 
@@ -140,3 +154,62 @@ def test_entry_point_declared() -> None:
     """pyproject registers the plugin as a pytest11 entry point named ``aiokv``."""
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert meta["project"]["entry-points"]["pytest11"] == {"aiokv": "aiokv.testing"}
+
+
+# ---- the helpers the fixtures are made of, used directly -----------------------------------
+
+
+def test_make_config_defaults_and_overrides() -> None:
+    cfg = make_config()
+    assert (cfg.device_type, cfg.transfer_backend, cfg.listen_ip_info) == (
+        "cpu",
+        "local",
+        "127.0.0.1:0",
+    )
+    assert cfg.enable_cache_manager and cfg.enable_remote_cache_accessible
+    assert cfg.sync_kv_timeout == 5000 and cfg.host_mem_pool_cfg is None
+    assert cfg.mem_pool_cfg == MemPoolConfig(memory_size=64 << 20, page_shift=12)
+    cfg = make_config(
+        "tcp", pool=None, host_pool=1 << 20, page_shift=16, listen_ip_info=None, sync_kv_timeout=7
+    )
+    assert cfg.transfer_backend == "tcp" and cfg.mem_pool_cfg is None
+    assert cfg.host_mem_pool_cfg == MemPoolConfig(memory_size=1 << 20, page_shift=16)
+    assert cfg.listen_ip_info is None and cfg.sync_kv_timeout == 7
+
+
+def test_helpers_refuse_bad_input() -> None:
+    assert pool_option(4096, 12) == '{"memory_size": 4096, "page_shift": 12}'
+    for bad_size in ("4096", 1.5, True):
+        with pytest.raises(TypeError, match="size must be int"):
+            pool_option(bad_size)  # type: ignore[arg-type]
+    for size, shift in ((0, 12), (-1, 12), (4096, -1)):
+        with pytest.raises(ValueError, match="size must be > 0"):
+            pool_option(size, shift)
+    with pytest.raises(ValueError, match="cluster 4 does not listen"):
+        cluster_info(4, None)
+    info = cluster_info(3, ("127.0.0.1", 5))
+    assert (info.remote_cluster_id, info.remote_ip_info) == (3, [("127.0.0.1", 5)])
+    assert info.local_ip_info == [("127.0.0.1", 0)]
+    with pytest.raises(LLMException) as ei:  # a misspelt transport is a mistake, not a skip
+        requires_transport("tpc")
+    assert ei.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert requires_transport("local").args == (False,)
+    skip_unless_transport("tcp")  # available: returns
+
+
+@pytest.mark.asyncio
+async def test_linked_pair_links_finalises_and_says_when_linking_failed() -> None:
+    async with linked_pair(make_config("tcp")) as (prompt, decoder):
+        assert isinstance(prompt, LLMDataDist) and isinstance(decoder, LLMDataDist)
+        assert (prompt.cluster_id, decoder.cluster_id) == (1, 2)
+        assert decoder.linked_clusters() == [1]
+    assert not prompt.initialized and not decoder.initialized
+    async with linked_pair(make_config(), link=False) as (prompt, decoder):
+        assert decoder.linked_clusters() == []
+    secret = {"link_secret": "a" * 16, "link_retry_count": 1}
+    with pytest.raises(RuntimeError, match="linking the decoder to the prompt failed"):
+        async with linked_pair(make_config("tcp", **secret), make_config("tcp")):
+            pass
+    with pytest.raises(ValueError, match="does not listen"):
+        async with linked_pair(make_config(listen_ip_info=None)):
+            pass

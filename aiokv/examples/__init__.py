@@ -1,5 +1,5 @@
 """Runnable examples, shipped with the package, each run by the test suite
-(``tests/test_examples.py``). Run one with ``python -m aiokv.examples.<name>``:
+(``tests/examples/test_examples.py``). Run one with ``python -m aiokv.examples.<name>``:
 
 - ``local_blocks``: allocate paged caches, swap blocks out to host and back in, fork
   blocks copy-on-write with ``copy_blocks`` (what ``aiokv demo`` runs first);

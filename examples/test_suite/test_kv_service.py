@@ -81,12 +81,16 @@ async def test_a_pull_under_a_deadline_is_cancelled_cleanly(aiokv_pair: Pair) ->
     prompt, decoder = aiokv_pair
     await prompt.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1))
     dst = await decoder.cache_manager.allocate_blocks_cache(DESC)
-    with pytest.raises(TimeoutError):
+
+    async def pull_under_deadline() -> None:
         async with asyncio.timeout(0):
             await decoder.cache_manager.pull_blocks(BlocksCacheKey(1), dst, [0], [0])
             # A pull that completed as the deadline hit keeps its result ("raised or
             # returned, never both"), and the cancellation comes back at the next await:
             # the block still ends in TimeoutError, never a silent overrun.
             await asyncio.sleep(30)
+
+    with pytest.raises(TimeoutError):
+        await pull_under_deadline()
     # the link is still usable afterwards
     await decoder.cache_manager.pull_blocks(BlocksCacheKey(1), dst, [1], [1])

@@ -5,16 +5,15 @@ Real prompt/decoder pairs linked over TCP on 127.0.0.1."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
+from _helpers import raises, until
 from participants import participant, pool
 
 from aiokv import (
@@ -24,7 +23,6 @@ from aiokv import (
     CacheKeyByIdAndIndex,
     CacheManager,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -32,6 +30,7 @@ from aiokv import (
     LLMStatusCode,
     Placement,
 )
+from aiokv.testing import cluster_info
 
 CODE = LLMStatusCode
 NONE = 2**64 - 1  # neither a request nor a prefix
@@ -50,9 +49,7 @@ async def linked(**prompt: Any) -> AsyncIterator[tuple[CacheManager, CacheManage
         LLMDataDist(LLMRole.DECODER, 2, config()) as d,
     ):
         assert p.listen_address is not None
-        peer = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
+        peer = cluster_info(1, p.listen_address)
         assert await d.link_clusters([peer]) == (CODE.LLM_SUCCESS, [CODE.LLM_SUCCESS])
         yield p.cache_manager, d.cache_manager
 
@@ -78,21 +75,6 @@ def state(cm: CacheManager) -> dict[str, Any]:
     pool = cm.get_pool_stats(Placement.DEVICE)
     assert pool is not None
     return {**dataclasses.asdict(cm.statistics()), "used": pool.used}
-
-
-async def until(cond: Callable[[], bool], seconds: float = 5.0) -> None:
-    """Wait (bounded) for what the owner does on its engine after serving a pull."""
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
-async def raises(code: LLMStatusCode, coro: Any) -> LLMException:
-    with pytest.raises(LLMException) as ei:
-        await coro
-    assert ei.value.status_code == code, ei.value
-    return ei.value
 
 
 async def test_blocks_key_is_found_by_model_id() -> None:

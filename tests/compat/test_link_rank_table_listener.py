@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import pytest
+from _helpers import free_port
 
 from aiokv import (
     BlocksCacheKey,
@@ -21,20 +21,13 @@ from aiokv import (
     LLMStatusCode,
     RegisterMemStatus,
 )
+from aiokv.testing import make_config
 
 
 def config() -> LLMConfig:
-    return LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A participant that does not listen (the rank table says where), over TCP."""
+    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
+    return make_config("tcp", pool=1 << 20, sync_kv_timeout=1000, **options)
 
 
 def table(rank0: dict[str, str]) -> str:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from _helpers import free_port, raises, until
 from participants import info, participant
 
 from aiokv import (
@@ -36,20 +36,6 @@ def blocks() -> CacheDesc:
     return CacheDesc(2, [4, 256], DataType.DT_UINT8)
 
 
-async def raises(code: LLMStatusCode, coro: Awaitable[Any]) -> None:
-    with pytest.raises(LLMException) as ei:
-        await coro
-    assert ei.value.status_code == code, ei.value
-
-
-async def until(cond: Callable[[], bool], seconds: float = 5.0) -> None:
-    """Wait (bounded) for something the peer's side does on its own thread."""
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 @contextlib.asynccontextmanager
 async def pair(backend: str = "tcp", **kw: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
     """A prompt (cluster 1) and a decoder (cluster 2), both listening, not linked."""
@@ -58,13 +44,6 @@ async def pair(backend: str = "tcp", **kw: Any) -> AsyncIterator[tuple[LLMDataDi
         LLMDataDist(LLMRole.DECODER, 2, config(backend, **kw)) as d,
     ):
         yield p, d
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # ---- link_clusters / unlink_clusters --------------------------------------------------------

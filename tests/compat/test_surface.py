@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import raises
 
 import aiokv
 import aiokv.sync
@@ -37,21 +38,15 @@ from aiokv import (
     Placement,
     Status,
 )
+from aiokv.testing import cluster_info, make_config
 
 CODE = LLMStatusCode
-POOL = '{"memory_size": 1048576, "page_shift": 12}'
 
 
 def config(**kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "mem_pool_cfg": POOL,
-        "host_mem_pool_cfg": POOL,
-        "sync_kv_timeout": 5000,
-    }
-    base.update(kw)
-    return LLMConfig(**base)
+    """A participant that does not listen and refuses pushes unless told otherwise."""
+    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
+    return make_config("tcp", pool=1 << 20, host_pool=1 << 20, **(options | kw))
 
 
 def blocks(placement: Placement = Placement.DEVICE) -> CacheDesc:
@@ -64,13 +59,6 @@ def state(cm: CacheManager) -> dict[str, Any]:
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
-
-async def raises(code: LLMStatusCode, coro: Any) -> LLMException:
-    with pytest.raises(LLMException) as ei:
-        await coro
-    assert ei.value.status_code == code, ei.value
-    return ei.value
 
 
 @contextlib.asynccontextmanager
@@ -87,9 +75,7 @@ async def pusher_and_receiver(
         LLMDataDist(LLMRole.PROMPT, 1, config(enable_remote_cache_accessible=pusher_flag)) as p,
     ):
         assert d.listen_address is not None
-        peer = LLMClusterInfo(
-            remote_cluster_id=2, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[d.listen_address]
-        )
+        peer = cluster_info(2, d.listen_address)
         assert (await p.link_clusters([peer]))[0] == CODE.LLM_SUCCESS
         yield p.cache_manager, d.cache_manager
 

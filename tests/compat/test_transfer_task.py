@@ -26,7 +26,6 @@ from aiokv import (
     CacheDesc,
     CacheTask,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -36,6 +35,7 @@ from aiokv import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aiokv.testing import cluster_info, linked_pair, make_config
 
 CODE = LLMStatusCode
 BLOCKS = 8
@@ -43,25 +43,8 @@ DESC = CacheDesc(4, [BLOCKS, 256], DataType.DT_UINT8, Placement.HOST)  # 2 layer
 KEY = BlocksCacheKey(2, 0)
 
 
-def options(**kw: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "host_mem_pool_cfg": '{"memory_size": 4194304, "page_shift": 12}',
-        "enable_remote_cache_accessible": True,
-        "transfer_backend": "local",
-        "sync_kv_timeout": 3000,
-    }
-    base.update(kw)
-    return base
-
-
-def info(address: tuple[str, int] | None) -> LLMClusterInfo:
-    assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
-    )
+def config(**kw: Any) -> LLMConfig:
+    return make_config(pool=None, host_pool=4 << 20, **({"sync_kv_timeout": 3000} | kw))
 
 
 def pattern() -> list[torch.Tensor]:
@@ -73,12 +56,7 @@ def pattern() -> list[torch.Tensor]:
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
     """Prompt 1 with a filled blocks cache; decoder 2 with an empty one keyed ``KEY``."""
     timeout = getattr(request, "param", 3000)
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, LLMConfig(**options(sync_kv_timeout=timeout))) as p,
-        LLMDataDist(LLMRole.DECODER, 2, LLMConfig(**options())) as d,
-    ):
-        code, _ = await d.link_clusters([info(p.listen_address)])
-        assert code == CODE.LLM_SUCCESS
+    async with linked_pair(config(sync_kv_timeout=timeout), config()) as (p, d):
         await d.cache_manager.allocate_blocks_cache(DESC, KEY)
         yield p, d
 
@@ -193,11 +171,7 @@ async def test_bad_arguments_raise_at_once_and_pin_nothing(
 
 def test_from_trio() -> None:
     async def main() -> None:
-        async with (
-            LLMDataDist(LLMRole.PROMPT, 1, LLMConfig(**options())) as p,
-            LLMDataDist(LLMRole.DECODER, 2, LLMConfig(**options())) as d,
-        ):
-            assert (await d.link_clusters([info(p.listen_address)]))[0] == CODE.LLM_SUCCESS
+        async with linked_pair(config()) as (p, d):
             await d.cache_manager.allocate_blocks_cache(DESC, KEY)
             src = await filled_source(p)
 
@@ -218,10 +192,10 @@ def test_from_trio() -> None:
 
 def test_blocking_api_returns_a_blocking_task() -> None:
     with (
-        aiokv.sync.LLMDataDist(LLMRole.PROMPT, 1, LLMConfig(**options(sync_kv_timeout=400))) as p,
-        aiokv.sync.LLMDataDist(LLMRole.DECODER, 2, LLMConfig(**options())) as d,
+        aiokv.sync.LLMDataDist(LLMRole.PROMPT, 1, config(sync_kv_timeout=400)) as p,
+        aiokv.sync.LLMDataDist(LLMRole.DECODER, 2, config()) as d,
     ):
-        code, _ = d.link_clusters([info(p.listen_address)])
+        code, _ = d.link_clusters([cluster_info(1, p.listen_address)])
         assert code == CODE.LLM_SUCCESS
         dst = d.cache_manager.allocate_blocks_cache(DESC, KEY)
         src = p.cache_manager.allocate_blocks_cache(DESC)

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+from _helpers import raises
 from participants import participant
 
 import aiokv.sync
@@ -24,6 +25,7 @@ from aiokv import (
     LLMStatusCode,
     RegisterMemStatus,
 )
+from aiokv.testing import cluster_info
 
 CODE = LLMStatusCode
 OK, PREPARING, FAILED = RegisterMemStatus.OK, RegisterMemStatus.PREPARING, RegisterMemStatus.FAILED
@@ -54,21 +56,11 @@ def rank_table(*parties: Any) -> str:
 
 
 def _info(cluster_id: int) -> LLMClusterInfo:
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id,
-        local_ip_info=[("127.0.0.1", 0)],
-        remote_ip_info=[("127.0.0.1", 1)],
-    )
+    return cluster_info(cluster_id, ("127.0.0.1", 1))
 
 
 def blocks() -> CacheDesc:
     return CacheDesc(2, [4, 256], DataType.DT_UINT8)
-
-
-async def raises(code: LLMStatusCode, coro: Any) -> None:
-    with pytest.raises(LLMException) as ei:
-        await coro
-    assert ei.value.status_code == code, ei.value
 
 
 async def status_until(dd: LLMDataDist, comm_id: int, want: RegisterMemStatus) -> None:

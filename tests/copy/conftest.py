@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from copy_helpers import (
-    CPU,
-)
+from copy_helpers import CPU
 
 from aiokv._copy import CopyScheduler
 

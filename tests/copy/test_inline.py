@@ -37,15 +37,15 @@ from aiokv import (
 )
 from aiokv._copy import INLINE_MAX_BYTES, copy_rows, fits_inline
 from aiokv._copy._inline import INLINE_MAX_ROWS
+from aiokv.testing import make_config
 
 POOL = 16 << 20
 
 
 def config() -> LLMConfig:
-    pool = f'{{"memory_size": {POOL}, "page_shift": 12}}'
-    return LLMConfig(
-        device_type="cpu", enable_cache_manager=True, mem_pool_cfg=pool, host_mem_pool_cfg=pool
-    )
+    """Not listening, refusing pushes: local copies only."""
+    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
+    return make_config("tcp", pool=POOL, host_pool=POOL, sync_kv_timeout=1000, **options)
 
 
 @pytest.fixture

@@ -12,10 +12,7 @@ import random
 
 import pytest
 import torch
-from copy_helpers import (
-    CPU,
-    Gate,
-)
+from copy_helpers import CPU, Gate
 
 from aiokv._copy import CopyScheduler, SchedulerConfig
 

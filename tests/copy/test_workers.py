@@ -10,10 +10,7 @@ import threading
 
 import pytest
 import torch
-from copy_helpers import (
-    CPU,
-    Gate,
-)
+from copy_helpers import CPU, Gate
 
 from aiokv._copy import CopyScheduler, SchedulerConfig
 

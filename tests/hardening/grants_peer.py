@@ -8,35 +8,17 @@ with 0xAB, reports ready, then on "push" pushes it into the owner's cache ``cach
 from __future__ import annotations
 
 import asyncio
-import json
 from multiprocessing.connection import Connection
 
-from aiokv import (
-    CacheDesc,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-)
+from aiokv import CacheDesc, CacheKeyByIdAndIndex, DataType, LLMDataDist, LLMException, LLMRole
+from aiokv.testing import cluster_info, make_config
 
 
 async def _run(conn: Connection, port: int, cache_id: int, nbytes: int) -> None:
-    cfg = LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        mem_pool_cfg=json.dumps({"memory_size": nbytes + (1 << 20), "page_shift": 16}),
-        enable_remote_cache_accessible=True,
-        sync_kv_timeout=10000,
-    )
+    pool = nbytes + (1 << 20)
+    cfg = make_config("tcp", pool=pool, page_shift=16, listen_ip_info=None, sync_kv_timeout=10000)
     async with LLMDataDist(LLMRole.PROMPT, 2, cfg) as dd:
-        owner = LLMClusterInfo(
-            remote_cluster_id=1,
-            local_ip_info=[("127.0.0.1", 0)],
-            remote_ip_info=[("127.0.0.1", port)],
-        )
+        owner = cluster_info(1, ("127.0.0.1", port))
         code, _ = await dd.link_clusters([owner])
         cm = dd.cache_manager
         src = await cm.allocate_cache(CacheDesc(1, [1, nbytes], DataType.DT_UINT8))

@@ -15,7 +15,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,6 @@ from aiokv import (
     CacheDesc,
     CacheKey,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -40,6 +39,7 @@ from aiokv import (
 )
 from aiokv._copy import _staging
 from aiokv._engine import Engine
+from aiokv.testing import linked_pair, make_config
 
 CODE = LLMStatusCode
 DESC = CacheDesc(2, [1, 4096], DataType.DT_UINT8, Placement.HOST)
@@ -49,30 +49,9 @@ SEED = 20261125
 
 
 def config(backend: str, **kw: Any) -> LLMConfig:
-    return LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        listen_ip_info="127.0.0.1:0",
-        host_mem_pool_cfg='{"memory_size": 4194304, "page_shift": 12}',
-        transfer_backend=backend,
-        sync_kv_timeout=10000,
-        **kw,
-    )
-
-
-@contextlib.asynccontextmanager
-async def linked(backend: str, **kw: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(backend, **kw)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(backend, **kw)) as d,
-    ):
-        assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, remote_ip_info=[p.listen_address], local_ip_info=[("127.0.0.1", 0)]
-        )
-        code, _ = await d.link_clusters([info])
-        assert code == CODE.LLM_SUCCESS
-        yield p, d
+    """No device pool, a 4 MiB host pool; refuses pushes."""
+    options = {"enable_remote_cache_accessible": False, "sync_kv_timeout": 10000}
+    return make_config(backend, pool=None, host_pool=4 << 20, **(options | kw))
 
 
 async def settled(p: LLMDataDist, d: LLMDataDist) -> None:
@@ -224,7 +203,7 @@ def test_a_pull_by_key_cancelled_at_random_moments_keeps_or_releases_the_key(
     model = Model()
 
     async def main() -> None:
-        async with linked(backend) as (p, d):
+        async with linked_pair(config(backend)) as (p, d):
             dst = await d.cache_manager.allocate_cache(WIDE)
             blocks = await d.cache_manager.allocate_blocks_cache(CHUNKS)
             dst_bytes = d.cache_manager.get_pool_stats(Placement.HOST).used  # type: ignore[union-attr]
@@ -264,7 +243,7 @@ def test_a_pull_by_key_under_trio_cancel_scopes_keeps_or_releases_the_key() -> N
     model = Model()
 
     async def main() -> None:
-        async with linked("tcp") as (p, d):
+        async with linked_pair(config("tcp")) as (p, d):
             dst = await d.cache_manager.allocate_cache(DESC)
             dst_bytes = d.cache_manager.get_pool_stats(Placement.HOST).used  # type: ignore[union-attr]
             typical = await _typical(p, d, dst, 1)
@@ -314,6 +293,13 @@ def _finishing(go: threading.Event) -> Callable[[], Coroutine[Any, Any, int]]:
     return op
 
 
+def _finishing_op() -> tuple[threading.Event, Callable[[], Coroutine[Any, Any, int]], list[object]]:
+    """A fresh ``_finishing`` operation: its ``go`` event, the operation, and a list for
+    what the test's body saw."""
+    go = threading.Event()
+    return go, _finishing(go), []
+
+
 def _landed(go: threading.Event) -> None:
     """Set ``go`` and block (this thread, and so its loop) until the operation has
     completed on the engine and its end is queued for the caller."""
@@ -337,9 +323,7 @@ async def _race(
 async def test_a_timeout_that_expires_as_the_operation_completes_returns_then_raises(
     engine: Engine,
 ) -> None:
-    go = threading.Event()
-    op = _finishing(go)
-    got: list[object] = []
+    go, op, got = _finishing_op()
 
     async def body() -> None:
         async with asyncio.timeout(0.1):
@@ -357,9 +341,7 @@ async def test_a_timeout_that_expires_as_the_operation_completes_returns_then_ra
 async def test_a_completed_last_operation_ends_its_timeout_block_normally(engine: Engine) -> None:
     """The operation was the block's last await: the block ends normally with its
     result, and no stale cancellation reaches the code after it."""
-    go = threading.Event()
-    op = _finishing(go)
-    got: list[object] = []
+    go, op, got = _finishing_op()
 
     async def body() -> None:
         async with asyncio.timeout(0.1):
@@ -378,9 +360,7 @@ async def test_a_completed_last_operation_ends_its_timeout_block_normally(engine
 async def test_a_task_cancelled_as_its_operation_completes_gets_the_result_then_the_cancel(
     engine: Engine,
 ) -> None:
-    go = threading.Event()
-    op = _finishing(go)
-    got: list[object] = []
+    go, op, got = _finishing_op()
 
     async def body() -> None:
         got.append(await engine.run(op))
@@ -398,9 +378,7 @@ async def test_a_task_cancelled_as_its_operation_completes_gets_the_result_then_
 async def test_an_anyio_scope_on_asyncio_swallows_only_its_own_cancellation(
     engine: Engine,
 ) -> None:
-    go = threading.Event()
-    op = _finishing(go)
-    got: list[object] = []
+    go, op, got = _finishing_op()
 
     async def body() -> None:
         with anyio.move_on_after(0.1) as scope:
@@ -416,9 +394,7 @@ async def test_an_anyio_scope_on_asyncio_swallows_only_its_own_cancellation(
 
 
 def test_a_trio_scope_cancelled_as_the_operation_completes_gets_the_result(engine: Engine) -> None:
-    go = threading.Event()
-    op = _finishing(go)
-    got: list[object] = []
+    go, op, got = _finishing_op()
 
     async def main() -> None:
         with anyio.CancelScope() as scope:
@@ -465,7 +441,7 @@ def test_a_destination_that_completed_reports_success_after_cancel() -> None:
 async def _completed_destination() -> None:
     paged = CacheDesc(4, [8, 256], DataType.DT_UINT8, Placement.HOST)
     cfg = {"enable_remote_cache_accessible": True}
-    async with linked("tcp", **cfg) as (p, d):
+    async with linked_pair(config("tcp", **cfg)) as (p, d):
         src = await p.cache_manager.allocate_blocks_cache(paged)
         for i, t in enumerate(src.tensors):
             t.fill_(i + 1)

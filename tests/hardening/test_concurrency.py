@@ -6,24 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import multiprocessing as mp
 import random
 import time
 from multiprocessing.connection import Connection
 
 import torch
+from _helpers import spawned
 
 from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
-    LLMConfig,
     LLMDataDist,
     LLMException,
     LLMRole,
     LLMStatusCode,
 )
+from aiokv.testing import cluster_info, make_config
 
 HOST = "127.0.0.1"
 # 16 KiB blocks: a writer batch (chunks of several streams) fills the socket mid-way,
@@ -49,14 +48,7 @@ def _owner(conn: Connection) -> None:
     pushes write blocks 256..511; answers "digest" with a hash of requested blocks."""
 
     async def main() -> None:
-        cfg = LLMConfig(
-            device_type="cpu",
-            enable_cache_manager=True,
-            enable_remote_cache_accessible=True,
-            listen_ip_info="127.0.0.1:0",
-            mem_pool_cfg=f'{{"memory_size": {24 << 20}, "page_shift": 12}}',
-            sync_kv_timeout=20000,
-        )
+        cfg = make_config("tcp", pool=24 << 20, sync_kv_timeout=20000)
         async with LLMDataDist(LLMRole.PROMPT, OWNER, cfg) as dd:
             cache = await dd.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(OWNER, 0))
             for t, c in zip(cache.tensors, _content(1), strict=True):
@@ -75,28 +67,12 @@ def _owner(conn: Connection) -> None:
 def test_thousands_of_concurrent_mixed_ops_between_processes_all_succeed() -> None:
     """5,000 pulls and pushes of 1-40 blocks, 48 in flight, against a peer process:
     none fails, every pulled byte equals the owner's, every pushed byte landed."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_owner, args=(child,), daemon=True)
-    proc.start()
-    try:
-        assert parent.poll(60), "peer process did not start"
-        port = parent.recv()
+    with spawned(_owner) as (parent, port):
 
         async def main() -> None:
-            cfg = LLMConfig(
-                device_type="cpu",
-                enable_cache_manager=True,
-                enable_remote_cache_accessible=True,
-                mem_pool_cfg=f'{{"memory_size": {40 << 20}, "page_shift": 12}}',
-                sync_kv_timeout=20000,
-            )
+            cfg = make_config("tcp", pool=40 << 20, listen_ip_info=None, sync_kv_timeout=20000)
             async with LLMDataDist(LLMRole.DECODER, 32, cfg) as d:
-                info = LLMClusterInfo(
-                    remote_cluster_id=OWNER,
-                    local_ip_info=[("127.0.0.1", 0)],
-                    remote_ip_info=[(HOST, port)],
-                )
+                info = cluster_info(OWNER, (HOST, port))
                 assert (await d.link_clusters([info]))[0] == LLMStatusCode.LLM_SUCCESS
                 cm, key = d.cache_manager, BlocksCacheKey(OWNER, 0)
                 mine = await cm.allocate_blocks_cache(DESC)  # pushed from (256..511)
@@ -142,8 +118,3 @@ def test_thousands_of_concurrent_mixed_ops_between_processes_all_succeed() -> No
                 assert elapsed < 40
 
         asyncio.run(main())
-    finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()

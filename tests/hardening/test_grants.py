@@ -8,19 +8,17 @@ or straight against ``PeerService``. Everything binds 127.0.0.1, port 0, bounded
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
-import json
 import multiprocessing as mp
 import socket
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grants_peer
 import numpy as np
 import pytest
 import torch
+from _helpers import raises, raw_link, until
 
 from aiokv import (
     BlocksCacheKey,
@@ -28,7 +26,6 @@ from aiokv import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -50,6 +47,7 @@ from aiokv._remote._protocol import (
     pack_blocks,
 )
 from aiokv._remote._service import PeerService
+from aiokv.testing import linked_pair, make_config
 from aiokv.transport import PeerInfo
 from aiokv.transport import _wire as wire
 
@@ -60,46 +58,9 @@ PEER = PeerInfo(2, ("127.0.0.1", 1))
 
 
 def config(backend: str = "local", **kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "mem_pool_cfg": json.dumps({"memory_size": 8 * MIB, "page_shift": 12}),
-        "host_mem_pool_cfg": json.dumps({"memory_size": 4 * MIB, "page_shift": 12}),
-        "transfer_backend": backend,
-        "sync_kv_timeout": 3000,
-    }
-    base.update(kw)
-    return LLMConfig(**base)
-
-
-async def raises(code: LLMStatusCode, coro: Any) -> None:
-    with pytest.raises(LLMException) as info:
-        await coro
-    assert info.value.status_code == code, info.value
-
-
-@contextlib.asynccontextmanager
-async def linked(**prompt: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
-    """A prompt (cluster 1, ``prompt`` config overrides) and a decoder linked to it."""
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(**prompt)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
-    ):
-        assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
-        assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
-        yield p, d
-
-
-async def eventually(check: Any, seconds: float = 5) -> None:
-    for _ in range(int(seconds / 0.01)):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    assert check()
+    """8 MiB device and 4 MiB host pools; refuses pushes unless told otherwise."""
+    options = {"enable_remote_cache_accessible": False, "sync_kv_timeout": 3000}
+    return make_config(backend, pool=8 * MIB, host_pool=4 * MIB, **(options | kw))
 
 
 # ---- 1: no write after unregister_cache -------------------------------------------------
@@ -143,7 +104,7 @@ async def test_no_write_after_unregister_of_memory_a_peer_process_pushes_into() 
 
 
 async def test_unregister_refuses_new_work_and_cancels_layerwise_reads() -> None:
-    async with linked(enable_remote_cache_accessible=True) as (p, d):
+    async with linked_pair(config(enable_remote_cache_accessible=True), config()) as (p, d):
         pm = p.cache_manager
         buf = torch.ones(2, 1024, dtype=torch.uint8)
         desc = CacheDesc(1, [2, 1024], DataType.DT_UINT8, Placement.HOST)
@@ -164,26 +125,7 @@ async def test_unregister_refuses_new_work_and_cancels_layerwise_reads() -> None
 # ---- 9: grants expire --------------------------------------------------------------------
 def _raw_pull(port: int, meta: bytes, size: int) -> socket.socket:
     """Link as cluster 7 without a secret, ask for ``size`` bytes, and never read them."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.settimeout(5)
-    s.connect(("127.0.0.1", port))
-
-    def recv_frame() -> wire.Header:
-        raw = b""
-        while len(raw) < wire.HEADER_SIZE:
-            raw += s.recv(wire.HEADER_SIZE - len(raw))
-        h = wire.decode_header(raw)
-        left = h.meta_len
-        while left:
-            left -= len(s.recv(left))
-        return h
-
-    hello = {"cluster_id": 7, "nonce": "00" * 32}
-    s.sendall(wire.encode_frame(wire.FrameType.HELLO, meta=json.dumps(hello).encode()))
-    recv_frame()
-    s.sendall(wire.encode_frame(wire.FrameType.AUTH, meta=b'{"mac":null}'))
-    assert recv_frame().status == CODE.LLM_SUCCESS
+    s = raw_link(port)
     s.sendall(wire.encode_frame(wire.FrameType.READ_REQ, 0, meta=meta, size=size))
     return s
 
@@ -198,11 +140,11 @@ async def test_a_grant_nobody_reads_expires_and_memory_returns_to_the_pool() -> 
         meta = encode(SlotReq(KeyById(1, cache.cache_id, 0), Tensors(1), n, exact=True))
         sock = await asyncio.to_thread(_raw_pull, owner.listen_address[1], meta, n)
         try:
-            await eventually(lambda: cm.statistics().pins == 1)
+            await until(lambda: cm.statistics().pins == 1)
             t0 = time.monotonic()
             await cm.deallocate_cache(cache)  # the grant keeps it pinned...
             assert cm.statistics().caches == 1
-            await eventually(lambda: cm.statistics().caches == 0)  # ...until it expires
+            await until(lambda: cm.statistics().caches == 0)  # ...until it expires
             assert time.monotonic() - t0 > 0.2
             stats = cm.get_pool_stats()
             assert stats is not None and stats.used == 0
@@ -242,13 +184,13 @@ async def test_reads_by_cache_id_follow_llm_datadist_per_mode() -> None:
     desc = CacheDesc(1, [2, 256], DataType.DT_UINT8)
     host = CacheDesc(1, [2, 256], DataType.DT_UINT8, Placement.HOST)
     # without enable_remote_cache_accessible the owner serves reads by id (by request)
-    async with linked() as (p, d):
+    async with linked_pair(config()) as (p, d):
         src = await p.cache_manager.allocate_cache(desc, [CacheKey(1, req_id=1)])
         dst = await d.cache_manager.allocate_cache(desc)
         await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst)
         await d.cache_manager.pull_cache(CacheKey(1, req_id=1), dst)  # by key: as before
     # with it, the cache must be remote_accessible (llm_datadist: LLM_PARAM_INVALID)
-    async with linked(enable_remote_cache_accessible=True) as (p, d):
+    async with linked_pair(config(enable_remote_cache_accessible=True), config()) as (p, d):
         private = await p.cache_manager.register_cache(host, [torch.zeros(2, 256).byte()])
         shared = await p.cache_manager.register_cache(host, [torch.zeros(2, 256).byte()], (), True)
         dst = await d.cache_manager.allocate_cache(desc)
@@ -263,7 +205,7 @@ async def test_reads_by_cache_id_follow_llm_datadist_per_mode() -> None:
 
 async def test_restrict_reads_by_id_is_the_owners_opt_in() -> None:
     desc = CacheDesc(1, [2, 256], DataType.DT_UINT8)
-    async with linked(restrict_reads_by_id=True) as (p, d):
+    async with linked_pair(config(restrict_reads_by_id=True), config()) as (p, d):
         src = await p.cache_manager.allocate_cache(desc, [CacheKey(1, req_id=1)])
         dst = await d.cache_manager.allocate_cache(desc)
         with pytest.raises(LLMException) as ei:
@@ -272,7 +214,9 @@ async def test_restrict_reads_by_id_is_the_owners_opt_in() -> None:
         msg = str(ei.value)
         assert "restrict_reads_by_id" in msg and "enable_remote_cache_accessible" in msg
         await d.cache_manager.pull_cache(CacheKey(1, req_id=1), dst)  # by key: allowed
-    async with linked(restrict_reads_by_id=True, enable_remote_cache_accessible=True) as (p, d):
+    async with linked_pair(
+        config(restrict_reads_by_id=True, enable_remote_cache_accessible=True), config()
+    ) as (p, d):
         src = await p.cache_manager.allocate_cache(desc)
         dst = await d.cache_manager.allocate_cache(desc)
         await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst)
@@ -280,7 +224,7 @@ async def test_restrict_reads_by_id_is_the_owners_opt_in() -> None:
 
 async def test_cache_ids_count_from_1_per_instance_as_llm_datadist() -> None:
     desc = CacheDesc(1, [2, 256], DataType.DT_UINT8)
-    async with linked() as (p, d):
+    async with linked_pair(config()) as (p, d):
         ids = [(await p.cache_manager.allocate_cache(desc)).cache_id for _ in range(3)]
         user = await p.cache_manager.register_cache(
             CacheDesc(1, [2, 256], DataType.DT_UINT8, Placement.HOST), [torch.zeros(2, 256).byte()]
@@ -374,7 +318,7 @@ async def test_copy_cache_between_overlapping_memory_is_refused_and_writes_nothi
 async def test_caches_of_different_dtypes_are_refused_everywhere() -> None:
     fp16 = CacheDesc(2, [4, 64], DataType.DT_FLOAT16)
     bf16 = CacheDesc(2, [4, 64], DataType.DT_BF16)
-    async with linked() as (p, d):
+    async with linked_pair(config()) as (p, d):
         await p.cache_manager.allocate_blocks_cache(fp16, BlocksCacheKey(1, 0))
         dm = d.cache_manager
         mine = await dm.allocate_blocks_cache(bf16)

@@ -20,17 +20,17 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
+from _helpers import until
 
 from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMRole,
@@ -38,6 +38,8 @@ from aiokv import (
     Placement,
 )
 from aiokv._remote._links import PROBE_TIMEOUT_S
+from aiokv.testing import cluster_info as info
+from aiokv.testing import make_config
 from aiokv.transport import _wire as wire
 from aiokv.transport.tcp._handshake import mac
 
@@ -48,29 +50,7 @@ SECRET = "s3cret"
 
 
 def config(secret: str | None = None) -> LLMConfig:
-    return LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        listen_ip_info="127.0.0.1:0",
-        mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-        enable_remote_cache_accessible=True,
-        sync_kv_timeout=3000,
-        link_secret=secret,
-    )
-
-
-def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
-    assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
-    )
-
-
-async def eventually(cond: Callable[[], bool], within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+    return make_config("tcp", pool=1 << 20, sync_kv_timeout=3000, link_secret=secret)
 
 
 @contextlib.asynccontextmanager
@@ -183,14 +163,14 @@ async def test_a_hung_holder_is_replaced_by_a_live_claimant(
         code, hung = await RawPeer.claim(p.listen_address, X)  # type: ignore[arg-type]
         assert code == CODE.LLM_SUCCESS
         try:
-            await eventually(lambda: filed_address(p) == hung.address)
+            await until(lambda: filed_address(p) == hung.address, 10.0)
             # it answers nothing from now on: a hung (SIGSTOPped) decoder
             async with participant(LLMRole.DECODER, X) as d_dd:
                 d = await Decoder(d_dd).setup()
                 t0 = time.monotonic()
                 code, _ = await d_dd.link_clusters([info(1, p.listen_address)])
                 assert code == CODE.LLM_SUCCESS
-                await eventually(lambda: filed_address(p) not in (None, hung.address))
+                await until(lambda: filed_address(p) not in (None, hung.address), 10.0)
                 # the probe decided it: about PROBE_TIMEOUT_S, not a transfer timeout
                 assert time.monotonic() - t0 < PROBE_TIMEOUT_S + 2
                 await push(p, 7)
@@ -219,13 +199,13 @@ async def test_b_a_second_live_claim_is_refused_and_logged(
         first = await Decoder(first_dd).setup()
         second = await Decoder(second_dd).setup()
         assert (await first_dd.link_clusters([info(1, p.listen_address)]))[0] == CODE.LLM_SUCCESS
-        await eventually(lambda: p.linked_clusters() == [X])
+        await until(lambda: p.linked_clusters() == [X], 10.0)
         filed = filed_address(p)
         await push(p, 3)
         assert first.holds(3)
         # the second decoder's handshake succeeds; then its claim is decided and refused
         await second_dd.link_clusters([info(1, p.listen_address)])
-        await eventually(lambda: second_dd.linked_clusters() == [], PROBE_TIMEOUT_S + 5)
+        await until(lambda: second_dd.linked_clusters() == [], PROBE_TIMEOUT_S + 5)
         assert warnings_of(caplog, "refused a second link")
         assert filed_address(p) == filed
         await push(p, 4)  # the first keeps working; nothing reaches the second
@@ -245,7 +225,7 @@ async def test_c_with_a_secret_an_unauthenticated_claimant_never_displaces() -> 
         code, hung = await RawPeer.claim(address, X, key)
         assert code == CODE.LLM_SUCCESS
         try:
-            await eventually(lambda: filed_address(p) == hung.address)
+            await until(lambda: filed_address(p) == hung.address, 10.0)
             for secret in (None, b"wrong"):
                 code, raw = await RawPeer.claim(address, X, secret)
                 assert code != CODE.LLM_SUCCESS  # refused in the handshake
@@ -261,7 +241,7 @@ async def test_c_with_a_secret_an_unauthenticated_claimant_never_displaces() -> 
             async with participant(LLMRole.DECODER, X, SECRET) as d_dd:
                 d = await Decoder(d_dd).setup()
                 assert (await d_dd.link_clusters([info(1, address)]))[0] == CODE.LLM_SUCCESS
-                await eventually(lambda: filed_address(p) not in (None, hung.address))
+                await until(lambda: filed_address(p) not in (None, hung.address), 10.0)
                 await push(p, 9)
                 assert d.holds(9)
         finally:

@@ -30,7 +30,6 @@ from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMRole,
@@ -38,28 +37,15 @@ from aiokv import (
     Placement,
     TransferWithCacheKeyConfig,
 )
+from aiokv.testing import cluster_info as info
+from aiokv.testing import make_config
 
 LAYERS = 16
 DESC = CacheDesc(2 * LAYERS, [8, 1024], DataType.DT_UINT8, Placement.DEVICE)
 
 
 def config() -> LLMConfig:
-    return LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        listen_ip_info="127.0.0.1:0",
-        mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-        host_mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-        enable_remote_cache_accessible=True,
-        sync_kv_timeout=5000,
-    )
-
-
-def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
-    assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
-    )
+    return make_config("tcp", pool=1 << 20, host_pool=1 << 20)
 
 
 def aiokv_threads() -> list[str]:

@@ -15,8 +15,6 @@ Everything binds 127.0.0.1, port 0; every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
 import random
 import socket
@@ -24,22 +22,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _helpers import raw_link
 
 from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
-    LLMDataDist,
     LLMException,
-    LLMRole,
     LLMStatusCode,
     TransferWithCacheKeyConfig,
 )
@@ -48,45 +44,17 @@ from aiokv._copy._staging import Budget
 from aiokv._remote import _service as service_mod
 from aiokv._remote._protocol import BlocksReq, KeyByBlocks, Tensors, encode
 from aiokv._threads import Lane
+from aiokv.testing import linked_pair, make_config, requires_transport
 from aiokv.transport import _wire as wire
-from aiokv.transport import get_transport
 
 CODE = LLMStatusCode
 MIB = 1 << 20
 
-try:
-    get_transport("nixl")
-    NIXL = None
-except LLMException as exc:
-    NIXL = str(exc)
-needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+needs_nixl = requires_transport("nixl")
 
 
 def config(backend: str, **kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "mem_pool_cfg": json.dumps({"memory_size": 32 * MIB, "page_shift": 16}),
-        "enable_remote_cache_accessible": True,
-        "transfer_backend": backend,
-        "sync_kv_timeout": 2000,
-    }
-    return LLMConfig(**(base | kw))
-
-
-@contextlib.asynccontextmanager
-async def linked(backend: str, **kw: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(backend, **kw)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(backend, **kw)) as d,
-    ):
-        assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, remote_ip_info=[p.listen_address], local_ip_info=[("127.0.0.1", 0)]
-        )
-        assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
-        yield p, d
+    return make_config(backend, pool=32 * MIB, page_shift=16, **({"sync_kv_timeout": 2000} | kw))
 
 
 # ---- 3: blocked synchronizers starve nothing else ----------------------------------------
@@ -112,7 +80,7 @@ async def test_blocked_synchronizers_do_not_delay_an_unrelated_nixl_transfer() -
     blocked = min(32, (os.cpu_count() or 1) + 4) + 2  # the default executor's size, and more
     layer = CacheDesc(2, [16, 256 * 1024], DataType.DT_UINT8)  # 2 x 16 x 256 KiB = 8 MiB
     release = threading.Event()
-    async with linked("nixl") as (p, d):
+    async with linked_pair(config("nixl")) as (p, d):
         pm, dm = p.cache_manager, d.cache_manager
         await pm.allocate_blocks_cache(layer, BlocksCacheKey(1, 0))
         src = await dm.allocate_blocks_cache(layer)
@@ -151,7 +119,7 @@ async def test_a_nixl_wait_no_thread_took_ends_at_the_deadline_and_never_runs(
     monkeypatch.setattr(nixl_transport, "WAIT_THREADS", 1)
     layer = CacheDesc(2, [16, 256 * 1024], DataType.DT_UINT8)  # 8 MiB
     gate = threading.Event()
-    async with linked("nixl", sync_kv_timeout=1000) as (p, d):
+    async with linked_pair(config("nixl", sync_kv_timeout=1000)) as (p, d):
         await p.cache_manager.allocate_blocks_cache(layer, BlocksCacheKey(1, 0))
         dst = await d.cache_manager.allocate_blocks_cache(layer)
         transport = d._transport  # type: ignore[attr-defined]
@@ -182,7 +150,7 @@ async def test_a_queued_synchronizer_whose_transfer_is_cancelled_never_runs() ->
 
     layer = CacheDesc(2, [4, 4096], DataType.DT_UINT8)
     release = threading.Event()
-    async with linked("tcp") as (p, d):
+    async with linked_pair(config("tcp")) as (p, d):
         await p.cache_manager.allocate_blocks_cache(layer, BlocksCacheKey(1, 0))
         src = await d.cache_manager.allocate_blocks_cache(layer)
         cfg = TransferWithCacheKeyConfig(BlocksCacheKey(1, 0))
@@ -474,26 +442,7 @@ def test_one_owner_holds_at_most_half_while_others_get_room() -> None:
 
 def _hog(port: int, meta: bytes, size: int, count: int) -> socket.socket:
     """Link as cluster 7, ask for ``count`` staged reads of ``size`` bytes, read none."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.settimeout(5)
-    s.connect(("127.0.0.1", port))
-
-    def recv_frame() -> wire.Header:
-        raw = b""
-        while len(raw) < wire.HEADER_SIZE:
-            raw += s.recv(wire.HEADER_SIZE - len(raw))
-        h = wire.decode_header(raw)
-        left = h.meta_len
-        while left:
-            left -= len(s.recv(left))
-        return h
-
-    hello = {"cluster_id": 7, "nonce": "00" * 32}
-    s.sendall(wire.encode_frame(wire.FrameType.HELLO, meta=json.dumps(hello).encode()))
-    recv_frame()
-    s.sendall(wire.encode_frame(wire.FrameType.AUTH, meta=b'{"mac":null}'))
-    assert recv_frame().status == CODE.LLM_SUCCESS
+    s = raw_link(port)
     for i in range(count):
         s.sendall(wire.encode_frame(wire.FrameType.READ_REQ, 2 * i, meta=meta, size=size))
     return s
@@ -509,7 +458,7 @@ async def test_a_peer_that_never_reads_does_not_starve_staged_pulls(
     monkeypatch.setattr(_staging, "STAGE_LIMIT", 8 * MIB)
     monkeypatch.setattr(service_mod, "MAX_STAGED_BYTES", 4 * MIB)
     layer = CacheDesc(2, [16, 128 * 1024], DataType.DT_UINT8)  # 2 x 2 MiB
-    async with linked("tcp", sync_kv_timeout=1500) as (p, d):
+    async with linked_pair(config("tcp", sync_kv_timeout=1500)) as (p, d):
         stager: Stager = p.cache_manager._client._stager  # type: ignore[attr-defined]
         await p.cache_manager.allocate_blocks_cache(layer, BlocksCacheKey(1, 0))
         assert stager.budget.limit == 8 * MIB

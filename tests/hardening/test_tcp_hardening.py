@@ -7,25 +7,24 @@ import asyncio
 import contextlib
 import json
 import math
-import multiprocessing as mp
 import resource
 import secrets
 import socket
 import time
 import tracemalloc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 import pytest
 import torch
+from _helpers import spawned, until
 
 from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -33,6 +32,7 @@ from aiokv import (
     LLMStatusCode,
 )
 from aiokv._config import InvalidOptionError
+from aiokv.testing import cluster_info, make_config
 from aiokv.transport import Grant, Link, PeerInfo, get_transport, transport_names
 from aiokv.transport import _wire as wire
 from aiokv.transport._wire import FrameType
@@ -40,6 +40,13 @@ from aiokv.transport.tcp import TcpTransport
 from aiokv.transport.tcp import _link as tcp_link
 
 HOST = "127.0.0.1"
+#: a participant of ``make_config`` that neither listens nor accepts pushes (llm_datadist's
+#: defaults)
+NOT_LISTENING: dict[str, Any] = {
+    "listen_ip_info": None,
+    "enable_remote_cache_accessible": False,
+    "sync_kv_timeout": 1000,
+}
 Code = LLMStatusCode
 F = FrameType
 
@@ -168,13 +175,7 @@ async def test_a_flood_of_idle_connections_cannot_lock_out_a_peer() -> None:
             closed = await asyncio.gather(*(_closed_by_peer(s, 0.5) for s in flood))
             assert closed.count(False) == 16  # 4 hosts x 6 > 16: the global cap holds
             assert all(closed[:60])  # the oldest went first
-            t0 = time.monotonic()
-            link = await client.connect(HOST, port, timeout=5)
-            assert time.monotonic() - t0 < 2
-            handler.regions["x"] = bytearray(b"alive")
-            got = bytearray(5)
-            await link.read(js({"r": "x", "off": 0, "n": 5}), [memoryview(got)], timeout=5)
-            assert got == b"alive"
+            await _links_at_once_and_reads(client, port, handler)
             # one host alone gets at most max_handshakes_per_host slots
             for s in flood:
                 s.close()
@@ -193,13 +194,8 @@ def _flooded_peer(conn: Connection, nofile: int) -> None:
     """A prompt process with a low descriptor limit and a long handshake timeout."""
 
     async def main() -> None:
-        cfg = LLMConfig(
-            device_type="cpu",
-            enable_cache_manager=True,
-            listen_ip_info="127.0.0.1:0",
-            mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-            handshake_timeout=60000,
-        )
+        opts = {"enable_remote_cache_accessible": False, "sync_kv_timeout": 1000}
+        cfg = make_config("tcp", pool=1 << 20, handshake_timeout=60000, **opts)
         async with LLMDataDist(LLMRole.PROMPT, 11, cfg) as dd:
             cache = await dd.cache_manager.allocate_blocks_cache(
                 CacheDesc(1, [4, 256], DataType.DT_UINT8), BlocksCacheKey(11, 0)
@@ -213,36 +209,22 @@ def _flooded_peer(conn: Connection, nofile: int) -> None:
     asyncio.run(main())
 
 
-def test_a_flood_past_the_descriptor_limit_still_lets_a_peer_link() -> None:
-    """1,100 idle connections against a listener limited to 512 descriptors (the
-    default caps): ``link_clusters`` still succeeds within its timeout, and the link
-    carries data."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_flooded_peer, args=(child, 512), daemon=True)
-    proc.start()
-    try:
-        assert parent.poll(60), "peer process did not start"
-        port = parent.recv()
+def _flood_then_link_and_pull(flood: Callable[[int, list[socket.socket]], Awaitable[None]]) -> None:
+    """Start a ``_flooded_peer`` process (512 descriptors), run ``flood(port, sockets)``
+    against its listener (what it opens goes into ``sockets``, closed at the end); then a
+    decoder links to it within 5 s and pulls the right bytes."""
+    with spawned(_flooded_peer, 512) as (_, port):
 
         async def main() -> None:
-            flood: list[socket.socket] = []
-            cfg = LLMConfig(
-                device_type="cpu",
-                enable_cache_manager=True,
-                mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-            )
+            sockets: list[socket.socket] = []
+            cfg = make_config("tcp", pool=1 << 20, **NOT_LISTENING)
             try:
-                for i in range(1100):
-                    flood.append(await _connect_raw(port, source=f"127.0.{1 + i // 200}.1"))
+                await flood(port, sockets)
                 async with LLMDataDist(LLMRole.DECODER, 22, cfg) as d:
-                    info = LLMClusterInfo(
-                        remote_cluster_id=11,
-                        local_ip_info=[("127.0.0.1", 0)],
-                        remote_ip_info=[(HOST, port)],
-                    )
                     t0 = time.monotonic()
-                    assert await d.link_clusters([info], timeout=5000) == (
+                    assert await d.link_clusters(
+                        [cluster_info(11, (HOST, port))], timeout=5000
+                    ) == (
                         Code.LLM_SUCCESS,
                         [Code.LLM_SUCCESS],
                     )
@@ -253,15 +235,22 @@ def test_a_flood_past_the_descriptor_limit_still_lets_a_peer_link() -> None:
                     want = torch.arange(1024, dtype=torch.uint8).reshape(4, 256)
                     assert torch.equal(dst.tensors[0], want)
             finally:
-                for s in flood:
+                for s in sockets:
                     s.close()
 
         asyncio.run(main())
-    finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+
+
+def test_a_flood_past_the_descriptor_limit_still_lets_a_peer_link() -> None:
+    """1,100 idle connections against a listener limited to 512 descriptors (the
+    default caps): ``link_clusters`` still succeeds within its timeout, and the link
+    carries data."""
+
+    async def flood(port: int, sockets: list[socket.socket]) -> None:
+        for i in range(1100):
+            sockets.append(await _connect_raw(port, source=f"127.0.{1 + i // 200}.1"))
+
+    _flood_then_link_and_pull(flood)
 
 
 # ------------------------------------------------------------------ argument quirks
@@ -302,13 +291,9 @@ async def test_public_paths_check_ports_and_timeouts() -> None:
     with pytest.raises(ValueError):
         LLMConfig(listen_ip_info="127.0.0.1:70000")
     with pytest.raises(ValueError):
-        LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[(HOST, 70000)]
-        )
+        cluster_info(1, (HOST, 70000))
     async with LLMDataDist(LLMRole.DECODER, 2, LLMConfig(device_type="cpu")) as d:
-        info = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[(HOST, 1)]
-        )
+        info = cluster_info(1, (HOST, 1))
         for timeout, exc in ((True, TypeError), (1.5, TypeError), (2**31, ValueError)):
             with pytest.raises(exc):
                 await d.link_clusters([info], timeout=timeout)  # type: ignore[arg-type]
@@ -618,11 +603,15 @@ async def _linked_raw(port: int, source: str = HOST, cluster_id: int = 77) -> so
     return sock
 
 
-async def _until(cond: Any, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+async def _links_at_once_and_reads(client: TcpTransport, port: int, handler: Regions) -> None:
+    """``client`` links to ``port`` within 2 s and reads through the link."""
+    t0 = time.monotonic()
+    link = await client.connect(HOST, port, timeout=5)
+    assert time.monotonic() - t0 < 2
+    handler.regions["x"] = bytearray(b"alive")
+    got = bytearray(5)
+    await link.read(js({"r": "x", "off": 0, "n": 5}), [memoryview(got)], timeout=5)
+    assert got == b"alive"
 
 
 async def test_quiet_links_beyond_the_caps_make_room_and_a_peer_links() -> None:
@@ -635,16 +624,10 @@ async def test_quiet_links_beyond_the_caps_make_room_and_a_peer_links() -> None:
         try:
             for i in range(12):
                 flood.append(await _linked_raw(port, cluster_id=100 + i))
-            await _until(lambda: len(server.links()) == 4)
+            await until(lambda: len(server.links()) == 4, 10.0)
             closed = await asyncio.gather(*(_closed_by_peer(s, 0.2) for s in flood))
             assert closed == [True] * 8 + [False] * 4  # the oldest went first
-            t0 = time.monotonic()
-            link = await client.connect(HOST, port, timeout=5)
-            assert time.monotonic() - t0 < 2
-            handler.regions["x"] = bytearray(b"alive")
-            got = bytearray(5)
-            await link.read(js({"r": "x", "off": 0, "n": 5}), [memoryview(got)], timeout=5)
-            assert got == b"alive"
+            await _links_at_once_and_reads(client, port, handler)
             assert await _closed_by_peer(flood[8], 2)  # it made room
             assert len(server.links()) == 4
         finally:
@@ -758,12 +741,8 @@ def _no_user_warning() -> Any:
 
 
 async def test_init_warns_when_listening_beyond_loopback_without_protection() -> None:
-    cfg = LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        listen_ip_info="0.0.0.0:0",
-        mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-    )
+    opts = {"enable_remote_cache_accessible": False, "sync_kv_timeout": 1000}
+    cfg = make_config("tcp", pool=1 << 20, listen_ip_info="0.0.0.0:0", **opts)
     with pytest.warns(UserWarning, match="neither link_secret nor TLS"):
         async with LLMDataDist(LLMRole.PROMPT, 1, cfg):
             pass
@@ -778,55 +757,16 @@ def test_a_flood_of_handshaked_idle_links_still_lets_a_peer_link() -> None:
     nothing, against a listener limited to 512 descriptors (the default caps):
     ``link_clusters`` from that same address still succeeds within its timeout, and the
     link carries data."""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_flooded_peer, args=(child, 512), daemon=True)
-    proc.start()
-    try:
-        assert parent.poll(60), "peer process did not start"
-        port = parent.recv()
 
-        async def main() -> None:
-            flood: list[socket.socket] = []
-            cfg = LLMConfig(
-                device_type="cpu",
-                enable_cache_manager=True,
-                mem_pool_cfg='{"memory_size": 1048576, "page_shift": 12}',
-            )
+    async def flood(port: int, sockets: list[socket.socket]) -> None:
+        failed = 0
+        for i in range(600):
             try:
-                failed = 0
-                for i in range(600):
-                    try:
-                        async with asyncio.timeout(2):
-                            flood.append(await _linked_raw(port, cluster_id=1000 + i))
-                    except (OSError, AssertionError, TimeoutError):
-                        failed += 1  # the listener is out of descriptors: enough
-                        if failed == 3:
-                            break
-                async with LLMDataDist(LLMRole.DECODER, 22, cfg) as d:
-                    info = LLMClusterInfo(
-                        remote_cluster_id=11,
-                        remote_ip_info=[(HOST, port)],
-                        local_ip_info=[("127.0.0.1", 0)],
-                    )
-                    t0 = time.monotonic()
-                    assert await d.link_clusters([info], timeout=5000) == (
-                        Code.LLM_SUCCESS,
-                        [Code.LLM_SUCCESS],
-                    )
-                    assert time.monotonic() - t0 < 5
-                    cm = d.cache_manager
-                    dst = await cm.allocate_blocks_cache(CacheDesc(1, [4, 256], DataType.DT_UINT8))
-                    await cm.pull_blocks(BlocksCacheKey(11, 0), dst, [0, 1, 2, 3], [0, 1, 2, 3])
-                    want = torch.arange(1024, dtype=torch.uint8).reshape(4, 256)
-                    assert torch.equal(dst.tensors[0], want)
-            finally:
-                for s in flood:
-                    s.close()
+                async with asyncio.timeout(2):
+                    sockets.append(await _linked_raw(port, cluster_id=1000 + i))
+            except (OSError, AssertionError, TimeoutError):
+                failed += 1  # the listener is out of descriptors: enough
+                if failed == 3:
+                    break
 
-        asyncio.run(main())
-    finally:
-        parent.send("stop")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    _flood_then_link_and_pull(flood)

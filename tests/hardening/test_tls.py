@@ -12,7 +12,6 @@ import logging
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -31,6 +29,7 @@ from aiokv import (
     LLMStatusCode,
 )
 from aiokv._bench._pki import Pki, TlsFiles, make_pki
+from aiokv.testing import cluster_info, linked_pair, make_config
 from aiokv.transport import Grant, PeerInfo, TlsContexts, load_tls
 from aiokv.transport.tcp import TcpTransport
 
@@ -64,36 +63,20 @@ def contexts(files: TlsFiles, *, ca_file: str | None = None, check: bool = False
 
 
 def config(tls: TlsFiles | None, **kw: Any) -> LLMConfig:
-    """A CPU participant in cache-manager mode on loopback, accepting pushes."""
-    options: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "enable_remote_cache_accessible": True,
-        "listen_ip_info": f"{HOST}:0",
-        "mem_pool_cfg": '{"memory_size": 8388608, "page_shift": 12}',
-        "sync_kv_timeout": 5000,
-        **(tls.options() if tls is not None else {}),
-        **kw,
-    }
-    return LLMConfig(**options)
+    """A participant over TCP (``tls``: its files, ``None``: plain), accepting pushes."""
+    tls_options = tls.options() if tls is not None else {}
+    return make_config("tcp", pool=8 << 20, **(tls_options | kw))
 
 
-@contextlib.asynccontextmanager
-async def participants(
+def participants(
     prompt: LLMConfig, decoder: LLMConfig
-) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, prompt) as p,
-        LLMDataDist(LLMRole.DECODER, 2, decoder) as d,
-    ):
-        yield p, d
+) -> contextlib.AbstractAsyncContextManager[tuple[LLMDataDist, LLMDataDist]]:
+    return linked_pair(prompt, decoder, link=False)
 
 
 async def link(d: LLMDataDist, p: LLMDataDist) -> LLMStatusCode:
     assert p.listen_address is not None
-    info = LLMClusterInfo(
-        remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-    )
+    info = cluster_info(1, p.listen_address)
     code, codes = await d.link_clusters([info], timeout=5000)
     assert codes == [code]
     return code

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import random
 import time
@@ -49,7 +48,6 @@ from aiokv import (
     CacheDesc,
     CacheKey,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -60,6 +58,7 @@ from aiokv import (
 from aiokv._cache import Cache
 from aiokv._registry import CacheRegistry
 from aiokv._remote._service import PeerService
+from aiokv.testing import cluster_info, make_config
 from aiokv.transport import Grant, Link, PeerInfo
 from aiokv.transport.tcp import TcpTransport
 
@@ -713,16 +712,8 @@ class RefuseAll:
 
 
 def config(enable: bool) -> LLMConfig:
-    return LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        enable_remote_cache_accessible=enable,
-        listen_ip_info=f"{HOST}:0",
-        host_mem_pool_cfg=json.dumps({"memory_size": 1 << 20, "page_shift": 12}),
-        transfer_backend="tcp",
-        sync_kv_timeout=10000,
-        link_secret=SECRET,
-    )
+    options = {"enable_remote_cache_accessible": enable, "link_secret": SECRET}
+    return make_config("tcp", pool=None, host_pool=1 << 20, sync_kv_timeout=10000, **options)
 
 
 @contextlib.asynccontextmanager
@@ -941,11 +932,7 @@ async def a_real_client_still_pulls(srv: Server, seed: int) -> None:
         cm = dd.cache_manager
         dst = await cm.allocate_blocks_cache(srv.desc(m.spec))
         assert srv.dd.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=srv.cid,
-            local_ip_info=[("127.0.0.1", 0)],
-            remote_ip_info=[srv.dd.listen_address],
-        )
+        info = cluster_info(srv.cid, srv.dd.listen_address)
         assert (await dd.link_clusters([info], timeout=5000))[0] == CODE.LLM_SUCCESS
         await cm.pull_blocks(BlocksCacheKey(srv.cid, 7), dst, [5, 2, 9], [0, 1, 2])
         for t, got in enumerate(dst.tensors):

@@ -10,9 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from aiokv.integrations.vllm import AiokvConnector
 

@@ -17,12 +17,7 @@ from aiokv import LLMException
 from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
 from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._plan import Hold, Load, Release, StepPlan
-from aiokv.integrations.vllm._worker import (
-    DoneNotice,
-    TransferResults,
-    blocks_desc,
-    logical_blocks,
-)
+from aiokv.integrations.vllm._worker import DoneNotice, TransferResults, blocks_desc, logical_blocks
 from aiokv.transport import get_transport
 
 LAYERS, BLOCKS, SHAPE = (

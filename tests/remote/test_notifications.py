@@ -5,19 +5,17 @@ iterator, polling, and the blocking API."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 import aiokv.sync as blocking
-from aiokv import LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from aiokv import LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
 from aiokv._bench._pki import TlsFiles, make_pki
 from aiokv._remote import MAX_NOTIFICATION_BYTES, NOTIFICATION_QUEUE
 from aiokv._remote import _protocol as protocol
-from aiokv.transport import get_transport
+from aiokv.testing import cluster_info, linked_pair, make_config, skip_unless_transport
 
 CODE = LLMStatusCode
 BACKENDS = ["local", "tcp", "tcp+tls", "nixl"]
@@ -30,20 +28,11 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
 
 
 def config(backend: str, **kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "transfer_backend": backend,
-        "sync_kv_timeout": 3000,
-    }
+    """No pools, refusing pushes: notifications need neither."""
     if backend == "nixl":
-        try:
-            get_transport("nixl")
-        except LLMException as exc:
-            pytest.skip(f"nixl: {exc}")
-    base.update(kw)
-    return LLMConfig(**base)
+        skip_unless_transport("nixl")
+    options = {"enable_remote_cache_accessible": False, "sync_kv_timeout": 3000}
+    return make_config(backend, pool=None, **(options | kw))
 
 
 @pytest.fixture(params=BACKENDS)
@@ -55,28 +44,9 @@ def backend(request: pytest.FixtureRequest) -> dict[str, Any]:
     return {"transfer_backend": request.param}
 
 
-def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
-    assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id, remote_ip_info=[address], local_ip_info=[("127.0.0.1", 0)]
-    )
-
-
-@contextlib.asynccontextmanager
-async def linked(backend: str, **kw: Any) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
-    """A prompt (cluster 1) and a decoder (cluster 2), D linked to P."""
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(backend, **kw)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(backend, **kw)) as d,
-    ):
-        code, _ = await d.link_clusters([info(1, p.listen_address)])
-        assert code == CODE.LLM_SUCCESS
-        yield p, d
-
-
 async def test_both_ways_in_order(backend: dict[str, Any]) -> None:
     opts = dict(backend)
-    async with linked(opts.pop("transfer_backend"), **opts) as (p, d):
+    async with linked_pair(config(opts.pop("transfer_backend"), **opts)) as (p, d):
         payloads = [b"", b"x", bytes(range(256)) * 3, b"y" * MAX_NOTIFICATION_BYTES]
         for payload in payloads:
             await d.send_notification(1, payload)
@@ -90,7 +60,7 @@ async def test_both_ways_in_order(backend: dict[str, Any]) -> None:
 
 
 async def test_async_iterator_waits_and_ends_at_finalize() -> None:
-    async with linked("tcp") as (p, d):
+    async with linked_pair(config("tcp")) as (p, d):
         got: list[tuple[int, bytes]] = []
         five = asyncio.Event()
 
@@ -114,7 +84,7 @@ async def test_async_iterator_waits_and_ends_at_finalize() -> None:
 
 
 async def test_iterator_cancelled_leaves_the_queue_intact() -> None:
-    async with linked("local") as (p, d):
+    async with linked_pair(config("local")) as (p, d):
         it = p.notifications()
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.1):
@@ -125,7 +95,7 @@ async def test_iterator_cancelled_leaves_the_queue_intact() -> None:
 
 
 async def test_bad_arguments_and_not_linked() -> None:
-    async with linked("tcp") as (p, d):
+    async with linked_pair(config("tcp")) as (p, d):
         with pytest.raises(LLMException) as ei:
             await d.send_notification(1, b"z" * (MAX_NOTIFICATION_BYTES + 1))
         assert ei.value.status_code == CODE.LLM_PARAM_INVALID
@@ -141,15 +111,15 @@ async def test_bad_arguments_and_not_linked() -> None:
 
 
 async def test_unlinked_after_unlink() -> None:
-    async with linked("tcp") as (p, d):
-        await d.unlink_clusters([info(1, p.listen_address)])
+    async with linked_pair(config("tcp")) as (p, d):
+        await d.unlink_clusters([cluster_info(1, p.listen_address)])
         with pytest.raises(LLMException) as ei:
             await d.send_notification(1, b"late")
         assert ei.value.status_code == CODE.LLM_NOT_YET_LINK
 
 
 async def test_queue_bound_refuses_and_counts() -> None:
-    async with linked("local") as (p, d):
+    async with linked_pair(config("local")) as (p, d):
         for i in range(NOTIFICATION_QUEUE):
             await d.send_notification(1, i.to_bytes(4, "little"))
         with pytest.raises(LLMException) as ei:
@@ -165,7 +135,7 @@ async def test_queue_bound_refuses_and_counts() -> None:
 
 async def test_remote_payload_over_the_bound_is_refused() -> None:
     # a peer that encodes a bigger payload itself: the decoder refuses it before filing
-    async with linked("tcp") as (p, d):
+    async with linked_pair(config("tcp")) as (p, d):
         big = protocol._encoder.encode(
             protocol._Envelope(1, protocol.NotifyReq(b"q" * (MAX_NOTIFICATION_BYTES + 1)))
         )
@@ -182,7 +152,7 @@ async def test_remote_payload_over_the_bound_is_refused() -> None:
 
 
 async def test_a_read_is_not_a_notification() -> None:
-    async with linked("tcp") as (p, d):
+    async with linked_pair(config("tcp")) as (p, d):
         link = d._links.require("test", 1)
         meta = protocol.encode(protocol.NotifyReq(b"as a read"))
 
@@ -197,7 +167,7 @@ async def test_a_read_is_not_a_notification() -> None:
 
 
 async def test_authenticated_like_the_link() -> None:
-    async with linked("tcp", link_secret="s3cret") as (p, d):
+    async with linked_pair(config("tcp", link_secret="s3cret")) as (p, d):
         await d.send_notification(1, b"signed")
         assert p.get_notifications() == [(2, b"signed")]
 
@@ -208,7 +178,7 @@ def test_blocking_api() -> None:
         blocking.LLMDataDist(LLMRole.PROMPT, 1, cfg) as p,
         blocking.LLMDataDist(LLMRole.DECODER, 2, cfg) as d,
     ):
-        code, _ = d.link_clusters([info(1, p.listen_address)])
+        code, _ = d.link_clusters([cluster_info(1, p.listen_address)])
         assert code == CODE.LLM_SUCCESS
         got: list[tuple[int, bytes]] = []
 
@@ -235,7 +205,7 @@ async def test_prometheus_exports_the_counters() -> None:
     pytest.importorskip("prometheus_client")
     from aiokv.metrics import Collector
 
-    async with linked("local") as (p, d):
+    async with linked_pair(config("local")) as (p, d):
         await d.send_notification(1, b"a")
         await d.send_notification(1, b"b")
         samples = {
@@ -257,7 +227,7 @@ def test_under_trio() -> None:
             LLMDataDist(LLMRole.PROMPT, 1, config("tcp")) as p,
             LLMDataDist(LLMRole.DECODER, 2, config("tcp")) as d,
         ):
-            code, _ = await d.link_clusters([info(1, p.listen_address)])
+            code, _ = await d.link_clusters([cluster_info(1, p.listen_address)])
             assert code == CODE.LLM_SUCCESS
             got: list[tuple[int, bytes]] = []
             async with anyio.create_task_group() as tg:

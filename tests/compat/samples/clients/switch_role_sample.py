@@ -39,17 +39,17 @@ import os
 import torch
 import torch.distributed as dist
 
-from aiokv import (  # port: was `from llm_datadist import (`
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
+from aiokv import (
+    BlocksCacheKey,  # port: was `from llm_datadist import (`
+    Cache,  # port: was `from llm_datadist import (`
+    CacheDesc,  # port: was `from llm_datadist import (`
+    DataType,  # port: was `from llm_datadist import (`
+    LLMClusterInfo,  # port: was `from llm_datadist import (`
+    LLMConfig,  # port: was `from llm_datadist import (`
+    LLMDataDist,  # port: was `from llm_datadist import (`
+    LLMRole,  # port: was `from llm_datadist import (`
+    LLMStatusCode,  # port: was `from llm_datadist import (`
+    Placement,  # port: was `from llm_datadist import (`
 )
 
 PROMPT, DECODER = 0, 1  # cluster ids, also the gloo ranks

@@ -4,20 +4,18 @@
 from __future__ import annotations
 
 import importlib
-import sys
 
 import pytest
+from _helpers import hide_nixl
 
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
+from aiokv.testing import requires_transport, skip_unless_transport
 from aiokv.transport import Grant, PeerInfo, get_transport
 
 
 def test_missing_nixl_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [m for m in sys.modules if m.startswith("aiokv.transport.nixl")]:
-        monkeypatch.delitem(sys.modules, name)
-    for name in ("nixl_cu12", "nixl_cu12._api", "nixl", "nixl._api"):
-        monkeypatch.setitem(sys.modules, name, None)  # None: "import fails"
+    hide_nixl(monkeypatch)
     with pytest.raises(LLMException) as info:
         get_transport("nixl")
     assert info.value.status_code == Code.LLM_FEATURE_NOT_ENABLED
@@ -25,19 +23,13 @@ def test_missing_nixl_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "torch==2.13.0" in str(info.value)
 
 
-try:
-    get_transport("nixl")
-    NIXL = None
-except LLMException as exc:
-    NIXL = str(exc)
-needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+needs_nixl = requires_transport("nixl")
 
 
 def test_descriptors_coalesce_and_pair() -> None:
     np = pytest.importorskip("numpy")
-    descs = importlib.import_module("aiokv.transport.nixl._descs") if NIXL is None else None
-    if descs is None:
-        pytest.skip(f"nixl: {NIXL}")
+    skip_unless_transport("nixl")
+    descs = importlib.import_module("aiokv.transport.nixl._descs")
     buf = bytearray(100)
     mv = memoryview(buf)
     base = descs.address_of(mv)

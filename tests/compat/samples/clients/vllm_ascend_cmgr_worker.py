@@ -52,13 +52,13 @@ import msgspec
 import torch
 
 import aiokv.sync as llm_datadist  # port: was `import llm_datadist`
-from aiokv.sync import (  # port: was `from llm_datadist import (`
-    BlocksCacheKey,
-    CacheDesc,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
+from aiokv.sync import (
+    BlocksCacheKey,  # port: was `from llm_datadist import (`
+    CacheDesc,  # port: was `from llm_datadist import (`
+    LLMConfig,  # port: was `from llm_datadist import (`
+    LLMDataDist,  # port: was `from llm_datadist import (`
+    LLMException,  # port: was `from llm_datadist import (`
+    LLMRole,  # port: was `from llm_datadist import (`
 )
 
 logging.basicConfig(format="%(asctime)s %(threadName)s %(message)s", level=logging.INFO)

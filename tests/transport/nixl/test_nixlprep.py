@@ -15,20 +15,14 @@ import pytest
 
 from aiokv import LLMException
 from aiokv._layout import ByteLayout, LayoutViews, address_of
-from aiokv.transport import get_transport
+from aiokv.testing import requires_transport, skip_unless_transport
 from aiokv.transport._base import flatten_views
 
-try:
-    get_transport("nixl")
-    NIXL = None
-except LLMException as exc:
-    NIXL = str(exc)
-needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+needs_nixl = requires_transport("nixl")
 
 
 def _descs():  # type: ignore[no-untyped-def]
-    if NIXL is not None:
-        pytest.skip(f"nixl: {NIXL}")
+    skip_unless_transport("nixl")
     return importlib.import_module("aiokv.transport.nixl._descs")
 
 

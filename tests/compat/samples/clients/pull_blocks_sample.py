@@ -40,16 +40,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from aiokv.sync import (  # port: was `from llm_datadist import (`
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    Placement,
-    RegisterMemStatus,
+from aiokv.sync import (
+    BlocksCacheKey,  # port: was `from llm_datadist import (`
+    Cache,  # port: was `from llm_datadist import (`
+    CacheDesc,  # port: was `from llm_datadist import (`
+    DataType,  # port: was `from llm_datadist import (`
+    LLMConfig,  # port: was `from llm_datadist import (`
+    LLMDataDist,  # port: was `from llm_datadist import (`
+    LLMRole,  # port: was `from llm_datadist import (`
+    Placement,  # port: was `from llm_datadist import (`
+    RegisterMemStatus,  # port: was `from llm_datadist import (`
 )
 
 PROMPT, DECODER = 1, 2  # cluster ids; gloo rank and rank-table rank are one less

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -23,29 +23,24 @@ from aiokv import (
     CacheDesc,
     CacheKey,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
-    LLMRole,
     LLMStatusCode,
     Placement,
 )
 from aiokv._copy import Stager
+from aiokv.testing import linked_pair, make_config, requires_transport
 from aiokv.transport import DeviceRuns, Grant, PeerInfo, get_transport
 from aiokv.transport._base import check_grant
 
 CODE = LLMStatusCode
 HAS_CUDA = torch.cuda.is_available()
 
-try:
-    get_transport("nixl")
-    NIXL = None
-except LLMException as exc:
-    NIXL = str(exc)
-needs_cuda_nixl = pytest.mark.skipif(
-    not HAS_CUDA or NIXL is not None, reason=f"needs CUDA and NIXL (nixl: {NIXL})"
-)
+
+def needs_cuda_nixl(test: Callable[..., Any]) -> Callable[..., Any]:
+    """Skip ``test`` without CUDA or without NIXL."""
+    return pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(requires_transport("nixl")(test))
 
 
 # ---------------------------------------------------------------- contract, anywhere
@@ -120,7 +115,7 @@ async def test_device_memory_never_travels_as_socket_payload(backend: str) -> No
         assert handler.direct == [None, None] and handler.done == [False, False]
 
 
-@pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+@requires_transport("nixl")
 def test_nixl_keeps_one_region_table_per_memory_kind() -> None:
     t = get_transport("nixl")(1, DeviceGranter())
     t.register_memory(1 << 40, 4096, device="cuda:1")
@@ -141,32 +136,15 @@ def test_nixl_keeps_one_region_table_per_memory_kind() -> None:
 
 
 def config(device: str, backend: str) -> LLMConfig:
-    return LLMConfig(
-        device_type=device,
-        enable_cache_manager=True,
-        listen_ip_info="127.0.0.1:0",
-        mem_pool_cfg='{"memory_size": 67108864, "page_shift": 16}',
-        host_mem_pool_cfg='{"memory_size": 67108864, "page_shift": 16}',
-        enable_remote_cache_accessible=True,
-        transfer_backend=backend,
-        sync_kv_timeout=20000,
-    )
+    pools = {"pool": 64 << 20, "host_pool": 64 << 20, "page_shift": 16}
+    return make_config(backend, device_type=device, sync_kv_timeout=20000, **pools)
 
 
 @contextlib.asynccontextmanager
 async def linked(
     backends: tuple[str, str] = ("nixl", "nixl"),
 ) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config("cuda", backends[0])) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config("cuda", backends[1])) as d,
-    ):
-        assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
-        code, _ = await d.link_clusters([info])
-        assert code == CODE.LLM_SUCCESS
+    async with linked_pair(config("cuda", backends[0]), config("cuda", backends[1])) as (p, d):
         yield p, d
         assert stager(p).in_use == 0 and stager(d).in_use == 0
 

@@ -12,17 +12,9 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
+from aiokv.testing import requires_transport
 
-from aiokv import LLMException
-from aiokv.transport import get_transport
-
-try:
-    get_transport("nixl")
-    NIXL = None
-except LLMException as exc:
-    NIXL = str(exc)
-needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+needs_nixl = requires_transport("nixl")
 
 _PROGRAM = textwrap.dedent(
     """

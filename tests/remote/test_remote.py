@@ -20,6 +20,7 @@ import numpy as np
 import peer_process
 import pytest
 import torch
+from _helpers import raises
 
 from aiokv import (
     BlocksCacheKey,
@@ -29,7 +30,6 @@ from aiokv import (
     CacheKeyByIdAndIndex,
     CacheManager,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -41,6 +41,8 @@ from aiokv import (
 )
 from aiokv._layout import ByteLayout, tensor_bytes
 from aiokv._remote import _protocol as protocol
+from aiokv.testing import cluster_info as info
+from aiokv.testing import linked_pair, make_config, skip_unless_transport
 from aiokv.transport import Grant, PeerInfo, get_transport, transport_names
 
 CODE = LLMStatusCode
@@ -51,41 +53,17 @@ UCX_OVER_TCP = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 
 
 def config(backend: str, **kw: Any) -> LLMConfig:
+    """``make_config`` over ``backend``; ``"nixl-tcp"`` is nixl (its UCX set by the test)."""
     if backend.startswith("nixl"):
-        try:
-            get_transport("nixl")
-        except LLMException as exc:
-            pytest.skip(f"nixl: {exc}")
+        skip_unless_transport("nixl")
         backend = "nixl"
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "mem_pool_cfg": '{"memory_size": 67108864, "page_shift": 12}',
-        "enable_remote_cache_accessible": True,
-        "transfer_backend": backend,
-        "sync_kv_timeout": 3000,
-    }
-    base.update(kw)
-    return LLMConfig(**base)
-
-
-def info(cluster_id: int, address: tuple[str, int] | None) -> LLMClusterInfo:
-    assert address is not None
-    return LLMClusterInfo(
-        remote_cluster_id=cluster_id, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[address]
-    )
+    return make_config(backend, **({"sync_kv_timeout": 3000} | kw))
 
 
 @pytest.fixture(params=BACKENDS)
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
     """A prompt (cluster 1) and a decoder (cluster 2), D linked to P."""
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(request.param)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(request.param)) as d,
-    ):
-        code, codes = await d.link_clusters([info(1, p.listen_address)])
-        assert code == CODE.LLM_SUCCESS and codes == [CODE.LLM_SUCCESS]
+    async with linked_pair(config(request.param)) as (p, d):
         yield p, d
 
 
@@ -114,25 +92,11 @@ async def settled(d: LLMDataDist, cluster_id: int = 1) -> None:
     await raises(CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_blocks(missing, probe, [0], [0]))
 
 
-@contextlib.asynccontextmanager
-async def linked(
+def linked(
     backend: str, p_cfg: dict[str, Any] | None = None, d_cfg: dict[str, Any] | None = None
-) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+) -> contextlib.AbstractAsyncContextManager[tuple[LLMDataDist, LLMDataDist]]:
     """Like the ``pair`` fixture, with extra configuration for either side."""
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(backend, **(p_cfg or {}))) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(backend, **(d_cfg or {}))) as d,
-    ):
-        code, _ = await d.link_clusters([info(1, p.listen_address)])
-        assert code == CODE.LLM_SUCCESS
-        yield p, d
-
-
-async def raises(code: LLMStatusCode, coro: Any) -> LLMException:
-    with pytest.raises(LLMException) as ei:
-        await coro
-    assert ei.value.status_code == code, ei.value
-    return ei.value
+    return linked_pair(config(backend, **(p_cfg or {})), config(backend, **(d_cfg or {})))
 
 
 # ---- links ------------------------------------------------------------------------------------

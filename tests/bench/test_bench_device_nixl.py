@@ -5,28 +5,17 @@ themselves need a GPU: docs/benchmarks.md, "Device caches over NIXL vs raw NIXL"
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
+from _helpers import hide_nixl
 from typer.testing import CliRunner
 
 from aiokv._bench._harness import run_loop, scattered
 from aiokv._bench.nixl import SETTINGS, RawNixl
-from aiokv._errors import LLMException
 from aiokv.cli import app
-from aiokv.transport import get_transport
+from aiokv.testing import requires_transport
 
-
-def _nixl_missing() -> str | None:
-    try:
-        get_transport("nixl")
-    except LLMException as exc:
-        return str(exc)
-    return None
-
-
-needs_nixl = pytest.mark.skipif(_nixl_missing() is not None, reason="NIXL is not installed")
+needs_nixl = requires_transport("nixl")
 
 
 def test_the_backend_option_takes_tcp_or_nixl_only() -> None:
@@ -51,10 +40,7 @@ def test_without_cuda_the_nixl_mode_fails_as_the_tcp_mode_does() -> None:
 
 
 def test_without_nixl_the_nixl_mode_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in [m for m in sys.modules if m.startswith("aiokv.transport.nixl")]:
-        monkeypatch.delitem(sys.modules, name)
-    for name in ("nixl_cu12", "nixl_cu12._api", "nixl", "nixl._api"):
-        monkeypatch.setitem(sys.modules, name, None)  # None: "import fails"
+    hide_nixl(monkeypatch)
     result = CliRunner().invoke(app, ["bench", "device", "--backend", "nixl"])
     assert result.exit_code == 1
     assert "pip install 'aiokv[nixl]'" in result.output

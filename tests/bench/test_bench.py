@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from functools import partial
 from typing import Any
 
 import pytest
+from _helpers import hide_nixl
 from rich.console import Console
 from typer.testing import CliRunner
 
 from aiokv import CacheManager, LLMDataDist
 from aiokv._bench import _harness, layerwise, transfer
 from aiokv._bench._harness import PromptPeer, Report, interleave, run_loop, run_remote, scattered
-from aiokv._errors import LLMException
 from aiokv.cli import app
-from aiokv.transport import get_transport
+from aiokv.testing import requires_transport
 
 TINY = ((64, 256), (8, 4096))  # (blocks, block bytes): the benchmark's shapes, scaled down
 
@@ -120,19 +119,11 @@ def _silent(conn: Any) -> None:
     conn.recv()  # until the parent's ("stop",)
 
 
-def _nixl_missing() -> str | None:
-    try:
-        get_transport("nixl")
-    except LLMException as exc:
-        return str(exc)
-    return None
-
-
 async def _skipped(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-@pytest.mark.skipif(_nixl_missing() is not None, reason="NIXL is not installed")
+@requires_transport("nixl")
 def test_cli_bench_transfer_nixl_times_every_path_on_checked_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -164,10 +155,7 @@ def test_cli_bench_transfer_nixl_times_every_path_on_checked_bytes(
 def test_cli_bench_transfer_nixl_without_nixl_names_the_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for name in [m for m in sys.modules if m.startswith("aiokv.transport.nixl")]:
-        monkeypatch.delitem(sys.modules, name)
-    for name in ("nixl_cu12", "nixl_cu12._api", "nixl", "nixl._api"):
-        monkeypatch.setitem(sys.modules, name, None)  # None: "import fails"
+    hide_nixl(monkeypatch)
     result = CliRunner().invoke(app, ["bench", "transfer", "--backend", "nixl"])
     assert result.exit_code == 1
     assert "pip install 'aiokv[nixl]'" in result.output

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from _helpers import until
 
 from aiokv import (
     BlocksCacheKey,
@@ -34,16 +35,12 @@ from aiokv import (
 )
 from aiokv._remote import _protocol as protocol
 from aiokv._remote._leases import Held, decode_reply, encode_reply, reply_size
+from aiokv.testing import cluster_info, linked_pair, make_config, requires_transport
 from aiokv.transport import Grant, PeerInfo, get_transport
 
 CODE = LLMStatusCode
 
-try:
-    get_transport("nixl")
-    NIXL = None
-except LLMException as exc:
-    NIXL = str(exc)
-needs_nixl = pytest.mark.skipif(NIXL is not None, reason=f"nixl: {NIXL}")
+needs_nixl = requires_transport("nixl")
 
 
 # ------------------------------------------------------------------------- the reply
@@ -113,13 +110,13 @@ async def test_a_revocation_that_overtakes_its_lease_voids_it() -> None:
         return encode_reply(7, 8, "cpu", False, [1 << 20])
 
     leases.want(link, key, ask(True), 1)
-    await until(lambda: not leases._tasks, "the request ended")  # type: ignore[attr-defined]
+    await until(lambda: not leases._tasks)  # type: ignore[attr-defined]
     assert leases.held(link, key) is None and leases.holding() == 0
     leases.want(link, key, ask(False), 1)  # refused just now: not asked again yet
     assert not leases._tasks  # type: ignore[attr-defined]
     leases._asked.clear()  # type: ignore[attr-defined]  # as after RETRY_S
     leases.want(link, key, ask(False), 1)
-    await until(lambda: leases.holding() == 1, "adopted")
+    await until(lambda: leases.holding() == 1)
     held = leases.held(link, key)
     assert held is not None and held.lease == 7
     await leases.release(link.peer, 7)
@@ -130,16 +127,7 @@ async def test_a_revocation_that_overtakes_its_lease_voids_it() -> None:
 
 
 def config(**kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "mem_pool_cfg": '{"memory_size": 16777216, "page_shift": 16}',
-        "enable_remote_cache_accessible": True,
-        "transfer_backend": "nixl",
-        "sync_kv_timeout": 10000,
-    }
-    return LLMConfig(**(base | kw))
+    return make_config("nixl", pool=16 << 20, page_shift=16, **({"sync_kv_timeout": 10000} | kw))
 
 
 def desc(blocks: int = 32) -> CacheDesc:
@@ -158,14 +146,6 @@ def same_blocks(a: Cache, a_blocks: list[int], b: Cache, b_blocks: list[int]) ->
     )
 
 
-async def until(cond: Callable[[], bool], what: str, seconds: float = 5.0) -> None:
-    end = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {seconds} s: {what}")
-        await asyncio.sleep(0.005)
-
-
 def lent(p: LLMDataDist) -> int:
     return p.cache_manager.statistics().leases
 
@@ -182,33 +162,32 @@ def moved_bytes(d: LLMDataDist) -> int:
     return int(d._transport.moved_bytes)  # type: ignore[attr-defined]
 
 
-@contextlib.asynccontextmanager
-async def linked(
+def linked(
     decoder: dict[str, Any] | None = None, **p_cfg: Any
-) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
+) -> contextlib.AbstractAsyncContextManager[tuple[LLMDataDist, LLMDataDist]]:
     """A prompt (options ``p_cfg``) and a decoder (options ``decoder``) linked."""
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config(**p_cfg)) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config(**(decoder or {}))) as d,
-    ):
-        assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
-        code, _ = await d.link_clusters([info])
-        assert code == CODE.LLM_SUCCESS
-        yield p, d
+    return linked_pair(config(**p_cfg), config(**(decoder or {})))
+
+
+@contextlib.asynccontextmanager
+async def keyed_caches(
+    **dst_desc: int,
+) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist, BlocksCacheKey, Cache, Cache]]:
+    """``linked()``, the prompt's cache under ``BlocksCacheKey(1, 0)`` and a cache of the
+    decoder's (``desc(**dst_desc)``): ``(p, d, key, src, dst)``."""
+    async with linked() as (p, d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc(**dst_desc))
+        yield p, d, key, src, dst
 
 
 @needs_nixl
 async def test_pulls_and_pushes_move_under_a_lease_with_todays_bytes() -> None:
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, src, dst):
         fill(src, 1)
         await d.cache_manager.pull_blocks(key, dst, [5, 2], [0, 9])  # by request; asks for a lease
-        await until(lambda: lent(p) == 1 and holding(d) == 1, "a lease is lent and held")
+        await until(lambda: lent(p) == 1 and holding(d) == 1)
         asked = served(p)
         for seed, srcs, dsts in ((2, [7, 1, 30], [3, 4, 5]), (3, [31], [31]), (4, [0, 1], [1, 0])):
             fill(src, seed)  # the lease lends memory, not a copy: each pull sees today's bytes
@@ -220,7 +199,7 @@ async def test_pulls_and_pushes_move_under_a_lease_with_todays_bytes() -> None:
         # pushes get a lease of their own (a push needs what remote access allows)
         fill(dst, 5)
         await d.cache_manager.push_blocks(key, dst, [1, 2], [10, 11])
-        await until(lambda: lent(p) == 2 and holding(d) == 2, "a second lease, for writes")
+        await until(lambda: lent(p) == 2 and holding(d) == 2)
         asked = served(p)
         fill(dst, 6)
         await d.cache_manager.push_blocks(key, dst, [3, 4, 8], [12, 20, 13])
@@ -229,7 +208,7 @@ async def test_pulls_and_pushes_move_under_a_lease_with_todays_bytes() -> None:
         # another selection of tensors (one layer): a lease of its own, on those tensors
         one = {"src_layer_range": range(1, 2), "dst_layer_range": range(1, 2)}
         await d.cache_manager.pull_blocks(key, dst, [6], [6], **one)
-        await until(lambda: lent(p) == 3 and holding(d) == 3, "a lease on one layer")
+        await until(lambda: lent(p) == 3 and holding(d) == 3)
         fill(src, 7)
         asked = served(p)
         await d.cache_manager.pull_blocks(key, dst, [6, 8], [6, 8], **one)
@@ -240,13 +219,10 @@ async def test_pulls_and_pushes_move_under_a_lease_with_todays_bytes() -> None:
 
 @needs_nixl
 async def test_deallocate_takes_the_lease_back_before_it_returns() -> None:
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, src, dst):
         fill(src, 1)
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
-        await until(lambda: holding(d) == 1, "a lease")
+        await until(lambda: holding(d) == 1)
         await p.cache_manager.deallocate_blocks_cache(src)
         stats = p.cache_manager.statistics()
         assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)  # memory back in the pool
@@ -263,13 +239,10 @@ async def test_deallocate_takes_the_lease_back_before_it_returns() -> None:
 
 @needs_nixl
 async def test_what_a_lease_does_not_cover_gets_the_peers_error() -> None:
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc(blocks=64))
+    async with keyed_caches(blocks=64) as (p, d, key, src, dst):
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
         await d.cache_manager.push_blocks(key, dst, [1], [1])
-        await until(lambda: holding(d) == 2, "both leases")
+        await until(lambda: holding(d) == 2)
         before = snapshot = [t.clone() for t in src.tensors]
         asked = served(p)
         with pytest.raises(LLMException) as ei:
@@ -288,12 +261,9 @@ async def test_a_lease_nixl_refuses_is_dropped_and_the_transfer_goes_by_request(
     """A lease naming memory NIXL does not know (here: forged on the holder's side, as a
     lying granter could) moves nothing: the transfer goes by request, with the right
     bytes, and the holder stops using that lease."""
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, src, dst):
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
-        await until(lambda: holding(d) == 1, "a lease")
+        await until(lambda: holding(d) == 1)
         leases = d.cache_manager._client.leases  # type: ignore[attr-defined]
         (held,) = [h for m in leases._held.values() for h in m.values()]
         held.bases = np.full_like(held.bases, 1 << 12)  # no memory the granter registered
@@ -302,23 +272,18 @@ async def test_a_lease_nixl_refuses_is_dropped_and_the_transfer_goes_by_request(
         await d.cache_manager.pull_blocks(key, dst, [2, 3], [2, 3])
         assert same_blocks(src, [2, 3], dst, [2, 3])
         assert served(p) > asked and held.dead  # by request; the forged lease is dropped
-        await until(lambda: holding(d) == 1 and lent(p) == 2, "a new lease")
+        await until(lambda: holding(d) == 1 and lent(p) == 2)
 
 
 @needs_nixl
 async def test_a_lost_link_ends_the_leases_on_both_sides() -> None:
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, src, dst):
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
-        await until(lambda: lent(p) == 1 and holding(d) == 1, "a lease")
+        await until(lambda: lent(p) == 1 and holding(d) == 1)
         assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
+        info = cluster_info(1, p.listen_address)
         await d.unlink_clusters([info])
-        await until(lambda: lent(p) == 0, "the granter unpins")
+        await until(lambda: lent(p) == 0)
         assert holding(d) == 0
         t0 = time.monotonic()
         await p.cache_manager.deallocate_blocks_cache(src)  # nothing to take back
@@ -354,7 +319,7 @@ async def test_leases_are_only_lent_where_a_transfer_would_be() -> None:
         async with get_transport("nixl")(3, _Silent()) as raw:
             assert p.listen_address is not None
             link = await raw.connect(*p.listen_address, timeout=5)
-            await until(lambda: link.one_sided, "the peer's NIXL metadata")
+            await until(lambda: link.one_sided)
             for req, code in cases:
                 with pytest.raises(LLMException) as ei:
                     await link.read(
@@ -403,20 +368,25 @@ class _Silent:
         raise AssertionError
 
 
+async def _leased_by_hand(raw: Any, p: LLMDataDist, src: Cache) -> tuple[Any, bytearray]:
+    """``raw`` (a bare NIXL transport) links to ``p`` and asks for a lease on ``src`` (4
+    tensors, keyed ``BlocksCacheKey(1, 0)``); the link and the reply's bytes."""
+    assert p.listen_address is not None
+    link = await raw.connect(*p.listen_address, timeout=5)
+    await until(lambda: link.one_sided)
+    req = protocol.LeaseReq(protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes)
+    buf = bytearray(reply_size(4))
+    await link.read(protocol.encode(req), [memoryview(buf)], timeout=5)
+    return link, buf
+
+
 @needs_nixl
 async def test_a_holder_that_keeps_the_lease_loses_its_link() -> None:
     async with LLMDataDist(LLMRole.PROMPT, 1, config(sync_kv_timeout=1000)) as p:
         src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
         fill(src, 3)
         async with get_transport("nixl")(3, _Silent()) as raw:
-            assert p.listen_address is not None
-            link = await raw.connect(*p.listen_address, timeout=5)
-            await until(lambda: link.one_sided, "the peer's NIXL metadata")
-            req = protocol.LeaseReq(
-                protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes
-            )
-            buf = bytearray(reply_size(4))
-            await link.read(protocol.encode(req), [memoryview(buf)], timeout=5)
+            link, buf = await _leased_by_hand(raw, p, src)
             got = decode_reply(buf, 4)
             assert got is not None and got[1] == 32 and got[2] == "cpu"
             assert got[4].tolist() == src.tensor_addrs and p.cache_manager.statistics().leases == 1
@@ -424,12 +394,13 @@ async def test_a_holder_that_keeps_the_lease_loses_its_link() -> None:
             await p.cache_manager.deallocate_blocks_cache(src)  # the revocation goes unanswered
             waited = time.monotonic() - t0
             assert 0.9 < waited < 3.0  # the revoke timeout: sync_kv_timeout, at least 0.5 s
-            await until(lambda: link.broken, "the link is dropped")
+            await until(lambda: link.broken)
             stats = p.cache_manager.statistics()
             assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or NIXL is not None, reason="needs CUDA and NIXL")
+@needs_nixl
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_a_device_cache_moves_under_a_lease_of_host_memory_in_stream_order() -> None:
     """The holder's cache on ``cuda:0`` (VRAM), the owner's in host memory: a lease, and
     each transfer waits for the work queued on the holder's stream first (no
@@ -443,7 +414,7 @@ async def test_a_device_cache_moves_under_a_lease_of_host_memory_in_stream_order
         fill(src, 1)
         await d.cache_manager.pull_blocks(key, dst, [3, 9], [4, 5])
         await d.cache_manager.push_blocks(key, dst, [4], [20])
-        await until(lambda: lent(p) == 2 and holding(d) == 2, "a read and a write lease")
+        await until(lambda: lent(p) == 2 and holding(d) == 2)
         asked = served(p)
         fill(src, 2)
         await d.cache_manager.pull_blocks(key, dst, [7, 1, 30], [0, 1, 2])
@@ -476,7 +447,7 @@ async def _lease_both_ways(p: LLMDataDist, d: LLMDataDist, key: BlocksCacheKey, 
     """The decoder pulls and pushes by ``key`` until it holds a read and a write lease."""
     await d.cache_manager.pull_blocks(key, dst, [1], [1])
     await d.cache_manager.push_blocks(key, dst, [2], [2])
-    await until(lambda: lent(p) == 2 and holding(d) == 2, "a read and a write lease")
+    await until(lambda: lent(p) == 2 and holding(d) == 2)
 
 
 @needs_nixl
@@ -486,10 +457,7 @@ async def test_a_key_bound_to_another_cache_ends_the_leases_on_the_old_one(how: 
     (a read and a write lease); the prompt binds the key to cache B while A stays
     allocated. The decoder's next pull reads B and its next push lands in B: A is
     untouched."""
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        a = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, a, dst):
         fill(a, 1)
         await _lease_both_ways(p, d, key, dst)
         if how == "allocate":
@@ -508,7 +476,7 @@ async def test_a_key_bound_to_another_cache_ends_the_leases_on_the_old_one(how: 
         assert same_blocks(dst, [5, 6], b, [7, 8])
         assert all(torch.equal(x, y) for x, y in zip(a.tensors, a_before, strict=True))
         # and again once leases on B are held (they name B)
-        await until(lambda: lent(p) >= 1, "a lease on the new cache", seconds=15)
+        await until(lambda: lent(p) >= 1, seconds=15)  # a lease on the new cache
         fill(b, 4)
         await d.cache_manager.pull_blocks(key, dst, [9], [9])
         assert same_blocks(b, [9], dst, [9])
@@ -527,19 +495,13 @@ async def test_a_cancelled_deallocate_still_takes_the_lease_back() -> None:
     async with LLMDataDist(LLMRole.PROMPT, 1, config(sync_kv_timeout=1000)) as p:
         src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
         async with get_transport("nixl")(3, _Silent()) as raw:
-            assert p.listen_address is not None
-            link = await raw.connect(*p.listen_address, timeout=5)
-            await until(lambda: link.one_sided, "the peer's NIXL metadata")
-            req = protocol.LeaseReq(
-                protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes
-            )
-            await link.read(protocol.encode(req), [memoryview(bytearray(reply_size(4)))], timeout=5)
+            link, _ = await _leased_by_hand(raw, p, src)
             assert lent(p) == 1
             task = asyncio.create_task(p.cache_manager.deallocate_blocks_cache(src))
             await asyncio.sleep(0.1)
             task.cancel()
             await task  # completed (the revocation ran to its end): no CancelledError
-            await until(lambda: link.broken, "the holder that never answered lost its link")
+            await until(lambda: link.broken)
             stats = p.cache_manager.statistics()
             assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
 
@@ -552,10 +514,7 @@ async def test_unlink_ends_the_leases_on_the_link_before_it_returns(side: str) -
     takes its leases back from the holder; the holder stops using its leases), so no
     one-sided transfer under them crosses afterwards, whatever the other side then does
     with that memory."""
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, src, dst):
         await _lease_both_ways(p, d, key, dst)
         if side == "granter":
             assert d.listen_address is not None
@@ -578,7 +537,7 @@ async def test_unlink_ends_the_leases_on_the_link_before_it_returns(side: str) -
             )
             assert (await d.unlink_clusters([peer]))[0] == CODE.LLM_SUCCESS
             assert holding(d) == 0
-            await until(lambda: lent(p) == 0, "the granter sees the link end")
+            await until(lambda: lent(p) == 0)
         await p.cache_manager.deallocate_blocks_cache(src)
         assert p.cache_manager.statistics().caches == 0
 
@@ -589,10 +548,7 @@ async def test_pulls_during_a_key_move_see_the_old_cache_then_only_the_new_one()
     taken back) while the prompt binds the key to another cache: the pulls read the old
     cache, then the new one, never the old one again, and every pull that starts after
     the call returned reads the new one."""
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        a = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, a, dst):
         await _lease_both_ways(p, d, key, dst)
         for t in a.tensors:
             t.fill_(1.0)
@@ -607,12 +563,12 @@ async def test_pulls_during_a_key_move_see_the_old_cache_then_only_the_new_one()
                 seen.append((float(dst.tensors[0][4].float().mean()), after))
 
         task = asyncio.create_task(puller())
-        await until(lambda: len(seen) >= 5, "pulls under the lease")
+        await until(lambda: len(seen) >= 5)
         memory = [torch.full((32, 4, 64), 2.0, dtype=torch.float16) for _ in range(4)]
         b = await p.cache_manager.register_blocks_cache(desc(), memory, key)
         moved = True
         n = len(seen)
-        await until(lambda: len(seen) >= n + 10, "pulls after the move")
+        await until(lambda: len(seen) >= n + 10)
         stop.set()
         await task
         values = [v for v, _ in seen]
@@ -630,10 +586,7 @@ async def test_a_deallocate_cancelled_before_its_revocation_started_still_revoke
     """The cancellation reaches the engine before the revocation's task ran (the engine
     is busy): the cache was released already, so its leases are still taken back and
     the call returns; nothing stays lent."""
-    async with linked() as (p, d):
-        key = BlocksCacheKey(1, 0)
-        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        dst = await d.cache_manager.allocate_blocks_cache(desc())
+    async with keyed_caches() as (p, d, key, src, dst):
         await _lease_both_ways(p, d, key, dst)
         p._engine.loop.call_soon_threadsafe(time.sleep, 0.3)  # type: ignore[union-attr]
         task = asyncio.create_task(p.cache_manager.deallocate_blocks_cache(src))

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_python
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -39,15 +39,7 @@ PROGRAMS = {
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    return run_python(*args, env=ENV, timeout=180)
 
 
 def test_every_program_is_listed() -> None:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_python
 
 import aiokv
 import aiokv._sync_gen
@@ -21,7 +22,7 @@ import aiokv.sync
 import aiokv.transport
 from aiokv import _config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 
@@ -39,14 +40,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("mkdocstrings_handlers.python")
     site = tmp_path_factory.mktemp("docs") / "site"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    proc = run_python(
+        "-m", "mkdocs", "build", "--strict", "--site-dir", str(site), env=env, timeout=300
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return site

@@ -1,25 +1,25 @@
-"""The decoder pushes blocks into the prompt's blocks cache, on ``aiokv.sync``.
+"""Layer-wise ``transfer_cache_async`` from prompt to decoder, on ``aiokv.sync``.
 
-Re-expresses llm_datadist's official sample ``push_blocks_sample.py`` (repository
-hicann/hixl, ``examples/python/llm_datadist/push_blocks_sample.py``) as a clean-room
-rewrite: none of its text is copied, but every llm_datadist call is kept with the same
-arguments, in the same order and under the same conditions:
+Re-expresses llm_datadist's official sample ``transfer_cache_async_sample.py``
+(repository hicann/hixl, ``examples/python/llm_datadist/transfer_cache_async_sample.py``)
+as a clean-room rewrite: none of its text is copied, but every llm_datadist call is
+kept with the same arguments, in the same order and under the same conditions:
 
 * both: ``LLMDataDist(role, cluster_id)``; ``LLMConfig()`` with ``device_id``,
-  ``local_comm_res = ""`` (which turns on the cache manager and remote access),
   ``transfer_backend`` (only for ``--transfer_backend hixl``), ``listen_ip_info``,
-  ``local_comm_res`` again when given; ``generate_options()``; ``init``; then
-  ``register_blocks_cache`` of two 3-block tensors under ``BlocksCacheKey(own cluster, 0)``
-  (prompt: ones, decoder: zeros);
-* decoder: ``link_clusters`` to the prompt, ``push_blocks`` of its blocks 0 and 1 into
-  the prompt's blocks 0 and 2;
+  ``enable_cache_manager``, ``enable_remote_cache_accessible``, ``local_comm_res`` (only
+  when given); ``generate_options()``; ``init``; then ``register_blocks_cache`` of two
+  3-block tensors under ``BlocksCacheKey(own cluster, 0)``;
+* prompt: ``link_clusters`` to the decoder, ``transfer_cache_async`` of layer 0 into the
+  decoder's blocks cache with a synchronizer that always answers ``True``,
+  ``get_results()``;
 * both: forced ``unlink_clusters``, ``unregister_cache``, ``finalize``; the two
   processes meet at gloo ``dist.barrier()`` where the sample does.
 
 Mechanical changes, each marked ``# port:``: the import; CPU tensors instead of
 ``.npu()`` (no ``torch.npu.set_device``); the ports (gloo's ``MASTER_PORT`` and both
 listeners) handed in by the test harness instead of 29500/26000/26001; an assert on the
-bytes the prompt received, where the sample only logs them.
+bytes the decoder received, where the sample only logs them.
 """
 
 import argparse
@@ -30,28 +30,37 @@ import os
 import torch
 import torch.distributed as dist
 
-from aiokv.sync import (  # port: was `from llm_datadist import (`
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
+from aiokv.sync import (
+    BlocksCacheKey,  # port: was `from llm_datadist import (`
+    Cache,  # port: was `from llm_datadist import (`
+    CacheDesc,  # port: was `from llm_datadist import (`
+    DataType,  # port: was `from llm_datadist import (`
+    LayerSynchronizer,  # port: was `from llm_datadist import (`
+    LLMClusterInfo,  # port: was `from llm_datadist import (`
+    LLMConfig,  # port: was `from llm_datadist import (`
+    LLMDataDist,  # port: was `from llm_datadist import (`
+    LLMRole,  # port: was `from llm_datadist import (`
+    LLMStatusCode,  # port: was `from llm_datadist import (`
+    Placement,  # port: was `from llm_datadist import (`
+    TransferWithCacheKeyConfig,  # port: was `from llm_datadist import (`
 )
 
 PROMPT, DECODER = 0, 1  # cluster ids, also the gloo ranks
 BLOCKS, WIDTH = 3, 10  # each registered tensor: BLOCKS blocks of WIDTH floats
 GLOO_PORT = os.environ["PORTS_MASTER_PORT"]  # port: harness port, was 29500
 LISTEN_PORT = {
-    PROMPT: int(os.environ["PORTS_PROMPT_PORT"]),  # port: harness port, was 26000
-    DECODER: int(os.environ["PORTS_DECODER_PORT"]),  # port: harness port, was 26001
+    PROMPT: int(os.environ["PORTS_PROMPT_PORT"]),  # port: harness port, was 26001
+    DECODER: int(os.environ["PORTS_DECODER_PORT"]),  # port: harness port, was 26000
 }
 
-log = logging.getLogger("push_blocks")
+log = logging.getLogger("transfer_cache_async")
+
+
+class AlwaysReady(LayerSynchronizer):
+    """Every layer is complete at once (there is no model producing it here)."""
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
 
 
 def join_group(rank: int, args: argparse.Namespace) -> None:
@@ -67,12 +76,13 @@ def start(role: LLMRole, me: int, args: argparse.Namespace) -> LLMDataDist:
     datadist = LLMDataDist(role, me)
     config = LLMConfig()
     config.device_id = args.device_id
-    config.local_comm_res = ""
     if args.transfer_backend == "hixl":
         config.transfer_backend = "hixl"
     elif args.transfer_backend:
         raise RuntimeError(f"transfer backend {args.transfer_backend!r} is not supported")
     config.listen_ip_info = f"{args.local_host_ip}:{LISTEN_PORT[me]}"  # port: harness port
+    config.enable_cache_manager = True
+    config.enable_remote_cache_accessible = True
     if args.local_comm_res:
         config.local_comm_res = args.local_comm_res
     datadist.init(config.generate_options())
@@ -106,10 +116,19 @@ def prompt(datadist: LLMDataDist, args: argparse.Namespace) -> None:
     kv = [torch.full((BLOCKS, WIDTH), 1.0) for _ in range(2)]  # port: CPU, was .npu()
     cache = register(datadist, PROMPT, kv)
     dist.barrier()  # both registered
-    dist.barrier()  # the decoder has pushed
-    log.info("after the push: %s", kv)
-    for t in kv:  # port: check: blocks 0 and 2 now hold the decoder's zeros
-        assert torch.equal(t, torch.tensor([[0.0] * WIDTH, [1.0] * WIDTH, [0.0] * WIDTH])), t
+
+    peer_info = LLMClusterInfo()
+    peer_info.remote_cluster_id = DECODER
+    peer_info.append_local_ip_info(args.local_host_ip, LISTEN_PORT[PROMPT])  # port: harness
+    peer_info.append_remote_ip_info(args.remote_host_ip, LISTEN_PORT[DECODER])  # port: harness
+    code, _ = datadist.link_clusters([peer_info], 5000)
+    if code != LLMStatusCode.LLM_SUCCESS:
+        raise RuntimeError(f"link to the decoder failed: {code}")
+
+    target = TransferWithCacheKeyConfig(BlocksCacheKey(DECODER, 0), range(0, 1), range(0, 1))
+    task = datadist.cache_manager.transfer_cache_async(cache, AlwaysReady(), [target])
+    task.get_results()
+    dist.barrier()  # transfer done
 
     unlink_from(datadist, DECODER)
     datadist.cache_manager.unregister_cache(cache.cache_id)
@@ -120,19 +139,10 @@ def decoder(datadist: LLMDataDist, args: argparse.Namespace) -> None:
     kv = [torch.full((BLOCKS, WIDTH), 0.0) for _ in range(2)]  # port: CPU, was .npu()
     cache = register(datadist, DECODER, kv)
     dist.barrier()  # both registered
-
-    peer_info = LLMClusterInfo()
-    peer_info.remote_cluster_id = PROMPT
-    peer_info.append_local_ip_info(args.local_host_ip, LISTEN_PORT[DECODER])  # port: harness
-    peer_info.append_remote_ip_info(args.remote_host_ip, LISTEN_PORT[PROMPT])  # port: harness
-    code, _ = datadist.link_clusters([peer_info], 5000)
-    if code != LLMStatusCode.LLM_SUCCESS:
-        raise RuntimeError(f"link to the prompt failed: {code}")
-
-    datadist.cache_manager.push_blocks(
-        BlocksCacheKey(PROMPT, 0), cache, src_blocks=[0, 1], dst_blocks=[0, 2]
-    )
-    dist.barrier()  # the decoder has pushed
+    dist.barrier()  # transfer done
+    log.info("received: %s", kv)
+    for t in kv:  # port: check
+        assert torch.equal(t, torch.ones(BLOCKS, WIDTH)), t
 
     unlink_from(datadist, PROMPT)
     datadist.cache_manager.unregister_cache(cache.cache_id)

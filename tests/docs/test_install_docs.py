@@ -9,7 +9,7 @@ from pathlib import Path
 
 import aiokv
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _install_section() -> str:

@@ -12,16 +12,8 @@ from typing import Any
 
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    Placement,
-)
+from aiokv import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMDataDist, LLMRole, Placement
+from aiokv.testing import make_config
 
 LAYERS = 4
 SHAPE = [64, 16, 2, 32]  # [num_blocks, block_size, kv_heads, head_dim]
@@ -35,16 +27,7 @@ def expected(model_id: int, tensor: int, shape: list[int] = SHAPE) -> torch.Tens
 
 
 async def _serve(conn: Connection, cluster_id: int, secret: str | None, backend: str) -> None:
-    cfg = LLMConfig(
-        device_type="cpu",
-        enable_cache_manager=True,
-        listen_ip_info="127.0.0.1:0",
-        mem_pool_cfg='{"memory_size": 33554432, "page_shift": 12}',
-        enable_remote_cache_accessible=True,
-        link_secret=secret,
-        sync_kv_timeout=5000,
-        transfer_backend=backend,
-    )
+    cfg = make_config(backend, pool=32 << 20, link_secret=secret)
     async with LLMDataDist(LLMRole.PROMPT, cluster_id, cfg) as dd:
         cm = dd.cache_manager
         keep: list[Any] = []

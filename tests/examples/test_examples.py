@@ -4,14 +4,12 @@ arrived. Each example checks its own bytes and exits non-zero when they differ."
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_python
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: example -> lines its output must contain (each a check the example made)
 EXAMPLES = {
@@ -40,16 +38,7 @@ def test_every_example_is_listed() -> None:
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_example_runs(name: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-m", f"aiokv.examples.{name}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        check=False,
-    )
+    proc = run_python("-m", f"aiokv.examples.{name}", timeout=90)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in EXAMPLES[name]:
         assert line in proc.stdout, proc.stdout + proc.stderr

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 import pytest
+from _helpers import free_port
 
 from aiokv import CacheDesc, DataType
 from aiokv._bench import remote
@@ -23,17 +24,11 @@ T = TypeVar("T")
 DESC = CacheDesc(1, [4, 256], DataType.DT_UINT8)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.asynccontextmanager
 async def listener(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[int]:
     """``serve_peer`` on a free loopback port with a 16 MiB pool; its port."""
     monkeypatch.setattr(remote, "POOL_BYTES", 16 << 20)
-    port = _free_port()
+    port = free_port()
     task = asyncio.create_task(remote.serve_peer("127.0.0.1", port, announce=False))
     deadline = time.monotonic() + 60
     while True:  # wait until it accepts (it builds a participant first)

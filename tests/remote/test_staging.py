@@ -27,7 +27,6 @@ from aiokv import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -43,6 +42,7 @@ from aiokv._remote import Transfer
 from aiokv._remote import _client as client_mod
 from aiokv._remote import _service as service_mod
 from aiokv._remote._protocol import BlocksReq, KeyByBlocks, SlotReq, Tensors, blocks_of, encode
+from aiokv.testing import cluster_info, make_config
 
 CODE = LLMStatusCode
 HAS_CUDA = torch.cuda.is_available()
@@ -61,18 +61,9 @@ def route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
 
 
 def config(route: str, backend: str, **kw: Any) -> LLMConfig:
-    base: dict[str, Any] = {
-        "device_type": "cuda" if route == "cuda" else "cpu",
-        "enable_cache_manager": True,
-        "listen_ip_info": "127.0.0.1:0",
-        "mem_pool_cfg": '{"memory_size": 67108864, "page_shift": 16}',
-        "host_mem_pool_cfg": '{"memory_size": 67108864, "page_shift": 16}',
-        "enable_remote_cache_accessible": True,
-        "transfer_backend": backend,
-        "sync_kv_timeout": 20000,
-    }
-    base.update(kw)
-    return LLMConfig(**base)
+    options = {"device_type": "cuda" if route == "cuda" else "cpu", "sync_kv_timeout": 20000}
+    pools = {"pool": 64 << 20, "host_pool": 64 << 20, "page_shift": 16}
+    return make_config(backend, **pools, **(options | kw))
 
 
 @contextlib.asynccontextmanager
@@ -82,9 +73,7 @@ async def linked(route: str, backend: str) -> AsyncIterator[tuple[LLMDataDist, L
         LLMDataDist(LLMRole.DECODER, 2, config(route, backend)) as d,
     ):
         assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, local_ip_info=[("127.0.0.1", 0)], remote_ip_info=[p.listen_address]
-        )
+        info = cluster_info(1, p.listen_address)
         code, _ = await d.link_clusters([info])
         assert code == CODE.LLM_SUCCESS
         yield p, d

@@ -1,0 +1,125 @@
+"""Helpers of this test suite that a user of aiokv would not need (those live in
+``aiokv.testing``): asserting an ``LLMException``'s code, waiting for what a peer does on
+its own thread, a raw-socket peer that asks and never reads, a fresh interpreter run from
+the repository root."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiokv import LLMException, LLMStatusCode
+from aiokv.transport import _wire as wire
+
+#: the repository root (this checkout)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+async def raises(code: LLMStatusCode, coro: Awaitable[Any]) -> LLMException:
+    """Await ``coro``; it must raise ``LLMException`` with ``code``, which is returned."""
+    with pytest.raises(LLMException) as ei:
+        await coro
+    assert ei.value.status_code == code, ei.value
+    return ei.value
+
+
+async def until(cond: Callable[[], bool], seconds: float = 5.0, step: float = 0.005) -> None:
+    """Wait (at most ``seconds``) for ``cond()``: something the peer's side or an engine
+    thread does on its own."""
+    deadline = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(step)
+
+
+def raw_link(port: int, cluster_id: int = 7) -> socket.socket:
+    """A blocking socket linked (the handshake by hand, no secret) as ``cluster_id`` to
+    the listener on 127.0.0.1 ``port``, with a 4 KiB receive buffer: a peer that can ask
+    for more than it will ever read."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(5)
+    s.connect(("127.0.0.1", port))
+
+    def recv_frame() -> wire.Header:
+        raw = b""
+        while len(raw) < wire.HEADER_SIZE:
+            raw += s.recv(wire.HEADER_SIZE - len(raw))
+        h = wire.decode_header(raw)
+        left = h.meta_len
+        while left:
+            left -= len(s.recv(left))
+        return h
+
+    hello = {"cluster_id": cluster_id, "nonce": "00" * 32}
+    s.sendall(wire.encode_frame(wire.FrameType.HELLO, meta=json.dumps(hello).encode()))
+    recv_frame()
+    s.sendall(wire.encode_frame(wire.FrameType.AUTH, meta=b'{"mac":null}'))
+    assert recv_frame().status == LLMStatusCode.LLM_SUCCESS
+    return s
+
+
+def run_python(
+    *args: str, timeout: float, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in a fresh interpreter (this one's executable) from the repository
+    root, its output captured as text, killed after ``timeout`` seconds; ``env`` defaults to
+    this environment with this checkout on ``PYTHONPATH``. The exit status is not checked."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=dict(env) if env is not None else {**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (free when asked)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def hide_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For the rest of the test, importing NIXL fails (as where it is not installed) and
+    aiokv's NIXL transport is imported afresh."""
+    for name in [m for m in sys.modules if m.startswith("aiokv.transport.nixl")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in ("nixl_cu12", "nixl_cu12._api", "nixl", "nixl._api"):
+        monkeypatch.setitem(sys.modules, name, None)  # None: "import fails"
+
+
+@contextlib.contextmanager
+def spawned(target: Callable[..., None], *args: Any) -> Iterator[tuple[Connection, Any]]:
+    """A fresh process (``spawn``) running ``target(conn, *args)``; yields the parent's end
+    of ``conn`` and the first thing the process sent (its port, say), which must come
+    within 60 s. On exit the process is told ``"stop"``, joined for 10 s, then killed."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(60), "peer process did not start"
+        yield parent, parent.recv()
+    finally:
+        with contextlib.suppress(OSError):
+            parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
