@@ -276,7 +276,6 @@ def test_options_defaults_and_overrides() -> None:
         ({"port": "80"}, "port"),
         ({"transfer_backend": "rdma"}, "transfer_backend"),
         ({"lease_timeout_s": 0}, "lease_timeout_s"),
-        ({"mode": "push"}, "push"),
         ({"mode": "teleport"}, "mode"),
         ({"host": "0.0.0.0"}, "advertise_host"),
     ],
