@@ -124,7 +124,7 @@ def test_each_layer_is_pushed_into_the_reserved_blocks(pair: Pair) -> None:
 
 
 def test_the_hold_waits_for_the_push_to_end(pair: Pair) -> None:
-    p, pkv, d, _ = pair
+    p, _, d, _ = pair
     d.step(StepPlan(reserves=(reserve(p, "d2", "T2", [1, 2]),)))
     reserved(p, "T2")
     push = Push("p2", "T2", (3, 4), 2 * BS)
