@@ -240,7 +240,7 @@ def test_plain_requests_are_left_alone() -> None:
         assert d.matched_tokens(params, 50, 0) == (0, False)
         d.after_alloc("x", params, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=0)
     plan = d.take_plan()
-    assert plan.loads == plan.releases == plan.holds == ()
+    assert (plan.loads, plan.releases, plan.holds) == ((), (), ())
 
 
 # ---- options -------------------------------------------------------------------------------

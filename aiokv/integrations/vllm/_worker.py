@@ -293,7 +293,15 @@ class WorkerSide:
         now = time.monotonic()
         for push in plan.pushes:  # layers save_layer did not push (normally none)
             job = self._job(push)
-            for layer in range(len(self._layers)):
+            late = [i for i in range(len(self._layers)) if i not in job.started]
+            if late:
+                log.warning(
+                    "request %s: layers %s were not named by save_kv_layer; pushed after "
+                    "the forward",
+                    push.request_id,
+                    late,
+                )
+            for layer in late:
                 self._push_layer_soon(job, layer)
         self._jobs.clear()
         with self._lock:
