@@ -45,9 +45,6 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
     name, module = CONNECTOR
     both = kv_config("kv_both", name, module, mode="push", lease_timeout_s=LEASE_S)
     started = start_engines({key: (model, {"kv_transfer_config": both}) for key in ("a", "b")})
-    # local requests first on b, freed in reverse order: its next blocks are not the ids
-    # (in the order) a uses first, so equal ids on both sides cannot pass for a transfer
-    started["b"].generate([Request(p, 1) for p in prompts([639, 639], seed=99)])
     try:
         yield started
     finally:
@@ -94,6 +91,13 @@ def push(
     return prefill.collect(), decode.collect()
 
 
+def shuffle_free_blocks(engine: EngineProcess) -> None:
+    """Local requests of 40 blocks on ``engine``, freed in reverse order: its next blocks
+    are not the ids (in the order) its partner uses first, so equal ids on both sides
+    cannot pass for a transfer."""
+    engine.generate([Request(p, 1) for p in prompts([639, 639], seed=99)])
+
+
 def all_freed(*engines: EngineProcess) -> None:
     for engine in engines:
         assert engine.start_blocks is not None
@@ -108,6 +112,7 @@ def test_push_gives_the_single_instance_tokens(
 ) -> None:
     pre, dec = engines["a"], engines["b"]
     batch = prompts(LENGTHS)
+    shuffle_free_blocks(dec)
     first, out = push(pre, dec, batch, batch, decode_first=decode_first)
     for p, o in zip(batch, first, strict=True):
         assert o.token_ids == baseline[tuple(p)][:1]
