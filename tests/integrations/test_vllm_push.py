@@ -106,11 +106,14 @@ def test_each_layer_is_pushed_into_the_reserved_blocks(pair: Pair) -> None:
     d.step(StepPlan(reserves=(reserve(p, "d1", "T1", dst, tokens=100),)))
     reserved(p, "T1")
     push = Push("p1", "T1", tuple(src), 100)
+    # the plan reaches start_load_kv, which may run before the forward: nothing moves
+    p.step(StepPlan(pushes=(push,)))
+    assert p._jobs == {}
     # vLLM computes layer by layer: each is pushed as save_kv_layer names it
     for i, name in enumerate(pkv):
         p.save_layer(name, (push,))
         assert p._jobs["p1"].started == set(range(i + 1))
-    p.step(StepPlan(pushes=(push,)))  # after the forward: nothing left to start
+    p.saved((push,))  # after the forward: nothing left to start
     done = wait_for(d, lambda a: "d1" in a.finished_recving)
     assert done.failed_recving == set()
     for name in pkv:
@@ -129,7 +132,8 @@ def test_the_hold_waits_for_the_push_to_end(pair: Pair) -> None:
     reserved(p, "T2")
     push = Push("p2", "T2", (3, 4), 2 * BS)
     p.save_layer("layer.0", (push,))  # one layer pushed during the forward ...
-    p.step(StepPlan(pushes=(push,), holds=(Hold("p2", "", 60.0, pushed=True),)))
+    p.saved((push,))
+    p.step(StepPlan(holds=(Hold("p2", "", 60.0, pushed=True),)))
     # ... the rest after it; the blocks stay held until every layer is in
     sent = wait_for(p, lambda a: "p2" in a.finished_sending)
     assert sent.finished_sending == {"p2"}
@@ -143,7 +147,8 @@ def test_a_prefix_hit_on_the_decode_side_gets_the_rest(pair: Pair) -> None:
     d.step(StepPlan(reserves=(reserve(p, "d3", "T3", [20, 21], first=1, tokens=90),)))
     reserved(p, "T3")
     push = Push("p3", "T3", (7, 8, 11), 90)
-    p.step(StepPlan(pushes=(push,), holds=(Hold("p3", "", 60.0, pushed=True),)))
+    p.saved((push,))
+    p.step(StepPlan(holds=(Hold("p3", "", 60.0, pushed=True),)))
     assert wait_for(d, lambda a: "d3" in a.finished_recving).failed_recving == set()
     for name in pkv:
         assert torch.equal(dkv[name][[20, 21]], pkv[name][[8, 11]])
@@ -154,7 +159,8 @@ def test_a_prompt_of_another_length_fails_and_releases(pair: Pair) -> None:
     d.step(StepPlan(reserves=(reserve(p, "d4", "T4", [1, 2], tokens=64),)))
     reserved(p, "T4")
     push = Push("p4", "T4", (3, 4), 60)  # the prefill computed 60 tokens, not 64
-    p.step(StepPlan(pushes=(push,), holds=(Hold("p4", "", 60.0, pushed=True),)))
+    p.saved((push,))
+    p.step(StepPlan(holds=(Hold("p4", "", 60.0, pushed=True),)))
     assert wait_for(d, lambda a: "d4" in a.finished_recving).failed_recving == {"d4"}
     wait_for(p, lambda a: "p4" in a.finished_sending)
 
@@ -164,7 +170,8 @@ def test_a_wrong_block_id_fails_the_load_and_releases(pair: Pair) -> None:
     d.step(StepPlan(reserves=(reserve(p, "d5", "T5", [1, BLOCKS + 7]),)))
     reserved(p, "T5")
     push = Push("p5", "T5", (3, 4), 2 * BS)
-    p.step(StepPlan(pushes=(push,), holds=(Hold("p5", "", 60.0, pushed=True),)))
+    p.saved((push,))
+    p.step(StepPlan(holds=(Hold("p5", "", 60.0, pushed=True),)))
     assert wait_for(d, lambda a: "d5" in a.finished_recving).failed_recving == {"d5"}
     wait_for(p, lambda a: "p5" in a.finished_sending)
 
@@ -181,7 +188,8 @@ def test_a_cancelled_prefill_fails_the_decode_at_once(pair: Pair) -> None:
 def test_a_push_without_reservation_releases_the_blocks(pair: Pair) -> None:
     p, _, _, _ = pair
     push = Push("p7", "nobody", (3,), BS)
-    p.step(StepPlan(pushes=(push,), holds=(Hold("p7", "", 60.0, pushed=True),)))
+    p.saved((push,))
+    p.step(StepPlan(holds=(Hold("p7", "", 60.0, pushed=True),)))
     wait_for(p, lambda a: "p7" in a.finished_sending)
 
 
@@ -191,7 +199,7 @@ def test_a_transfer_id_in_use_fails_the_second_decode(pair: Pair) -> None:
     reserved(p, "T8")
     d.step(StepPlan(reserves=(reserve(p, "d8b", "T8", [2]),)))
     assert d.results().failed_recving == {"d8b"}
-    p.step(StepPlan(pushes=(Push("p8", "T8", (4,), BS),)))
+    p.saved((Push("p8", "T8", (4,), BS),))
     assert wait_for(d, lambda a: "d8" in a.finished_recving).failed_recving == set()
 
 

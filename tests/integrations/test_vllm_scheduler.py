@@ -346,6 +346,18 @@ def test_push_prefill_waits_for_every_rank_to_have_its_reservation() -> None:
     assert s.take_plan().holds == (Hold("p1", "", 30.0, pushed=True),)
 
 
+def test_push_prefill_preempted_and_scheduled_again_still_pushes() -> None:
+    s = push_side()
+    params = {"do_remote_decode": True, "transfer_id": "T"}
+    s.arrived("p1", params)
+    s.reserved({"T": 1})
+    s.after_alloc("p1", params, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=0)
+    s.after_alloc("p1", params, cached_blocks=0, new_blocks=[5, 6], num_external_tokens=0)
+    assert s.push_requests() == ["p1"]
+    s.scheduled("p1", completes=True, block_ids=[5, 6], num_tokens=64)
+    assert s.take_plan().pushes == (Push("p1", "T", (5, 6), 64),)
+
+
 def test_push_prefill_without_reservation_gives_up_after_the_lease() -> None:
     clock = Clock()
     s = push_side(lease=30, clock=clock)

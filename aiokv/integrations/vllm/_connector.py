@@ -259,7 +259,10 @@ class AiokvConnector(KVConnectorBase_V1):
             self._work().save_layer(layer_name, meta.plan.pushes, kv_layer)
 
     def wait_for_save(self) -> None:
-        return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AiokvMetadata)
+        if meta.plan.pushes:
+            self._work().saved(meta.plan.pushes)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         reserved = self._work().take_reserved()

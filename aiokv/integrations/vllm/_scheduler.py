@@ -266,6 +266,8 @@ class SchedulerSide:
     def _admit(self, request_id: str, transfer: str) -> None:
         """A push prefill request is scheduled: with its reservation on every rank it
         will push; without (it waited ``lease_s``) it computes and hands nothing over."""
+        if request_id in self._admitted or request_id in self._pushing:
+            return  # scheduled again after a preemption: decided the first time
         have, _ = self._reported.pop(transfer, (0, 0.0))
         self._push_since.pop(transfer, None)
         why = None

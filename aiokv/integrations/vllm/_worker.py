@@ -289,21 +289,9 @@ class WorkerSide:
 
     # ---- per step -------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> None:
-        """Start the plan's loads and releases, file its holds; returns at once."""
+        """Start the plan's loads, releases, reservations and cancels, file its holds;
+        returns at once (its pushes go through :meth:`save_layer` and :meth:`saved`)."""
         now = time.monotonic()
-        for push in plan.pushes:  # layers save_layer did not push (normally none)
-            job = self._job(push)
-            late = [i for i in range(len(self._layers)) if i not in job.started]
-            if late:
-                log.warning(
-                    "request %s: layers %s were not named by save_kv_layer; pushed after "
-                    "the forward",
-                    push.request_id,
-                    late,
-                )
-            for layer in late:
-                self._push_layer_soon(job, layer)
-        self._jobs.clear()
         with self._lock:
             for hold in plan.holds:
                 if hold.pushed:
@@ -474,6 +462,24 @@ class WorkerSide:
             event.record()
         for push in pushes:
             self._push_layer_soon(self._job(push), layer, event)
+
+    def saved(self, pushes: tuple[Push, ...]) -> None:
+        """``wait_for_save`` (after the step's forward): push the layers of ``pushes``
+        that :meth:`save_layer` was not called for (normally none), then forget the
+        step's jobs (they end on their own). Never blocks."""
+        for push in pushes:
+            job = self._job(push)
+            late = [i for i in range(len(self._layers)) if i not in job.started]
+            if late:
+                log.warning(
+                    "request %s: layers %s were not named by save_kv_layer; pushed after "
+                    "the forward",
+                    push.request_id,
+                    late,
+                )
+            for layer in late:
+                self._push_layer_soon(job, layer)
+        self._jobs.clear()
 
     def _job(self, push: Push) -> _PushJob:
         """This step's job of ``push`` (made on first use: its reservation checked)."""
