@@ -116,7 +116,7 @@ def make_app(prefill: list[str], decode: list[str], mode: str = "pull") -> web.A
             return await push(request, session, body, next(prefills), next(decodes))
         async with session.post(next(prefills) + path, json=prefill_body(body)) as answer:
             if answer.status != 200:
-                return web.Response(status=answer.status, body=await answer.read())
+                return await relay(request, answer)
             first = await answer.json()
         async with session.post(next(decodes) + path, json=decode_body(body, first)) as answer:
             return await relay(request, answer)
@@ -139,14 +139,14 @@ def make_app(prefill: list[str], decode: list[str], mode: str = "pull") -> web.A
             async with session.post(
                 prefill_url + path, json=prefill_body(body, transfer_id)
             ) as answer:
-                status, error = answer.status, await answer.read()
+                if answer.status != 200:  # the decode would wait for its lease: drop it
+                    decoding.cancel()
+                    endpoints.pop(prefill_url, None)  # rediscover: it may have restarted
+                    return await relay(request, answer)
+                await answer.read()
         except BaseException:
             decoding.cancel()
             raise
-        if status != 200:  # the decode would only wait for its lease: give up on it
-            decoding.cancel()
-            endpoints.pop(prefill_url, None)  # rediscover: it may have restarted
-            return web.Response(status=status, body=error)
         answer = await decoding
         try:
             return await relay(request, answer)
