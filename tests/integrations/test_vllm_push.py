@@ -15,7 +15,7 @@ import torch
 from aiokv import LLMException
 from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
 from aiokv.integrations.vllm._params import Endpoint
-from aiokv.integrations.vllm._plan import Cancel, Hold, Push, Reserve, StepPlan
+from aiokv.integrations.vllm._plan import Cancel, Hold, Push, Reserve, StepPlan, Withdraw
 from aiokv.integrations.vllm._worker import TransferResults
 from aiokv.transport import get_transport
 
@@ -65,11 +65,16 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
         p.close()
 
 
-def wait_for(side: WorkerSide, pred: Any, timeout: float = 20.0) -> TransferResults:
-    """Poll ``side.results()`` (as vLLM does each step) until ``pred(accumulated)``."""
+def wait_for(
+    side: WorkerSide, pred: Any, timeout: float = 20.0, also: WorkerSide | None = None
+) -> TransferResults:
+    """Poll ``side.results()`` (as vLLM does each step) until ``pred(accumulated)``;
+    ``also``: another side stepping meanwhile (its results are dropped)."""
     acc = TransferResults()
     end = time.monotonic() + timeout
     while True:
+        if also is not None:
+            also.results()
         got = side.results()
         acc.finished_sending |= got.finished_sending
         acc.finished_recving |= got.finished_recving
@@ -183,6 +188,33 @@ def test_a_cancelled_prefill_fails_the_decode_at_once(pair: Pair) -> None:
     p.step(StepPlan(cancels=(Cancel("T6", "aborted"),)))
     assert wait_for(d, lambda a: "d6" in a.finished_recving).failed_recving == {"d6"}
     assert p._reservations == {}
+
+
+def test_an_aborted_decode_withdraws_and_ends_when_the_prefill_answers(pair: Pair) -> None:
+    p, _, d, _ = pair
+    d.step(StepPlan(reserves=(reserve(p, "d13", "T13", [1]),)))
+    reserved(p, "T13")
+    d.step(StepPlan(withdrawals=(Withdraw("d13", "T13"),)))
+    time.sleep(0.3)
+    assert d.results().finished_recving == set()  # its blocks stay taken ...
+    # ... until the prefill (at its next engine step) drops the reservation and answers
+    done = wait_for(d, lambda a: "d13" in a.finished_recving, also=p)
+    assert done.failed_recving == {"d13"}
+    assert p._reservations == {}
+
+
+def test_a_withdrawal_after_the_push_began_waits_for_the_push(pair: Pair) -> None:
+    p, pkv, d, dkv = pair
+    d.step(StepPlan(reserves=(reserve(p, "d14", "T14", [6]),)))
+    reserved(p, "T14")
+    push = Push("p14", "T14", (2,), BS)
+    p.save_layer("layer.0", (push,))  # the push took the reservation
+    d.step(StepPlan(withdrawals=(Withdraw("d14", "T14"),)))
+    p.saved((push,))
+    done = wait_for(d, lambda a: "d14" in a.finished_recving)
+    assert done.failed_recving == set()  # the push ended: the blocks are whole
+    for name in pkv:
+        assert torch.equal(dkv[name][[6]], pkv[name][[2]])
 
 
 def test_a_push_without_reservation_releases_the_blocks(pair: Pair) -> None:

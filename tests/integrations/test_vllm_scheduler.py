@@ -11,7 +11,7 @@ import pytest
 from aiokv.integrations.vllm import ConnectorOptions, SchedulerSide
 from aiokv.integrations.vllm._options import derive_cluster_id
 from aiokv.integrations.vllm._params import Endpoint, parse_remote_prefill
-from aiokv.integrations.vllm._plan import Cancel, Hold, Load, Push, Release, Reserve
+from aiokv.integrations.vllm._plan import Cancel, Hold, Load, Push, Release, Reserve, Withdraw
 from aiokv.integrations.vllm._scheduler import load_deadline
 
 BS = 32
@@ -431,6 +431,20 @@ def test_push_decode_reserves_its_own_blocks() -> None:
     assert plan.loads == ()
     assert params["do_remote_prefill"] is False  # once per request
     assert s.matched_tokens(params, 100, 0) == (0, False)
+
+
+def test_push_decode_aborted_withdraws_its_reservation() -> None:
+    s = push_side()
+    for rid, completed in (("d1", False), ("d2", True)):
+        params = decode_push_params(push_side(), transfer=rid + "-T")
+        s.after_alloc(rid, params, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=40)
+        assert s.finished(
+            rid, params, completed=completed, block_ids=[1, 2], num_computed_tokens=40
+        ) == (False, None)
+    plan = s.take_plan()
+    assert plan.withdrawals == (Withdraw("d1", "d1-T"),)  # the completed one had its KV
+    assert s.finished("d1", {}, completed=False, block_ids=[], num_computed_tokens=0)[0] is False
+    assert s.take_plan().withdrawals == ()  # once
 
 
 def test_push_decode_with_a_local_prefix_hit_reserves_the_rest() -> None:

@@ -6,8 +6,9 @@ aborted before it was scheduled), and the finished prefill requests whose blocks
 workers now hold for a decode side (prefill side). Push mode adds the blocks a decode
 request reserves for its prefill to push into (:class:`Reserve`, decode side), the
 requests whose KV the workers push layer by layer as this step computes it
-(:class:`Push`, prefill side), and reservations the prefill will not fill
-(:class:`Cancel`, prefill side).
+(:class:`Push`, prefill side), reservations the prefill will not fill
+(:class:`Cancel`, prefill side) and reservations of aborted decode requests
+(:class:`Withdraw`, decode side).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 from ._params import Endpoint
 
-__all__ = ["Cancel", "Hold", "Load", "Push", "Release", "Reserve", "StepPlan"]
+__all__ = ["Cancel", "Hold", "Load", "Push", "Release", "Reserve", "StepPlan", "Withdraw"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,16 @@ class Cancel:
 
 
 @dataclass(frozen=True, slots=True)
+class Withdraw:
+    """Push mode, decode side: ``request_id`` ended (aborted) while it may still wait for
+    the push under ``transfer_id``: withdraw the reservation. Its load still ends only
+    when the prefill answers (a push in flight keeps writing into its blocks until then)."""
+
+    request_id: str
+    transfer_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class StepPlan:
     """One step's work for the workers."""
 
@@ -100,3 +111,4 @@ class StepPlan:
     reserves: tuple[Reserve, ...] = ()
     pushes: tuple[Push, ...] = ()
     cancels: tuple[Cancel, ...] = ()
+    withdrawals: tuple[Withdraw, ...] = ()

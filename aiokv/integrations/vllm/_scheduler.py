@@ -44,7 +44,7 @@ from ._params import (
     parse_remote_prefill,
     producer_params,
 )
-from ._plan import Cancel, Hold, Load, Push, Release, Reserve, StepPlan
+from ._plan import Cancel, Hold, Load, Push, Release, Reserve, StepPlan, Withdraw
 
 __all__ = ["SchedulerSide", "load_deadline"]
 
@@ -100,6 +100,9 @@ class SchedulerSide:
         self._reserves: list[Reserve] = []
         self._pushes: list[Push] = []
         self._cancels: list[Cancel] = []
+        # push mode, decode side
+        self._reserving: dict[str, str] = {}  # request -> transfer (a Reserve planned)
+        self._withdrawals: list[Withdraw] = []
 
     def set_ranks(self, ranks: dict[int, Endpoint]) -> None:
         """Where each worker rank listens (from the workers' handshake metadata).
@@ -219,6 +222,7 @@ class SchedulerSide:
                 log.error("request %s: %s", request_id, short)
                 self._loads.append(Load(request_id, (), (), "", "", (), error=short))
                 return
+            self._reserving[request_id] = remote.transfer_id
             self._reserves.append(
                 Reserve(
                     request_id,
@@ -326,6 +330,10 @@ class SchedulerSide:
         its blocks are held until the decode side's done notice or the lease; else
         ``(False, None)`` (its blocks are freed now)."""
         self._arrivals.pop(request_id, None)
+        reserved = self._reserving.pop(request_id, None)
+        if reserved is not None and not completed:
+            # an aborted decode request may still wait for its push: withdraw it
+            self._withdrawals.append(Withdraw(request_id, reserved))
         if not params:
             return False, None
         if params.get("aiokv_discover"):
@@ -388,6 +396,7 @@ class SchedulerSide:
             tuple(self._reserves),
             tuple(self._pushes),
             tuple(self._cancels),
+            tuple(self._withdrawals),
         )
         for items in (
             self._loads,
@@ -396,6 +405,7 @@ class SchedulerSide:
             self._reserves,
             self._pushes,
             self._cancels,
+            self._withdrawals,
         ):
             items.clear()
         # reservations no prefill request claimed within a lease: forget them (the

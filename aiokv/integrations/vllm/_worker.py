@@ -324,17 +324,22 @@ class WorkerSide:
                 self._spawn(self._reserve, reserve)
         for cancel in plan.cancels:
             self._spawn(self._cancel, cancel)
+        for withdraw in plan.withdrawals:
+            with self._lock:
+                waiting = self._awaiting.get(withdraw.transfer_id)
+            if waiting is not None and waiting.request_id == withdraw.request_id:
+                self._spawn_send(waiting.cluster_id, CancelNotice(withdraw.transfer_id))
 
     def results(self) -> TransferResults:
         """What ended since the last call (see the module docstring); never blocks."""
         notices = self._dd.get_notifications() if self._dd is not None else []
         now = time.monotonic()
         linked = self._linked_clusters() if self._awaiting else set()
-        expired: list[tuple[int, PushedNotice | CancelNotice]] = []
+        expired: list[tuple[int, PushedNotice | CancelNotice]] = []  # notices to send
         with self._lock:
             for cluster_id, payload in notices:
                 if payload.startswith(b'{"push":'):
-                    self._push_noticed(cluster_id, payload, now)
+                    self._push_noticed(cluster_id, payload, now, expired)
                 else:
                     self._noticed(cluster_id, payload, now)
             for transfer, waiting in list(self._awaiting.items()):
@@ -385,8 +390,14 @@ class WorkerSide:
             reserved, self._new_reserved = self._new_reserved, {}
         return reserved
 
-    def _push_noticed(self, cluster_id: int, payload: bytes, now: float) -> None:
-        """A push-mode notice (under the lock)."""
+    def _push_noticed(
+        self,
+        cluster_id: int,
+        payload: bytes,
+        now: float,
+        replies: list[tuple[int, PushedNotice | CancelNotice]],
+    ) -> None:
+        """A push-mode notice (under the lock); answers to send go to ``replies``."""
         try:
             message = _push_decoder.decode(payload)
         except msgspec.MsgspecError:
@@ -417,11 +428,13 @@ class WorkerSide:
                 cluster_id, message.blocks, message.first, message.num_tokens, deadline
             )
             self._new_reserved[message.transfer] = 1
-        else:
+        else:  # withdrawn: unless a push already took it, tell the decode side it is over
             reservation = self._reservations.get(message.transfer)
             if reservation is not None and reservation.cluster_id == cluster_id:
                 del self._reservations[message.transfer]
                 self._new_reserved.pop(message.transfer, None)
+                why = "the decode side withdrew its reservation"
+                replies.append((cluster_id, PushedNotice(message.transfer, False, why)))
 
     def _noticed(self, cluster_id: int, payload: bytes, now: float) -> None:
         """A done notice (under the lock): release its hold, or remember it a lease long."""
