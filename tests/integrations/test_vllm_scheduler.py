@@ -11,7 +11,7 @@ import pytest
 from aiokv.integrations.vllm import ConnectorOptions, SchedulerSide
 from aiokv.integrations.vllm._options import derive_cluster_id
 from aiokv.integrations.vllm._params import Endpoint, parse_remote_prefill
-from aiokv.integrations.vllm._plan import Hold, Load, Release
+from aiokv.integrations.vllm._plan import Cancel, Hold, Load, Push, Release, Reserve, Withdraw
 from aiokv.integrations.vllm._scheduler import load_deadline
 
 BS = 32
@@ -240,7 +240,7 @@ def test_plain_requests_are_left_alone() -> None:
         assert d.matched_tokens(params, 50, 0) == (0, False)
         d.after_alloc("x", params, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=0)
     plan = d.take_plan()
-    assert plan.loads == plan.releases == plan.holds == ()
+    assert (plan.loads, plan.releases, plan.holds) == ((), (), ())
 
 
 # ---- options -------------------------------------------------------------------------------
@@ -276,7 +276,6 @@ def test_options_defaults_and_overrides() -> None:
         ({"port": "80"}, "port"),
         ({"transfer_backend": "rdma"}, "transfer_backend"),
         ({"lease_timeout_s": 0}, "lease_timeout_s"),
-        ({"mode": "push"}, "push"),
         ({"mode": "teleport"}, "mode"),
         ({"host": "0.0.0.0"}, "advertise_host"),
     ],
@@ -284,3 +283,210 @@ def test_options_defaults_and_overrides() -> None:
 def test_bad_options_are_refused_by_name(extra: dict[str, Any], why: str) -> None:
     with pytest.raises(ValueError, match=why):
         ConnectorOptions.parse(extra)
+
+
+# ---- push mode -----------------------------------------------------------------------------
+def push_side(tp: int = 1, lease: float = 30.0, clock: Clock | None = None) -> SchedulerSide:
+    s = SchedulerSide(
+        engine_id="engine-p",
+        block_size=BS,
+        tp_size=tp,
+        lease_s=lease,
+        push=True,
+        clock=clock or Clock(),
+    )
+    s.set_ranks({r: RANKS[r] for r in range(tp)})
+    return s
+
+
+def discovered(s: SchedulerSide) -> dict[str, Any]:
+    """What the proxy learns from a discovery request to the prefill instance."""
+    delay, params = s.finished(
+        "probe", {"aiokv_discover": True}, completed=True, block_ids=[4], num_computed_tokens=1
+    )
+    assert not delay and params is not None  # a discovery holds nothing
+    return params
+
+
+def test_discovery_names_the_prefill_ranks_and_mode() -> None:
+    params = discovered(push_side(tp=2))
+    assert params == {
+        "aiokv": 1,
+        "mode": "push",
+        "remote_engine_id": "engine-p",
+        "remote_block_size": BS,
+        "remote_ranks": [["127.0.0.1", 5000, 11], ["127.0.0.1", 5001, 12]],
+    }
+    assert discovered(side())["mode"] == "pull"
+    assert not side().take_plan().holds and not side().take_plan().cancels
+
+
+def test_push_prefill_waits_for_every_rank_to_have_its_reservation() -> None:
+    s = push_side(tp=2)
+    params = {"do_remote_decode": True, "transfer_id": "T"}
+    s.arrived("p1", params)
+    assert s.matched_tokens(params, 100, 0) == (None, False)  # not scheduled yet
+    s.reserved({"T": 1})
+    assert s.matched_tokens(params, 100, 0) == (None, False)  # one rank of two
+    s.reserved({"T": 1, "other": 2})
+    assert s.matched_tokens(params, 100, 0) == (0, False)  # computes locally now
+    s.after_alloc("p1", params, cached_blocks=0, new_blocks=[7, 3, 9, 4], num_external_tokens=0)
+    assert s.push_requests() == ["p1"]
+    # a first chunk of the prompt: nothing to push yet
+    s.scheduled("p1", completes=False, block_ids=[7, 3, 9, 4], num_tokens=100)
+    assert s.take_plan().pushes == ()
+    s.scheduled("p1", completes=True, block_ids=[7, 3, 9, 4, 8], num_tokens=100)
+    plan = s.take_plan()
+    assert plan.pushes == (Push("p1", "T", (7, 3, 9, 4), 100),)
+    assert s.push_requests() == []
+    delay, out = s.finished(
+        "p1", params, completed=True, block_ids=[7, 3, 9, 4, 8], num_computed_tokens=100
+    )
+    assert delay and out == {"aiokv": 1, "transfer_id": "T", "pushed": True}
+    assert s.take_plan().holds == (Hold("p1", "", 30.0, pushed=True),)
+
+
+def test_push_prefill_preempted_and_scheduled_again_still_pushes() -> None:
+    s = push_side()
+    params = {"do_remote_decode": True, "transfer_id": "T"}
+    s.arrived("p1", params)
+    s.reserved({"T": 1})
+    s.after_alloc("p1", params, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=0)
+    s.after_alloc("p1", params, cached_blocks=0, new_blocks=[5, 6], num_external_tokens=0)
+    assert s.push_requests() == ["p1"]
+    s.scheduled("p1", completes=True, block_ids=[5, 6], num_tokens=64)
+    assert s.take_plan().pushes == (Push("p1", "T", (5, 6), 64),)
+
+
+def test_push_prefill_without_reservation_gives_up_after_the_lease() -> None:
+    clock = Clock()
+    s = push_side(lease=30, clock=clock)
+    params = {"do_remote_decode": True, "transfer_id": "T"}
+    s.arrived("p1", params)
+    clock.now += 29
+    assert s.matched_tokens(params, 64, 0) == (None, False)
+    clock.now += 2
+    assert s.matched_tokens(params, 64, 0) == (0, False)  # computes, hands nothing over
+    s.after_alloc("p1", params, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=0)
+    assert s.push_requests() == []
+    s.scheduled("p1", completes=True, block_ids=[1, 2], num_tokens=64)
+    assert s.take_plan().pushes == ()
+    delay, out = s.finished("p1", params, completed=True, block_ids=[1, 2], num_computed_tokens=64)
+    assert not delay and out is not None and out["pushed"] is False
+    assert "no decode side reserved" in out["error"]
+    assert s.take_plan().cancels == (Cancel("T", out["error"]),)
+
+
+def test_push_prefill_aborted_before_its_push_cancels_the_reservation() -> None:
+    s = push_side()
+    params = {"do_remote_decode": True, "transfer_id": "T"}
+    s.arrived("p1", params)
+    s.reserved({"T": 1})
+    delay, out = s.finished("p1", params, completed=False, block_ids=[], num_computed_tokens=0)
+    assert not delay and out is not None and out["pushed"] is False
+    assert s.take_plan().cancels == (Cancel("T", out["error"]),)
+    # its reservation is forgotten: a later request with that id waits again
+    s.arrived("p2", params)
+    assert s.matched_tokens(params, 10, 0) == (None, False)
+
+
+def test_push_prefill_aborted_during_its_push_holds_until_it_ends() -> None:
+    s = push_side()
+    params = {"do_remote_decode": True, "transfer_id": "T"}
+    s.arrived("p1", params)
+    s.reserved({"T": 1})
+    s.after_alloc("p1", params, cached_blocks=0, new_blocks=[1], num_external_tokens=0)
+    s.scheduled("p1", completes=True, block_ids=[1], num_tokens=20)
+    s.take_plan()
+    delay, _ = s.finished("p1", params, completed=False, block_ids=[1], num_computed_tokens=20)
+    assert delay  # the push reads its blocks: they are freed when it ended
+    assert s.take_plan().holds == (Hold("p1", "", 30.0, pushed=True),)
+
+
+def test_unclaimed_reservation_reports_are_forgotten_after_the_lease() -> None:
+    clock = Clock()
+    s = push_side(lease=30, clock=clock)
+    s.reserved({"T": 1})
+    clock.now += 31
+    s.take_plan()
+    params = {"do_remote_decode": True, "transfer_id": "T"}
+    s.arrived("p1", params)
+    assert s.matched_tokens(params, 10, 0) == (None, False)
+
+
+def decode_push_params(s: SchedulerSide, transfer: str = "T") -> dict[str, Any]:
+    """The proxy's decode params in push mode: discovery + do_remote_prefill + id."""
+    return {**discovered(s), "do_remote_prefill": True, "transfer_id": transfer}
+
+
+def test_push_decode_reserves_its_own_blocks() -> None:
+    s = push_side(tp=2)
+    params = decode_push_params(push_side(tp=2))
+    s.arrived("d1", params)
+    assert s.matched_tokens(params, 100, 0) == (100, True)
+    s.after_alloc("d1", params, cached_blocks=0, new_blocks=[5, 6, 7, 8], num_external_tokens=100)
+    plan = s.take_plan()
+    ranks = (RANKS[0], RANKS[1])
+    assert plan.reserves == (Reserve("d1", "T", (5, 6, 7, 8), 0, 100, ranks),)
+    assert plan.loads == ()
+    assert params["do_remote_prefill"] is False  # once per request
+    assert s.matched_tokens(params, 100, 0) == (0, False)
+
+
+def test_push_decode_aborted_withdraws_its_reservation() -> None:
+    s = push_side()
+    for rid, completed in (("d1", False), ("d2", True)):
+        params = decode_push_params(push_side(), transfer=rid + "-T")
+        s.after_alloc(rid, params, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=40)
+        assert s.finished(
+            rid, params, completed=completed, block_ids=[1, 2], num_computed_tokens=40
+        ) == (False, None)
+    plan = s.take_plan()
+    assert plan.withdrawals == (Withdraw("d1", "d1-T"),)  # the completed one had its KV
+    assert s.finished("d1", {}, completed=False, block_ids=[], num_computed_tokens=0)[0] is False
+    assert s.take_plan().withdrawals == ()  # once
+
+
+def test_push_decode_with_a_local_prefix_hit_reserves_the_rest() -> None:
+    s = push_side()
+    params = decode_push_params(push_side())
+    assert s.matched_tokens(params, 100, 32) == (68, True)
+    s.after_alloc("d1", params, cached_blocks=1, new_blocks=[6, 7, 8], num_external_tokens=68)
+    (res,) = s.take_plan().reserves
+    assert (res.local_blocks, res.first_block, res.num_tokens) == ((6, 7, 8), 1, 100)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"mode": "pull"}, "not 'push'"),
+        ({"transfer_id": ""}, "transfer_id"),
+        ({"transfer_id": 5}, "transfer_id"),
+        ({"remote_block_size": 16}, "remote_block_size"),
+        ({"remote_ranks": [["h", 1, 2]] * 3}, "tensor-parallel"),
+        ({"remote_ranks": "x"}, "remote_ranks"),
+        ({"aiokv": 9}, "version"),
+    ],
+)
+def test_bad_push_params_fail_that_request_only(change: dict[str, Any], why: str) -> None:
+    s = push_side()
+    params = {**decode_push_params(push_side()), **change}
+    assert s.matched_tokens(params, 40, 0) == (40, True)  # loads, and fails at once
+    s.after_alloc("d1", params, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=40)
+    plan = s.take_plan()
+    assert plan.reserves == () and len(plan.loads) == 1
+    assert plan.loads[0].error is not None and why in plan.loads[0].error
+
+
+def test_push_params_on_a_pull_instance_fail_with_a_clear_error() -> None:
+    s = side()
+    params = decode_push_params(push_side())
+    s.after_alloc("d1", params, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=40)
+    (load,) = s.take_plan().loads
+    assert load.error is not None and "mode 'pull'" in load.error
+    prefill_params = {"do_remote_decode": True, "transfer_id": "T"}
+    assert s.matched_tokens(prefill_params, 40, 0) == (0, False)  # never waits
+    delay, out = s.finished(
+        "p1", prefill_params, completed=True, block_ids=[1], num_computed_tokens=4
+    )
+    assert not delay and out is not None and "mode 'pull'" in out["error"]

@@ -241,6 +241,16 @@ class EngineProcess:
         result: list[Output] = self.call("generate", list(requests), timeout)
         return result
 
+    def submit(self, requests: Sequence[Request]) -> None:
+        """Start generating ``requests`` without waiting (:meth:`collect` waits): two
+        engines then work at once (push mode: a prefill and its decode)."""
+        self._conn.send(("generate", list(requests)))
+
+    def collect(self, timeout: float = 180.0) -> list[Output]:
+        """The outputs of the last :meth:`submit`."""
+        result: list[Output] = self._reply(timeout)
+        return result
+
     def blocks(self) -> dict[str, dict[tuple[int, ...], list[int]]]:
         """Block ids per prompt: "loaded" (decode side), "finished" (prefill side)."""
         result: dict[str, dict[tuple[int, ...], list[int]]] = self.call("blocks")

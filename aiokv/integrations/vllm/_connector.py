@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -34,9 +35,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["AiokvConnector", "AiokvHandshake", "AiokvMetadata"]
+__all__ = ["AiokvConnector", "AiokvHandshake", "AiokvMetadata", "AiokvWorkerMetadata"]
 
 log = logging.getLogger("aiokv.vllm")
 
@@ -69,8 +71,23 @@ class AiokvMetadata(KVConnectorMetadata):
     plan: StepPlan
 
 
+@dataclass
+class AiokvWorkerMetadata(KVConnectorWorkerMetadata):
+    """Push mode (worker → scheduler, per step): reservations received, by transfer id,
+    counted once per worker rank that received one."""
+
+    reserved: dict[str, int]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, AiokvWorkerMetadata)
+        merged = dict(self.reserved)
+        for transfer, count in other.reserved.items():
+            merged[transfer] = merged.get(transfer, 0) + count
+        return AiokvWorkerMetadata(merged)
+
+
 class AiokvConnector(KVConnectorBase_V1):
-    """A vLLM V1 KV connector that moves KV blocks with aiokv (pull mode).
+    """A vLLM V1 KV connector that moves KV blocks with aiokv (pull or layer-wise push).
 
     Load with ``KVTransferConfig(kv_connector="AiokvConnector",
     kv_connector_module_path="aiokv.integrations.vllm", kv_role=...)``; options in
@@ -109,7 +126,9 @@ class AiokvConnector(KVConnectorBase_V1):
                 block_size=vllm_config.cache_config.block_size,
                 tp_size=parallel.tensor_parallel_size,
                 lease_s=self._options.lease_timeout_s,
+                push=self._options.mode == "push",
             )
+            self._push_requests: dict[str, Request] = {}
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -140,16 +159,39 @@ class AiokvConnector(KVConnectorBase_V1):
         group = blocks.blocks[0] if blocks.blocks else ()
         cached = sum(1 for b in group if b.block_hash is not None and not b.is_null)
         new = [b.block_id for b in group if b.block_hash is None and not b.is_null]
-        self._sched().after_alloc(
+        sched = self._sched()
+        sched.after_alloc(
             request.request_id,
             request.kv_transfer_params,
             cached_blocks=cached,
             new_blocks=new,
             num_external_tokens=num_external_tokens,
         )
+        if request.request_id in sched.push_requests():
+            self._push_requests[request.request_id] = request
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return AiokvMetadata(self._sched().take_plan())
+        sched = self._sched()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id in sched.push_requests():
+            request = self._push_requests.get(request_id)
+            count = scheduled.get(request_id, 0)
+            if request is None or not count:
+                continue
+            # the request's num_computed_tokens does not count this step's tokens yet
+            completes = request.num_computed_tokens + count >= request.num_prompt_tokens
+            sched.scheduled(
+                request_id,
+                completes=completes,
+                block_ids=list(self._kv_cache_manager.get_block_ids(request_id)[0]),
+                num_tokens=request.num_prompt_tokens,
+            )
+        return AiokvMetadata(sched.take_plan())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, AiokvWorkerMetadata) and meta.reserved:
+            self._sched().reserved(meta.reserved)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -160,6 +202,7 @@ class AiokvConnector(KVConnectorBase_V1):
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         )
+        self._push_requests.pop(request.request_id, None)
         return self._sched().finished(
             request.request_id,
             request.kv_transfer_params,
@@ -210,10 +253,20 @@ class AiokvConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AiokvMetadata)
+        if meta.plan.pushes:
+            self._work().save_layer(layer_name, meta.plan.pushes, kv_layer)
 
     def wait_for_save(self) -> None:
-        return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, AiokvMetadata)
+        if meta.plan.pushes:
+            self._work().saved(meta.plan.pushes)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        reserved = self._work().take_reserved()
+        return AiokvWorkerMetadata(reserved) if reserved else None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         done = self._work().results()

@@ -22,8 +22,11 @@ class ConnectorOptions(BaseModel):
     """The connector's options (keys of ``kv_connector_extra_config``).
 
     Attributes:
-        mode: ``"pull"`` (the decode side pulls the prefill's blocks). ``"push"``
-            (layer-wise) is not available: refused at start-up.
+        mode: ``"pull"`` (the decode side pulls the prefill's blocks once the prefill
+            finished) or ``"push"`` (the decode side reserves its blocks first and the
+            prefill pushes each layer into them as it computes it; peers may then push
+            into this instance's KV: set ``link_secret``). Both instances of a pair
+            need the same mode; the proxy flows differ (docs/vllm.md).
         transfer_backend: aiokv's transport, ``"tcp"`` or ``"nixl"``.
         host: the address each worker listens on.
         advertise_host: the address the decode side connects to (default ``host``;
@@ -35,7 +38,9 @@ class ConnectorOptions(BaseModel):
             derived from the engine id and the rank (64-bit hash).
         lease_timeout_s: the prefill side frees a finished request's blocks after this
             many seconds if no decode side said it has them (vLLM's
-            ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` default, 480).
+            ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` default, 480). Push mode: also how long
+            a prefill request waits for its decode side's reservation (then it
+            computes without handing anything over) and a decode request for its push.
         transfer_timeout_ms: bound of one pull (aiokv's ``sync_kv_timeout``).
         link_timeout_ms: bound of linking to a prefill worker.
         link_secret: the shared secret that authenticates links (aiokv's
@@ -61,8 +66,7 @@ class ConnectorOptions(BaseModel):
         the port when ``extra`` names none and it is not the default.
 
         Raises:
-            ValueError: an unknown key, a value of the wrong type or out of range, or
-                ``mode="push"`` (not available; use pull).
+            ValueError: an unknown key, a value of the wrong type or out of range.
         """
         if not isinstance(extra, dict):
             raise ValueError(
@@ -78,11 +82,6 @@ class ConnectorOptions(BaseModel):
                 f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()
             )
             raise ValueError(f"AiokvConnector kv_connector_extra_config: {problems}") from None
-        if options.mode == "push":
-            raise ValueError(
-                'AiokvConnector: mode "push" (layer-wise push) is not available; use the '
-                'default mode "pull" (remove "mode" from kv_connector_extra_config)'
-            )
         if options.host in ("0.0.0.0", "::") and options.advertise_host is None:
             raise ValueError(
                 f"AiokvConnector: host {options.host!r} listens everywhere; set "

@@ -22,6 +22,17 @@ Fields (all present in what the prefill returns):
 ``remote_lease_s``          how long the prefill holds the blocks for a decode side
 ``aiokv``                   the params' schema version (1)
 ==========================  =====================================================
+
+Push mode (``mode="push"`` on both instances; see docs/vllm.md) uses three more shapes:
+
+* the proxy asks a prefill instance where it listens with a one-token request carrying
+  ``{"aiokv_discover": True}``; its output's params are :func:`endpoint_params`
+  (``aiokv``, ``mode``, ``remote_engine_id``, ``remote_block_size``, ``remote_ranks``);
+* the prefill request carries ``{"do_remote_decode": True, "transfer_id": T}``;
+* the decode request carries those endpoint params plus ``"do_remote_prefill": True``
+  and the same ``"transfer_id": T`` (:func:`parse_push_prefill`). ``T`` is the proxy's
+  random id of the pair: the decode side reserves its blocks under it, and the prefill
+  side pushes into the blocks reserved under its own request's ``T``.
 """
 
 from __future__ import annotations
@@ -33,7 +44,11 @@ __all__ = [
     "MAX_PARAM_BLOCKS",
     "PARAMS_VERSION",
     "Endpoint",
+    "PushPrefill",
     "RemotePrefill",
+    "check_transfer_id",
+    "endpoint_params",
+    "parse_push_prefill",
     "parse_remote_prefill",
     "producer_params",
 ]
@@ -66,6 +81,71 @@ class RemotePrefill:
     ranks: tuple[Endpoint, ...]
     token: str
     lease_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PushPrefill:
+    """Checked push-mode params of a decode request: the prefill instance ``ranks``
+    pushes the prompt's KV into the blocks this side reserves under ``transfer_id``."""
+
+    engine_id: str
+    transfer_id: str
+    ranks: tuple[Endpoint, ...]
+
+
+def endpoint_params(
+    *, engine_id: str, block_size: int, ranks: list[Endpoint], mode: str
+) -> dict[str, Any]:
+    """What a discovery request (``{"aiokv_discover": True}``) returns: where this
+    instance's worker ranks listen (plain JSON values)."""
+    return {
+        "aiokv": PARAMS_VERSION,
+        "mode": mode,
+        "remote_engine_id": engine_id,
+        "remote_block_size": block_size,
+        "remote_ranks": [[r.host, r.port, r.cluster_id] for r in ranks],
+    }
+
+
+def check_transfer_id(value: Any) -> str | None:
+    """Why ``value`` is not a transfer id (a non-empty string of at most 1024
+    characters), or ``None``."""
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_TEXT:
+        return f"transfer_id must be a non-empty string of at most {_MAX_TEXT} characters"
+    return None
+
+
+def parse_push_prefill(
+    params: dict[str, Any], *, block_size: int, tp_size: int
+) -> PushPrefill | str:
+    """Push-mode ``params`` of a decode request checked against this instance, or why
+    they are unusable (they come from a client: never an exception)."""
+    if params.get("aiokv") != PARAMS_VERSION:
+        return (
+            f"not AiokvConnector params of version {PARAMS_VERSION} (aiokv={params.get('aiokv')!r})"
+        )
+    if params.get("mode") != "push":
+        return f"the prefill instance runs mode {params.get('mode')!r}, not 'push'"
+    transfer_id = params.get("transfer_id")
+    why = check_transfer_id(transfer_id)
+    if why is not None:
+        return why
+    engine_id = params.get("remote_engine_id")
+    if not isinstance(engine_id, str) or not 0 < len(engine_id) <= _MAX_TEXT:
+        return f"remote_engine_id must be a non-empty string of at most {_MAX_TEXT} characters"
+    remote_block_size = params.get("remote_block_size")
+    if remote_block_size != block_size or not _is_int(remote_block_size):
+        return f"remote_block_size {remote_block_size!r} differs from this instance's {block_size}"
+    ranks = _endpoints(params.get("remote_ranks"))
+    if isinstance(ranks, str):
+        return ranks
+    if len(ranks) != tp_size:
+        return (
+            f"the prefill has {len(ranks)} tensor-parallel ranks and this instance {tp_size}: "
+            "AiokvConnector needs the same tensor-parallel size on both sides"
+        )
+    assert isinstance(transfer_id, str)
+    return PushPrefill(engine_id, transfer_id, ranks)
 
 
 def producer_params(

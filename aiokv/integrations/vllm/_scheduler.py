@@ -15,6 +15,14 @@ The vLLM facade (:mod:`._connector`) reads what it needs from vLLM's ``Request``
    params the decode side needs.
 4. :meth:`~SchedulerSide.take_plan` (``build_connector_meta``): the step's plan, for
    every worker.
+
+Push mode (``push=True``) adds, on the prefill side: :meth:`~SchedulerSide.reserved`
+(``update_connector_output``: which decode reservations the workers received; a push
+prefill request is not scheduled — ``matched_tokens`` answers ``None`` — until every
+rank has its reservation, or ``lease_s`` passed), and :meth:`~SchedulerSide.scheduled`
+(``build_connector_meta``, before ``take_plan``: the step that computes the rest of a
+push request's prompt plans its :class:`~._plan.Push`). On the decode side a request
+with push params plans a :class:`~._plan.Reserve` instead of a load.
 """
 
 from __future__ import annotations
@@ -25,8 +33,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._params import Endpoint, RemotePrefill, parse_remote_prefill, producer_params
-from ._plan import Hold, Load, Release, StepPlan
+from ._params import (
+    PARAMS_VERSION,
+    Endpoint,
+    PushPrefill,
+    RemotePrefill,
+    check_transfer_id,
+    endpoint_params,
+    parse_push_prefill,
+    parse_remote_prefill,
+    producer_params,
+)
+from ._plan import Cancel, Hold, Load, Push, Release, Reserve, StepPlan, Withdraw
 
 __all__ = ["SchedulerSide", "load_deadline"]
 
@@ -47,7 +65,9 @@ class SchedulerSide:
         engine_id: this engine's id (``KVTransferConfig.engine_id``).
         block_size: tokens per KV block.
         tp_size: tensor-parallel size (workers, one aiokv instance each).
-        lease_s: how long a finished prefill request's blocks wait for a decode side.
+        lease_s: how long a finished prefill request's blocks wait for a decode side
+            (push mode: also how long a prefill request waits for its reservation).
+        push: push mode on (``mode="push"``): requests may use the push flow.
         clock: seconds, monotonic (tests pass a fake one).
     """
 
@@ -58,6 +78,7 @@ class SchedulerSide:
         block_size: int,
         tp_size: int,
         lease_s: float,
+        push: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine_id = engine_id
@@ -70,6 +91,18 @@ class SchedulerSide:
         self._loads: list[Load] = []
         self._releases: list[Release] = []
         self._holds: list[Hold] = []
+        # push mode, prefill side
+        self._push = push
+        self._push_since: dict[str, float] = {}  # transfer -> when its prefill came in
+        self._reported: dict[str, tuple[int, float]] = {}  # transfer -> (ranks, first seen)
+        self._admitted: dict[str, tuple[str, str | None]] = {}  # request -> (transfer, why not)
+        self._pushing: dict[str, str] = {}  # request -> transfer (its Push is planned)
+        self._reserves: list[Reserve] = []
+        self._pushes: list[Push] = []
+        self._cancels: list[Cancel] = []
+        # push mode, decode side
+        self._reserving: dict[str, str] = {}  # request -> transfer (a Reserve planned)
+        self._withdrawals: list[Withdraw] = []
 
     def set_ranks(self, ranks: dict[int, Endpoint]) -> None:
         """Where each worker rank listens (from the workers' handshake metadata).
@@ -83,10 +116,26 @@ class SchedulerSide:
         self._ranks = [ranks[r] for r in range(self._tp_size)]
 
     # ---- decode side ----------------------------------------------------------------------
-    def _remote(self, params: dict[str, Any] | None) -> RemotePrefill | str | None:
+    def _remote(self, params: dict[str, Any] | None) -> RemotePrefill | PushPrefill | str | None:
         if not params or not params.get("do_remote_prefill"):
             return None
+        if "transfer_id" in params:
+            if not self._push:
+                return (
+                    "push-mode params, but this instance runs mode 'pull' (set "
+                    '"mode": "push" in kv_connector_extra_config on both instances)'
+                )
+            return parse_push_prefill(params, block_size=self._block_size, tp_size=self._tp_size)
         return parse_remote_prefill(params, block_size=self._block_size, tp_size=self._tp_size)
+
+    def _push_transfer(self, params: dict[str, Any] | None) -> str | None:
+        """The transfer id of a push-mode prefill request (``None``: not one)."""
+        if not self._push or not params or not params.get("do_remote_decode"):
+            return None
+        transfer = params.get("transfer_id")
+        if not isinstance(transfer, str) or check_transfer_id(transfer) is not None:
+            return None
+        return transfer
 
     def arrived(self, request_id: str, params: dict[str, Any] | None) -> None:
         """``on_new_request``: note when a decode request came in (the proxy sends it
@@ -94,21 +143,35 @@ class SchedulerSide:
         about :func:`load_deadline` after this)."""
         if params and params.get("do_remote_prefill"):
             self._arrivals[request_id] = self._clock()
+        transfer = self._push_transfer(params)
+        if transfer is not None:
+            self._push_since.setdefault(transfer, self._clock())
 
     def matched_tokens(
         self, params: dict[str, Any] | None, num_prompt_tokens: int, num_computed: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens``: ``(tokens to load, True)`` for a decode request
         whose params name a prefill, else ``(0, False)``. Unusable params still load
         asynchronously — the load then fails at once, and vLLM's
-        ``kv_load_failure_policy`` applies to that request alone."""
+        ``kv_load_failure_policy`` applies to that request alone.
+
+        Push mode: a decode request loads its whole prompt (the prefill pushes it); a
+        prefill request gets ``(None, False)`` (not scheduled yet) until every worker
+        rank received its decode side's reservation, or it waited ``lease_s``."""
+        transfer = self._push_transfer(params)
+        if transfer is not None:
+            ready = self._reported.get(transfer, (0, 0.0))[0] >= self._tp_size
+            since = self._push_since.get(transfer)
+            if ready or since is None or self._clock() - since > self._lease_s:
+                return 0, False
+            return None, False
         remote = self._remote(params)
         if remote is None:
             return 0, False
         have = (
-            num_prompt_tokens
-            if isinstance(remote, str)
-            else min(remote.num_tokens, num_prompt_tokens)
+            min(remote.num_tokens, num_prompt_tokens)
+            if isinstance(remote, RemotePrefill)
+            else num_prompt_tokens
         )
         count = have - num_computed
         return (count, True) if count > 0 else (0, False)
@@ -130,6 +193,10 @@ class SchedulerSide:
             new_blocks: the other blocks allocated for it, in order.
             num_external_tokens: tokens to load (0: nothing; the prefill is released).
         """
+        transfer = self._push_transfer(params)
+        if transfer is not None:
+            self._admit(request_id, transfer)
+            return
         remote = self._remote(params)
         arrived = self._arrivals.pop(request_id, None)
         if remote is None:
@@ -142,13 +209,33 @@ class SchedulerSide:
                 self._loads.append(Load(request_id, (), (), "", "", (), error=remote))
             return
         if num_external_tokens <= 0:  # e.g. a full local prefix-cache hit
-            self._releases.append(Release(remote.request_id, remote.token, remote.ranks))
+            if isinstance(remote, RemotePrefill):
+                self._releases.append(Release(remote.request_id, remote.token, remote.ranks))
+            # push mode: no reservation made, the prefill computes without pushing
             return
         first = cached_blocks
         stop = -(-(first * self._block_size + num_external_tokens) // self._block_size)
         local = new_blocks[: stop - first]
+        if isinstance(remote, PushPrefill):
+            if len(local) != stop - first:
+                short = f"{stop - first} blocks to load, {len(local)} allocated here"
+                log.error("request %s: %s", request_id, short)
+                self._loads.append(Load(request_id, (), (), "", "", (), error=short))
+                return
+            self._reserving[request_id] = remote.transfer_id
+            self._reserves.append(
+                Reserve(
+                    request_id,
+                    remote.transfer_id,
+                    tuple(local),
+                    first,
+                    first * self._block_size + num_external_tokens,
+                    remote.ranks,
+                )
+            )
+            return
         remote_blocks = remote.block_ids[first:stop]
-        error = None
+        error: str | None = None
         if arrived is not None and self._clock() > arrived + load_deadline(remote.lease_s):
             # the prefill may have freed (and reused) its blocks: never load them
             error = f"the prefill's lease of {remote.lease_s:g} s ran out before the load began"
@@ -172,6 +259,63 @@ class SchedulerSide:
         )
 
     # ---- prefill side ---------------------------------------------------------------------
+    def reserved(self, transfers: dict[str, int]) -> None:
+        """``update_connector_output``: worker ranks received decode reservations
+        (transfer id -> how many ranks, this step)."""
+        now = self._clock()
+        for transfer, count in transfers.items():
+            have, first = self._reported.get(transfer, (0, now))
+            self._reported[transfer] = (have + count, first)
+
+    def _admit(self, request_id: str, transfer: str) -> None:
+        """A push prefill request is scheduled: with its reservation on every rank it
+        will push; without (it waited ``lease_s``) it computes and hands nothing over."""
+        if request_id in self._admitted or request_id in self._pushing:
+            return  # scheduled again after a preemption: decided the first time
+        have, _ = self._reported.pop(transfer, (0, 0.0))
+        self._push_since.pop(transfer, None)
+        why = None
+        if have < self._tp_size:
+            why = f"no decode side reserved blocks for it within {self._lease_s:g} s"
+            log.error("request %s (transfer %s): %s", request_id, transfer, why)
+        self._admitted[request_id] = (transfer, why)
+
+    def push_requests(self) -> list[str]:
+        """Push prefill requests scheduled whose :class:`~._plan.Push` is not planned
+        yet (the facade tells :meth:`scheduled` about those in each step)."""
+        return [r for r, (_, why) in self._admitted.items() if why is None]
+
+    def scheduled(
+        self, request_id: str, *, completes: bool, block_ids: list[int], num_tokens: int
+    ) -> None:
+        """``build_connector_meta``: push request ``request_id`` is in this step; if the
+        step computes the rest of its prompt (``completes``, ``num_tokens`` tokens in
+        ``block_ids``), plan its :class:`~._plan.Push`."""
+        admitted = self._admitted.get(request_id)
+        if admitted is None or admitted[1] is not None or not completes:
+            return
+        del self._admitted[request_id]
+        transfer = admitted[0]
+        blocks = tuple(block_ids[: -(-num_tokens // self._block_size)])
+        self._pushes.append(Push(request_id, transfer, blocks, num_tokens))
+        self._pushing[request_id] = transfer
+
+    def _finished_push(
+        self, request_id: str, transfer: str, completed: bool
+    ) -> tuple[bool, dict[str, Any] | None]:
+        out: dict[str, Any] = {"aiokv": PARAMS_VERSION, "transfer_id": transfer}
+        self._push_since.pop(transfer, None)
+        if self._pushing.pop(request_id, None) is not None:
+            # its KV is being pushed from its blocks: hold them until the push ended
+            self._holds.append(Hold(request_id, "", self._lease_s, pushed=True))
+            return True, {**out, "pushed": True}
+        _, why = self._admitted.pop(request_id, (transfer, None))
+        if why is None:
+            why = "the prefill request ended before its KV was pushed"
+        self._reported.pop(transfer, None)
+        self._cancels.append(Cancel(transfer, why))
+        return False, {**out, "pushed": False, "error": why}
+
     def finished(
         self,
         request_id: str,
@@ -186,8 +330,32 @@ class SchedulerSide:
         its blocks are held until the decode side's done notice or the lease; else
         ``(False, None)`` (its blocks are freed now)."""
         self._arrivals.pop(request_id, None)
+        reserved = self._reserving.pop(request_id, None)
+        if reserved is not None and not completed:
+            # an aborted decode request may still wait for its push: withdraw it
+            self._withdrawals.append(Withdraw(request_id, reserved))
         if not params:
             return False, None
+        if params.get("aiokv_discover"):
+            if self._ranks is None:
+                return False, None
+            mode = "push" if self._push else "pull"
+            return False, endpoint_params(
+                engine_id=self._engine_id,
+                block_size=self._block_size,
+                ranks=self._ranks,
+                mode=mode,
+            )
+        transfer = self._push_transfer(params)
+        if transfer is not None:
+            return self._finished_push(request_id, transfer, completed)
+        if params.get("do_remote_decode") and "transfer_id" in params:
+            why = (
+                "push-mode params, but this instance runs mode 'pull'"
+                if not self._push
+                else check_transfer_id(params["transfer_id"])
+            )
+            return False, {"aiokv": PARAMS_VERSION, "pushed": False, "error": why}
         if params.get("do_remote_prefill"):
             # a decode request that finished before it was scheduled (aborted): let the
             # prefill free its blocks now rather than at the end of its lease
@@ -221,8 +389,28 @@ class SchedulerSide:
 
     def take_plan(self) -> StepPlan:
         """``build_connector_meta``: the step's plan; the next one starts empty."""
-        plan = StepPlan(tuple(self._loads), tuple(self._releases), tuple(self._holds))
-        self._loads.clear()
-        self._releases.clear()
-        self._holds.clear()
+        plan = StepPlan(
+            tuple(self._loads),
+            tuple(self._releases),
+            tuple(self._holds),
+            tuple(self._reserves),
+            tuple(self._pushes),
+            tuple(self._cancels),
+            tuple(self._withdrawals),
+        )
+        for items in (
+            self._loads,
+            self._releases,
+            self._holds,
+            self._reserves,
+            self._pushes,
+            self._cancels,
+            self._withdrawals,
+        ):
+            items.clear()
+        # reservations no prefill request claimed within a lease: forget them (the
+        # workers told their decode sides when they dropped them)
+        old = self._clock() - self._lease_s
+        for transfer in [t for t, (_, first) in self._reported.items() if first < old]:
+            del self._reported[transfer]
         return plan

@@ -10,6 +10,20 @@ never blocking):
 * prefill side: holds each :class:`~._plan.Hold` until the decode side's done notice
   names it (with its token) or its lease ends.
 
+Push mode (``mode="push"``; docs/vllm.md):
+
+* decode side: each :class:`~._plan.Reserve` links to the prefill worker of the same
+  rank and sends it a :class:`ReserveNotice` (the transfer id and this side's block
+  ids); the load ends when the prefill's :class:`PushedNotice` arrives (failed if it
+  says so, if the link drops, or after ``lease_timeout_s``);
+* prefill side: reservations received are reported to the scheduler
+  (:meth:`WorkerSide.take_reserved`, vLLM's worker metadata), which then schedules the
+  prefill request; in the step that computes it, :meth:`WorkerSide.save_layer` pushes
+  each layer's blocks into the reserved blocks as soon as vLLM computed that layer
+  (``push_blocks`` of one layer, on the loop thread, while the next layers compute);
+  when every layer is in, the decode side gets its :class:`PushedNotice` and the
+  request's blocks are released (its :class:`~._plan.Hold` has ``pushed``).
+
 :meth:`WorkerSide.results` reports what finished since the last call: held requests
 released (``finished_sending``), loads ended (``finished_recving``) and, among those,
 loads that failed (``failed_recving``). The aiokv work runs on an event loop thread
@@ -47,9 +61,18 @@ from ... import (
 )
 from ._options import ConnectorOptions
 from ._params import Endpoint
-from ._plan import Load, Release, StepPlan
+from ._plan import Cancel, Load, Push, Release, Reserve, StepPlan
 
-__all__ = ["DoneNotice", "TransferResults", "WorkerSide", "blocks_desc", "logical_blocks"]
+__all__ = [
+    "CancelNotice",
+    "DoneNotice",
+    "PushedNotice",
+    "ReserveNotice",
+    "TransferResults",
+    "WorkerSide",
+    "blocks_desc",
+    "logical_blocks",
+]
 
 log = logging.getLogger("aiokv.vllm")
 
@@ -64,7 +87,7 @@ _DEVICES: Final[dict[str, Literal["cpu", "cuda", "npu"]]] = {
 }
 
 
-_Item = TypeVar("_Item", Load, Release)
+_Item = TypeVar("_Item", Load, Release, Reserve, Cancel)
 
 
 class DoneNotice(msgspec.Struct, frozen=True):
@@ -75,8 +98,71 @@ class DoneNotice(msgspec.Struct, frozen=True):
     token: str
 
 
+class ReserveNotice(msgspec.Struct, frozen=True, tag_field="push", tag="reserve"):
+    """Push mode, decode → prefill: push the blocks of the prompt from the prefill's
+    block ``first`` on into this side's ``blocks`` (``num_tokens``: the prompt's tokens
+    this side expects), under ``transfer``."""
+
+    transfer: str
+    blocks: list[int]
+    first: int
+    num_tokens: int
+
+
+class PushedNotice(msgspec.Struct, frozen=True, tag_field="push", tag="pushed"):
+    """Push mode, prefill → decode: the push under ``transfer`` ended (``ok``), or will
+    never come (``error`` says why)."""
+
+    transfer: str
+    ok: bool
+    error: str = ""
+
+
+class CancelNotice(msgspec.Struct, frozen=True, tag_field="push", tag="cancel"):
+    """Push mode, decode → prefill: the reservation ``transfer`` is withdrawn."""
+
+    transfer: str
+
+
+_PushMessage = ReserveNotice | PushedNotice | CancelNotice
 _notice_decoder = msgspec.json.Decoder(DoneNotice)
+_push_decoder = msgspec.json.Decoder(_PushMessage)
 _notice_encoder = msgspec.json.Encoder()
+
+
+@dataclass(slots=True)
+class _Awaiting:
+    """Decode side: a reservation sent, waiting for its PushedNotice."""
+
+    request_id: str
+    cluster_id: int
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Reservation:
+    """Prefill side: where a decode side wants a prompt's KV pushed."""
+
+    cluster_id: int
+    blocks: list[int]
+    first: int
+    num_tokens: int
+    deadline: float
+
+
+@dataclass(slots=True)
+class _PushJob:
+    """Prefill side: one request's layer-wise push. ``started`` is touched by vLLM's
+    thread only; ``remaining`` and ``error`` by the loop thread only."""
+
+    request_id: str
+    transfer_id: str
+    cluster_id: int | None
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    remaining: int
+    error: str | None = None
+    started: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -112,6 +198,14 @@ class WorkerSide:
         self._early: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
         self._linking: dict[int, asyncio.Lock] = {}  # cluster -> lock (portal loop only)
         self._pending: set[Any] = set()  # futures of loads and notices in flight
+        # push mode
+        self._layers: dict[str, int] = {}  # vLLM layer name -> index in the blocks cache
+        self._awaiting: dict[str, _Awaiting] = {}  # decode: transfer -> load waiting
+        self._reservations: dict[str, _Reservation] = {}  # prefill: transfer -> where to
+        self._new_reserved: dict[str, int] = {}  # prefill: reported to the scheduler next
+        self._jobs: dict[str, _PushJob] = {}  # prefill: request -> push of this step
+        self._push_ended: dict[str, float] = {}  # prefill: request -> forget after
+        self._push_holds: set[str] = set()  # prefill: held until their push ends
 
     # ---- life -----------------------------------------------------------------------------
     def start(
@@ -129,6 +223,7 @@ class WorkerSide:
                 or devices, not contiguous, or a first dimension that is not the blocks.
             LLMException: aiokv could not start (address in use, ...).
         """
+        self._layers = {name: i for i, name in enumerate(kv_caches)}
         tensors = logical_blocks(list(kv_caches.values()), num_blocks)
         desc = blocks_desc(tensors, num_blocks)
         device = tensors[0].device
@@ -143,6 +238,8 @@ class WorkerSide:
             transfer_backend=opts.transfer_backend,
             sync_kv_timeout=opts.transfer_timeout_ms,
             link_secret=opts.link_secret,
+            # push mode: peers may push into our blocks, and we into theirs
+            enable_remote_cache_accessible=opts.mode == "push",
         )
         self._portal_cm = start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
@@ -192,11 +289,17 @@ class WorkerSide:
 
     # ---- per step -------------------------------------------------------------------------
     def step(self, plan: StepPlan) -> None:
-        """Start the plan's loads and releases, file its holds; returns at once."""
+        """Start the plan's loads, releases, reservations and cancels, file its holds;
+        returns at once (its pushes go through :meth:`save_layer` and :meth:`saved`)."""
         now = time.monotonic()
         with self._lock:
             for hold in plan.holds:
-                if self._early.pop((hold.request_id, hold.token), None) is not None:
+                if hold.pushed:
+                    if self._push_ended.pop(hold.request_id, None) is not None:
+                        self._done.finished_sending.add(hold.request_id)
+                    else:
+                        self._push_holds.add(hold.request_id)
+                elif self._early.pop((hold.request_id, hold.token), None) is not None:
                     self._done.finished_sending.add(hold.request_id)  # its notice came first
                 else:
                     self._holds[hold.request_id] = (hold.token, now + hold.lease_s)
@@ -207,14 +310,60 @@ class WorkerSide:
                 self._spawn(self._load, load)
         for release in plan.releases:
             self._spawn(self._release, release)
+        for reserve in plan.reserves:
+            with self._lock:
+                taken = reserve.transfer_id in self._awaiting
+            if taken:
+                log.error(
+                    "request %s: transfer id %r is already in use",
+                    reserve.request_id,
+                    reserve.transfer_id,
+                )
+                self._ended(reserve.request_id, ok=False)
+            else:
+                self._spawn(self._reserve, reserve)
+        for cancel in plan.cancels:
+            self._spawn(self._cancel, cancel)
+        for withdraw in plan.withdrawals:
+            with self._lock:
+                waiting = self._awaiting.get(withdraw.transfer_id)
+            if waiting is not None and waiting.request_id == withdraw.request_id:
+                self._spawn_send(waiting.cluster_id, CancelNotice(withdraw.transfer_id))
 
     def results(self) -> TransferResults:
         """What ended since the last call (see the module docstring); never blocks."""
         notices = self._dd.get_notifications() if self._dd is not None else []
         now = time.monotonic()
+        linked = self._linked_clusters() if self._awaiting else set()
+        expired: list[tuple[int, PushedNotice | CancelNotice]] = []  # notices to send
         with self._lock:
             for cluster_id, payload in notices:
-                self._noticed(cluster_id, payload, now)
+                if payload.startswith(b'{"push":'):
+                    self._push_noticed(cluster_id, payload, now, expired)
+                else:
+                    self._noticed(cluster_id, payload, now)
+            for transfer, waiting in list(self._awaiting.items()):
+                why = None
+                if now >= waiting.deadline:
+                    why = f"no push came within {self._options.lease_timeout_s:g} s"
+                    expired.append((waiting.cluster_id, CancelNotice(transfer)))
+                elif waiting.cluster_id not in linked:
+                    why = "the link to the prefill broke"
+                if why is not None:
+                    log.error(
+                        "request %s: push under %s failed: %s", waiting.request_id, transfer, why
+                    )
+                    del self._awaiting[transfer]
+                    self._done.finished_recving.add(waiting.request_id)
+                    self._done.failed_recving.add(waiting.request_id)
+            for transfer, reservation in list(self._reservations.items()):
+                if now >= reservation.deadline:
+                    del self._reservations[transfer]
+                    why = "no prefill request claimed the reservation in time"
+                    expired.append((reservation.cluster_id, PushedNotice(transfer, False, why)))
+            for request_id, forget in list(self._push_ended.items()):
+                if now >= forget:
+                    del self._push_ended[request_id]
             for request_id, (_, deadline) in list(self._holds.items()):
                 if now >= deadline:
                     log.warning(
@@ -227,7 +376,65 @@ class WorkerSide:
             while self._early and next(iter(self._early.values())) < now:
                 self._early.popitem(last=False)
             done, self._done = self._done, TransferResults()
+        for cluster_id, message in expired:
+            self._spawn_send(cluster_id, message)
         return done
+
+    def _linked_clusters(self) -> set[int]:
+        return set(self._dd.linked_clusters()) if self._dd is not None else set()
+
+    def take_reserved(self) -> dict[str, int]:
+        """Push mode, prefill side: the transfer ids whose reservations arrived since the
+        last call (each counted once: this rank), for the scheduler side."""
+        with self._lock:
+            reserved, self._new_reserved = self._new_reserved, {}
+        return reserved
+
+    def _push_noticed(
+        self,
+        cluster_id: int,
+        payload: bytes,
+        now: float,
+        replies: list[tuple[int, PushedNotice | CancelNotice]],
+    ) -> None:
+        """A push-mode notice (under the lock); answers to send go to ``replies``."""
+        try:
+            message = _push_decoder.decode(payload)
+        except msgspec.MsgspecError:
+            log.warning("ignored a malformed notification from cluster %d", cluster_id)
+            return
+        if self._options.mode != "push":
+            log.warning("ignored a push-mode notice from cluster %d: mode is pull", cluster_id)
+            return
+        if isinstance(message, PushedNotice):
+            waiting = self._awaiting.get(message.transfer)
+            if waiting is None or waiting.cluster_id != cluster_id:
+                return  # not ours, or late: its load already ended
+            del self._awaiting[message.transfer]
+            self._done.finished_recving.add(waiting.request_id)
+            if not message.ok:
+                log.error(
+                    "request %s: the prefill pushed nothing: %s", waiting.request_id, message.error
+                )
+                self._done.failed_recving.add(waiting.request_id)
+        elif isinstance(message, ReserveNotice):
+            if message.transfer in self._reservations or len(self._reservations) >= _EARLY_CAP:
+                log.warning(
+                    "ignored a reservation %r from cluster %d", message.transfer, cluster_id
+                )
+                return
+            deadline = now + self._options.lease_timeout_s
+            self._reservations[message.transfer] = _Reservation(
+                cluster_id, message.blocks, message.first, message.num_tokens, deadline
+            )
+            self._new_reserved[message.transfer] = 1
+        else:  # withdrawn: unless a push already took it, tell the decode side it is over
+            reservation = self._reservations.get(message.transfer)
+            if reservation is not None and reservation.cluster_id == cluster_id:
+                del self._reservations[message.transfer]
+                self._new_reserved.pop(message.transfer, None)
+                why = "the decode side withdrew its reservation"
+                replies.append((cluster_id, PushedNotice(message.transfer, False, why)))
 
     def _noticed(self, cluster_id: int, payload: bytes, now: float) -> None:
         """A done notice (under the lock): release its hold, or remember it a lease long."""
@@ -251,6 +458,194 @@ class WorkerSide:
         self._early[(notice.request, notice.token)] = now + self._options.lease_timeout_s
         while len(self._early) > _EARLY_CAP:
             self._early.popitem(last=False)
+
+    # ---- push mode, prefill side ------------------------------------------------------------
+    def save_layer(self, layer_name: str, pushes: tuple[Push, ...], kv_layer: Any = None) -> None:
+        """``save_kv_layer``: vLLM computed layer ``layer_name`` of this step; start
+        pushing it for every request of ``pushes`` (this step's plan). Never blocks.
+
+        ``kv_layer``: the layer's tensor; on a GPU its pushes wait for the work vLLM
+        queued on the current stream (an event), not for the stream to drain."""
+        layer = self._layers.get(layer_name)
+        if layer is None or not pushes:
+            return
+        event = None
+        if isinstance(kv_layer, torch.Tensor) and kv_layer.is_cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        for push in pushes:
+            self._push_layer_soon(self._job(push), layer, event)
+
+    def saved(self, pushes: tuple[Push, ...]) -> None:
+        """``wait_for_save`` (after the step's forward): push the layers of ``pushes``
+        that :meth:`save_layer` was not called for (normally none), then forget the
+        step's jobs (they end on their own). Never blocks."""
+        for push in pushes:
+            job = self._job(push)
+            late = [i for i in range(len(self._layers)) if i not in job.started]
+            if late:
+                log.warning(
+                    "request %s: layers %s were not named by save_kv_layer; pushed after "
+                    "the forward",
+                    push.request_id,
+                    late,
+                )
+            for layer in late:
+                self._push_layer_soon(job, layer)
+        self._jobs.clear()
+
+    def _job(self, push: Push) -> _PushJob:
+        """This step's job of ``push`` (made on first use: its reservation checked)."""
+        job = self._jobs.get(push.request_id)
+        if job is not None:
+            return job
+        with self._lock:
+            reservation = self._reservations.pop(push.transfer_id, None)
+        error = None
+        if reservation is None:
+            error = "its reservation was withdrawn or expired"
+        elif (
+            reservation.num_tokens != push.num_tokens
+            or reservation.first + len(reservation.blocks) != len(push.blocks)
+            or reservation.first < 0
+        ):
+            error = (
+                f"the decode side expects {reservation.num_tokens} tokens from block "
+                f"{reservation.first} in {len(reservation.blocks)} blocks; the prefill "
+                f"computed {push.num_tokens} tokens in {len(push.blocks)} blocks"
+            )
+        src = push.blocks[reservation.first :] if reservation is not None else ()
+        job = _PushJob(
+            push.request_id,
+            push.transfer_id,
+            None if reservation is None else reservation.cluster_id,
+            tuple(src),
+            tuple(reservation.blocks) if reservation is not None else (),
+            remaining=len(self._layers),
+            error=error,
+        )
+        self._jobs[push.request_id] = job
+        if error is not None:
+            log.error("request %s: no push: %s", push.request_id, error)
+            job.started.update(range(len(self._layers)))
+            self._run_soon(self._push_ended_now, job)
+        return job
+
+    def _push_layer_soon(self, job: _PushJob, layer: int, event: Any = None) -> None:
+        if layer in job.started:
+            return
+        job.started.add(layer)
+        self._run_soon(self._push_layer, job, layer, event)
+
+    def _run_soon(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop thread, tracked as in flight."""
+        if self._portal is None:
+            return
+        fut = self._portal.start_task_soon(fn, *args)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._forget)
+
+    async def _push_layer(self, job: _PushJob, layer: int, event: Any) -> None:
+        """Push one layer of ``job`` (on the loop thread); the last one to end sends the
+        decode side its PushedNotice."""
+        try:
+            if event is not None:  # the GPU work that computed the layer
+                await anyio.to_thread.run_sync(event.synchronize)
+            if job.error is None and job.src:
+                assert self._dd is not None and self._cache is not None
+                assert job.cluster_id is not None
+                with anyio.fail_after(self._options.transfer_timeout_ms / 1000):
+                    await self._dd.cache_manager.push_blocks(
+                        BlocksCacheKey(job.cluster_id, _MODEL_ID),
+                        self._cache,
+                        job.src,
+                        job.dst,
+                        src_layer_range=range(layer, layer + 1),
+                        dst_layer_range=range(layer, layer + 1),
+                        tensor_num_per_layer=1,
+                    )
+        except Exception as exc:
+            if job.error is None:
+                job.error = f"pushing layer {layer} failed: {exc}"
+                log.error("request %s: %s", job.request_id, job.error)
+        finally:
+            job.remaining -= 1
+            if job.remaining == 0:
+                await self._push_ended_now(job)
+
+    async def _push_ended_now(self, job: _PushJob) -> None:
+        """``job`` ended: tell its decode side, then release its held blocks."""
+        if job.cluster_id is not None:
+            notice = PushedNotice(job.transfer_id, job.error is None, job.error or "")
+            await self._send(job.cluster_id, notice)
+        with self._lock:
+            if job.request_id in self._push_holds:
+                self._push_holds.discard(job.request_id)
+                self._done.finished_sending.add(job.request_id)
+            else:
+                self._push_ended[job.request_id] = time.monotonic() + self._options.lease_timeout_s
+
+    async def _cancel(self, cancel: Cancel) -> None:
+        """Nothing will be pushed under ``cancel.transfer_id``: tell its decode side."""
+        with self._lock:
+            reservation = self._reservations.pop(cancel.transfer_id, None)
+            self._new_reserved.pop(cancel.transfer_id, None)
+        if reservation is not None:
+            await self._send(
+                reservation.cluster_id, PushedNotice(cancel.transfer_id, False, cancel.reason)
+            )
+
+    # ---- push mode, decode side -------------------------------------------------------------
+    async def _reserve(self, reserve: Reserve) -> None:
+        """Link to the prefill worker of this rank and send it the reservation; the load
+        then waits for its PushedNotice (see :meth:`results`)."""
+        source = reserve.ranks[self._rank]
+        notice = ReserveNotice(
+            reserve.transfer_id, list(reserve.local_blocks), reserve.first_block, reserve.num_tokens
+        )
+        registered = False
+        try:
+            with anyio.fail_after(self._options.link_timeout_ms / 1000):
+                await self._link(source)
+            deadline = time.monotonic() + self._options.lease_timeout_s
+            with self._lock:  # before sending: its answer may come at once
+                self._awaiting[reserve.transfer_id] = _Awaiting(
+                    reserve.request_id, source.cluster_id, deadline
+                )
+            registered = True
+            assert self._dd is not None
+            await self._dd.send_notification(source.cluster_id, _notice_encoder.encode(notice))
+        except Exception as exc:
+            with self._lock:
+                waiting = self._awaiting.pop(reserve.transfer_id, None)
+            if registered and waiting is None:
+                return  # its answer came anyway (and ended the load)
+            log.error(
+                "request %s: reserving its push from %s:%d (cluster %d) failed: %s",
+                reserve.request_id,
+                source.host,
+                source.port,
+                source.cluster_id,
+                exc,
+            )
+            self._ended(reserve.request_id, ok=False)
+
+    def _spawn_send(self, cluster_id: int, message: PushedNotice | CancelNotice) -> None:
+        self._run_soon(self._send, cluster_id, message)
+
+    async def _send(
+        self, cluster_id: int, message: PushedNotice | CancelNotice | ReserveNotice
+    ) -> None:
+        """Send a push-mode notice, best effort (the other side's bound covers a loss)."""
+        if self._dd is None:
+            return
+        try:
+            await self._dd.send_notification(cluster_id, _notice_encoder.encode(message))
+        except (LLMException, RuntimeError) as exc:
+            log.warning(
+                "could not send %s to cluster %d: %s", type(message).__name__, cluster_id, exc
+            )
 
     # ---- loads ----------------------------------------------------------------------------
     def _spawn(self, fn: Callable[[_Item], Awaitable[None]], item: _Item) -> None:

@@ -1,0 +1,300 @@
+"""The vLLM connector's layer-wise push mode over real aiokv instances (no vLLM needed):
+the decode worker reserves its blocks with the prefill worker, the prefill worker pushes
+each layer as vLLM computes it, and every failure ends the decode's load (failed) and
+releases the prefill's blocks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from aiokv import LLMException
+from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
+from aiokv.integrations.vllm._params import Endpoint
+from aiokv.integrations.vllm._plan import Cancel, Hold, Push, Reserve, StepPlan, Withdraw
+from aiokv.integrations.vllm._worker import TransferResults
+from aiokv.transport import get_transport
+
+LAYERS, BLOCKS, SHAPE = 3, 24, (2, 32, 2 * 16)  # CPU layout: [blocks, heads, bs, 2*head_dim]
+BS = 32
+
+
+def kv(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer.{i}": torch.randn(BLOCKS, *SHAPE, generator=g) for i in range(LAYERS)}
+
+
+Pair = tuple[WorkerSide, dict[str, torch.Tensor], WorkerSide, dict[str, torch.Tensor]]
+
+
+def options(backend: str = "tcp", **extra: Any) -> ConnectorOptions:
+    return ConnectorOptions.parse(
+        {
+            "mode": "push",
+            "transfer_timeout_ms": 3000,
+            "link_timeout_ms": 2000,
+            "transfer_backend": backend,
+            **extra,
+        }
+    )
+
+
+@pytest.fixture(params=["tcp", "nixl"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A prefill and a decode worker in push mode over ``tcp`` or ``nixl``."""
+    if request.param == "nixl":
+        try:
+            get_transport("nixl")
+        except LLMException as exc:
+            pytest.skip(f"nixl: {exc}")
+    opts = options(request.param)
+    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
+    pkv, dkv = kv(1), kv(2)
+    p.start(pkv)
+    try:
+        d.start(dkv)
+        try:
+            yield p, pkv, d, dkv
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
+def wait_for(
+    side: WorkerSide, pred: Any, timeout: float = 20.0, also: WorkerSide | None = None
+) -> TransferResults:
+    """Poll ``side.results()`` (as vLLM does each step) until ``pred(accumulated)``;
+    ``also``: another side stepping meanwhile (its results are dropped)."""
+    acc = TransferResults()
+    end = time.monotonic() + timeout
+    while True:
+        if also is not None:
+            also.results()
+        got = side.results()
+        acc.finished_sending |= got.finished_sending
+        acc.finished_recving |= got.finished_recving
+        acc.failed_recving |= got.failed_recving
+        if pred(acc):
+            return acc
+        assert time.monotonic() < end, f"not within {timeout} s: {acc}"
+        time.sleep(0.01)
+
+
+def reserved(p: WorkerSide, transfer: str, timeout: float = 20.0) -> None:
+    """Poll the prefill (as vLLM does each step) until its rank reports ``transfer``."""
+    end = time.monotonic() + timeout
+    seen: dict[str, int] = {}
+    while transfer not in seen:
+        p.results()
+        seen.update(p.take_reserved())
+        assert time.monotonic() < end, f"no reservation {transfer!r} within {timeout} s"
+        time.sleep(0.01)
+    assert seen == {transfer: 1}
+
+
+def reserve(p: WorkerSide, rid: str, transfer: str, local: list[int], **kw: Any) -> Reserve:
+    assert p.endpoint is not None
+    first = kw.get("first", 0)
+    tokens = kw.get("tokens", (first + len(local)) * BS)
+    return Reserve(rid, transfer, tuple(local), first, tokens, (p.endpoint,))
+
+
+def test_each_layer_is_pushed_into_the_reserved_blocks(pair: Pair) -> None:
+    p, pkv, d, dkv = pair
+    src, dst = [5, 0, 17, 3], [9, 10, 2, 23]
+    untouched = {n: t.clone() for n, t in dkv.items()}
+    d.step(StepPlan(reserves=(reserve(p, "d1", "T1", dst, tokens=100),)))
+    reserved(p, "T1")
+    push = Push("p1", "T1", tuple(src), 100)
+    # the plan reaches start_load_kv, which may run before the forward: nothing moves
+    p.step(StepPlan(pushes=(push,)))
+    assert p._jobs == {}
+    # vLLM computes layer by layer: each is pushed as save_kv_layer names it
+    for i, name in enumerate(pkv):
+        p.save_layer(name, (push,))
+        assert p._jobs["p1"].started == set(range(i + 1))
+    p.saved((push,))  # after the forward: nothing left to start
+    done = wait_for(d, lambda a: "d1" in a.finished_recving)
+    assert done.failed_recving == set()
+    for name in pkv:
+        assert torch.equal(dkv[name][dst], pkv[name][src])
+        rest = [b for b in range(BLOCKS) if b not in dst]
+        assert torch.equal(dkv[name][rest], untouched[name][rest])  # nothing else written
+    assert p.results().finished_sending == set()  # not held yet: nothing to release
+    p.step(StepPlan(holds=(Hold("p1", "", 60.0, pushed=True),)))
+    assert p.results().finished_sending == {"p1"}
+    assert p._push_ended == {} and p._push_holds == set() and p._reservations == {}
+
+
+def test_the_hold_waits_for_the_push_to_end(pair: Pair) -> None:
+    p, _, d, _ = pair
+    d.step(StepPlan(reserves=(reserve(p, "d2", "T2", [1, 2]),)))
+    reserved(p, "T2")
+    push = Push("p2", "T2", (3, 4), 2 * BS)
+    p.save_layer("layer.0", (push,))  # one layer pushed during the forward ...
+    p.saved((push,))
+    p.step(StepPlan(holds=(Hold("p2", "", 60.0, pushed=True),)))
+    # ... the rest after it; the blocks stay held until every layer is in
+    sent = wait_for(p, lambda a: "p2" in a.finished_sending)
+    assert sent.finished_sending == {"p2"}
+    done = wait_for(d, lambda a: "d2" in a.finished_recving)
+    assert done.failed_recving == set()
+
+
+def test_a_prefix_hit_on_the_decode_side_gets_the_rest(pair: Pair) -> None:
+    p, pkv, d, dkv = pair
+    # the decode already has the prompt's first block: it reserves blocks 1..2 only
+    d.step(StepPlan(reserves=(reserve(p, "d3", "T3", [20, 21], first=1, tokens=90),)))
+    reserved(p, "T3")
+    push = Push("p3", "T3", (7, 8, 11), 90)
+    p.saved((push,))
+    p.step(StepPlan(holds=(Hold("p3", "", 60.0, pushed=True),)))
+    assert wait_for(d, lambda a: "d3" in a.finished_recving).failed_recving == set()
+    for name in pkv:
+        assert torch.equal(dkv[name][[20, 21]], pkv[name][[8, 11]])
+
+
+def test_a_prompt_of_another_length_fails_and_releases(pair: Pair) -> None:
+    p, _, d, _ = pair
+    d.step(StepPlan(reserves=(reserve(p, "d4", "T4", [1, 2], tokens=64),)))
+    reserved(p, "T4")
+    push = Push("p4", "T4", (3, 4), 60)  # the prefill computed 60 tokens, not 64
+    p.saved((push,))
+    p.step(StepPlan(holds=(Hold("p4", "", 60.0, pushed=True),)))
+    assert wait_for(d, lambda a: "d4" in a.finished_recving).failed_recving == {"d4"}
+    wait_for(p, lambda a: "p4" in a.finished_sending)
+
+
+def test_a_wrong_block_id_fails_the_load_and_releases(pair: Pair) -> None:
+    p, _, d, _ = pair
+    d.step(StepPlan(reserves=(reserve(p, "d5", "T5", [1, BLOCKS + 7]),)))
+    reserved(p, "T5")
+    push = Push("p5", "T5", (3, 4), 2 * BS)
+    p.saved((push,))
+    p.step(StepPlan(holds=(Hold("p5", "", 60.0, pushed=True),)))
+    assert wait_for(d, lambda a: "d5" in a.finished_recving).failed_recving == {"d5"}
+    wait_for(p, lambda a: "p5" in a.finished_sending)
+
+
+def test_a_cancelled_prefill_fails_the_decode_at_once(pair: Pair) -> None:
+    p, _, d, _ = pair
+    d.step(StepPlan(reserves=(reserve(p, "d6", "T6", [1]),)))
+    reserved(p, "T6")
+    p.step(StepPlan(cancels=(Cancel("T6", "aborted"),)))
+    assert wait_for(d, lambda a: "d6" in a.finished_recving).failed_recving == {"d6"}
+    assert p._reservations == {}
+
+
+def test_an_aborted_decode_withdraws_and_ends_when_the_prefill_answers(pair: Pair) -> None:
+    p, _, d, _ = pair
+    d.step(StepPlan(reserves=(reserve(p, "d13", "T13", [1]),)))
+    reserved(p, "T13")
+    d.step(StepPlan(withdrawals=(Withdraw("d13", "T13"),)))
+    time.sleep(0.3)
+    assert d.results().finished_recving == set()  # its blocks stay taken ...
+    # ... until the prefill (at its next engine step) drops the reservation and answers
+    done = wait_for(d, lambda a: "d13" in a.finished_recving, also=p)
+    assert done.failed_recving == {"d13"}
+    assert p._reservations == {}
+
+
+def test_a_withdrawal_after_the_push_began_waits_for_the_push(pair: Pair) -> None:
+    p, pkv, d, dkv = pair
+    d.step(StepPlan(reserves=(reserve(p, "d14", "T14", [6]),)))
+    reserved(p, "T14")
+    push = Push("p14", "T14", (2,), BS)
+    p.save_layer("layer.0", (push,))  # the push took the reservation
+    d.step(StepPlan(withdrawals=(Withdraw("d14", "T14"),)))
+    p.saved((push,))
+    done = wait_for(d, lambda a: "d14" in a.finished_recving)
+    assert done.failed_recving == set()  # the push ended: the blocks are whole
+    for name in pkv:
+        assert torch.equal(dkv[name][[6]], pkv[name][[2]])
+
+
+def test_a_push_without_reservation_releases_the_blocks(pair: Pair) -> None:
+    p, _, _, _ = pair
+    push = Push("p7", "nobody", (3,), BS)
+    p.saved((push,))
+    p.step(StepPlan(holds=(Hold("p7", "", 60.0, pushed=True),)))
+    wait_for(p, lambda a: "p7" in a.finished_sending)
+
+
+def test_a_transfer_id_in_use_fails_the_second_decode(pair: Pair) -> None:
+    p, _, d, _ = pair
+    d.step(StepPlan(reserves=(reserve(p, "d8", "T8", [1]),)))
+    reserved(p, "T8")
+    d.step(StepPlan(reserves=(reserve(p, "d8b", "T8", [2]),)))
+    assert d.results().failed_recving == {"d8b"}
+    p.saved((Push("p8", "T8", (4,), BS),))
+    assert wait_for(d, lambda a: "d8" in a.finished_recving).failed_recving == set()
+
+
+def test_reservations_and_waits_end_with_the_lease() -> None:
+    opts = options(lease_timeout_s=0.5)
+    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
+    p.start(kv(3))
+    d.start(kv(4))
+    try:
+        d.step(StepPlan(reserves=(reserve(p, "d9", "T9", [1]),)))
+        reserved(p, "T9")
+        start = time.monotonic()
+        # no prefill request claims it: the prefill drops it and tells the decode side
+        done = wait_for(d, lambda a: "d9" in a.finished_recving, timeout=10)
+        assert done.failed_recving == {"d9"}
+        assert 0.3 < time.monotonic() - start < 5
+        wait_for(p, lambda _: not p._reservations, timeout=5)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_dead_prefill_fails_the_reservation_within_the_link_bound() -> None:
+    d = WorkerSide(options(link_timeout_ms=1000), engine_id="D", rank=0)
+    d.start(kv(5))
+    try:
+        nobody = Endpoint("127.0.0.1", 9, 1234)  # discard port: nothing listens
+        start = time.monotonic()
+        d.step(StepPlan(reserves=(Reserve("d10", "T10", (1,), 0, BS, (nobody,)),)))
+        done = wait_for(d, lambda a: "d10" in a.finished_recving, timeout=10)
+        assert done.failed_recving == {"d10"}
+        assert time.monotonic() - start < 3
+    finally:
+        d.close()
+
+
+def test_prefill_gone_while_the_decode_waits_fails_the_load() -> None:
+    opts = options()
+    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
+    p.start(kv(6))
+    d.start(kv(7))
+    try:
+        d.step(StepPlan(reserves=(reserve(p, "d11", "T11", [1]),)))
+        reserved(p, "T11")
+        p.close()  # the prefill dies before it pushes
+        done = wait_for(d, lambda a: "d11" in a.finished_recving, timeout=10)
+        assert done.failed_recving == {"d11"}
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_pull_mode_instance_refuses_pushes() -> None:
+    pull = ConnectorOptions.parse({"link_timeout_ms": 2000})
+    p = WorkerSide(pull, engine_id="P", rank=0)
+    d = WorkerSide(options(), engine_id="D", rank=0)
+    p.start(kv(8))
+    d.start(kv(9))
+    try:
+        d.step(StepPlan(reserves=(reserve(p, "d12", "T12", [1]),)))
+        time.sleep(0.5)
+        p.results()
+        assert p.take_reserved() == {} and p._reservations == {}
+    finally:
+        d.close()
+        p.close()
