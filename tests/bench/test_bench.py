@@ -77,6 +77,51 @@ def test_layerwise_bench_verifies_and_reports_every_shape() -> None:
     json.dumps(report.as_dict())
 
 
+class _Recorder:
+    """A CacheManager that records the cache and block lists of every push_blocks and
+    transfer_cache_async, then does them."""
+
+    def __init__(self, cm: CacheManager) -> None:
+        self._cm = cm
+        self.calls: list[tuple[str, int, list[int], list[int], Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cm, name)
+
+    async def push_blocks(self, key: Any, src: Any, srcs: Any, dsts: Any, *more: Any) -> None:
+        self.calls.append(("push_blocks", src.cache_id, list(srcs), list(dsts), more))
+        await self._cm.push_blocks(key, src, srcs, dsts, *more)
+
+    def transfer_cache_async(self, src: Any, sync: Any, cfgs: Any, srcs: Any, dsts: Any) -> Any:
+        kinds = tuple(type(c).__name__ for c in cfgs)
+        self.calls.append(("transfer_cache_async", src.cache_id, list(srcs), list(dsts), kinds))
+        return self._cm.transfer_cache_async(src, sync, cfgs, srcs, dsts)
+
+
+def test_layerwise_baseline_is_one_push_of_the_same_contiguous_blocks() -> None:
+    calls: list[tuple[str, int, list[int], list[int], Any]] = []
+    count = TINY[0][0]
+
+    async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
+        cm: Any = _Recorder(decoder.cache_manager)
+        await layerwise.overhead(Report("x"), cm, peer, rounds=1, shapes=TINY[:1], layers=2)
+        calls.extend(cm.calls)
+
+    run_remote(main, pool_bytes=1 << 24)
+    pushes = [c for c in calls if c[0] == "push_blocks"]
+    layer_wise = [c for c in calls if c[0] == "transfer_cache_async"]
+    assert pushes and layer_wise
+    # every push is of every tensor (no layer range), one request
+    assert all(c[4] == () for c in pushes)
+    assert {c[4] for c in layer_wise} == {("TransferWithCacheKeyConfig",), ("TransferConfig",)}
+    # the same cache and the same block lists for every contender: the same bytes, laid
+    # out the same way; contiguous on both sides (one run per tensor), not onto itself
+    assert {(c[1], tuple(c[2]), tuple(c[3])) for c in calls} == {
+        (calls[0][1], tuple(range(count)), tuple(range(count, 2 * count)))
+    }
+    assert layerwise.block_lists(count) == (calls[0][2], calls[0][3])
+
+
 class _PushDropsBytes:
     """A CacheManager whose ``push_blocks`` returns at once without moving anything."""
 
