@@ -16,9 +16,9 @@ with compute.
   (256 MiB). After the timed rounds every contender runs once more into a zeroed
   destination and the peer's digest of the destination blocks must equal the digest of
   the source blocks, so a fast wrong result cannot be reported.
-* :func:`overlap` (part of ``aiokv bench transfer``) — a synchronizer that releases
-  layer i after i + 1 simulated compute steps, each as long as one layer's transfer:
-  total time against ``max(compute, transfer)`` (target ≤ 1.1).
+* :func:`overlap` (``aiokv bench layerwise`` and ``aiokv bench transfer``) — a
+  synchronizer that releases layer i after i + 1 simulated compute steps, each as long
+  as one layer's transfer: total time against ``max(compute, transfer)`` (target ≤ 1.1).
 """
 
 from __future__ import annotations
@@ -226,13 +226,15 @@ def run_layerwise_bench(
     layers: int = LAYERS,
     pool_bytes: int = POOL_BYTES,
 ) -> Report:
-    """``aiokv bench layerwise``: :func:`overhead` in one run, against a new prompt peer.
+    """``aiokv bench layerwise``: :func:`overhead`, then :func:`overlap` (``layers`` x K,V
+    x 32 blocks of 64 KiB), in one run, against a new prompt peer.
 
     Args:
         quick: 2 timed rounds per figure instead of 7 (the shapes stay the same).
         shapes: ``(blocks, block bytes)`` per tensor, one row each.
         layers: layers of K and V.
-        pool_bytes: the pool of each side; must hold twice the largest shape.
+        pool_bytes: the pool of each side; must hold twice the largest shape, and the
+            overlap's cache.
 
     Raises:
         AssertionError: a contender left wrong bytes at the destination.
@@ -243,6 +245,7 @@ def run_layerwise_bench(
     async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
         cm = decoder.cache_manager
         await overhead(report, cm, peer, rounds=rounds, shapes=shapes, layers=layers)
+        await overlap(report, cm, peer, layers=layers, block=64 * KIB, count=32)
 
     run_remote(main, pool_bytes)
     return report

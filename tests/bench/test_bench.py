@@ -74,6 +74,11 @@ def test_layerwise_bench_verifies_and_reports_every_shape() -> None:
         assert r["push_blocks_ms"] > 0
         assert r["by_key_ratio"] == pytest.approx(r["by_key_ms"] / r["push_blocks_ms"])
         assert r["by_addrs_ratio"] == pytest.approx(r["by_addrs_ms"] / r["push_blocks_ms"])
+    overlap = report.as_dict()["layerwise_overlap"]
+    assert overlap["layers"] == 2 and overlap["mib"] == 2 * 2 * 32 * 64 / 1024
+    assert overlap["ratio"] == pytest.approx(
+        overlap["total_ms"] / max(overlap["transfer_ms"], overlap["compute_ms"])
+    )
     json.dumps(report.as_dict())
 
 
