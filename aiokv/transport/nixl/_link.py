@@ -181,7 +181,7 @@ class NixlLink(TcpLink):
     def landed(self, op: PeerOp) -> None:
         """The peer's NIXL push for ``op`` notified: every byte landed."""
         if self._theirs.get(op.rid) is op and op.state is State.RECEIVING:
-            op.on_filled(self)
+            self._filled(op)
 
     # ------------------------------------------------------------------ requester side
 

@@ -11,7 +11,7 @@ import contextlib
 import ctypes
 import itertools
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
@@ -653,7 +653,7 @@ class TcpLink(Link):
                     iov[pos] = iov[pos][k:]
                     k = 0
         if not sink.cursor.remaining:
-            sink.on_filled(self)
+            self._filled(sink)
 
     async def _recv_rows(self, sink: MyOp | PeerOp, rows: npt.NDArray[np.uint64]) -> None:
         """Receive one DATA chunk into the memory of ``rows`` (``readv``), as
@@ -675,7 +675,7 @@ class TcpLink(Link):
             left -= k
             pos = _advance(rows, pos, k)
         if not sink.cursor.remaining:
-            sink.on_filled(self)
+            self._filled(sink)
 
     def _fail_sink(self, sink: MyOp | PeerOp, why: str) -> None:
         _log.warning("%r: request %d failed: peer %s", self, sink.rid, why)
@@ -880,7 +880,36 @@ class TcpLink(Link):
             op.cursor = cursor_of(views, total)
             self._post(wire.encode_frame(reply, op.rid, status=status))
             if not total:
-                op.on_filled(self)
+                self._filled(op)
+
+    def _filled(self, sink: MyOp | PeerOp) -> None:
+        """Every byte of ``sink`` landed: our read is over; the peer's write is confirmed
+        (WRITE_DONE), after the grant's commit."""
+        if isinstance(sink, MyOp):
+            sink.finish(_S.LLM_SUCCESS)
+            return
+        commit, sink.commit = sink.commit, None
+        if commit is None:
+            self._landed(sink, _S.LLM_SUCCESS)
+        else:
+            self._spawn(self._committed(sink, commit), f"commit-{sink.rid}")
+
+    def _landed(self, op: PeerOp, status: LLMStatusCode) -> None:
+        self._theirs.pop(op.rid, None)
+        op.finish(status is _S.LLM_SUCCESS)
+        self._post(wire.encode_frame(_F.WRITE_DONE, op.rid, status=status))
+
+    async def _committed(self, op: PeerOp, commit: Callable[[], Awaitable[LLMStatusCode]]) -> None:
+        status = _S.LLM_FAILED
+        try:
+            status = LLMStatusCode(await commit())
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            _log.exception("%r: the commit of request %d failed", self, op.rid)
+        finally:
+            if self._theirs.get(op.rid) is op and op.state is not State.OVER:
+                self._landed(op, status)  # else revoked, cancelled or the link broke
 
     # ------------------------------------------------------------------------ lifecycle
 
