@@ -12,7 +12,7 @@ import ctypes
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +28,7 @@ from .._base import (
     Grant,
     Link,
     PeerInfo,
+    RequestHandler,
     check_grant,
     check_probe_timeout,
     check_request,
@@ -40,10 +41,7 @@ from .._base import (
 from ._io import IOV_MAX, SockIO, readv, vectored, wake, writev
 from ._ops import Bufs, MyOp, PeerOp, RunCursor, State, Stream, code_of, cursor_of
 
-if TYPE_CHECKING:
-    from ._transport import TcpTransport
-
-__all__ = ["TcpLink"]
+__all__ = ["LinkOwner", "TcpLink"]
 
 # the reason of our own op that a grant this link cannot move by address ended
 _NOT_DIRECT: Final = "granted memory not reachable by address"
@@ -85,12 +83,29 @@ _REPLY_STALL_S = 30.0
 _CANCEL_ACK_WAIT: Final = (0.5, 5.0)
 
 
+class LinkOwner(Protocol):
+    """What a link needs from the transport that made it (:class:`TcpTransport`): its
+    settings and handler, its event loop and tasks, and to hear that the link is lost."""
+
+    local_cluster_id: int
+    handler: RequestHandler
+    max_meta_bytes: int
+    chunk_bytes: int
+    _scratch: bytearray  # sink for data nobody wants
+
+    def _loop_or_raise(self) -> asyncio.AbstractEventLoop: ...
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]: ...
+
+    def _link_lost(self, link: TcpLink) -> None: ...
+
+
 class TcpLink(Link):
     """One connected socket with its reader and writer tasks; see the module docstring."""
 
     def __init__(
         self,
-        transport: TcpTransport,
+        transport: LinkOwner,
         io: SockIO,
         peer: PeerInfo,
         *,
