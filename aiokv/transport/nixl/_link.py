@@ -21,23 +21,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from ..._layout import LayoutViews
+from ..._threads import Lane
 from .. import _wire as wire
 from .._base import DeviceRuns, DirectCheck, PeerInfo, decode_reason
 from ..tcp._io import SockIO
-from ..tcp._link import TcpLink
+from ..tcp._link import LinkOwner, TcpLink
 from ..tcp._ops import MyOp, PeerOp, State, Stream
+from ._agent import Agent
 from ._descs import Place, decode_grant, encode_grant, pair, runs_of
+from ._regions import Regions
 
-if TYPE_CHECKING:
-    from ..tcp._transport import TcpTransport
-    from ._transport import NixlTransport
-
-__all__ = ["NixlLink"]
+__all__ = ["NixlLink", "NixlOwner"]
 
 _log = logging.getLogger("aiokv.transport.nixl")
 _S = LLMStatusCode
@@ -65,12 +64,45 @@ def _failed(op: MyOp) -> bool:
     return op.result is not None and (op.is_read or op.result is not _S.LLM_SUCCESS)
 
 
+class NixlOwner(LinkOwner, Protocol):
+    """What a NIXL link needs from the transport that made it (:class:`NixlTransport`):
+    its agent, registered memory and metadata, the grants it serves, its wait lane and
+    transfer counters."""
+
+    agent: Agent | None
+    agent_name: str
+    regions: Regions
+    vram: dict[int, Regions]
+    wait_lane: Lane
+    xfers: int
+    moved: int
+    moved_bytes: int
+
+    def _table(self, device: str, *, create: bool = False) -> Regions | None: ...
+
+    def addressable(self, device: str, addr: int, nbytes: int) -> bool: ...
+
+    def generation(self) -> int: ...
+
+    def metadata(self) -> tuple[int, bytes]: ...
+
+    def ref_remote(self, name: str) -> None: ...
+
+    def unref_remote(self, name: str) -> None: ...
+
+    def new_tag(self) -> bytes: ...
+
+    def serve(self, link: NixlLink, op: PeerOp, tag: bytes | None) -> None: ...
+
+    def lend(self) -> Callable[[], None]: ...
+
+
 class NixlLink(TcpLink):
     """A :class:`TcpLink` that moves payload over NIXL where both ends can."""
 
     def __init__(
         self,
-        transport: TcpTransport,
+        transport: NixlOwner,
         io: SockIO,
         peer: PeerInfo,
         *,
@@ -78,10 +110,7 @@ class NixlLink(TcpLink):
         first_frame: bytes | None = None,
     ) -> None:
         super().__init__(transport, io, peer, initiator=initiator, first_frame=first_frame)
-        from ._transport import NixlTransport
-
-        assert isinstance(transport, NixlTransport)
-        self._n: NixlTransport = transport
+        self._n = transport
         self.peer_agent: str | None = None  # the peer's NIXL agent, once loaded
         self._peer_cap = 0  # the largest meta the peer accepts
         self._md_gen = -1  # generation of the metadata we sent last
@@ -181,7 +210,7 @@ class NixlLink(TcpLink):
     def landed(self, op: PeerOp) -> None:
         """The peer's NIXL push for ``op`` notified: every byte landed."""
         if self._theirs.get(op.rid) is op and op.state is State.RECEIVING:
-            op.on_filled(self)
+            self._filled(op)
 
     # ------------------------------------------------------------------ requester side
 

@@ -43,7 +43,7 @@ from .._tls import TlsContexts
 from ..tcp import TcpTransport
 from ..tcp._ops import PeerOp, State
 from ._agent import Agent
-from ._link import POLL_MAX_S, POLL_MIN_S, NixlLink
+from ._link import POLL_MAX_S, POLL_MIN_S, NixlLink, NixlOwner
 from ._regions import Regions
 
 if TYPE_CHECKING:
@@ -338,3 +338,10 @@ class NixlTransport(TcpTransport):
                     with contextlib.suppress(Exception):
                         agent.deregister(region.handle)
                     region.handle = None
+
+
+if TYPE_CHECKING:
+
+    def _owns_links(transport: NixlTransport) -> NixlOwner:
+        """Static check (mypy): a NixlTransport is what its links expect of their owner."""
+        return transport

@@ -11,8 +11,8 @@ import contextlib
 import ctypes
 import itertools
 import logging
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -28,6 +28,7 @@ from .._base import (
     Grant,
     Link,
     PeerInfo,
+    RequestHandler,
     check_grant,
     check_probe_timeout,
     check_request,
@@ -40,10 +41,7 @@ from .._base import (
 from ._io import IOV_MAX, SockIO, readv, vectored, wake, writev
 from ._ops import Bufs, MyOp, PeerOp, RunCursor, State, Stream, code_of, cursor_of
 
-if TYPE_CHECKING:
-    from ._transport import TcpTransport
-
-__all__ = ["TcpLink"]
+__all__ = ["LinkOwner", "TcpLink"]
 
 # the reason of our own op that a grant this link cannot move by address ended
 _NOT_DIRECT: Final = "granted memory not reachable by address"
@@ -85,12 +83,29 @@ _REPLY_STALL_S = 30.0
 _CANCEL_ACK_WAIT: Final = (0.5, 5.0)
 
 
+class LinkOwner(Protocol):
+    """What a link needs from the transport that made it (:class:`TcpTransport`): its
+    settings and handler, its event loop and tasks, and to hear that the link is lost."""
+
+    local_cluster_id: int
+    handler: RequestHandler
+    max_meta_bytes: int
+    chunk_bytes: int
+    _scratch: bytearray  # sink for data nobody wants
+
+    def _loop_or_raise(self) -> asyncio.AbstractEventLoop: ...
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]: ...
+
+    def _link_lost(self, link: TcpLink) -> None: ...
+
+
 class TcpLink(Link):
     """One connected socket with its reader and writer tasks; see the module docstring."""
 
     def __init__(
         self,
-        transport: TcpTransport,
+        transport: LinkOwner,
         io: SockIO,
         peer: PeerInfo,
         *,
@@ -653,7 +668,7 @@ class TcpLink(Link):
                     iov[pos] = iov[pos][k:]
                     k = 0
         if not sink.cursor.remaining:
-            sink.on_filled(self)
+            self._filled(sink)
 
     async def _recv_rows(self, sink: MyOp | PeerOp, rows: npt.NDArray[np.uint64]) -> None:
         """Receive one DATA chunk into the memory of ``rows`` (``readv``), as
@@ -675,7 +690,7 @@ class TcpLink(Link):
             left -= k
             pos = _advance(rows, pos, k)
         if not sink.cursor.remaining:
-            sink.on_filled(self)
+            self._filled(sink)
 
     def _fail_sink(self, sink: MyOp | PeerOp, why: str) -> None:
         _log.warning("%r: request %d failed: peer %s", self, sink.rid, why)
@@ -880,7 +895,36 @@ class TcpLink(Link):
             op.cursor = cursor_of(views, total)
             self._post(wire.encode_frame(reply, op.rid, status=status))
             if not total:
-                op.on_filled(self)
+                self._filled(op)
+
+    def _filled(self, sink: MyOp | PeerOp) -> None:
+        """Every byte of ``sink`` landed: our read is over; the peer's write is confirmed
+        (WRITE_DONE), after the grant's commit."""
+        if isinstance(sink, MyOp):
+            sink.finish(_S.LLM_SUCCESS)
+            return
+        commit, sink.commit = sink.commit, None
+        if commit is None:
+            self._landed(sink, _S.LLM_SUCCESS)
+        else:
+            self._spawn(self._committed(sink, commit), f"commit-{sink.rid}")
+
+    def _landed(self, op: PeerOp, status: LLMStatusCode) -> None:
+        self._theirs.pop(op.rid, None)
+        op.finish(status is _S.LLM_SUCCESS)
+        self._post(wire.encode_frame(_F.WRITE_DONE, op.rid, status=status))
+
+    async def _committed(self, op: PeerOp, commit: Callable[[], Awaitable[LLMStatusCode]]) -> None:
+        status = _S.LLM_FAILED
+        try:
+            status = LLMStatusCode(await commit())
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            _log.exception("%r: the commit of request %d failed", self, op.rid)
+        finally:
+            if self._theirs.get(op.rid) is op and op.state is not State.OVER:
+                self._landed(op, status)  # else revoked, cancelled or the link broke
 
     # ------------------------------------------------------------------------ lifecycle
 

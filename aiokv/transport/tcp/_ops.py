@@ -8,7 +8,7 @@ import ctypes
 import enum
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -16,9 +16,6 @@ import numpy.typing as npt
 from ..._enums import LLMStatusCode
 from ..._layout import LayoutViews
 from .. import _wire as wire
-
-if TYPE_CHECKING:
-    from ._link import TcpLink
 
 __all__ = [
     "AnyCursor",
@@ -232,9 +229,6 @@ class MyOp:
             self._wake = self._loop.create_future()
             await self._wake
 
-    def on_filled(self, link: TcpLink) -> None:
-        self.finish(_S.LLM_SUCCESS)
-
 
 class PeerOp:
     """A request the peer started, which this side serves."""
@@ -264,30 +258,3 @@ class PeerOp:
                 done(ok)
             except Exception:
                 _log.exception("Grant.done callback failed")
-
-    def on_filled(self, link: TcpLink) -> None:
-        """Every byte of the peer's write landed: confirm it, after the grant's commit."""
-        commit, self.commit = self.commit, None
-        if commit is None:
-            self.landed(link, _S.LLM_SUCCESS)
-        else:
-            link._spawn(self._committed(link, commit), f"commit-{self.rid}")
-
-    def landed(self, link: TcpLink, status: LLMStatusCode) -> None:
-        link._theirs.pop(self.rid, None)
-        self.finish(status is _S.LLM_SUCCESS)
-        link._post(wire.encode_frame(_F.WRITE_DONE, self.rid, status=status))
-
-    async def _committed(
-        self, link: TcpLink, commit: Callable[[], Awaitable[LLMStatusCode]]
-    ) -> None:
-        status = _S.LLM_FAILED
-        try:
-            status = LLMStatusCode(await commit())
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            _log.exception("%r: the commit of request %d failed", link, self.rid)
-        finally:
-            if link._theirs.get(self.rid) is self and self.state is not State.OVER:
-                self.landed(link, status)  # else revoked, cancelled or the link broke
