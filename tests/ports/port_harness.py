@@ -1,4 +1,4 @@
-"""Harness for the ported llm_datadist clients (tests/compat/samples/clients/).
+"""Harness for the ported llm_datadist clients (tests/ports/clients/).
 
 Each client runs as its own processes, exactly as its authors run it (``python sample.py
 --role p ...``), against aiokv instead of llm_datadist. The harness only hands out free
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 CLIENTS = Path(__file__).resolve().parent / "clients"
 
 
