@@ -4,6 +4,7 @@ layout, a linked prefill/decode pair of real ``WorkerSide`` instances, and a pol
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,8 +28,9 @@ def kv(seed: int) -> dict[str, torch.Tensor]:
     return {f"layer.{i}": torch.randn(BLOCKS, *SHAPE, generator=g) for i in range(LAYERS)}
 
 
+@contextlib.contextmanager
 def worker_pair(opts: ConnectorOptions) -> Iterator[Pair]:
-    """Yield a started prefill worker ("P") and decode worker ("D") with their KV
+    """A started prefill worker ("P") and decode worker ("D") with their KV
     tensors (seeds 1 and 2); skips the test when ``opts``' backend is nixl and nixl is
     unavailable; closes both workers afterwards."""
     if opts.transfer_backend == "nixl":

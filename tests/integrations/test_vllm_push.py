@@ -35,7 +35,8 @@ def options(backend: str = "tcp", **extra: Any) -> ConnectorOptions:
 @pytest.fixture(params=["tcp", "nixl"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     """A prefill and a decode worker in push mode over ``tcp`` or ``nixl``."""
-    yield from worker_pair(options(request.param))
+    with worker_pair(options(request.param)) as pair:
+        yield pair
 
 
 def reserved(p: WorkerSide, transfer: str, timeout: float = 20.0) -> None:
@@ -185,11 +186,7 @@ def test_a_transfer_id_in_use_fails_the_second_decode(pair: Pair) -> None:
 
 
 def test_reservations_and_waits_end_with_the_lease() -> None:
-    opts = options(lease_timeout_s=0.5)
-    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
-    p.start(kv(3))
-    d.start(kv(4))
-    try:
+    with worker_pair(options(lease_timeout_s=0.5)) as (p, _, d, _):
         d.step(StepPlan(reserves=(reserve(p, "d9", "T9", [1]),)))
         reserved(p, "T9")
         start = time.monotonic()
@@ -198,9 +195,6 @@ def test_reservations_and_waits_end_with_the_lease() -> None:
         assert done.failed_recving == {"d9"}
         assert 0.3 < time.monotonic() - start < 5
         wait_for(p, lambda _: not p._reservations, timeout=5)
-    finally:
-        d.close()
-        p.close()
 
 
 def test_dead_prefill_fails_the_reservation_within_the_link_bound() -> None:
@@ -218,19 +212,12 @@ def test_dead_prefill_fails_the_reservation_within_the_link_bound() -> None:
 
 
 def test_prefill_gone_while_the_decode_waits_fails_the_load() -> None:
-    opts = options()
-    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
-    p.start(kv(6))
-    d.start(kv(7))
-    try:
+    with worker_pair(options()) as (p, _, d, _):
         d.step(StepPlan(reserves=(reserve(p, "d11", "T11", [1]),)))
         reserved(p, "T11")
         p.close()  # the prefill dies before it pushes
         done = wait_for(d, lambda a: "d11" in a.finished_recving, timeout=10)
         assert done.failed_recving == {"d11"}
-    finally:
-        d.close()
-        p.close()
 
 
 def test_a_pull_mode_instance_refuses_pushes() -> None:

@@ -26,7 +26,8 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     opts = ConnectorOptions.parse(
         {"transfer_timeout_ms": 3000, "link_timeout_ms": 2000, "transfer_backend": request.param}
     )
-    yield from worker_pair(opts)
+    with worker_pair(opts) as pair:
+        yield pair
 
 
 def load(p: WorkerSide, rid: str, local: list[int], remote: list[int], token: str = "t") -> Load:
