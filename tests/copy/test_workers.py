@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
+from _helpers import run_python
 from copy_helpers import CPU, Gate
 
 from aiokv._copy import CopyScheduler, SchedulerConfig
@@ -183,9 +182,7 @@ def test_unclosed_scheduler_does_not_hang_exit() -> None:
         "s = CopyScheduler(torch.device('cpu'))\n"
         "print(asyncio.run(s.call(lambda: 'ran')))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
+    out = run_python("-c", code, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ran"
 
