@@ -1,7 +1,8 @@
 """Helpers of this test suite that a user of aiokv would not need (those live in
 ``aiokv.testing``): asserting an ``LLMException``'s code, waiting for what a peer does on
 its own thread, a raw-socket peer that asks and never reads, a fresh interpreter run from
-the repository root."""
+the repository root, a TLS-only TCP transport, a raw listener that serves one connection,
+an operation cancelled after so many loop steps, a mixed load of pulls and pushes."""
 
 from __future__ import annotations
 
