@@ -1,7 +1,8 @@
 """Helpers of this test suite that a user of aiokv would not need (those live in
 ``aiokv.testing``): asserting an ``LLMException``'s code, waiting for what a peer does on
 its own thread, a raw-socket peer that asks and never reads, a fresh interpreter run from
-the repository root."""
+the repository root, a TLS-only TCP transport, a raw listener that serves one connection,
+an operation cancelled after so many loop steps, a mixed load of pulls and pushes."""
 
 from __future__ import annotations
 
@@ -10,19 +11,24 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import random
+import shutil
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from aiokv import LLMException, LLMStatusCode
+from aiokv import BlocksCacheKey, Cache, CacheManager, LLMException, LLMStatusCode
+from aiokv._bench._pki import make_pki
 from aiokv.transport import _wire as wire
+from aiokv.transport._tls import load_tls
+from aiokv.transport.tcp import TcpTransport
 
 #: the repository root (this checkout)
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,3 +129,98 @@ def spawned(target: Callable[..., None], *args: Any) -> Iterator[tuple[Connectio
         proc.join(10)
         if proc.is_alive():
             proc.kill()
+
+
+def tls_tcp_transport(directory: Path) -> type[TcpTransport]:
+    """A ``TcpTransport`` subclass with TLS on every link: throwaway certificates made
+    under ``directory`` (by the ``openssl`` command; the test is skipped without it), the
+    same certificate on both ends."""
+    if shutil.which("openssl") is None:  # pragma: no cover - there wherever aiokv is tested
+        pytest.skip("the openssl command makes the TLS certificates")
+    files = make_pki(directory).leaves["a"]
+    tls = load_tls(files.cert_file, files.key_file, files.ca_file, False)
+
+    class TlsTcpTransport(TcpTransport):
+        """TcpTransport with TLS on every link."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, tls=tls, **kwargs)
+
+    return TlsTcpTransport
+
+
+@contextlib.asynccontextmanager
+async def serving_once(serve: Callable[[socket.socket], Awaitable[None]]) -> AsyncIterator[int]:
+    """A raw TCP listener on 127.0.0.1 (port 0) that hands its first connection to
+    ``serve`` (and closes it after); yields the port. On exit ``serve`` is cancelled (an
+    error it raised is raised here) and the listener closed."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    loop = asyncio.get_running_loop()
+
+    async def accept() -> None:
+        conn, _ = await loop.sock_accept(listener)
+        with conn:
+            await serve(conn)
+
+    task = asyncio.create_task(accept())
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        listener.close()
+
+
+async def cancel_after(coro: Coroutine[Any, Any, Any], steps: int) -> asyncio.Task[Any]:
+    """Run ``coro`` as a task, cancel it after ``steps`` loop steps and wait until it has
+    ended (cancelled, or done first); returns the task, to ask how it ended."""
+    task = asyncio.create_task(coro)
+    for _ in range(steps):
+        await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return task
+
+
+async def mixed_block_ops(
+    cm: CacheManager,
+    key: BlocksCacheKey,
+    back: Cache,
+    mine: Cache,
+    *,
+    ops: int,
+    in_flight: int,
+    rng: random.Random,
+    seconds: float,
+) -> tuple[set[int], set[int]]:
+    """``ops`` pulls (odd ``i``) and pushes (even ``i``) of 1-40 blocks drawn by ``rng``,
+    ``in_flight`` at a time, all within ``seconds``: a pull reads blocks of 0..255 of the
+    peer's cache ``key`` into the same blocks of ``back``, a push writes blocks of
+    256..511 of ``mine`` into the same blocks of ``key``. Asserts that none failed;
+    returns the block indices pulled and those pushed."""
+    failures: list[LLMException] = []
+    pulled: set[int] = set()
+    pushed: set[int] = set()
+
+    async def worker(w: int) -> None:
+        for i in range(w, ops, in_flight):
+            blocks = rng.sample(range(256), rng.randint(1, 40))
+            try:
+                if i % 2:
+                    await cm.pull_blocks(key, back, blocks, blocks)
+                    pulled.update(blocks)
+                else:
+                    hi = [256 + b for b in blocks]
+                    await cm.push_blocks(key, mine, hi, hi)
+                    pushed.update(hi)
+            except LLMException as exc:
+                failures.append(exc)
+
+    async with asyncio.timeout(seconds), asyncio.TaskGroup() as group:
+        for w in range(in_flight):
+            group.create_task(worker(w))
+    assert failures == [], f"{len(failures)} spurious failures: {failures[:3]}"
+    return pulled, pushed

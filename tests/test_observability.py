@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import subprocess
-import sys
 import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import torch
+from _helpers import run_python
 
 import aiokv.sync
 from aiokv import (
@@ -145,9 +144,8 @@ def test_quiet_by_default() -> None:
         "logging.getLogger('aiokv.links').error('boom')\n"
         "logging.getLogger('other').warning('visible')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
+    out = run_python("-c", code, timeout=60)
+    assert out.returncode == 0, out.stderr
     assert "refused" not in out.stderr and "boom" not in out.stderr
     assert "visible" in out.stderr  # Python's own default still applies to others
     handlers = logging.getLogger("aiokv").handlers

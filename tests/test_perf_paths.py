@@ -13,22 +13,19 @@ import ctypes
 import gc
 import json
 import random
-import shutil
 import socket
 import tracemalloc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _helpers import cancel_after, tls_tcp_transport
 
-from aiokv._bench._pki import make_pki
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._layout import ByteLayout, LayoutViews
 from aiokv.transport import Grant, Link, PeerInfo
-from aiokv.transport._tls import load_tls
 from aiokv.transport.tcp import TcpTransport
 from aiokv.transport.tcp import _io as tcp_io
 from aiokv.transport.tcp import _link as tcp_link
@@ -106,25 +103,12 @@ async def make_pair(
 _TLS: dict[str, type[TcpTransport]] = {}
 
 
-def _tls_transport(directory: Path) -> type[TcpTransport]:
-    files = make_pki(directory).leaves["a"]
-    tls = load_tls(files.cert_file, files.key_file, files.ca_file, False)
-
-    class TlsTcpTransport(TcpTransport):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, tls=tls, **kwargs)
-
-    return TlsTcpTransport
-
-
 @pytest.fixture(params=["tcp", "tls"])
 def transport(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     if request.param == "tcp":
         return TcpTransport
     if "tls" not in _TLS:
-        if shutil.which("openssl") is None:  # pragma: no cover - there wherever aiokv is tested
-            pytest.skip("the openssl command makes the TLS certificates")
-        _TLS["tls"] = _tls_transport(tmp_path_factory.mktemp("pki"))
+        _TLS["tls"] = tls_tcp_transport(tmp_path_factory.mktemp("pki"))
     return _TLS["tls"]
 
 
@@ -234,12 +218,8 @@ async def test_cancel_at_every_step(
             mine_b = np.array(rng.sample(range(2 * count), count), dtype=np.int64)
             views = ByteLayout.of_blocks(mine_b, block).views([memoryview(mine)])
             method = p.link.read if op == "read" else p.link.write
-            task = asyncio.create_task(method(_meta(theirs_b, block, tag=tag), views, timeout=20))
-            for _ in range(steps):
-                await asyncio.sleep(0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            meta = _meta(theirs_b, block, tag=tag)
+            task = await cancel_after(method(meta, views, timeout=20), steps)
             snapshot = bytes(mine)
             if tag in p.hb.done:
                 ok = await asyncio.wait_for(p.hb.done[tag], 5)
@@ -318,10 +298,14 @@ async def test_a_stream_withdrawn_mid_frame_is_finished_from_a_copy(
 # ------------------------------------------------------------------ no per-block objects
 
 
-async def _peak_bytes_per_block(count: int, block: int) -> float:
-    """Peak traced Python heap over one pull of ``count`` scattered blocks, both ends in
-    this process, per block."""
-    rng = random.Random(count)
+@contextlib.asynccontextmanager
+async def _scattered_pulls(
+    count: int, block: int, seed: int
+) -> AsyncIterator[tuple[Callable[[], Awaitable[None]], bytes]]:
+    """A linked pair (4 MiB chunks) and a function pulling ``count`` blocks of ``block``
+    bytes, every other block of the peer's region in random order, into as scattered
+    blocks of a local buffer (new views each pull); yields it with the pull's meta."""
+    rng = random.Random(seed)
     async with make_pair(chunk_bytes=4 * MIB) as p:
         p.hb.region = bytearray(2 * count * block)
         mine = bytearray(2 * count * block)
@@ -333,6 +317,13 @@ async def _peak_bytes_per_block(count: int, block: int) -> float:
             views = ByteLayout.of_blocks(mine_b, block).views([memoryview(mine)])
             await p.link.read(meta, views, timeout=60)
 
+        yield pull, meta
+
+
+async def _peak_bytes_per_block(count: int, block: int) -> float:
+    """Peak traced Python heap over one pull of ``count`` scattered blocks, both ends in
+    this process, per block."""
+    async with _scattered_pulls(count, block, seed=count) as (pull, meta):
         await pull()  # warm
         gc.collect()
         tracemalloc.start()
@@ -364,21 +355,13 @@ async def test_no_full_collection_during_pulls() -> None:
         if phase == "start" and info["generation"] == 2:
             full.append(1)
 
-    rng = random.Random(1)
-    count, block = 4096, 1 * KIB
-    async with make_pair(chunk_bytes=4 * MIB) as p:
-        p.hb.region = bytearray(2 * count * block)
-        mine = bytearray(2 * count * block)
-        theirs_b = np.array(rng.sample(range(0, 2 * count, 2), count), dtype=np.int64)
-        mine_b = np.array(rng.sample(range(0, 2 * count, 2), count), dtype=np.int64)
-        meta = _meta(theirs_b, block)
-        layout = ByteLayout.of_blocks(mine_b, block)
-        await p.link.read(meta, layout.views([memoryview(mine)]), timeout=60)
+    async with _scattered_pulls(4096, 1 * KIB, seed=1) as (pull, _):
+        await pull()
         gc.collect()
         gc.callbacks.append(on_gc)
         try:
             for _ in range(20):
-                await p.link.read(meta, layout.views([memoryview(mine)]), timeout=60)
+                await pull()
         finally:
             gc.callbacks.remove(on_gc)
     assert not full, f"{len(full)} full collections in 20 pulls"

@@ -7,9 +7,9 @@ interpreter, as a vLLM or MindIE worker would.
 from __future__ import annotations
 
 import inspect
-import subprocess
-import sys
 import textwrap
+
+from _helpers import run_python
 
 import aiokv
 import aiokv.sync as llm_datadist
@@ -86,9 +86,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_a_purely_synchronous_program() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, check=False
-    )
+    out = run_python("-c", SCRIPT, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("OK")
 
@@ -123,8 +121,6 @@ def test_a_forgotten_instance_is_finalized_at_exit() -> None:
         print(dd.listen_address[1])
         """  # exits without finalize: the atexit hook must stop it (and not hang)
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
-    )
+    out = run_python("-c", script, timeout=60)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "finalized" not in out.stderr or "failed" not in out.stderr

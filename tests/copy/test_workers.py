@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import subprocess
-import sys
 import threading
 
 import pytest
 import torch
+from _helpers import run_python
 from copy_helpers import CPU, Gate
 
 from aiokv._copy import CopyScheduler, SchedulerConfig
@@ -42,99 +41,89 @@ async def test_many_concurrent_calls_use_few_threads() -> None:
         await s.aclose()
 
 
-async def test_cancel_while_running_waits_for_the_job_and_returns_what_it_did() -> None:
-    s = CopyScheduler(CPU, SchedulerConfig(swap_out_threads=1))
-    try:
-        gate = Gate()
-        task = asyncio.ensure_future(s.call(gate))
-        await gate.started.wait()
-        task.cancel()
-        for _ in range(20):  # let the loop deliver the cancellation, twice over
-            await asyncio.sleep(0)
-        task.cancel()  # a second cancel is shielded as well
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert not task.done(), "returned while the worker was still running"
-        gate.release.set()
-        # the job ran to its end: its result, not a cancellation (raised or returned,
-        # never both); the task had no later suspension to take the cancellation at
-        assert await task == "done"
-        assert gate.finished
-        assert await s.call(lambda: 7) == 7  # the scheduler still works
-    finally:
-        await s.aclose()
+async def test_cancel_while_running_waits_for_the_job_and_returns_what_it_did(
+    sched1: CopyScheduler,
+) -> None:
+    gate = Gate()
+    task = asyncio.ensure_future(sched1.call(gate))
+    await gate.started.wait()
+    task.cancel()
+    for _ in range(20):  # let the loop deliver the cancellation, twice over
+        await asyncio.sleep(0)
+    task.cancel()  # a second cancel is shielded as well
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not task.done(), "returned while the worker was still running"
+    gate.release.set()
+    # the job ran to its end: its result, not a cancellation (raised or returned,
+    # never both); the task had no later suspension to take the cancellation at
+    assert await task == "done"
+    assert gate.finished
+    assert await sched1.call(lambda: 7) == 7  # the scheduler still works
 
 
-async def test_a_completed_job_returns_and_the_cancellation_comes_at_the_next_await() -> None:
-    s = CopyScheduler(CPU, SchedulerConfig(swap_out_threads=1))
-    try:
-        gate = Gate()
-        got: list[str] = []
+async def test_a_completed_job_returns_and_the_cancellation_comes_at_the_next_await(
+    sched1: CopyScheduler,
+) -> None:
+    gate = Gate()
+    got: list[str] = []
 
-        async def caller() -> None:
-            got.append(await s.call(gate))
-            await asyncio.sleep(3600)  # the pending cancellation ends this at once
+    async def caller() -> None:
+        got.append(await sched1.call(gate))
+        await asyncio.sleep(3600)  # the pending cancellation ends this at once
 
-        task = asyncio.ensure_future(caller())
-        await gate.started.wait()
-        task.cancel()
-        for _ in range(20):
-            await asyncio.sleep(0)
-        gate.release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(task, 10)
-        assert got == ["done"]
-    finally:
-        await s.aclose()
+    task = asyncio.ensure_future(caller())
+    await gate.started.wait()
+    task.cancel()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    gate.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+    assert got == ["done"]
 
 
-async def test_a_failed_job_under_cancellation_raises_the_cancellation() -> None:
-    s = CopyScheduler(CPU, SchedulerConfig(swap_out_threads=1))
-    try:
-        loop = asyncio.get_running_loop()
-        started, release = asyncio.Event(), threading.Event()
+async def test_a_failed_job_under_cancellation_raises_the_cancellation(
+    sched1: CopyScheduler,
+) -> None:
+    loop = asyncio.get_running_loop()
+    started, release = asyncio.Event(), threading.Event()
 
-        def fail() -> None:
-            loop.call_soon_threadsafe(started.set)
-            release.wait()
-            raise KeyError("boom")
+    def fail() -> None:
+        loop.call_soon_threadsafe(started.set)
+        release.wait()
+        raise KeyError("boom")
 
-        task = asyncio.ensure_future(s.call(fail))
-        await started.wait()
-        task.cancel()
-        for _ in range(20):
-            await asyncio.sleep(0)
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    finally:
-        await s.aclose()
+    task = asyncio.ensure_future(sched1.call(fail))
+    await started.wait()
+    task.cancel()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
 
 
-async def test_cancel_before_start_never_runs() -> None:
-    s = CopyScheduler(CPU, SchedulerConfig(swap_out_threads=1))
-    try:
-        gate = Gate()
-        blocker = asyncio.ensure_future(s.call(gate))
-        await gate.started.wait()  # the only worker is busy
-        ran: list[bool] = []
-        queued = asyncio.ensure_future(s.call(lambda: ran.append(True)))
-        src, dst = torch.ones(8, 64), torch.zeros(8, 64)
-        copy = asyncio.ensure_future(s.copy_blocks([src], [dst], [(0, 0), (5, 3)]))
-        await asyncio.sleep(0)  # both are submitted and waiting in the queue
-        queued.cancel()
-        copy.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await queued
-        with pytest.raises(asyncio.CancelledError):
-            await copy
-        gate.release.set()
-        assert await blocker == "done"
-        await s.call(lambda: None)  # FIFO on one thread: everything before it is over
-        assert ran == []
-        assert dst.eq(0).all()
-    finally:
-        await s.aclose()
+async def test_cancel_before_start_never_runs(sched1: CopyScheduler) -> None:
+    gate = Gate()
+    blocker = asyncio.ensure_future(sched1.call(gate))
+    await gate.started.wait()  # the only worker is busy
+    ran: list[bool] = []
+    queued = asyncio.ensure_future(sched1.call(lambda: ran.append(True)))
+    src, dst = torch.ones(8, 64), torch.zeros(8, 64)
+    copy = asyncio.ensure_future(sched1.copy_blocks([src], [dst], [(0, 0), (5, 3)]))
+    await asyncio.sleep(0)  # both are submitted and waiting in the queue
+    queued.cancel()
+    copy.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    with pytest.raises(asyncio.CancelledError):
+        await copy
+    gate.release.set()
+    assert await blocker == "done"
+    await sched1.call(lambda: None)  # FIFO on one thread: everything before it is over
+    assert ran == []
+    assert dst.eq(0).all()
 
 
 async def test_aclose_joins_threads_and_rejects_calls() -> None:
@@ -183,9 +172,7 @@ def test_unclosed_scheduler_does_not_hang_exit() -> None:
         "s = CopyScheduler(torch.device('cpu'))\n"
         "print(asyncio.run(s.call(lambda: 'ran')))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
-    )
+    out = run_python("-c", code, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ran"
 

@@ -11,14 +11,13 @@ import time
 from multiprocessing.connection import Connection
 
 import torch
-from _helpers import spawned
+from _helpers import mixed_block_ops, spawned
 
 from aiokv import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
     LLMDataDist,
-    LLMException,
     LLMRole,
     LLMStatusCode,
 )
@@ -80,30 +79,11 @@ def test_thousands_of_concurrent_mixed_ops_between_processes_all_succeed() -> No
                 for t, c in zip(mine.tensors, _content(2), strict=True):
                     t.copy_(c)
                 rng = random.Random(4)
-                failures: list[LLMException] = []
-                pulled: set[int] = set()
-                pushed: set[int] = set()
-
-                async def worker(w: int) -> None:
-                    for i in range(w, 5000, 48):
-                        blocks = rng.sample(range(256), rng.randint(1, 40))
-                        try:
-                            if i % 2:
-                                await cm.pull_blocks(key, back, blocks, blocks)
-                                pulled.update(blocks)
-                            else:
-                                hi = [256 + b for b in blocks]
-                                await cm.push_blocks(key, mine, hi, hi)
-                                pushed.update(hi)
-                        except LLMException as exc:
-                            failures.append(exc)
-
                 t0 = time.monotonic()
-                async with asyncio.timeout(60), asyncio.TaskGroup() as group:
-                    for w in range(48):
-                        group.create_task(worker(w))
+                pulled, pushed = await mixed_block_ops(
+                    cm, key, back, mine, ops=5000, in_flight=48, rng=rng, seconds=60
+                )
                 elapsed = time.monotonic() - t0
-                assert failures == [], f"{len(failures)} spurious failures: {failures[:3]}"
                 assert len(pulled) > 250 and len(pushed) > 250
                 want = _content(1)
                 idx = sorted(pulled)

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from _helpers import spawned, until
+from _helpers import cancel_after, serving_once, spawned, until
 
 from aiokv import (
     BlocksCacheKey,
@@ -387,34 +387,26 @@ async def test_the_listener_refuses_mistyped_macs(mac: Any) -> None:
 
 @pytest.mark.parametrize("cluster_id", [True, 2.0, "2", None])
 async def test_the_client_refuses_a_mistyped_server_hello(cluster_id: Any) -> None:
-    hostile = socket.create_server((HOST, 0))
-    hostile.setblocking(False)
     loop = asyncio.get_running_loop()
 
-    async def serve() -> None:
-        conn, _ = await loop.sock_accept(hostile)
-        with conn:
+    async def serve(conn: socket.socket) -> None:
+        await _recv_frame(conn)
+        hello = {"cluster_id": cluster_id, "nonce": secrets.token_hex(32), "mac": None}
+        await loop.sock_sendall(conn, _hs(F.HELLO, hello))
+        with contextlib.suppress(OSError):
             await _recv_frame(conn)
-            hello = {"cluster_id": cluster_id, "nonce": secrets.token_hex(32), "mac": None}
-            await loop.sock_sendall(conn, _hs(F.HELLO, hello))
-            with contextlib.suppress(OSError):
-                await _recv_frame(conn)
-                await loop.sock_sendall(conn, _hs(F.AUTH, {}))
-                await asyncio.sleep(5)
+            await loop.sock_sendall(conn, _hs(F.AUTH, {}))
+            await asyncio.sleep(5)
 
-    task = asyncio.create_task(serve())
     client = TcpTransport(1, Regions())
-    try:
-        with pytest.raises(LLMException) as ei:
-            await client.connect(HOST, hostile.getsockname()[1], timeout=5)
-        assert ei.value.status_code == Code.LLM_LINK_FAILED
-        assert client.links() == []
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        hostile.close()
-        await client.aclose()
+    async with serving_once(serve) as port:
+        try:
+            with pytest.raises(LLMException) as ei:
+                await client.connect(HOST, port, timeout=5)
+            assert ei.value.status_code == Code.LLM_LINK_FAILED
+            assert client.links() == []
+        finally:
+            await client.aclose()
 
 
 def _slot_request(version: Any, exact: Any = True, release: Any = False) -> bytes:
@@ -492,12 +484,7 @@ async def test_a_cancelled_push_lands_nothing_after_it_returned(how: str) -> Non
             dest[:] = bytes(size)
             meta = js({"r": "r", "off": 0, "n": size})
             if how == "cancel":
-                task = asyncio.create_task(link.write(meta, [memoryview(src)], timeout=20))
-                for _ in range(steps):
-                    await asyncio.sleep(0)
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_after(link.write(meta, [memoryview(src)], timeout=20), steps)
             else:
                 with contextlib.suppress(LLMException):
                     await link.write(meta, [memoryview(src)], timeout=0.001 * (1 + steps))

@@ -11,24 +11,13 @@ from typing import Any
 
 import pytest
 import torch
+from _vllm_sides import BLOCKS, Pair, assert_copied, kv, wait_for, worker_pair
 
-from aiokv import LLMException
 from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
 from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._plan import Cancel, Hold, Push, Reserve, StepPlan, Withdraw
-from aiokv.integrations.vllm._worker import TransferResults
-from aiokv.transport import get_transport
 
-LAYERS, BLOCKS, SHAPE = 3, 24, (2, 32, 2 * 16)  # CPU layout: [blocks, heads, bs, 2*head_dim]
 BS = 32
-
-
-def kv(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer.{i}": torch.randn(BLOCKS, *SHAPE, generator=g) for i in range(LAYERS)}
-
-
-Pair = tuple[WorkerSide, dict[str, torch.Tensor], WorkerSide, dict[str, torch.Tensor]]
 
 
 def options(backend: str = "tcp", **extra: Any) -> ConnectorOptions:
@@ -46,43 +35,8 @@ def options(backend: str = "tcp", **extra: Any) -> ConnectorOptions:
 @pytest.fixture(params=["tcp", "nixl"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     """A prefill and a decode worker in push mode over ``tcp`` or ``nixl``."""
-    if request.param == "nixl":
-        try:
-            get_transport("nixl")
-        except LLMException as exc:
-            pytest.skip(f"nixl: {exc}")
-    opts = options(request.param)
-    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
-    pkv, dkv = kv(1), kv(2)
-    p.start(pkv)
-    try:
-        d.start(dkv)
-        try:
-            yield p, pkv, d, dkv
-        finally:
-            d.close()
-    finally:
-        p.close()
-
-
-def wait_for(
-    side: WorkerSide, pred: Any, timeout: float = 20.0, also: WorkerSide | None = None
-) -> TransferResults:
-    """Poll ``side.results()`` (as vLLM does each step) until ``pred(accumulated)``;
-    ``also``: another side stepping meanwhile (its results are dropped)."""
-    acc = TransferResults()
-    end = time.monotonic() + timeout
-    while True:
-        if also is not None:
-            also.results()
-        got = side.results()
-        acc.finished_sending |= got.finished_sending
-        acc.finished_recving |= got.finished_recving
-        acc.failed_recving |= got.failed_recving
-        if pred(acc):
-            return acc
-        assert time.monotonic() < end, f"not within {timeout} s: {acc}"
-        time.sleep(0.01)
+    with worker_pair(options(request.param)) as pair:
+        yield pair
 
 
 def reserved(p: WorkerSide, transfer: str, timeout: float = 20.0) -> None:
@@ -121,10 +75,7 @@ def test_each_layer_is_pushed_into_the_reserved_blocks(pair: Pair) -> None:
     p.saved((push,))  # after the forward: nothing left to start
     done = wait_for(d, lambda a: "d1" in a.finished_recving)
     assert done.failed_recving == set()
-    for name in pkv:
-        assert torch.equal(dkv[name][dst], pkv[name][src])
-        rest = [b for b in range(BLOCKS) if b not in dst]
-        assert torch.equal(dkv[name][rest], untouched[name][rest])  # nothing else written
+    assert_copied(pkv, src, dkv, dst, untouched)
     assert p.results().finished_sending == set()  # not held yet: nothing to release
     p.step(StepPlan(holds=(Hold("p1", "", 60.0, pushed=True),)))
     assert p.results().finished_sending == {"p1"}
@@ -159,26 +110,25 @@ def test_a_prefix_hit_on_the_decode_side_gets_the_rest(pair: Pair) -> None:
         assert torch.equal(dkv[name][[20, 21]], pkv[name][[8, 11]])
 
 
-def test_a_prompt_of_another_length_fails_and_releases(pair: Pair) -> None:
+@pytest.mark.parametrize(
+    ("local", "reserved_tokens", "src", "pushed_tokens"),
+    [
+        # the prefill computed 60 tokens, not the 64 the decode reserved for
+        pytest.param([1, 2], 64, (3, 4), 60, id="a-prompt-of-another-length"),
+        pytest.param([1, BLOCKS + 7], 2 * BS, (3, 4), 2 * BS, id="a-wrong-block-id"),
+    ],
+)
+def test_a_push_that_cannot_land_fails_the_load_and_releases(
+    pair: Pair, local: list[int], reserved_tokens: int, src: tuple[int, ...], pushed_tokens: int
+) -> None:
     p, _, d, _ = pair
-    d.step(StepPlan(reserves=(reserve(p, "d4", "T4", [1, 2], tokens=64),)))
+    d.step(StepPlan(reserves=(reserve(p, "d4", "T4", local, tokens=reserved_tokens),)))
     reserved(p, "T4")
-    push = Push("p4", "T4", (3, 4), 60)  # the prefill computed 60 tokens, not 64
+    push = Push("p4", "T4", src, pushed_tokens)
     p.saved((push,))
     p.step(StepPlan(holds=(Hold("p4", "", 60.0, pushed=True),)))
     assert wait_for(d, lambda a: "d4" in a.finished_recving).failed_recving == {"d4"}
     wait_for(p, lambda a: "p4" in a.finished_sending)
-
-
-def test_a_wrong_block_id_fails_the_load_and_releases(pair: Pair) -> None:
-    p, _, d, _ = pair
-    d.step(StepPlan(reserves=(reserve(p, "d5", "T5", [1, BLOCKS + 7]),)))
-    reserved(p, "T5")
-    push = Push("p5", "T5", (3, 4), 2 * BS)
-    p.saved((push,))
-    p.step(StepPlan(holds=(Hold("p5", "", 60.0, pushed=True),)))
-    assert wait_for(d, lambda a: "d5" in a.finished_recving).failed_recving == {"d5"}
-    wait_for(p, lambda a: "p5" in a.finished_sending)
 
 
 def test_a_cancelled_prefill_fails_the_decode_at_once(pair: Pair) -> None:
@@ -236,11 +186,7 @@ def test_a_transfer_id_in_use_fails_the_second_decode(pair: Pair) -> None:
 
 
 def test_reservations_and_waits_end_with_the_lease() -> None:
-    opts = options(lease_timeout_s=0.5)
-    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
-    p.start(kv(3))
-    d.start(kv(4))
-    try:
+    with worker_pair(options(lease_timeout_s=0.5)) as (p, _, d, _):
         d.step(StepPlan(reserves=(reserve(p, "d9", "T9", [1]),)))
         reserved(p, "T9")
         start = time.monotonic()
@@ -249,9 +195,6 @@ def test_reservations_and_waits_end_with_the_lease() -> None:
         assert done.failed_recving == {"d9"}
         assert 0.3 < time.monotonic() - start < 5
         wait_for(p, lambda _: not p._reservations, timeout=5)
-    finally:
-        d.close()
-        p.close()
 
 
 def test_dead_prefill_fails_the_reservation_within_the_link_bound() -> None:
@@ -269,19 +212,12 @@ def test_dead_prefill_fails_the_reservation_within_the_link_bound() -> None:
 
 
 def test_prefill_gone_while_the_decode_waits_fails_the_load() -> None:
-    opts = options()
-    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
-    p.start(kv(6))
-    d.start(kv(7))
-    try:
+    with worker_pair(options()) as (p, _, d, _):
         d.step(StepPlan(reserves=(reserve(p, "d11", "T11", [1]),)))
         reserved(p, "T11")
         p.close()  # the prefill dies before it pushes
         done = wait_for(d, lambda a: "d11" in a.finished_recving, timeout=10)
         assert done.failed_recving == {"d11"}
-    finally:
-        d.close()
-        p.close()
 
 
 def test_a_pull_mode_instance_refuses_pushes() -> None:

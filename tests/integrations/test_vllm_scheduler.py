@@ -28,12 +28,16 @@ class Clock:
         return self.now
 
 
-def side(tp: int = 1, lease: float = 480.0, clock: Clock | None = None) -> SchedulerSide:
+def side(
+    tp: int = 1, lease: float = 480.0, clock: Clock | None = None, *, push: bool = False
+) -> SchedulerSide:
+    """The scheduler side of engine "engine-p" with ``tp`` ranks (``RANKS``) set."""
     s = SchedulerSide(
         engine_id="engine-p",
         block_size=BS,
         tp_size=tp,
         lease_s=lease,
+        push=push,
         clock=clock or Clock(),
     )
     s.set_ranks({r: RANKS[r] for r in range(tp)})
@@ -287,16 +291,8 @@ def test_bad_options_are_refused_by_name(extra: dict[str, Any], why: str) -> Non
 
 # ---- push mode -----------------------------------------------------------------------------
 def push_side(tp: int = 1, lease: float = 30.0, clock: Clock | None = None) -> SchedulerSide:
-    s = SchedulerSide(
-        engine_id="engine-p",
-        block_size=BS,
-        tp_size=tp,
-        lease_s=lease,
-        push=True,
-        clock=clock or Clock(),
-    )
-    s.set_ranks({r: RANKS[r] for r in range(tp)})
-    return s
+    """``side()`` in push mode (30 s leases unless told)."""
+    return side(tp, lease, clock, push=True)
 
 
 def discovered(s: SchedulerSide) -> dict[str, Any]:

@@ -12,66 +12,22 @@ from typing import Any
 import msgspec
 import pytest
 import torch
+from _vllm_sides import BLOCKS, Pair, assert_copied, kv, wait_for, worker_pair
 
-from aiokv import LLMException
 from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
 from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._plan import Hold, Load, Release, StepPlan
-from aiokv.integrations.vllm._worker import DoneNotice, TransferResults, blocks_desc, logical_blocks
-from aiokv.transport import get_transport
-
-LAYERS, BLOCKS, SHAPE = (
-    3,
-    24,
-    (2, 32, 2 * 16),
-)  # CPU layout: [blocks, heads, block_size, 2*head_dim]
-
-
-def kv(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer.{i}": torch.randn(BLOCKS, *SHAPE, generator=g) for i in range(LAYERS)}
-
-
-Pair = tuple[WorkerSide, dict[str, torch.Tensor], WorkerSide, dict[str, torch.Tensor]]
+from aiokv.integrations.vllm._worker import DoneNotice, blocks_desc, logical_blocks
 
 
 @pytest.fixture(params=["tcp", "nixl"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     """A prefill and a decode worker over ``tcp`` or ``nixl``."""
-    if request.param == "nixl":
-        try:
-            get_transport("nixl")
-        except LLMException as exc:
-            pytest.skip(f"nixl: {exc}")
     opts = ConnectorOptions.parse(
         {"transfer_timeout_ms": 3000, "link_timeout_ms": 2000, "transfer_backend": request.param}
     )
-    p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
-    pkv, dkv = kv(1), kv(2)
-    p.start(pkv)
-    try:
-        d.start(dkv)
-        try:
-            yield p, pkv, d, dkv
-        finally:
-            d.close()
-    finally:
-        p.close()
-
-
-def wait_for(side: WorkerSide, pred: Any, timeout: float = 20.0) -> TransferResults:
-    """Poll ``side.results()`` (as vLLM does each step) until ``pred(accumulated)``."""
-    acc = TransferResults()
-    end = time.monotonic() + timeout
-    while True:
-        got = side.results()
-        acc.finished_sending |= got.finished_sending
-        acc.finished_recving |= got.finished_recving
-        acc.failed_recving |= got.failed_recving
-        if pred(acc):
-            return acc
-        assert time.monotonic() < end, f"not within {timeout} s: {acc}"
-        time.sleep(0.01)
+    with worker_pair(opts) as pair:
+        yield pair
 
 
 def load(p: WorkerSide, rid: str, local: list[int], remote: list[int], token: str = "t") -> Load:
@@ -95,10 +51,7 @@ def test_pull_into_other_block_ids_then_the_prefill_frees(pair: Any) -> None:
     d.step(StepPlan(loads=(load(p, "r1", local, remote, "tok"),)))
     done = wait_for(d, lambda a: "r1" in a.finished_recving)
     assert done.failed_recving == set()
-    for name in pkv:
-        assert torch.equal(dkv[name][local], pkv[name][remote])
-        rest = [b for b in range(BLOCKS) if b not in local]
-        assert torch.equal(dkv[name][rest], untouched[name][rest])  # nothing else written
+    assert_copied(pkv, remote, dkv, local, untouched)
     sent = wait_for(p, lambda a: "p-r1" in a.finished_sending)
     assert sent.finished_sending == {"p-r1"}
     assert p.results().finished_sending == set()  # reported once

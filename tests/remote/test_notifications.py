@@ -133,36 +133,35 @@ async def test_queue_bound_refuses_and_counts() -> None:
         assert p.get_notifications() == [(2, b"room again")]
 
 
+async def _refused_as_invalid(d: LLMDataDist, op: str, meta: bytes) -> None:
+    """``meta``, sent as a ``op`` (``"read"`` or ``"write"``) on ``d``'s link to cluster 1
+    from ``d``'s engine, is refused with ``LLM_PARAM_INVALID``."""
+    link = d._links.require("test", 1)
+
+    async def send() -> None:
+        method = link.read if op == "read" else link.write
+        await method(meta, [], timeout=3)
+
+    assert d._engine is not None
+    with pytest.raises(LLMException) as ei:
+        await d._engine.run(send)
+    assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+
+
 async def test_remote_payload_over_the_bound_is_refused() -> None:
     # a peer that encodes a bigger payload itself: the decoder refuses it before filing
     async with linked_pair(config("tcp")) as (p, d):
         big = protocol._encoder.encode(
             protocol._Envelope(1, protocol.NotifyReq(b"q" * (MAX_NOTIFICATION_BYTES + 1)))
         )
-        link = d._links.require("test", 1)
-
-        async def send() -> None:
-            await link.write(big, [], timeout=3)
-
-        assert d._engine is not None
-        with pytest.raises(LLMException) as ei:
-            await d._engine.run(send)
-        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        await _refused_as_invalid(d, "write", big)
         assert p.get_notifications() == []
 
 
 async def test_a_read_is_not_a_notification() -> None:
     async with linked_pair(config("tcp")) as (p, d):
-        link = d._links.require("test", 1)
         meta = protocol.encode(protocol.NotifyReq(b"as a read"))
-
-        async def read() -> None:
-            await link.read(meta, [], timeout=3)
-
-        assert d._engine is not None
-        with pytest.raises(LLMException) as ei:
-            await d._engine.run(read)
-        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        await _refused_as_invalid(d, "read", meta)
         assert p.get_notifications() == []
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import peer_process
 import pytest
 import torch
-from _helpers import raises
+from _helpers import mixed_block_ops, raises
 
 from aiokv import (
     BlocksCacheKey,
@@ -728,36 +728,18 @@ async def test_concurrent_mixed_ops_have_no_spurious_failures(
     back = await d.cache_manager.allocate_blocks_cache(desc)
     for t in (*theirs.tensors, *mine.tensors):
         t.random_(0, 256)
-    rng = random.Random(11)
-    cm, key = d.cache_manager, BlocksCacheKey(1, 0)
-    failures: list[BaseException] = []
-    pulled: set[int] = set()
-    pushed: set[int] = set()
-
-    async def one(i: int) -> None:
-        # disjoint block ranges: pulls read theirs[0:256] into back, pushes write
-        # mine[256:512] into theirs[256:512]
-        n = rng.randint(1, 40)
-        blocks = rng.sample(range(256), n)
-        try:
-            if i % 2:
-                await cm.pull_blocks(key, back, blocks, blocks)
-                pulled.update(blocks)
-            else:
-                hi = [256 + b for b in blocks]
-                await cm.push_blocks(key, mine, hi, hi)
-                pushed.update(hi)
-        except LLMException as exc:
-            failures.append(exc)
-
-    async def worker(w: int) -> None:  # 32 in flight at any time
-        for i in range(w, 2000, 32):
-            await one(i)
-
-    async with asyncio.timeout(120), asyncio.TaskGroup() as group:
-        for w in range(32):
-            group.create_task(worker(w))
-    assert failures == []
+    # disjoint block ranges: pulls read theirs[0:256] into back, pushes write
+    # mine[256:512] into theirs[256:512]
+    pulled, pushed = await mixed_block_ops(
+        d.cache_manager,
+        BlocksCacheKey(1, 0),
+        back,
+        mine,
+        ops=2000,
+        in_flight=32,
+        rng=random.Random(11),
+        seconds=120,
+    )
     await settled(d)
     assert len(pulled) > 250 and len(pushed) > 250
     idx_pulled, idx_pushed = sorted(pulled), sorted(pushed)

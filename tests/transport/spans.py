@@ -4,10 +4,13 @@ them would block it)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from dataclasses import dataclass
 from typing import Any
+
+from aiokv.transport import Link
 
 KIB = 1 << 10
 
@@ -95,3 +98,60 @@ def make_many_ops() -> ManyOps:
         [bytearray(s) for s in sizes],
         [bytearray(rng.randbytes(s)) for s in sizes],
     )
+
+
+async def run_many_ops(
+    link_a: Link,
+    link_b: Link,
+    regions_a: dict[str, bytearray],
+    regions_b: dict[str, bytearray],
+    ops: ManyOps,
+    op_timeout: float,
+) -> None:
+    """Issue every op of ``ops`` in the same loop iteration on one link: op ``i`` tagged
+    ``i``, the odd ones reads by A from B's region ``"r"`` (set to ``ops.remote``), the even
+    ones writes by B into A's region ``"w"`` (made here); each op bounded by ``op_timeout`` s, the
+    whole by 60 s. Asserts that all were in flight at once and that every byte read or
+    written is the op's own."""
+    n, sizes, offsets = len(ops.sizes), ops.sizes, ops.offsets
+    regions_b["r"] = ops.remote
+    regions_a["w"] = bytearray(sum(sizes))
+    start = asyncio.Barrier(n + 1)
+    in_flight = peak = 0
+
+    async def one(i: int) -> None:
+        nonlocal in_flight, peak
+        meta = js({"region": "r" if i % 2 else "w", "spans": [[offsets[i], sizes[i]]], "tag": i})
+        await start.wait()  # every op is issued in the same loop iteration
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            if i % 2:
+                await link_a.read(meta, [memoryview(ops.locals_[i])], timeout=op_timeout)
+            else:  # B pushes into A over the same link, concurrently
+                await link_b.write(meta, [memoryview(ops.pushes[i])], timeout=op_timeout)
+        finally:
+            in_flight -= 1
+
+    async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
+        for i in range(n):
+            tg.create_task(one(i))
+            if i % 10 == 9:  # debug mode makes task creation slow: do not block the loop
+                await asyncio.sleep(0)
+        await start.wait()
+    assert peak == n
+    for i in range(n):
+        o, s = offsets[i], sizes[i]
+        if i % 2:
+            assert ops.locals_[i] == ops.remote[o : o + s], f"read {i} got foreign bytes"
+        else:
+            assert regions_a["w"][o : o + s] == ops.pushes[i], f"write {i} landed wrong"
+
+
+async def assert_reads(link: Link, regions: dict[str, bytearray], data: bytes) -> None:
+    """``link`` serves a pull: ``data``, put in the peer's region ``"r"`` (``regions``),
+    is read back whole within 5 s."""
+    regions["r"] = bytearray(data)
+    got = bytearray(len(data))
+    await link.read(js({"region": "r", "spans": [[0, len(data)]]}), [memoryview(got)], timeout=5)
+    assert got == data

@@ -16,29 +16,27 @@ import ctypes
 import json
 import math
 import random
-import shutil
 import time
 import typing
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
+from _helpers import cancel_after, tls_tcp_transport
 from spans import (
     KIB,
     ManyOps,
     Scatter,
+    assert_reads,
     gather_spans,
     js,
-    make_many_ops,
-    make_scatter,
     outside_spans,
+    run_many_ops,
     views_of,
 )
 
 from aiokv import LLMConfig
-from aiokv._bench._pki import make_pki
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
 from aiokv.transport import (
@@ -47,10 +45,8 @@ from aiokv.transport import (
     PeerInfo,
     Transport,
     get_transport,
-    load_tls,
     transport_names,
 )
-from aiokv.transport.tcp import TcpTransport
 
 HOST = "127.0.0.1"
 MIB = 1 << 20
@@ -137,16 +133,6 @@ class FakeHandler:
         return await asyncio.wait_for(asyncio.shield(fut), 5)
 
 
-@pytest.fixture(scope="module")
-def scatter() -> Scatter:
-    return make_scatter()
-
-
-@pytest.fixture
-def many_ops() -> ManyOps:
-    return make_many_ops()
-
-
 async def eventually(check: Callable[[], bool], seconds: float = 5) -> None:
     """Wait (bounded) until ``check()`` holds, e.g. for the accepting side of a link."""
     for _ in range(int(seconds / 0.005)):
@@ -170,19 +156,6 @@ async def raises(code: Code, coro: Any) -> LLMException:
 _VARIANTS: dict[str, type[Transport]] = {}
 
 
-def _tls_tcp(directory: Path) -> type[Transport]:
-    files = make_pki(directory).leaves["a"]
-    tls = load_tls(files.cert_file, files.key_file, files.ca_file, False)
-
-    class TlsTcpTransport(TcpTransport):
-        """TcpTransport with TLS on every link (same certificate on both ends)."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, tls=tls, **kwargs)
-
-    return TlsTcpTransport
-
-
 def transport_class(name: str) -> type[Transport]:
     return _VARIANTS.get(name) or get_transport(name)
 
@@ -204,9 +177,7 @@ def name(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     if str(request.param).startswith("nixl"):
         _nixl_or_skip(request.param)
     if request.param == "tcp+tls" and request.param not in _VARIANTS:
-        if shutil.which("openssl") is None:  # pragma: no cover - there wherever aiokv is tested
-            pytest.skip("the openssl command makes the TLS certificates")
-        _VARIANTS[request.param] = _tls_tcp(tmp_path_factory.mktemp("pki"))
+        _VARIANTS[request.param] = tls_tcp_transport(tmp_path_factory.mktemp("pki"))
     return str(request.param)
 
 
@@ -329,10 +300,7 @@ async def test_connect_without_time_left_times_out(pair: Pair) -> None:
 
 async def test_same_secret_links(name: str) -> None:
     async with make_pair(name, secret_a=b"s3cret", secret_b=b"s3cret") as p:
-        p.hb.regions["r"] = bytearray(b"secret data")
-        got = bytearray(11)
-        await p.link_a.read(js({"spans": [[0, 11]]}), [memoryview(got)], timeout=5)
-        assert got == b"secret data"
+        await assert_reads(p.link_a, p.hb.regions, b"secret data")
 
 
 @pytest.mark.parametrize(
@@ -452,40 +420,13 @@ async def test_big_transfer_lets_the_loop_run(pair: Pair, op: str) -> None:
 
 async def test_200_concurrent_ops_do_not_mix(pair: Pair, many_ops: ManyOps) -> None:
     """200 reads (A from B) and writes (B into A) on one link, all in flight at once."""
-    n, sizes, offsets = len(many_ops.sizes), many_ops.sizes, many_ops.offsets
-    pair.hb.regions["r"] = many_ops.remote
-    pair.ha.regions["w"] = bytearray(sum(sizes))
-    start = asyncio.Barrier(n + 1)
-    in_flight = peak = 0
-
-    async def one(i: int) -> None:
-        nonlocal in_flight, peak
-        meta = js({"region": "r" if i % 2 else "w", "spans": [[offsets[i], sizes[i]]], "tag": i})
-        await start.wait()  # every op is issued in the same loop iteration
-        in_flight += 1
-        peak = max(peak, in_flight)
-        try:
-            if i % 2:
-                await pair.link_a.read(meta, [memoryview(many_ops.locals_[i])], timeout=30)
-            else:
-                await pair.link_b.write(meta, [memoryview(many_ops.pushes[i])], timeout=30)
-        finally:
-            in_flight -= 1
-
-    async with asyncio.timeout(60), asyncio.TaskGroup() as tg:
-        for i in range(n):
-            tg.create_task(one(i))
-            if i % 10 == 9:  # debug mode makes task creation slow: do not block the loop
-                await asyncio.sleep(0)
-        await start.wait()
-    assert peak == n
-    for i in range(n):
-        o, s = offsets[i], sizes[i]
+    await run_many_ops(
+        pair.link_a, pair.link_b, pair.ha.regions, pair.hb.regions, many_ops, op_timeout=30
+    )
+    for i in range(len(many_ops.sizes)):
         if i % 2:
-            assert many_ops.locals_[i] == many_ops.remote[o : o + s], f"read {i} got foreign bytes"
             assert await pair.hb.done(i) is True
         else:
-            assert pair.ha.regions["w"][o : o + s] == many_ops.pushes[i], f"write {i} landed wrong"
             assert pair.ha.calls[i] == [True]
 
 
@@ -526,10 +467,7 @@ async def test_refusals_propagate(pair: Pair, op: str, meta: dict[str, Any], cod
     if "tag" in meta:  # a refusing grant's done still runs, once, with False
         assert await pair.hb.done("t") is False
     assert not pair.link_a.broken
-    pair.hb.regions["r"] = bytearray(b"ok")  # the link still serves
-    got = bytearray(2)
-    await pair.link_a.read(js({"spans": [[0, 2]]}), [memoryview(got)], timeout=5)
-    assert got == b"ok"
+    await assert_reads(pair.link_a, pair.hb.regions, b"ok")  # the link still serves
     assert pair.hb.calls.get("t", [False]) == [False]
 
 
@@ -621,10 +559,7 @@ async def test_timeout_while_the_peer_decides(pair: Pair, op: str) -> None:
     assert 0.15 < time.monotonic() - t0 < 2
     await asyncio.wait_for(pair.hb.hung_cancelled.wait(), 5)  # the peer stopped waiting too
     assert not pair.link_a.broken
-    pair.hb.regions["r"] = bytearray(b"ok")
-    got = bytearray(2)
-    await pair.link_a.read(js({"spans": [[0, 2]]}), [memoryview(got)], timeout=5)
-    assert got == b"ok"
+    await assert_reads(pair.link_a, pair.hb.regions, b"ok")
 
 
 @pytest.mark.parametrize("op", ["read", "write"])
@@ -724,12 +659,7 @@ async def test_cancel_at_every_step_of_a_transfer(pair: Pair, op: str) -> None:
         tag = f"{op}{steps}"
         mine = bytearray(rng.randbytes(size))
         meta = js({"spans": [[0, size]], "tag": tag})
-        task = asyncio.create_task(method(meta, [memoryview(mine)], timeout=20))
-        for _ in range(steps):
-            await asyncio.sleep(0)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        task = await cancel_after(method(meta, [memoryview(mine)], timeout=20), steps)
         snapshot = bytes(mine)
         seen["cancelled" if task.cancelled() else "completed"] += 1
         if tag in pair.hb.calls:  # the peer granted: it learns how the op ended

@@ -17,16 +17,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from _helpers import cancel_after, serving_once
 from spans import (
     KIB,
     ManyOps,
     Scatter,
+    assert_reads,
     gather_spans,
     js,
     layout,
-    make_many_ops,
-    make_scatter,
     outside_spans,
+    run_many_ops,
     views_of,
 )
 
@@ -93,16 +94,6 @@ class FakeHandler:
 
     async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
         return await self._grant(meta)
-
-
-@pytest.fixture(scope="module")
-def scatter() -> Scatter:
-    return make_scatter()
-
-
-@pytest.fixture
-def many_ops() -> ManyOps:
-    return make_many_ops()
 
 
 @dataclass
@@ -226,45 +217,10 @@ async def test_both_directions_on_one_link(pair: Pair) -> None:
 
 
 async def test_200_concurrent_ops_do_not_mix(pair: Pair, many_ops: ManyOps) -> None:
-    n, sizes, offsets = len(many_ops.sizes), many_ops.sizes, many_ops.offsets
-    remote, locals_, pushes = many_ops.remote, many_ops.locals_, many_ops.pushes
-    pair.hb.regions["r"] = remote
-    pair.ha.regions["w"] = bytearray(sum(sizes))
-
-    start = asyncio.Barrier(n + 1)
-    in_flight = peak = 0
-
-    async def one(i: int) -> None:
-        nonlocal in_flight, peak
-        span = [[offsets[i], sizes[i]]]
-        await start.wait()  # every op is issued in the same loop iteration
-        in_flight += 1
-        peak = max(peak, in_flight)
-        try:
-            if i % 2:
-                await pair.link_a.read(
-                    js({"region": "r", "spans": span}), [memoryview(locals_[i])], timeout=20
-                )
-            else:  # B pushes into A over the same link, concurrently
-                await pair.link_b.write(
-                    js({"region": "w", "spans": span}), [memoryview(pushes[i])], timeout=20
-                )
-        finally:
-            in_flight -= 1
-
-    async with asyncio.TaskGroup() as tg:
-        for i in range(n):
-            tg.create_task(one(i))
-            if i % 10 == 9:  # debug mode makes task creation slow: do not block the loop
-                await asyncio.sleep(0)
-        await start.wait()
-    assert peak == n
-    for i in range(n):
-        o, s = offsets[i], sizes[i]
-        if i % 2:
-            assert locals_[i] == remote[o : o + s], f"read {i} got foreign bytes"
-        else:
-            assert pair.ha.regions["w"][o : o + s] == pushes[i], f"write {i} landed wrong"
+    """200 reads and writes on one link of 64 KiB chunks, all in flight at once."""
+    await run_many_ops(
+        pair.link_a, pair.link_b, pair.ha.regions, pair.hb.regions, many_ops, op_timeout=20
+    )
 
 
 async def test_zero_byte_transfers(pair: Pair) -> None:
@@ -395,10 +351,7 @@ async def test_handler_that_never_answers_times_out(pair: Pair) -> None:
         await pair.link_a.write(js({"hang": True}), [memoryview(bytearray(4))], timeout=0.1)
     assert info.value.status_code == Code.LLM_TIMEOUT
     assert not pair.link_a.broken
-    pair.hb.regions["r"] = bytearray(b"ok")
-    got = bytearray(2)
-    await pair.link_a.read(js({"region": "r", "spans": [[0, 2]]}), [memoryview(got)], timeout=5)
-    assert got == b"ok"
+    await assert_reads(pair.link_a, pair.hb.regions, b"ok")
 
 
 @pytest.mark.parametrize(
@@ -424,12 +377,7 @@ async def test_cancel_at_every_step_leaves_link_usable(
             mine = bytearray(rng.randbytes(size))
             meta = js({"region": "r", "spans": [[0, size]], "tag": tag})
             method = p.link_a.read if op == "read" else p.link_a.write
-            task = asyncio.create_task(method(meta, [memoryview(mine)], timeout=20))
-            for _ in range(steps):
-                await asyncio.sleep(0)
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            task = await cancel_after(method(meta, [memoryview(mine)], timeout=20), steps)
             snapshot = bytes(mine)
             if tag in p.hb.done:  # the grant happened: the peer learns how it ended
                 ok = await asyncio.wait_for(p.hb.done[tag], 5)
@@ -738,10 +686,7 @@ async def test_aclose_fails_pending_and_leaves_nothing_behind() -> None:
 
 async def test_auth_with_the_same_secret() -> None:
     async with make_pair(secret_a=b"s3cret", secret_b=b"s3cret") as p:
-        p.hb.regions["r"] = bytearray(b"secret data")
-        got = bytearray(11)
-        await p.link_a.read(js({"region": "r", "spans": [[0, 11]]}), [memoryview(got)], timeout=5)
-        assert got == b"secret data"
+        await assert_reads(p.link_a, p.hb.regions, b"secret data")
 
 
 @pytest.mark.parametrize(
@@ -885,30 +830,22 @@ async def test_a_hostile_server_cannot_make_the_client_allocate() -> None:
     """The connecting side checks the server's first frame the same way."""
     import tracemalloc
 
-    hostile = socket.create_server((HOST, 0))
-    hostile.setblocking(False)
     client = TcpTransport(1, FakeHandler())
     loop = asyncio.get_running_loop()
 
-    async def serve() -> None:
-        conn, _ = await loop.sock_accept(hostile)
-        with conn:
-            await loop.sock_sendall(conn, _frame_header(FrameType.READ_REQ, 512 << 20))
-            await asyncio.sleep(2)
+    async def serve(conn: socket.socket) -> None:
+        await loop.sock_sendall(conn, _frame_header(FrameType.READ_REQ, 512 << 20))
+        await asyncio.sleep(2)
 
-    task = asyncio.create_task(serve())
-    tracemalloc.start()
-    try:
-        with pytest.raises(LLMException) as info:
-            await client.connect(HOST, hostile.getsockname()[1], timeout=5)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        hostile.close()
-        await client.aclose()
+    async with serving_once(serve) as port:
+        tracemalloc.start()
+        try:
+            with pytest.raises(LLMException) as info:
+                await client.connect(HOST, port, timeout=5)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            await client.aclose()
     assert info.value.status_code == Code.LLM_LINK_FAILED
     assert peak < 16 << 20
 
@@ -918,28 +855,20 @@ async def test_a_malformed_mac_is_refused_not_raised(caplog: pytest.LogCaptureFi
     connecting side, and refused quietly by the listener (issue #9, item 12)."""
     bad = json.dumps({"cluster_id": 2, "nonce": "00" * 16, "mac": "\ud800"}).encode()
     # a listener answering HELLO with that MAC
-    hostile = socket.create_server((HOST, 0))
-    hostile.setblocking(False)
     loop = asyncio.get_running_loop()
 
-    async def serve() -> None:
-        conn, _ = await loop.sock_accept(hostile)
-        with conn:
-            await loop.sock_sendall(conn, _frame_header(FrameType.HELLO, len(bad)) + bad)
-            await asyncio.sleep(2)
+    async def serve(conn: socket.socket) -> None:
+        await loop.sock_sendall(conn, _frame_header(FrameType.HELLO, len(bad)) + bad)
+        await asyncio.sleep(2)
 
-    task = asyncio.create_task(serve())
     client = TcpTransport(1, FakeHandler(), secret=b"s3cret")
-    try:
-        with pytest.raises(LLMException) as info:
-            await client.connect(HOST, hostile.getsockname()[1], timeout=5)
-        assert info.value.status_code == Code.LLM_LINK_FAILED
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        hostile.close()
-        await client.aclose()
+    async with serving_once(serve) as port:
+        try:
+            with pytest.raises(LLMException) as info:
+                await client.connect(HOST, port, timeout=5)
+            assert info.value.status_code == Code.LLM_LINK_FAILED
+        finally:
+            await client.aclose()
     # a client sending that MAC in its AUTH frame
     server = TcpTransport(2, FakeHandler(), secret=b"s3cret")
     try:
