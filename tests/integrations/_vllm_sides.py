@@ -14,32 +14,37 @@ import torch
 
 from aiokv import LLMException
 from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
+from aiokv.integrations.vllm._plan import Reserve
 from aiokv.integrations.vllm._worker import TransferResults
 from aiokv.transport import get_transport
 
 LAYERS, BLOCKS, SHAPE = 3, 24, (2, 32, 2 * 16)  # CPU layout: [blocks, heads, bs, 2*head_dim]
+BS = SHAPE[1]  # tokens per block
 
 Pair = tuple[WorkerSide, dict[str, torch.Tensor], WorkerSide, dict[str, torch.Tensor]]
 
 
-def kv(seed: int) -> dict[str, torch.Tensor]:
-    """One worker's KV tensors (``LAYERS`` layers), random but fixed by ``seed``."""
+def kv(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """One worker's KV tensors (``LAYERS`` layers) on ``device``, random but fixed by
+    ``seed``."""
     g = torch.Generator().manual_seed(seed)
-    return {f"layer.{i}": torch.randn(BLOCKS, *SHAPE, generator=g) for i in range(LAYERS)}
+    return {
+        f"layer.{i}": torch.randn(BLOCKS, *SHAPE, generator=g).to(device) for i in range(LAYERS)
+    }
 
 
 @contextlib.contextmanager
-def worker_pair(opts: ConnectorOptions) -> Iterator[Pair]:
+def worker_pair(opts: ConnectorOptions, device: str = "cpu") -> Iterator[Pair]:
     """A started prefill worker ("P") and decode worker ("D") with their KV
-    tensors (seeds 1 and 2); skips the test when ``opts``' backend is nixl and nixl is
-    unavailable; closes both workers afterwards."""
+    tensors on ``device`` (seeds 1 and 2); skips the test when ``opts``' backend is nixl
+    and nixl is unavailable; closes both workers afterwards."""
     if opts.transfer_backend == "nixl":
         try:
             get_transport("nixl")
         except LLMException as exc:
             pytest.skip(f"nixl: {exc}")
     p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
-    pkv, dkv = kv(1), kv(2)
+    pkv, dkv = kv(1, device), kv(2, device)
     p.start(pkv)
     try:
         d.start(dkv)
@@ -85,3 +90,37 @@ def assert_copied(
         assert torch.equal(dst_kv[name][dst], src_kv[name][src])
         rest = [b for b in range(BLOCKS) if b not in dst]
         assert torch.equal(dst_kv[name][rest], before[name][rest])
+
+
+def options(backend: str = "tcp", **extra: Any) -> ConnectorOptions:
+    """Push-mode connector options over ``backend`` with short test bounds."""
+    return ConnectorOptions.parse(
+        {
+            "mode": "push",
+            "transfer_timeout_ms": 3000,
+            "link_timeout_ms": 2000,
+            "transfer_backend": backend,
+            **extra,
+        }
+    )
+
+
+def reserved(p: WorkerSide, transfer: str, timeout: float = 20.0) -> None:
+    """Poll the prefill (as vLLM does each step) until its rank reports ``transfer``."""
+    end = time.monotonic() + timeout
+    seen: dict[str, int] = {}
+    while transfer not in seen:
+        p.results()
+        seen.update(p.take_reserved())
+        assert time.monotonic() < end, f"no reservation {transfer!r} within {timeout} s"
+        time.sleep(0.01)
+    assert seen == {transfer: 1}
+
+
+def reserve(p: WorkerSide, rid: str, transfer: str, local: list[int], **kw: Any) -> Reserve:
+    """The decode's reservation of ``local`` blocks with prefill ``p`` (``first``,
+    ``tokens``: optional)."""
+    assert p.endpoint is not None
+    first = kw.get("first", 0)
+    tokens = kw.get("tokens", (first + len(local)) * BS)
+    return Reserve(rid, transfer, tuple(local), first, tokens, (p.endpoint,))

@@ -7,29 +7,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
-from _vllm_sides import BLOCKS, Pair, assert_copied, kv, wait_for, worker_pair
+from _vllm_sides import (
+    BLOCKS,
+    BS,
+    Pair,
+    assert_copied,
+    kv,
+    options,
+    reserve,
+    reserved,
+    wait_for,
+    worker_pair,
+)
 
 from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
 from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._plan import Cancel, Hold, Push, Reserve, StepPlan, Withdraw
-
-BS = 32
-
-
-def options(backend: str = "tcp", **extra: Any) -> ConnectorOptions:
-    return ConnectorOptions.parse(
-        {
-            "mode": "push",
-            "transfer_timeout_ms": 3000,
-            "link_timeout_ms": 2000,
-            "transfer_backend": backend,
-            **extra,
-        }
-    )
 
 
 @pytest.fixture(params=["tcp", "nixl"])
@@ -37,25 +33,6 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     """A prefill and a decode worker in push mode over ``tcp`` or ``nixl``."""
     with worker_pair(options(request.param)) as pair:
         yield pair
-
-
-def reserved(p: WorkerSide, transfer: str, timeout: float = 20.0) -> None:
-    """Poll the prefill (as vLLM does each step) until its rank reports ``transfer``."""
-    end = time.monotonic() + timeout
-    seen: dict[str, int] = {}
-    while transfer not in seen:
-        p.results()
-        seen.update(p.take_reserved())
-        assert time.monotonic() < end, f"no reservation {transfer!r} within {timeout} s"
-        time.sleep(0.01)
-    assert seen == {transfer: 1}
-
-
-def reserve(p: WorkerSide, rid: str, transfer: str, local: list[int], **kw: Any) -> Reserve:
-    assert p.endpoint is not None
-    first = kw.get("first", 0)
-    tokens = kw.get("tokens", (first + len(local)) * BS)
-    return Reserve(rid, transfer, tuple(local), first, tokens, (p.endpoint,))
 
 
 def test_each_layer_is_pushed_into_the_reserved_blocks(pair: Pair) -> None:
