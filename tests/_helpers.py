@@ -274,3 +274,15 @@ async def pull_and_push_blocks(
     fill_bytes(src, 3)
     await p_cm.push_blocks(BlocksCacheKey(2, 0), src, srcs[:40], dsts[40:])
     await same_rows(dst, dsts[40:], src, srcs[:40])
+
+
+def fill_randn(cache: Cache, seed: int = 0) -> None:
+    """Seeded normal random values in every tensor of ``cache`` (cast to its dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in cache.tensors:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def snapshot(*caches: Cache) -> list[torch.Tensor]:
+    """A copy of every tensor of ``caches``, in order."""
+    return [t.clone() for c in caches for t in c.tensors]
