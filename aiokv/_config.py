@@ -694,38 +694,37 @@ class LLMConfig(Model):
         kwargs: dict[str, Any] = {}
         passthrough: dict[str, str] = {}
         for key, raw in options.items():
-            shown = SECRET_MASK if key in _SECRET_KEYS else repr(raw)
-            if not isinstance(key, str) or not isinstance(raw, str):
-                what = f"{type(raw).__name__} value" if key in _SECRET_KEYS else repr(raw)
-                raise TypeError(f"{op}: keys and values must be str, got {key!r}: {what}")
+            _check_option_item(op, key, raw)
             field = by_key.get(key)
             if field is None:
-                if key == "ge.session_device_id" and "ge.exec.deviceId" in options:
-                    continue
-                if not (key.startswith("ge.") or key in _PASSTHROUGH_KEYS):
-                    known = {*_OPTION_KEYS.values(), *_PASSTHROUGH_KEYS}
-                    raise InvalidOptionError(f"{op}: {unknown_name('option', key, known)}", op)
-                if key == "ge.flowGraphMemMaxSize" and not (raw.isascii() and raw.isdigit()):
-                    raise InvalidOptionError(f"{op}: {key} must be digit, got {raw!r}", op)
-                passthrough[key] = raw
-                continue
-            if field in kwargs:
+                if _passed_through(op, key, raw, options):
+                    passthrough[key] = raw
+            elif field in kwargs:
                 raise InvalidOptionError(f"{op}: {key} given twice (also as another key)", op)
-            if raw == SECRET_MASK and field in _SECRET_FIELDS:
-                raise InvalidOptionError(
-                    f"{op}: {key} is the mask that generate_options() shows for a secret: "
-                    "pass generate_options(reveal_secrets=True), or the LLMConfig itself",
-                    op,
-                )
-            kwargs[field] = cls._parse(op, field, key, raw)
-            try:  # alone first: an error names the key
-                cls(**{field: kwargs[field]})
-            except InvalidOptionError as exc:
-                raise InvalidOptionError(f"{op}: {key}={shown}: {exc}", op) from None
+            else:
+                kwargs[field] = cls._parse_alone(op, field, key, raw)
         if passthrough:
             kwargs["ge_options"] = passthrough
         with _param_invalid(op):
             return cls(**kwargs)
+
+    @classmethod
+    def _parse_alone(cls, op: str, field: str, key: str, raw: str) -> Any:
+        """One option's value, parsed and checked alone first, so that an error names
+        the key (never showing a secret's value)."""
+        if raw == SECRET_MASK and field in _SECRET_FIELDS:
+            raise InvalidOptionError(
+                f"{op}: {key} is the mask that generate_options() shows for a secret: "
+                "pass generate_options(reveal_secrets=True), or the LLMConfig itself",
+                op,
+            )
+        value = cls._parse(op, field, key, raw)
+        try:
+            cls(**{field: value})
+        except InvalidOptionError as exc:
+            shown = SECRET_MASK if key in _SECRET_KEYS else repr(raw)
+            raise InvalidOptionError(f"{op}: {key}={shown}: {exc}", op) from None
+        return value
 
     @classmethod
     def _parse(cls, op: str, field: str, key: str, raw: str) -> Any:
@@ -749,6 +748,31 @@ class LLMConfig(Model):
             except ValueError:
                 raise InvalidOptionError(f"{op}: {key}={raw!r} is not a number", op) from None
         return raw
+
+
+def _check_option_item(op: str, key: Any, raw: Any) -> None:
+    """Raise ``TypeError`` unless an option's key and value are both ``str`` (never
+    showing a secret's value)."""
+    if not isinstance(key, str) or not isinstance(raw, str):
+        what = f"{type(raw).__name__} value" if key in _SECRET_KEYS else repr(raw)
+        raise TypeError(f"{op}: keys and values must be str, got {key!r}: {what}")
+
+
+def _passed_through(op: str, key: str, raw: str, options: dict[str, str]) -> bool:
+    """Whether an option with no field goes to ``ge_options`` (``False``: it is dropped,
+    as ``ge.session_device_id`` beside ``ge.exec.deviceId``).
+
+    Raises:
+        InvalidOptionError: an unknown key, or a bad ``ge.flowGraphMemMaxSize``.
+    """
+    if key == "ge.session_device_id" and "ge.exec.deviceId" in options:
+        return False
+    if not (key.startswith("ge.") or key in _PASSTHROUGH_KEYS):
+        known = {*_OPTION_KEYS.values(), *_PASSTHROUGH_KEYS}
+        raise InvalidOptionError(f"{op}: {unknown_name('option', key, known)}", op)
+    if key == "ge.flowGraphMemMaxSize" and not (raw.isascii() and raw.isdigit()):
+        raise InvalidOptionError(f"{op}: {key} must be digit, got {raw!r}", op)
+    return True
 
 
 #: set while ``_env_defaults`` checks a value by building an ``LLMConfig`` from it

@@ -529,6 +529,16 @@ def _check_range(v: Any) -> Any:
     return v
 
 
+#: the transfer configs' settings: assignable and checked, as llm_datadist's setters
+_SETTABLE = ConfigDict(
+    strict=True,
+    extra="forbid",
+    frozen=False,
+    validate_assignment=True,
+    arbitrary_types_allowed=True,
+)
+
+
 class TransferConfig(Model):
     """One destination of ``transfer_cache_async``: raw addresses registered on the peer.
 
@@ -546,14 +556,7 @@ class TransferConfig(Model):
             src_batch_index: int = ...,
         ) -> None: ...
 
-    # assignable and checked, as llm_datadist's setters
-    model_config = ConfigDict(
-        strict=True,
-        extra="forbid",
-        frozen=False,
-        validate_assignment=True,
-        arbitrary_types_allowed=True,
-    )
+    model_config = _SETTABLE
     _positional = ("dst_cluster_id", "dst_addrs", "src_layer_range", "src_batch_index")
     dst_cluster_id: int
     if TYPE_CHECKING:  # a list is assignable too, as llm_datadist's setter takes it
@@ -605,14 +608,7 @@ class TransferWithCacheKeyConfig(Model):
             src_batch_index: int = ...,
         ) -> None: ...
 
-    # assignable and checked, as llm_datadist's setters
-    model_config = ConfigDict(
-        strict=True,
-        extra="forbid",
-        frozen=False,
-        validate_assignment=True,
-        arbitrary_types_allowed=True,
-    )
+    model_config = _SETTABLE
     _positional = ("cache_key", "src_layer_range", "dst_layer_range", "src_batch_index")
     cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey
     src_layer_range: range | None = None

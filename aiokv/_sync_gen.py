@@ -38,19 +38,21 @@ class CacheTaskOps:
     _async: _AsyncCacheTask
 
     def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
-        """Blocking form of the async ``CacheTask.synchronize``.
-
-        Wait for the transfer: ``LLM_SUCCESS`` if every destination succeeded, else the
+        """Wait for the transfer: ``LLM_SUCCESS`` if every destination succeeded, else the
         first failure code; ``LLM_TIMEOUT`` if still running after ``timeout_in_millis``.
+
+        Blocking form of [`CacheTask.synchronize`][aiokv.CacheTask.synchronize]: the same
+        arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(self._async.synchronize, timeout_in_millis)
 
     def get_results(self, timeout_in_millis: int | None = None) -> list[LLMStatusCode | None]:
-        """Blocking form of the async ``CacheTask.get_results``.
-
-        Per-destination codes, in ``transfer_configs`` order (``LLM_TIMEOUT`` for those
+        """Per-destination codes, in ``transfer_configs`` order (``LLM_TIMEOUT`` for those
         still running after the timeout; ``None`` for those cut short by ``cancel()``,
         ``LLM_SUCCESS`` for those that had completed before it).
+
+        Blocking form of [`CacheTask.get_results`][aiokv.CacheTask.get_results]: the same
+        arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(self._async.get_results, timeout_in_millis)
 
@@ -63,38 +65,21 @@ class CacheManagerOps:
     _async: _AsyncCacheManager
 
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> Cache:
-        """Blocking form of the async ``CacheManager.allocate_cache``.
+        """Allocate a contiguous cache from the pool of ``cache_desc.placement``.
 
-        Allocate a contiguous cache from the pool of ``cache_desc.placement``.
-
-        ``cache_keys[i]`` binds batch slot ``i`` (``req_id=2**64-1`` is a placeholder; a
-        duplicate key binds its last slot). The memory goes back to the pool once
-        ``deallocate_cache`` has released the id AND every key is released (by
-        ``remove_cache_key`` or a peer's successful ``pull_cache``).
-
-        Raises:
-            TypeError / NoneArgumentError: wrong argument types.
-            LLMException: ``LLM_PARAM_INVALID`` (more keys than batch slots),
-                ``LLM_FEATURE_NOT_ENABLED`` (no pool), ``LLM_OUT_OF_MEMORY``.
+        Blocking form of [`CacheManager.allocate_cache`][aiokv.CacheManager.allocate_cache]: the
+        same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(self._async.allocate_cache, cache_desc, cache_keys)
 
     def allocate_blocks_cache(
         self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
     ) -> Cache:
-        """Blocking form of the async ``CacheManager.allocate_blocks_cache``.
+        """Allocate a paged cache (``shape[0]`` blocks) from the pool of its placement.
 
-        Allocate a paged cache (``shape[0]`` blocks) from the pool of its placement.
-
-        ``blocks_cache_key`` names it for peers (``pull_blocks``/``push_blocks``); a key
-        already in use moves to this cache (the later wins; a warning is logged). If the
-        cache it named is lent to peers (leases, over NIXL), those leases are taken back
-        first (a round trip to each holder): once the call returns, every transfer by
-        the key reaches this cache, none the old one.
-
-        Raises:
-            TypeError / NoneArgumentError: wrong argument types.
-            LLMException: ``LLM_FEATURE_NOT_ENABLED`` (no pool), ``LLM_OUT_OF_MEMORY``.
+        Blocking form of
+        [`CacheManager.allocate_blocks_cache`][aiokv.CacheManager.allocate_blocks_cache]: the
+        same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(self._async.allocate_blocks_cache, cache_desc, blocks_cache_key)
 
@@ -106,23 +91,10 @@ class CacheManagerOps:
         cache_keys: Sequence[CacheKey] = (),
         remote_accessible: bool | None = None,
     ) -> Cache:
-        """Blocking form of the async ``CacheManager.register_cache``.
+        """Register user memory as a contiguous cache (no copy; the user keeps ownership).
 
-        Register user memory as a contiguous cache (no copy; the user keeps ownership).
-
-        Args:
-            cache_desc: describes each tensor.
-            addrs: ``num_tensors`` tensors (DEVICE placement: on this device) or host
-                addresses (today's keyword ``tensors_or_addrs`` also works).
-            cache_keys: key i names batch slot i, as in ``allocate_cache``.
-            remote_accessible: whether peers may push into it / address it directly
-                (when this side also has ``enable_remote_cache_accessible``). ``None``,
-                as llm_datadist: ``True`` for DEVICE placement, ``False`` for HOST.
-
-        Raises:
-            TypeError / NoneArgumentError: wrong argument types.
-            LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``, more
-                keys than batch slots).
+        Blocking form of [`CacheManager.register_cache`][aiokv.CacheManager.register_cache]: the
+        same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(
             self._async.register_cache, cache_desc, addrs, cache_keys, remote_accessible
@@ -136,17 +108,11 @@ class CacheManagerOps:
         blocks_cache_key: BlocksCacheKey | None = None,
         remote_accessible: bool | None = None,
     ) -> Cache:
-        """Blocking form of the async ``CacheManager.register_blocks_cache``.
+        """Register user memory as a blocks cache (``shape[0]`` blocks), optionally keyed.
 
-        Register user memory as a blocks cache (``shape[0]`` blocks), optionally keyed.
-
-        Arguments as :meth:`register_cache`. Registering a ``model_id`` already in use
-        moves it here (the later wins; warned), after the leases on the cache it named
-        are taken back, as in :meth:`allocate_blocks_cache`.
-
-        Raises:
-            TypeError / NoneArgumentError: wrong argument types.
-            LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``).
+        Blocking form of
+        [`CacheManager.register_blocks_cache`][aiokv.CacheManager.register_blocks_cache]: the
+        same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(
             self._async.register_blocks_cache,
@@ -157,50 +123,35 @@ class CacheManagerOps:
         )
 
     def deallocate_cache(self, cache: Cache) -> None:
-        """Blocking form of the async ``CacheManager.deallocate_cache``.
+        """Release the cache id reference; memory returns once no key references it either.
 
-        Release the cache id reference; memory returns once no key references it either.
-
-        Releasing an already released cache is a no-op.
+        Blocking form of [`CacheManager.deallocate_cache`][aiokv.CacheManager.deallocate_cache]:
+        the same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(self._async.deallocate_cache, cache)
 
     def deallocate_blocks_cache(self, cache: Cache) -> None:
-        """Blocking form of the async ``CacheManager.deallocate_blocks_cache``.
+        """Release a blocks cache from ``allocate_blocks_cache`` (a no-op if already released).
 
-        Release a blocks cache from ``allocate_blocks_cache`` (a no-op if already released).
-
-        If the cache is lent to peers (leases, over NIXL), it returns once each of them
-        stopped using it (a round trip each; one that does not answer within the revoke
-        timeout loses its link); cancelled meanwhile, it still waits for that (the
-        release happened) and returns.
+        Blocking form of
+        [`CacheManager.deallocate_blocks_cache`][aiokv.CacheManager.deallocate_blocks_cache]:
+        the same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(self._async.deallocate_blocks_cache, cache)
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
-        """Blocking form of the async ``CacheManager.remove_cache_key``.
+        """Unbind ``cache_key`` so peers can no longer pull it (a no-op if not bound).
 
-        Unbind ``cache_key`` so peers can no longer pull it (a no-op if not bound).
+        Blocking form of [`CacheManager.remove_cache_key`][aiokv.CacheManager.remove_cache_key]:
+        the same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(self._async.remove_cache_key, cache_key)
 
     def unregister_cache(self, cache_id: int) -> None:
-        """Blocking form of the async ``CacheManager.unregister_cache``.
+        """Forget registered user memory (a no-op if unknown or already unregistered).
 
-        Forget registered user memory (a no-op if unknown or already unregistered).
-
-        When it returns, no transfer or copy touches that memory any more. At once, the
-        cache is no longer granted to peers nor pinned by new operations (they get
-        ``LLM_KV_CACHE_NOT_EXIST``), and what can be revoked is: a peer's pull or push
-        being served from/into it fails on the peer with ``LLM_KV_CACHE_NOT_EXIST`` (no
-        further byte is read or written), a layer-wise transfer from it is cancelled.
-        Then the call waits for this side's own pulls/pushes and local copies on it to
-        end (each is bounded: by ``sync_kv_timeout``, or by the copy itself) — also when
-        cancelled meanwhile: the unregistration happened, so the call returns once it
-        holds (the cancellation comes at the caller's next checkpoint).
-
-        Raises:
-            LLMException: ``LLM_PARAM_INVALID`` if ``cache_id`` names pool memory.
+        Blocking form of [`CacheManager.unregister_cache`][aiokv.CacheManager.unregister_cache]:
+        the same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(self._async.unregister_cache, cache_id)
 
@@ -214,33 +165,23 @@ class CacheManagerOps:
         size: int = -1,
         req_id: int | None = None,
     ) -> None:
-        """Blocking form of the async ``CacheManager.copy_cache``.
-
-        Copy batch slot ``src_batch_index`` of every tensor of ``src`` into slot
+        """Copy batch slot ``src_batch_index`` of every tensor of ``src`` into slot
         ``dst_batch_index`` of ``dst``: ``size`` bytes (``-1``: the rest of the slot) from
         byte ``offset`` of the slot.
 
-        The descriptors must match in tensor count and dtype, and their shapes may differ
-        only in the batch dimension. ``req_id`` is only logged.
-
-        Raises:
-            LLMException: ``LLM_PARAM_INVALID`` for mismatched caches or out-of-range
-                indices, offset or size.
+        Blocking form of [`CacheManager.copy_cache`][aiokv.CacheManager.copy_cache]: the same
+        arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(
             self._async.copy_cache, dst, src, dst_batch_index, src_batch_index, offset, size, req_id
         )
 
     def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, Sequence[int]]) -> None:
-        """Blocking form of the async ``CacheManager.copy_blocks``.
-
-        Copy blocks within one blocks cache, one source to many destinations
+        """Copy blocks within one blocks cache, one source to many destinations
         (copy-on-write forks): ``{src_block: [dst_block, ...]}``, for every tensor.
 
-        A destination may appear once and may not also be a source.
-
-        Raises:
-            LLMException: ``LLM_PARAM_INVALID`` for out-of-range or conflicting blocks.
+        Blocking form of [`CacheManager.copy_blocks`][aiokv.CacheManager.copy_blocks]: the same
+        arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(self._async.copy_blocks, cache, copy_block_info)
 
@@ -251,17 +192,11 @@ class CacheManagerOps:
         src_blocks: Sequence[int],
         dst_blocks_list: Sequence[Sequence[int]],
     ) -> None:
-        """Blocking form of the async ``CacheManager.copy_kv_blocks``.
-
-        llm_datadist's ``CopyKvBlocks``: copy ``src_blocks`` of ``src_cache`` to each list
+        """llm_datadist's ``CopyKvBlocks``: copy ``src_blocks`` of ``src_cache`` to each list
         in ``dst_blocks_list`` of ``dst_cache`` (``dst_list[i]`` gets ``src_blocks[i]``).
 
-        Device↔device, device→host and host→device are supported; host→host is refused.
-
-        Raises:
-            LLMException: ``LLM_PARAM_INVALID`` for host→host, mismatched caches, list
-                lengths, out-of-range blocks, a destination written twice, or a destination
-                that is also a source in the same cache.
+        Blocking form of [`CacheManager.copy_kv_blocks`][aiokv.CacheManager.copy_kv_blocks]: the
+        same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(
             self._async.copy_kv_blocks, src_cache, dst_cache, src_blocks, dst_blocks_list
@@ -271,16 +206,12 @@ class CacheManagerOps:
     def swap_blocks(
         self, src_cache: Cache, dst_cache: Cache, src_to_dst: Mapping[int, int]
     ) -> None:
-        """Blocking form of the async ``CacheManager.swap_blocks``.
-
-        Swap blocks between a host and a device blocks cache: host→device is "swap in",
+        """Swap blocks between a host and a device blocks cache: host→device is "swap in",
         device→host "swap out". ``{src_block: dst_block}``; per-block size and tensor count
         must match. (The legacy keywords ``src`` / ``dst`` also work.)
 
-        Raises:
-            TypeError / NoneArgumentError: wrong argument types (``None`` caches included).
-            LLMException: ``LLM_PARAM_INVALID`` for same-placement caches, mismatched caches,
-                out-of-range blocks or a destination written twice.
+        Blocking form of [`CacheManager.swap_blocks`][aiokv.CacheManager.swap_blocks]: the same
+        arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(self._async.swap_blocks, src_cache, dst_cache, src_to_dst)
 
@@ -295,21 +226,13 @@ class CacheManagerOps:
         dst_layer_range: range | None = None,
         tensor_num_per_layer: int = 2,
     ) -> None:
-        """Blocking form of the async ``CacheManager.pull_cache``.
-
-        Pull one batch slot of a peer's contiguous cache into slot ``batch_index`` of
+        """Pull one batch slot of a peer's contiguous cache into slot ``batch_index`` of
         ``cache``: ``size`` bytes per tensor (``-1``: the whole slot, which must then be the
         same size on both sides). A successful pull by ``CacheKey`` releases that key on
         the peer (as llm_datadist does).
 
-        Layer ``i`` is tensors ``[i*n, (i+1)*n)`` with ``n = tensor_num_per_layer``.
-
-        Raises:
-            LLMException: ``LLM_NOT_YET_LINK`` (no link to ``cache_key``'s cluster),
-                ``LLM_KV_CACHE_NOT_EXIST`` (unknown key), ``LLM_PARAM_INVALID`` (sizes,
-                indices or layer ranges), ``LLM_TIMEOUT`` (past ``sync_kv_timeout``),
-                ``LLM_LINK_FAILED``. On failure the destination slot's bytes are
-                unspecified; nothing else is touched and the key is not released.
+        Blocking form of [`CacheManager.pull_cache`][aiokv.CacheManager.pull_cache]: the same
+        arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(
             self._async.pull_cache,
@@ -333,20 +256,10 @@ class CacheManagerOps:
         dst_layer_range: range | None = None,
         tensor_num_per_layer: int = 2,
     ) -> None:
-        """Blocking form of the async ``CacheManager.pull_blocks``.
+        """Pull blocks of a peer's cache into ``dst_blocks`` of the blocks cache ``dst_cache``.
 
-        Pull blocks of a peer's cache into ``dst_blocks`` of the blocks cache ``dst_cache``.
-
-        With a ``BlocksCacheKey``, block ``src_blocks[i]`` lands in ``dst_blocks[i]``. With
-        a ``CacheKey`` / ``CacheKeyByIdAndIndex`` the source is a contiguous slot cut into
-        block-sized chunks: chunk ``src_blocks[i]`` (default ``i``) lands in
-        ``dst_blocks[i]``; a successful pull by ``CacheKey`` releases the key on the peer.
-
-        Raises:
-            LLMException: ``LLM_NOT_YET_LINK``, ``LLM_KV_CACHE_NOT_EXIST``,
-                ``LLM_PARAM_INVALID`` (empty or mismatched block lists, out-of-range blocks
-                or layers, different block sizes), ``LLM_TIMEOUT``, ``LLM_LINK_FAILED``.
-                On failure the destination blocks' bytes are unspecified.
+        Blocking form of [`CacheManager.pull_blocks`][aiokv.CacheManager.pull_blocks]: the same
+        arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(
             self._async.pull_blocks,
@@ -369,17 +282,12 @@ class CacheManagerOps:
         size: int = -1,
         tensor_num_per_layer: int = 2,
     ) -> None:
-        """Blocking form of the async ``CacheManager.push_cache``.
-
-        Push slot ``src_batch_index`` of ``src_cache`` into the peer's cache
+        """Push slot ``src_batch_index`` of ``src_cache`` into the peer's cache
         ``dst_cache_key``. Both sides need ``enable_remote_cache_accessible``, and the
         peer's cache must be remote accessible.
 
-        Raises:
-            LLMException: as :meth:`pull_cache`; ``LLM_PARAM_INVALID`` at once when this
-                side lacks ``enable_remote_cache_accessible``; ``LLM_FEATURE_NOT_ENABLED``
-                when the peer does not accept pushes into that memory. On failure the
-                peer's slot bytes are unspecified.
+        Blocking form of [`CacheManager.push_cache`][aiokv.CacheManager.push_cache]: the same
+        arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(
             self._async.push_cache,
@@ -402,14 +310,11 @@ class CacheManagerOps:
         dst_layer_range: range | None = None,
         tensor_num_per_layer: int = 2,
     ) -> None:
-        """Blocking form of the async ``CacheManager.push_blocks``.
-
-        Push ``src_blocks`` of the blocks cache ``src_cache`` into ``dst_blocks`` of the
+        """Push ``src_blocks`` of the blocks cache ``src_cache`` into ``dst_blocks`` of the
         peer's blocks cache ``dst_cache_key`` (which must accept pushes).
 
-        Raises:
-            LLMException: as :meth:`pull_blocks`; ``LLM_PARAM_INVALID`` /
-                ``LLM_FEATURE_NOT_ENABLED`` as :meth:`push_cache`.
+        Blocking form of [`CacheManager.push_blocks`][aiokv.CacheManager.push_blocks]: the same
+        arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(
             self._async.push_blocks,
@@ -423,17 +328,11 @@ class CacheManagerOps:
         )
 
     def remap_registered_memory(self, mem_infos: MemInfo | list[MemInfo]) -> None:
-        """Blocking form of the async ``CacheManager.remap_registered_memory``.
+        """llm_datadist's re-mapping of registered memory after a hardware memory fault.
 
-        llm_datadist's re-mapping of registered memory after a hardware memory fault.
-
-        The arguments are checked as llm_datadist checks them; then, as aiokv registers
-        no memory with a NIC, the call is refused with ``LLM_FEATURE_NOT_ENABLED``.
-
-        Raises:
-            LLMException: ``LLM_PARAM_INVALID`` (not a ``MemInfo`` or list of them, a
-                host ``mem_type``, a zero ``addr``, ``size <= 0``), otherwise
-                ``LLM_FEATURE_NOT_ENABLED``.
+        Blocking form of
+        [`CacheManager.remap_registered_memory`][aiokv.CacheManager.remap_registered_memory]:
+        the same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine.call(self._async.remap_registered_memory, mem_infos)
 
@@ -448,169 +347,77 @@ class LLMDataDistOps:
     def link_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Blocking form of the async ``LLMDataDist.link_clusters``.
+        """Link to each cluster's listener, concurrently, within ``timeout`` milliseconds.
 
-        Link to each cluster's listener, concurrently, within ``timeout`` milliseconds.
-
-        Returns ``(overall, per_cluster)``: ``LLM_SUCCESS`` per linked cluster (also when
-        the peer had already linked to us), ``LLM_ALREADY_LINK`` if this side already
-        linked it, ``LLM_PROCESSING_LINK`` while another call links it,
-        ``LLM_LINK_FAILED`` when the peer is unreachable, refuses, fails authentication
-        or is not the cluster named. ``overall`` is ``LLM_SUCCESS`` or the code of the
-        first cluster that failed; ``[]`` gives ``(LLM_PARAM_INVALID, [])``; more than 16
-        clusters give ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for all. ``link_retry_count``
-        attempts are spread over the call's time: ``timeout``, or ``link_total_time``
-        when set and shorter. A failed peer never raises.
-
-        Raises:
-            TypeError / ValueError: bad arguments (``timeout`` not an int32).
-            LLMException: ``LLM_PARAM_INVALID`` for ``timeout <= 0``, and, as
-                llm_datadist, in cache-manager mode without ``local_comm_res`` for a
-                cluster with no ``local_ip_info`` (``append_local_ip_info``; aiokv does
-                not use its content).
-            RuntimeError: not initialized.
+        Blocking form of [`LLMDataDist.link_clusters`][aiokv.LLMDataDist.link_clusters]: the
+        same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine("link_clusters").call(self._async.link_clusters, clusters, timeout)
 
     def unlink_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout: int = 3000, force: bool = False
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Blocking form of the async ``LLMDataDist.unlink_clusters``.
+        """Close every connection to each cluster; the peer sees its link end.
 
-        Close every connection to each cluster; the peer sees its link end.
-
-        Returns ``(overall, per_cluster)``: ``LLM_SUCCESS`` per cluster now unlinked,
-        including one that was not (or no longer) linked, so both sides may unlink in
-        any order. Without ``force``, this side's transfers in flight to a cluster may
-        finish first; still running at ``timeout`` ms, they keep the cluster linked and
-        its code is ``LLM_UNLINK_FAILED``. With ``force`` they fail at once
-        (``LLM_LINK_FAILED``). ``overall`` and ``[]`` as ``link_clusters``.
-
-        Raises:
-            TypeError / ValueError / LLMException / RuntimeError: as ``link_clusters``.
+        Blocking form of [`LLMDataDist.unlink_clusters`][aiokv.LLMDataDist.unlink_clusters]: the
+        same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine("unlink_clusters").call(
             self._async.unlink_clusters, clusters, timeout, force
         )
 
     def check_link_status(self, remote_cluster_id: int) -> None:
-        """Blocking form of the async ``LLMDataDist.check_link_status``.
+        """Return if the link to ``remote_cluster_id`` is up, as the transport knows it.
 
-        Return if the link to ``remote_cluster_id`` is up, as the transport knows it.
-
-        Raises:
-            LLMException: ``LLM_NOT_YET_LINK`` when there is no live link to it.
-            TypeError / ValueError: not a uint64.
+        Blocking form of [`LLMDataDist.check_link_status`][aiokv.LLMDataDist.check_link_status]:
+        the same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine("check_link_status").call(
             self._async.check_link_status, remote_cluster_id
         )
 
     def send_notification(self, cluster_id: int, payload: bytes) -> None:
-        """Blocking form of the async ``LLMDataDist.send_notification``.
-
-        Send ``payload`` to the linked cluster ``cluster_id``'s application: it arrives
+        """Send ``payload`` to the linked cluster ``cluster_id``'s application: it arrives
         there, in the order sent, through ``notifications()`` / ``get_notifications()``.
 
-        A notification travels on the link, authenticated as the link is (``link_secret``,
-        TLS). It returns once the peer filed it (within ``sync_kv_timeout``). A link that
-        breaks while it is sent may leave it delivered although this raised.
-
-        Args:
-            cluster_id: a cluster with a live link (either direction).
-            payload: at most :data:`~aiokv._remote.MAX_NOTIFICATION_BYTES` (64 KiB).
-
-        Raises:
-            TypeError / ValueError: ``cluster_id`` not a uint64, ``payload`` not bytes.
-            LLMException: ``LLM_PARAM_INVALID`` for a payload over 64 KiB,
-                ``LLM_NOT_YET_LINK`` when not linked, ``LLM_LINK_BUSY`` when the peer's
-                queue is full (:data:`~aiokv._remote.NOTIFICATION_QUEUE` waiting: take
-                them there, then retry), ``LLM_TIMEOUT``, ``LLM_LINK_FAILED``.
-            RuntimeError: not initialized.
+        Blocking form of [`LLMDataDist.send_notification`][aiokv.LLMDataDist.send_notification]:
+        the same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine("send_notification").call(
             self._async.send_notification, cluster_id, payload
         )
 
     def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
-        """Blocking form of the async ``LLMDataDist.link``.
+        """Start linking with the other parties of a communicator; its ``comm_id``.
 
-        Start linking with the other parties of a communicator; its ``comm_id``.
-
-        Every party calls ``link`` with the same arguments at about the same time. It
-        returns at once; poll ``query_register_mem_status(comm_id)`` until ``OK``
-        (transfers on these links fail with ``LLM_NOT_YET_LINK`` until then) or
-        ``FAILED`` (not completed within ``link_total_time``, 120 s when 0). Each party
-        opens one link to every party of lower rank, found at the ``device_ip`` /
-        ``device_port`` of that rank's entry in ``rank_table``; so every party but the
-        highest rank must listen: at ``listen_ip_info``, or, when this side has no
-        listener, ``link`` starts one at its own entry's ``device_ip``/``device_port``
-        (kept until ``finalize`` or ``switch_role``).
-
-        Args:
-            comm_name: 1 to 127 characters.
-            cluster_rank_info: ``{cluster_id: rank}`` of 2 to 4 parties, this one
-                included, ranks ascending.
-            rank_table: the HCCL rank-table JSON (``server_list[].device[]`` with
-                ``rank_id``, ``device_ip``, ``device_port``).
-
-        Raises:
-            TypeError / ValueError: arguments of the wrong type or range.
-            LLMException: ``LLM_PARAM_INVALID`` (see above, or this side must listen
-                and neither listens nor has an address in ``rank_table``),
-                ``LLM_LINK_FAILED`` (that address cannot be bound),
-                ``LLM_ALREADY_LINK`` / ``LLM_PROCESSING_LINK`` when a party is linked
-                or being linked already, ``LLM_PARAM_INVALID`` in legacy mode
-                (``enable_cache_manager=False``), as llm_datadist.
+        Blocking form of [`LLMDataDist.link`][aiokv.LLMDataDist.link]: the same arguments,
+        result and errors, run on the instance's engine thread.
         """
         return self._engine("link").call(self._async.link, comm_name, cluster_rank_info, rank_table)
 
     def query_register_mem_status(self, comm_id: int) -> RegisterMemStatus:
-        """Blocking form of the async ``LLMDataDist.query_register_mem_status``.
+        """``PREPARING``, ``OK`` or ``FAILED``: the state of ``link``'s communicator.
 
-        ``PREPARING``, ``OK`` or ``FAILED``: the state of ``link``'s communicator.
-
-        Raises:
-            LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
-                ``LLM_PARAM_INVALID`` in legacy mode.
+        Blocking form of
+        [`LLMDataDist.query_register_mem_status`][aiokv.LLMDataDist.query_register_mem_status]:
+        the same arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine("query_register_mem_status").call(
             self._async.query_register_mem_status, comm_id
         )
 
     def unlink(self, comm_id: int) -> None:
-        """Blocking form of the async ``LLMDataDist.unlink``.
+        """Close the links of ``link``'s communicator (or stop it linking) and forget it.
 
-        Close the links of ``link``'s communicator (or stop it linking) and forget it.
-
-        The other parties see their links end; each still calls ``unlink`` for its own
-        ``comm_id``, in any order.
-
-        Raises:
-            LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
-                ``LLM_PARAM_INVALID`` in legacy mode.
+        Blocking form of [`LLMDataDist.unlink`][aiokv.LLMDataDist.unlink]: the same arguments,
+        result and errors, run on the instance's engine thread.
         """
         return self._engine("unlink").call(self._async.unlink, comm_id)
 
     def switch_role(self, role: LLMRole, switch_options: dict[str, str] | None = None) -> None:
-        """Blocking form of the async ``LLMDataDist.switch_role``.
+        """Take ``role``, and start, move or stop the listener.
 
-        Take ``role``, and start, move or stop the listener.
-
-        With ``"llm.listenIpInfo"`` in ``switch_options`` this side listens there (a
-        new listener first, then the old one closes; the same address keeps it);
-        without it, it stops listening. Other option keys are checked as by ``init``
-        and otherwise ignored (they are init-time options). Legacy mode
-        (``enable_cache_manager=False``) adds llm_datadist's rules: the role must
-        change, and ``PROMPT`` needs ``"llm.listenIpInfo"``; the role gates of
-        ``kv_cache_manager`` follow the new role. Cancelling it does not stop it half
-        way (new listener open, old one closed, role unchanged): it completes (a bind
-        and a close) and returns; the cancellation comes at the caller's next await.
-
-        Raises:
-            TypeError / ValueError: bad ``role`` or options.
-            LLMException: ``LLM_EXIST_LINK`` while any link is up or being made;
-                ``LLM_PARAM_INVALID`` for the legacy rules; ``LLM_LINK_FAILED`` when
-                the new address cannot be bound. Nothing changes on failure.
+        Blocking form of [`LLMDataDist.switch_role`][aiokv.LLMDataDist.switch_role]: the same
+        arguments, result and errors, run on the instance's engine thread.
         """
         return self._engine("switch_role").call(self._async.switch_role, role, switch_options)

@@ -1,9 +1,10 @@
 """Generate ``aiokv/_sync_gen.py``: the blocking methods of ``aiokv.sync``, written out.
 
 Each public ``async def`` of the async classes below gets a blocking twin with the same
-parameters, defaults, annotations, decorators and docstring, whose body hands the call
-to the instance's engine thread. Written out (not made at import time), type checkers
-and IDEs see real signatures. Like httpcore's ``scripts/unasync.py``:
+parameters, defaults, annotations and decorators, the async docstring's summary with a
+link to its full contract, and a body that hands the call to the instance's engine thread.
+Written out (not made at import time), type checkers and IDEs see real signatures. Like
+httpcore's ``scripts/unasync.py``:
 
     python scripts/gen_sync.py           # rewrite aiokv/_sync_gen.py
     python scripts/gen_sync.py --check   # exit 1 if it is stale (tests run this)
@@ -186,8 +187,7 @@ def _method(face: Face, fn: ast.AsyncFunctionDef) -> tuple[str, list[ast.AST]]:
     )
     ast.fix_missing_locations(ast.copy_location(blocking, fn))
     head = ast.unparse(blocking).rsplit("\n", 1)[0]  # "def ...(...) -> T:" and decorators
-    doc = ast.get_docstring(fn) or ""
-    text = f"Blocking form of the async ``{face.cls}.{fn.name}``.\n\n{doc}".rstrip()
+    text = _docstring(face.cls, fn)
     body = '"""' + text.replace("\\", "\\\\") + '\n"""'
     engine = face.engine.format(name=fn.name)
     call = f"return {engine}.call(self._async.{fn.name}" + (
@@ -195,6 +195,18 @@ def _method(face: Face, fn: ast.AsyncFunctionDef) -> tuple[str, list[ast.AST]]:
     )
     code = head + "\n" + textwrap.indent(body + "\n" + call, "    ")
     return textwrap.indent(code, "    "), used
+
+
+def _docstring(cls: str, fn: ast.AsyncFunctionDef) -> str:
+    """A blocking twin's docstring: the async method's summary (its first paragraph),
+    then where its full contract is (the async method's own docstring, not a copy)."""
+    summary = (ast.get_docstring(fn) or "").split("\n\n", 1)[0]
+    target = f"aiokv.{cls}.{fn.name}"
+    pointer = (
+        f"Blocking form of [`{cls}.{fn.name}`][{target}]: the same arguments, result "
+        "and errors, run on the instance's engine thread."
+    )
+    return f"{summary}\n\n{textwrap.fill(pointer, 88)}".strip()
 
 
 def generate() -> str:

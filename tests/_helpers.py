@@ -2,7 +2,8 @@
 ``aiokv.testing``): asserting an ``LLMException``'s code, waiting for what a peer does on
 its own thread, a raw-socket peer that asks and never reads, a fresh interpreter run from
 the repository root, a TLS-only TCP transport, a raw listener that serves one connection,
-an operation cancelled after so many loop steps, a mixed load of pulls and pushes."""
+an operation cancelled after so many loop steps, a mixed load of pulls and pushes, caches
+filled and compared row by row, a round trip of scattered blocks."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from aiokv import BlocksCacheKey, Cache, CacheManager, LLMException, LLMStatusCode
 from aiokv._bench._pki import make_pki
@@ -224,3 +227,62 @@ async def mixed_block_ops(
             group.create_task(worker(w))
     assert failures == [], f"{len(failures)} spurious failures: {failures[:3]}"
     return pulled, pushed
+
+
+def fill_bytes(cache: Cache, seed: int) -> None:
+    """Random bytes in every tensor of ``cache`` (any dtype, any device)."""
+    rng = np.random.default_rng(seed)
+    for t in cache.tensors:
+        raw = np.frombuffer(rng.bytes(t.numel() * t.element_size()), dtype=np.uint8)
+        t.view(torch.uint8).copy_(torch.from_numpy(raw.copy()).view(t.view(torch.uint8).shape))
+
+
+def host(cache: Cache) -> list[torch.Tensor]:
+    """A host copy of every tensor of ``cache``."""
+    return [t.cpu() for t in cache.tensors]
+
+
+async def same_rows(dst: Cache, drows: Any, src: Cache | list[torch.Tensor], srows: Any) -> None:
+    """``dst[drows] == src[srows]`` byte for byte in every tensor (compared off the event
+    loop)."""
+
+    def check() -> None:
+        ts_all = src if isinstance(src, list) else host(src)
+        for td, ts in zip(host(dst), ts_all, strict=True):
+            assert torch.equal(td.view(torch.uint8)[drows], ts.view(torch.uint8)[srows])
+
+    await asyncio.to_thread(check)
+
+
+async def pull_and_push_blocks(
+    p_cm: CacheManager, d_cm: CacheManager, src: Cache, dst: Cache
+) -> None:
+    """A round trip of scattered blocks between two 96-block caches: ``d_cm`` pulls 80
+    blocks of ``src`` (``BlocksCacheKey(1, 0)`` of ``p_cm``) into 80 others of ``dst``
+    (``BlocksCacheKey(2, 0)``), leaving the rest of ``dst`` untouched; then ``p_cm`` pushes
+    40 refilled blocks of ``src`` back into other blocks of ``dst``."""
+    fill_bytes(src, 1)
+    fill_bytes(dst, 2)
+    rng = np.random.default_rng(0)
+    srcs = rng.permutation(96)[:80].tolist()  # 80 scattered blocks: many parts
+    dsts = rng.permutation(96)[:80].tolist()
+    untouched = sorted(set(range(96)) - set(dsts))
+    before = host(dst)
+    await d_cm.pull_blocks(BlocksCacheKey(1, 0), dst, srcs, dsts)
+    await same_rows(dst, dsts, src, srcs)
+    await same_rows(dst, untouched, before, untouched)
+    fill_bytes(src, 3)
+    await p_cm.push_blocks(BlocksCacheKey(2, 0), src, srcs[:40], dsts[40:])
+    await same_rows(dst, dsts[40:], src, srcs[:40])
+
+
+def fill_randn(cache: Cache, seed: int = 0) -> None:
+    """Seeded normal random values in every tensor of ``cache`` (cast to its dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in cache.tensors:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def snapshot(*caches: Cache) -> list[torch.Tensor]:
+    """A copy of every tensor of ``caches``, in order."""
+    return [t.clone() for c in caches for t in c.tensors]

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import fill_randn, snapshot
 
 from aiokv import (
     BlocksCacheKey,
@@ -54,16 +55,6 @@ def cm(dd: LLMDataDist) -> CacheManager:
 
 def blocks_desc(placement: Placement, nblocks: int = 16, ntensors: int = 4) -> CacheDesc:
     return CacheDesc(ntensors, [nblocks, 8, 2, 16], DataType.DT_BF16, placement)
-
-
-def fill(cache: Cache, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for t in cache.tensors:
-        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-
-
-def snapshot(*caches: Cache) -> list[torch.Tensor]:
-    return [t.clone() for c in caches for t in c.tensors]
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -249,7 +240,7 @@ async def test_allocation_failures_change_nothing(cm: CacheManager) -> None:
 async def test_deallocate_defers_while_pinned(cm: CacheManager) -> None:
     src = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE))
     dst = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST))
-    fill(src, 1)
+    fill_randn(src, 1)
     held = used(cm)
     task = asyncio.create_task(cm.swap_blocks(src, dst, {i: i for i in range(16)}))
     for _ in range(100):  # until the swap has started and pinned both caches
@@ -325,7 +316,7 @@ async def test_register_and_unregister(cm: CacheManager, caplog: pytest.LogCaptu
 # ---- copies ------------------------------------------------------------------------------------
 async def test_copy_blocks_one_to_many(cm: CacheManager) -> None:
     c = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 32))
-    fill(c)
+    fill_randn(c)
     before = snapshot(c)
     await cm.copy_blocks(c, {1: [2, 3], 5: [20, 21, 22], 6: [23]})
     for i, t in enumerate(c.tensors):
@@ -361,7 +352,7 @@ async def test_copy_kv_blocks_all_directions(cm: CacheManager) -> None:
     dev2 = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 32))
     host = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 32))
     for i, c in enumerate((dev, dev2, host)):
-        fill(c, i)
+        fill_randn(c, i)
     for src, dst in [(dev, dev2), (dev, host), (host, dev2)]:
         before_src, before_dst = snapshot(src), snapshot(dst)
         srcs, lists = [1, 2, 3, 9], [[4, 5, 6, 7], [30, 12, 11, 0]]
@@ -380,8 +371,8 @@ async def test_copy_kv_blocks_all_directions(cm: CacheManager) -> None:
 async def test_swap_in_and_out_coalesced_and_random(cm: CacheManager) -> None:
     dev = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 64))
     host = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 64))
-    fill(dev, 1)
-    fill(host, 2)
+    fill_randn(dev, 1)
+    fill_randn(host, 2)
     g = torch.Generator().manual_seed(3)
     perm = torch.randperm(64, generator=g).tolist()
     mapping = {i: 10 + i for i in range(20)}  # one contiguous run
@@ -399,7 +390,7 @@ async def test_swap_in_and_out_coalesced_and_random(cm: CacheManager) -> None:
 
 async def test_swap_with_user_cpu_cache(cm: CacheManager) -> None:
     dev = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 8, 2))
-    fill(dev, 4)
+    fill_randn(dev, 4)
     ts = [torch.zeros((8, 8, 2, 16), dtype=torch.bfloat16) for _ in range(2)]
     cpu = Cache.create_cpu_cache(blocks_desc(Placement.HOST, 8, 2), [t.data_ptr() for t in ts])
     await cm.swap_blocks(dev, cpu, {1: 2, 3: 4})
@@ -411,8 +402,8 @@ async def test_copy_cache_slots_offset_size(cm: CacheManager) -> None:
     desc = CacheDesc(2, [4, 256], DataType.DT_FLOAT16)
     src = await cm.allocate_cache(desc)
     dst = await cm.allocate_cache(desc)
-    fill(src, 5)
-    fill(dst, 6)
+    fill_randn(src, 5)
+    fill_randn(dst, 6)
     bd = snapshot(dst)
     await cm.copy_cache(dst, src, 0, 1)
     await cm.copy_cache(dst, src, 2, 3, offset=128, size=64)
@@ -436,7 +427,7 @@ async def test_error_contract_changes_nothing(cm: CacheManager) -> None:
     contig = await cm.allocate_cache(CacheDesc(4, [2, 1024], DataType.DT_BF16))
     contig2 = await cm.allocate_cache(CacheDesc(4, [2, 512], DataType.DT_BF16))
     for c in (dev, host, other, three, contig, contig2):
-        fill(c, c.cache_id)
+        fill_randn(c, c.cache_id)
     bytes_before = snapshot(dev, host, other, three, contig, contig2)
     pools_before = used(cm)
     P = LLMException
@@ -542,6 +533,6 @@ async def test_cancel_large_swap_in_flight_keeps_everything_consistent() -> None
         # and the manager keeps working
         a = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 8))
         b = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 8))
-        fill(a, 8)
+        fill_randn(a, 8)
         await cm.swap_blocks(a, b, {0: 0})
         assert torch.equal(a.tensors[0][0], b.tensors[0][0])

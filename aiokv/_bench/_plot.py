@@ -96,33 +96,42 @@ def _label(row: Mapping[str, Any], inputs: list[str]) -> str:
     return "\n".join(filter(None, (" ".join(names), " ".join(sizes))))
 
 
-def _table_charts(bench: str, name: str, rows: list[Mapping[str, Any]]) -> list[Chart]:
-    first = rows[0]
-    numeric = [
+def _charted(row: Mapping[str, Any]) -> list[str]:
+    """The columns of ``row`` drawn as bars: numbers in a unit, differences left out."""
+    return [
         k
-        for k, v in first.items()
+        for k, v in row.items()
         if isinstance(v, int | float) and _unit(k) and not _DERIVED.search(k)
     ]
-    inputs = [k for k in _SIZE_KEYS if k in first] or [
-        k for k, v in first.items() if k not in numeric and not isinstance(v, bool)
-    ][:2]
+
+
+def _inputs(row: Mapping[str, Any], charted: list[str]) -> list[str]:
+    """The columns of ``row`` that name what was measured on (the x labels)."""
+    known = [k for k in _SIZE_KEYS if k in row]
+    if known:
+        return known
+    return [k for k, v in row.items() if k not in charted and not isinstance(v, bool)][:2]
+
+
+def _table_charts(bench: str, name: str, rows: list[Mapping[str, Any]]) -> list[Chart]:
+    numeric = _charted(rows[0])
+    inputs = _inputs(rows[0], numeric)
     labels = [_label(r, inputs) for r in rows]
-    out = []
-    for unit in dict.fromkeys(u for k in numeric if (u := _unit(k)) is not None):
-        columns = [k for k in numeric if _unit(k) == unit]
-        series = {k: [float(r.get(k, 0.0)) for r in rows] for k in columns}
-        out.append(
-            Chart(
-                title=f"aiokv bench {bench}: {name}" + _NOUN[unit],
-                unit=unit,
-                labels=labels,
-                series=series,
-                xlabel=" × ".join(_AXIS.get(k, k) for k in inputs),
-                reference=1.0 if unit == "ratio" else None,
-                baselines=[k for k in columns if k.startswith("raw")],
-            )
+    by_unit: dict[str, list[str]] = {}
+    for column in numeric:
+        by_unit.setdefault(_unit(column) or "", []).append(column)
+    return [
+        Chart(
+            title=f"aiokv bench {bench}: {name}" + _NOUN[unit],
+            unit=unit,
+            labels=labels,
+            series={k: [float(r.get(k, 0.0)) for r in rows] for k in columns},
+            xlabel=" × ".join(_AXIS.get(k, k) for k in inputs),
+            reference=1.0 if unit == "ratio" else None,
+            baselines=[k for k in columns if k.startswith("raw")],
         )
-    return out
+        for unit, columns in by_unit.items()
+    ]
 
 
 def _percentile_chart(bench: str, name: str, values: Mapping[str, Any]) -> Chart | None:

@@ -305,6 +305,24 @@ def _round(
         client.setdefault((name, n), []).append(whole)
 
 
+def _median_rows(
+    samples: dict[tuple[str, int], list[float]], lengths: list[int]
+) -> list[tuple[int, dict[str, Any]]]:
+    """Per prompt length ``n``, a row of each setup's median time in ms (colocated
+    first), for the caller to add its ratios to."""
+    names = sorted({name for name, _ in samples}, key=lambda s: (s != "colocated", s))
+    return [
+        (
+            n,
+            {
+                "prompt tokens": n,
+                **{f"{name} ms": median(samples[name, n]) * 1e3 for name in names},
+            },
+        )
+        for n in lengths
+    ]
+
+
 def _report(
     times: dict[tuple[str, int], list[float]],
     lengths: list[int],
@@ -321,11 +339,7 @@ def _report(
         "decode-side time to the first token after the params arrive (median ms); "
         "colocated: the whole local prefill",
     )
-    names = sorted({name for name, _ in times}, key=lambda s: (s != "colocated", s))
-    for n in lengths:
-        row: dict[str, Any] = {"prompt tokens": n}
-        for name in names:
-            row[f"{name} ms"] = median(times[name, n]) * 1e3
+    for n, row in _median_rows(times, lengths):
         if ("nixl-connector", n) in times:
             nixl = median(times["nixl-connector", n])
             row["aiokv / nixl-connector"] = median(times["aiokv", n]) / nixl
@@ -339,11 +353,7 @@ def _report(
             "client's time to the first token through the pair, prefill included (median "
             "ms); pull: prefill then decode; aiokv-push: both at once",
         )
-        names = sorted({name for name, _ in client}, key=lambda s: (s != "colocated", s))
-        for n in lengths:
-            row = {"prompt tokens": n}
-            for name in names:
-                row[f"{name} ms"] = median(client[name, n]) * 1e3
+        for n, row in _median_rows(client, lengths):
             if ("aiokv-push", n) in client:
                 row["aiokv-push / aiokv"] = median(client["aiokv-push", n]) / median(
                     client["aiokv", n]

@@ -421,6 +421,12 @@ class Transport(abc.ABC):
         self._loop: asyncio.AbstractEventLoop | None = None  # bound by the first listen/connect
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()  # every task it started
+        self._init_state()
+
+    def _init_state(self) -> None:  # noqa: B027
+        """Set up a backend's own state that no argument decides (its links, listeners,
+        caches): called last by :meth:`__init__`, so that a backend whose arguments are
+        its base's needs no constructor of its own. The default does nothing."""
 
     @abc.abstractmethod
     async def listen(self, host: str, port: int) -> tuple[str, int]:

@@ -43,9 +43,7 @@ from ._base import (
     DeviceRuns,
     Grant,
     Link,
-    LinkCallback,
     PeerInfo,
-    RequestHandler,
     Transport,
     auth_mismatch,
     check_address,
@@ -432,26 +430,7 @@ class _LocalLink(Link):
 class LocalTransport(Transport):
     """Links to transports of the same process; see the module docstring."""
 
-    def __init__(
-        self,
-        local_cluster_id: int,
-        handler: RequestHandler,
-        *,
-        secret: bytes | None = None,
-        max_meta_bytes: int = 1 << 20,
-        on_link: LinkCallback | None = None,
-        on_link_lost: LinkCallback | None = None,
-        handshake_timeout: float = 10.0,
-    ) -> None:
-        super().__init__(
-            local_cluster_id,
-            handler,
-            secret=secret,
-            max_meta_bytes=max_meta_bytes,
-            on_link=on_link,
-            on_link_lost=on_link_lost,
-            handshake_timeout=handshake_timeout,
-        )
+    def _init_state(self) -> None:
         self._addresses: list[tuple[str, int]] = []
         self._links: dict[_LocalLink, None] = {}  # insertion-ordered set
 

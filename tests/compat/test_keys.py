@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import raises, until
+from _helpers import raises, snapshot, until
 from participants import participant, pool
 
 from aiokv import (
@@ -65,10 +65,6 @@ def slots_desc(batch: int = 2) -> CacheDesc:
 def fill(cache: Any, seed: int) -> None:
     for i, t in enumerate(cache.tensors):
         t.copy_(torch.arange(t.numel(), dtype=torch.int64).view(t.shape).add(seed + i) % 251)
-
-
-def snapshot(cache: Any) -> list[torch.Tensor]:
-    return [t.clone() for t in cache.tensors]
 
 
 def state(cm: CacheManager) -> dict[str, Any]:

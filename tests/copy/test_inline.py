@@ -19,6 +19,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
+from _helpers import snapshot
 from copy_helpers import expected
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -79,10 +80,6 @@ def fill(cache: Cache, seed: int) -> None:
         t.copy_(torch.randint(0, 256, t.shape, generator=g, dtype=torch.uint8))
 
 
-def snap(cache: Cache) -> list[torch.Tensor]:
-    return [t.clone() for t in cache.tensors]
-
-
 def equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -131,28 +128,28 @@ async def test_small_ops_run_inline_with_the_right_bytes(
     host = await cm.allocate_blocks_cache(desc(Placement.HOST, 8, 16 << 10))
     fill(dev, 1)
     fill(host, 2)
-    want_host = expected(snap(dev), snap(host), [(0, 1)])
+    want_host = expected(snapshot(dev), snapshot(host), [(0, 1)])
     await cm.swap_blocks(dev, host, {0: 1})  # 4 tensors x 16 KiB: the benchmark's op
-    assert equal(snap(host), want_host)
-    want_dev = expected(snap(host), snap(dev), [(5, 2), (6, 7)])
+    assert equal(snapshot(host), want_host)
+    want_dev = expected(snapshot(host), snapshot(dev), [(5, 2), (6, 7)])
     await cm.swap_blocks(host, dev, {5: 2, 6: 7})
-    assert equal(snap(dev), want_dev)
-    want_dev = expected(snap(dev), snap(dev), [(3, 4)])
+    assert equal(snapshot(dev), want_dev)
+    want_dev = expected(snapshot(dev), snapshot(dev), [(3, 4)])
     await cm.copy_blocks(dev, {3: [4]})
-    assert equal(snap(dev), want_dev)
-    want_host = expected(snap(dev), snap(host), [(2, 0)])
+    assert equal(snapshot(dev), want_dev)
+    want_host = expected(snapshot(dev), snapshot(host), [(2, 0)])
     await cm.copy_kv_blocks(dev, host, [2], [[0]])
-    assert equal(snap(host), want_host)
+    assert equal(snapshot(host), want_host)
     assert spy.jobs == 0  # none reached the workers
     assert cm.statistics().pins == 0
     # released while pinned by a pending inline copy: memory stays until it ends
     task = asyncio.create_task(cm.swap_blocks(dev, host, {1: 3}))
     await asyncio.sleep(0)  # the swap pinned both and is at its checkpoint
     assert cm.statistics().pins == 2
-    want_host = expected(snap(dev), snap(host), [(1, 3)])
+    want_host = expected(snapshot(dev), snapshot(host), [(1, 3)])
     await cm.deallocate_blocks_cache(host)
     await task
-    assert equal(snap(host), want_host)
+    assert equal(snapshot(host), want_host)
     assert cm.statistics().pins == 0 and cm.statistics().caches == 1
 
 
@@ -186,9 +183,9 @@ def test_large_copies_still_go_to_the_workers(
                     strict=True,
                 )
             )
-            want = expected(snap(dev), snap(host), pairs)
+            want = expected(snapshot(dev), snapshot(host), pairs)
             await cm.swap_blocks(dev, host, dict(pairs))
-            assert equal(snap(host), want)
+            assert equal(snapshot(host), want)
             inline = fits_inline(tensors, npairs, block)
             assert spy.jobs == (0 if inline else 1)
             if tensors * npairs * block > INLINE_MAX_BYTES:
@@ -202,13 +199,13 @@ async def test_cancelled_at_the_checkpoint_copies_nothing(cm: CacheManager) -> N
     dev = await cm.allocate_blocks_cache(desc(Placement.DEVICE, 4, 1024))
     host = await cm.allocate_blocks_cache(desc(Placement.HOST, 4, 1024))
     fill(dev, 3)
-    before = snap(host)
+    before = snapshot(host)
     task = asyncio.create_task(cm.swap_blocks(dev, host, {0: 0, 1: 1}))
     await asyncio.sleep(0)  # the task ran up to its checkpoint
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert equal(snap(host), before)
+    assert equal(snapshot(host), before)
     assert cm.statistics().pins == 0
 
 
@@ -241,13 +238,13 @@ def test_inline_under_trio() -> None:
             dev = await cm.allocate_blocks_cache(desc(Placement.DEVICE, 4, 4096))
             host = await cm.allocate_blocks_cache(desc(Placement.HOST, 4, 4096))
             fill(dev, 4)
-            want = expected(snap(dev), snap(host), [(2, 1)])
+            want = expected(snapshot(dev), snapshot(host), [(2, 1)])
             await cm.swap_blocks(dev, host, {2: 1})
-            assert equal(snap(host), want)
+            assert equal(snapshot(host), want)
             with anyio.CancelScope() as scope:  # cancelled at the checkpoint: no copy
                 scope.cancel()
                 await cm.swap_blocks(dev, host, {3: 0})
-            assert equal(snap(host), want)
+            assert equal(snapshot(host), want)
             assert cm.statistics().pins == 0 and jobs == 0
 
     anyio.run(main, backend="trio")

@@ -458,6 +458,7 @@ def test_push_decode_with_a_local_prefix_hit_reserves_the_rest() -> None:
         ({"mode": "pull"}, "not 'push'"),
         ({"transfer_id": ""}, "transfer_id"),
         ({"transfer_id": 5}, "transfer_id"),
+        ({"remote_engine_id": ""}, "remote_engine_id"),
         ({"remote_block_size": 16}, "remote_block_size"),
         ({"remote_ranks": [["h", 1, 2]] * 3}, "tensor-parallel"),
         ({"remote_ranks": "x"}, "remote_ranks"),

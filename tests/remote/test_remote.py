@@ -20,7 +20,7 @@ import numpy as np
 import peer_process
 import pytest
 import torch
-from _helpers import mixed_block_ops, raises
+from _helpers import fill_randn, mixed_block_ops, raises, snapshot
 
 from aiokv import (
     BlocksCacheKey,
@@ -69,16 +69,6 @@ async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[LLMDataDis
 
 def paged(layers: int = 3, blocks: int = 32, dtype: DataType = DataType.DT_BF16) -> CacheDesc:
     return CacheDesc(2 * layers, [blocks, 8, 2, 16], dtype)
-
-
-def fill(cache: Cache, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for t in cache.tensors:
-        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-
-
-def snap(cache: Cache) -> list[torch.Tensor]:
-    return [t.clone() for t in cache.tensors]
 
 
 async def settled(d: LLMDataDist, cluster_id: int = 1) -> None:
@@ -158,9 +148,9 @@ async def test_pull_blocks_exact(pair: tuple[LLMDataDist, LLMDataDist], dtype: D
     p, d = pair
     src = await p.cache_manager.allocate_blocks_cache(paged(dtype=dtype), BlocksCacheKey(1, 0))
     dst = await d.cache_manager.allocate_blocks_cache(paged(dtype=dtype))
-    fill(src, 1)
-    fill(dst, 2)
-    before = snap(dst)
+    fill_randn(src, 1)
+    fill_randn(dst, 2)
+    before = snapshot(dst)
     srcs, dsts = [3, 4, 5, 17, 31], [0, 1, 2, 30, 9]
     await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, srcs, dsts)  # positional
     for i, (td, ts) in enumerate(zip(dst.tensors, src.tensors, strict=True)):
@@ -188,7 +178,7 @@ async def test_single_tensor_cache_without_layer_ranges(
     p, d = pair
     desc = CacheDesc(1, [8, 4096], DataType.DT_UINT8)
     src = await p.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
-    fill(src, 1)
+    fill_randn(src, 1)
     dst = await d.cache_manager.allocate_blocks_cache(desc)
     await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [3], [4])
     assert torch.equal(dst.tensors[0][4], src.tensors[0][3])
@@ -198,8 +188,8 @@ async def test_two_models_and_push_blocks(pair: tuple[LLMDataDist, LLMDataDist])
     p, d = pair
     m0 = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
     m1 = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 1))
-    fill(m0, 3)
-    fill(m1, 4)
+    fill_randn(m0, 3)
+    fill_randn(m1, 4)
     dst = await d.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(2, 0))
     await d.cache_manager.pull_blocks(BlocksCacheKey(1, 1), dst, [1], [1])
     await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [1], [2])
@@ -219,9 +209,9 @@ async def test_push_needs_remote_access(backend: str) -> None:
     ):
         await d.link_clusters([info(1, p.listen_address)])
         tgt = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
-        before = snap(tgt)
+        before = snapshot(tgt)
         src = await d.cache_manager.allocate_blocks_cache(paged())
-        fill(src, 5)
+        fill_randn(src, 5)
         await raises(
             CODE.LLM_FEATURE_NOT_ENABLED,
             d.cache_manager.push_blocks(BlocksCacheKey(1, 0), src, [0], [0]),
@@ -234,7 +224,7 @@ async def test_pull_cache_releases_the_key(pair: tuple[LLMDataDist, LLMDataDist]
     desc = CacheDesc(4, [2, 1024], DataType.DT_FLOAT16)
     k0, k1 = CacheKey(1, req_id=10), CacheKey(1, req_id=11)
     src = await p.cache_manager.allocate_cache(desc, [k0, k1])
-    fill(src, 6)
+    fill_randn(src, 6)
     await p.cache_manager.deallocate_cache(src)
     held = p.cache_manager.get_pool_stats()
     assert held is not None and held.used > 0
@@ -260,11 +250,11 @@ async def test_pull_and_push_by_id(pair: tuple[LLMDataDist, LLMDataDist]) -> Non
     p, d = pair
     desc = CacheDesc(4, [2, 512], DataType.DT_BF16)
     src = await p.cache_manager.allocate_cache(desc)
-    fill(src, 7)
+    fill_randn(src, 7)
     dst = await d.cache_manager.allocate_cache(desc)
     await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 1), dst, 0)
     assert all(torch.equal(a[0], b[1]) for a, b in zip(dst.tensors, src.tensors, strict=True))
-    fill(dst, 8)
+    fill_randn(dst, 8)
     await d.cache_manager.push_cache(
         CacheKeyByIdAndIndex(1, src.cache_id, 0), dst, 1, range(1, 2), range(0, 1)
     )
@@ -283,9 +273,9 @@ async def test_remote_errors_change_nothing(pair: tuple[LLMDataDist, LLMDataDist
         CacheDesc(6, [32, 4, 2, 16], DataType.DT_BF16), BlocksCacheKey(1, 2)
     )
     dst = await d.cache_manager.allocate_blocks_cache(paged())
-    fill(src, 1)
-    fill(dst, 2)
-    bs, bd = snap(src), snap(dst)
+    fill_randn(src, 1)
+    fill_randn(dst, 2)
+    bs, bd = snapshot(src), snapshot(dst)
     cm: CacheManager = d.cache_manager
     k = BlocksCacheKey(1, 0)
     P = CODE.LLM_PARAM_INVALID
@@ -409,7 +399,7 @@ async def test_hostile_requests_never_touch_unregistered_memory(
     sealed = await p.cache_manager.register_blocks_cache(
         paged(), sealed_t, BlocksCacheKey(1, 1), remote_accessible=False
     )
-    fill(target, 1)
+    fill_randn(target, 1)
     before_loose, before_sealed = loose.clone(), [t.clone() for t in sealed_t]
     rng = random.Random(7)
     good: dict[str, Any] = {
@@ -475,7 +465,7 @@ async def test_transfer_cache_async_layer_by_layer(pair: tuple[LLMDataDist, LLMD
     p, d = pair
     layers = 4
     src = await p.cache_manager.allocate_blocks_cache(paged(layers))
-    fill(src, 9)
+    fill_randn(src, 9)
     dst_t = [torch.zeros(paged(layers).shape, dtype=torch.bfloat16) for _ in range(2 * layers)]
     dst = await d.cache_manager.register_blocks_cache(paged(layers), dst_t, BlocksCacheKey(2, 0))
     sync = Releaser(layers)
@@ -644,7 +634,7 @@ async def test_two_processes_serving_flow(over: str) -> None:
             src = await cm.allocate_blocks_cache(
                 CacheDesc(2 * L, peer_process.SHAPE, DataType.DT_BF16), BlocksCacheKey(22, 0)
             )
-            fill(src, 42)
+            fill_randn(src, 42)
             await cm.push_blocks(BlocksCacheKey(11, 0), src, [0, 1, 2, 3], [60, 61, 62, 63])
             pushed = await ask(conn, "pushed")
             for t, got in zip(src.tensors, pushed, strict=True):

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _helpers import fill_bytes, host, pull_and_push_blocks, same_rows
 
 from aiokv import (
     BlocksCacheKey,
-    Cache,
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
@@ -94,29 +94,6 @@ def paged(layers: int = 2, blocks: int = 96, placement: Placement = Placement.DE
     return CacheDesc(2 * layers, [blocks, 8192], DataType.DT_FLOAT16, placement)  # 16 KiB blocks
 
 
-def fill(cache: Cache, seed: int) -> None:
-    """Random bytes in every tensor."""
-    rng = np.random.default_rng(seed)
-    for t in cache.tensors:
-        raw = np.frombuffer(rng.bytes(t.numel() * t.element_size()), dtype=np.uint8)
-        t.view(torch.uint8).copy_(torch.from_numpy(raw.copy()).view(t.view(torch.uint8).shape))
-
-
-def host(cache: Cache) -> list[torch.Tensor]:
-    return [t.cpu() for t in cache.tensors]
-
-
-async def same_rows(dst: Cache, drows: Any, src: Cache | list[torch.Tensor], srows: Any) -> None:
-    """``dst[drows] == src[srows]`` in every tensor (compared off the event loop)."""
-
-    def check() -> None:
-        ts_all = src if isinstance(src, list) else host(src)
-        for td, ts in zip(host(dst), ts_all, strict=True):
-            assert torch.equal(td.view(torch.uint8)[drows], ts.view(torch.uint8)[srows])
-
-    await asyncio.to_thread(check)
-
-
 BACKENDS = ["tcp", "local"]
 
 
@@ -125,20 +102,7 @@ async def test_pull_and_push_blocks(route: str, backend: str) -> None:
     async with linked(route, backend) as (p, d):
         src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
         dst = await d.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(2, 0))
-        fill(src, 1)
-        fill(dst, 2)
-        rng = np.random.default_rng(0)
-        srcs = rng.permutation(96)[:80].tolist()  # 80 scattered blocks: 5 MiB, many parts
-        dsts = rng.permutation(96)[:80].tolist()
-        untouched = sorted(set(range(96)) - set(dsts))
-        before = host(dst)
-        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, srcs, dsts)
-        await same_rows(dst, dsts, src, srcs)
-        await same_rows(dst, untouched, before, untouched)
-        # and back: push P's blocks into other blocks of D
-        fill(src, 3)
-        await p.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, srcs[:40], dsts[40:])
-        await same_rows(dst, dsts[40:], src, srcs[:40])
+        await pull_and_push_blocks(p.cache_manager, d.cache_manager, src, dst)  # 5 MiB each way
 
 
 @pytest.mark.parametrize("placements", [("device", "host"), ("host", "device")])
@@ -150,7 +114,7 @@ async def test_mixed_placements(route: str, placements: tuple[str, str]) -> None
             paged(placement=place[placements[0]]), BlocksCacheKey(1, 0)
         )
         dst = await d.cache_manager.allocate_blocks_cache(paged(placement=place[placements[1]]))
-        fill(src, 4)
+        fill_bytes(src, 4)
         blocks = list(range(0, 96, 2))
         await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks[::-1])
         await same_rows(dst, blocks[::-1], src, blocks)
@@ -162,7 +126,7 @@ async def test_pull_by_cache_key_releases_after_the_last_part(route: str) -> Non
         desc = CacheDesc(4, [1, 96 * 8192], DataType.DT_FLOAT16)  # one slot = 96 blocks
         key = CacheKey(1, req_id=7)
         src = await p.cache_manager.allocate_cache(desc, [key])
-        fill(src, 5)
+        fill_bytes(src, 5)
         dst = await d.cache_manager.allocate_blocks_cache(paged())
         chunks = list(range(96))
         await d.cache_manager.pull_blocks(key, dst, chunks, chunks[::-1])
@@ -177,11 +141,11 @@ async def test_slot_transfers_split_by_layer(route: str) -> None:
         desc = CacheDesc(8, [2, 64 * 8192], DataType.DT_FLOAT16)  # 1 MiB a slot a tensor
         src = await p.cache_manager.allocate_cache(desc, [CacheKey(1, req_id=1)])
         dst = await d.cache_manager.allocate_cache(desc, [])
-        fill(src, 6)
+        fill_bytes(src, 6)
         key = CacheKeyByIdAndIndex(1, src.cache_id, 1)
         await d.cache_manager.pull_cache(key, dst, batch_index=0)
         await same_rows(dst, 0, src, 1)
-        fill(dst, 7)
+        fill_bytes(dst, 7)
         await d.cache_manager.push_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst, 1)
         await same_rows(src, 0, dst, 1)
 
@@ -197,7 +161,7 @@ async def test_layer_wise_push_from_device(route: str) -> None:
     async with linked(route, "tcp") as (p, d):
         layers = 3
         src = await p.cache_manager.allocate_blocks_cache(paged(layers))
-        fill(src, 8)
+        fill_bytes(src, 8)
         by_key = await d.cache_manager.allocate_blocks_cache(paged(layers), BlocksCacheKey(2, 0))
         by_addr = await d.cache_manager.allocate_blocks_cache(paged(layers), BlocksCacheKey(2, 1))
         srcs, dsts = list(range(10, 90)), list(range(80))

@@ -13,17 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import math
 import random
 import time
 import typing
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from _helpers import cancel_after, tls_tcp_transport
+from _helpers import cancel_after, raises, tls_tcp_transport, until
+from fake_handler import FakeHandler
 from spans import (
     KIB,
     ManyOps,
@@ -40,9 +40,7 @@ from aiokv import LLMConfig
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
 from aiokv.transport import (
-    Grant,
     Link,
-    PeerInfo,
     Transport,
     get_transport,
     transport_names,
@@ -50,103 +48,6 @@ from aiokv.transport import (
 
 HOST = "127.0.0.1"
 MIB = 1 << 20
-
-
-@dataclass
-class FakeHandler:
-    """A cache layer over named bytearrays.
-
-    meta: ``{"region": name, "spans": [[offset, length], ...], "tag": t}`` grants those
-    spans; ``{"refuse": code}`` refuses (with a ``done`` when tagged), ``{"raise": code}``
-    raises ``LLMException(code)``, ``{"crash": true}`` raises a foreign error,
-    ``{"hang": true}`` never answers, ``{"stubborn": s}`` ignores cancellation, then grants
-    after ``s`` seconds, ``{"bad": kind}`` answers with a broken grant.
-    """
-
-    regions: dict[str, bytearray] = field(default_factory=dict)
-    calls: dict[Any, list[bool]] = field(default_factory=dict)  # tag -> done(ok) calls
-    first: dict[Any, asyncio.Future[bool]] = field(default_factory=dict)  # tag -> first call
-    peers: list[PeerInfo] = field(default_factory=list)
-    grants: int = 0
-    hanging: asyncio.Event = field(default_factory=asyncio.Event)
-    hung_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
-    granted: dict[Any, Grant] = field(default_factory=dict)  # tag -> the Grant handed out
-
-    def _done(self, tag: Any) -> Callable[[bool], None]:
-        fut = self.first.setdefault(tag, asyncio.get_running_loop().create_future())
-        calls = self.calls.setdefault(tag, [])
-
-        def done(ok: bool) -> None:
-            calls.append(ok)
-            if not fut.done():
-                fut.set_result(ok)
-
-        return done
-
-    async def _grant(self, peer: PeerInfo, raw: bytes) -> Any:
-        self.grants += 1
-        self.peers.append(peer)
-        meta = json.loads(raw)
-        tag = meta.get("tag", object())
-        if meta.get("hang"):
-            self.hanging.set()
-            try:
-                await asyncio.Event().wait()
-            finally:
-                self.hung_cancelled.set()
-        if "stubborn" in meta:
-            self.hanging.set()
-            end = time.monotonic() + meta["stubborn"]
-            while (left := end - time.monotonic()) > 0:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.sleep(left)
-        if "refuse" in meta:
-            return Grant(Code(meta["refuse"]), [], self._done(tag) if "tag" in meta else None)
-        if "raise" in meta:
-            raise LLMException("refused by test", status_code=Code(meta["raise"]))
-        if meta.get("crash"):
-            raise KeyError("a bug in the cache layer")
-        if "bad" in meta:
-            return {
-                "not-a-grant": "not a grant",
-                "unknown-status": Grant(0xDEAD),  # type: ignore[arg-type]
-                "not-a-buffer": Grant(Code.LLM_SUCCESS, [object()]),  # type: ignore[list-item]
-                "read-only": Grant(Code.LLM_SUCCESS, [memoryview(b"read-only")]),
-            }[meta["bad"]]
-        buf = memoryview(self.regions[meta.get("region", "r")])
-        views = [buf[off : off + n] for off, n in meta.get("spans", [])]
-        grant = Grant(Code.LLM_SUCCESS, views, self._done(tag))
-        self.granted[tag] = grant
-        if "abort_first" in meta:  # revoked before the transport even answered
-            grant.abort(Code(meta["abort_first"]))
-        return grant
-
-    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Any:
-        return await self._grant(peer, meta)
-
-    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Any:
-        return await self._grant(peer, meta)
-
-    async def done(self, tag: Any) -> bool:
-        """How the grant ``tag`` ends (its first ``done`` call), waiting up to 5 s."""
-        fut = self.first.setdefault(tag, asyncio.get_running_loop().create_future())
-        return await asyncio.wait_for(asyncio.shield(fut), 5)
-
-
-async def eventually(check: Callable[[], bool], seconds: float = 5) -> None:
-    """Wait (bounded) until ``check()`` holds, e.g. for the accepting side of a link."""
-    for _ in range(int(seconds / 0.005)):
-        if check():
-            return
-        await asyncio.sleep(0.005)
-    assert check()
-
-
-async def raises(code: Code, coro: Any) -> LLMException:
-    with pytest.raises(LLMException) as info:
-        await coro
-    assert info.value.status_code == code, info.value
-    return info.value
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -219,7 +120,7 @@ async def make_pair(
     try:
         address = await b.listen(HOST, 0)
         link_a = await a.connect(*address, timeout=5)
-        await eventually(lambda: bool(linked_b))
+        await until(lambda: bool(linked_b))
         pair = Pair(
             a, b, ha, hb, link_a, linked_b[0], address, linked_a, linked_b, lost_a, lost_b, name
         )
@@ -691,7 +592,7 @@ async def test_closing_fails_pending_ops(pair: Pair, closer: str) -> None:
         asyncio.create_task(pair.link_a.read(js({"hang": True}), [], timeout=30)),
         asyncio.create_task(pair.link_a.write(js({"hang": True}), [], timeout=30)),
     ]
-    await eventually(lambda: pair.hb.grants == 2)  # both requests reached the handler
+    await until(lambda: pair.hb.grants == 2)  # both requests reached the handler
     t0 = time.monotonic()
     if closer == "peer-link":
         await pair.link_b.aclose()
@@ -702,7 +603,7 @@ async def test_closing_fails_pending_ops(pair: Pair, closer: str) -> None:
     for task in pending:
         await raises(Code.LLM_LINK_FAILED, task)
     assert time.monotonic() - t0 < 2
-    await eventually(lambda: pair.link_a.broken and pair.link_b.broken)
+    await until(lambda: pair.link_a.broken and pair.link_b.broken)
     assert pair.lost_a == [pair.link_a] and pair.lost_b == [pair.link_b]  # once per side
     assert pair.a.links() == [] and pair.b.links() == []
     await asyncio.wait_for(pair.hb.hung_cancelled.wait(), 5)
@@ -753,7 +654,7 @@ async def test_peer_loss_mid_transfer(pair: Pair, op: str, steps: int) -> None:
     after = await asyncio.to_thread(lambda: (bytes(mine), bytes(region)))
     assert after == snapshot  # nothing moves after the op ended
     assert len(pair.hb.calls["t"]) == 1
-    await eventually(lambda: pair.link_a.broken)
+    await until(lambda: pair.link_a.broken)
     assert pair.lost_a == [pair.link_a]
 
 
@@ -794,7 +695,7 @@ async def test_probe_answers_while_alive_and_fails_once_broken(pair: Pair) -> No
     assert pair.hb.grants == grants and not pair.link_a.broken
     # it works alongside a request the peer has not answered yet
     hung = asyncio.create_task(pair.link_a.read(js({"hang": True}), [], timeout=30))
-    await eventually(lambda: pair.hb.grants == grants + 1)
+    await until(lambda: pair.hb.grants == grants + 1)
     assert await pair.link_a.probe(5)
     hung.cancel()
     with contextlib.suppress(asyncio.CancelledError):

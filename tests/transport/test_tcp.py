@@ -13,11 +13,12 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from _helpers import cancel_after, serving_once
+from fake_handler import FakeHandler
 from spans import (
     KIB,
     ManyOps,
@@ -43,57 +44,6 @@ MIB = 1 << 20
 
 
 # ------------------------------------------------------------------------------ fakes
-
-
-@dataclass
-class FakeHandler:
-    """A cache layer over named bytearrays.
-
-    meta: ``{"region": name, "spans": [[offset, length], ...]}`` selects the buffers;
-    ``{"refuse": code}`` refuses, ``{"raise": code}`` raises ``LLMException(code)``,
-    ``{"crash": true}`` raises a foreign error, ``{"hang": true}`` never answers.
-    Every ``done`` call is recorded under the meta's ``"tag"``.
-    """
-
-    regions: dict[str, bytearray] = field(default_factory=dict)
-    done: dict[Any, asyncio.Future[bool]] = field(default_factory=dict)
-    grants: int = 0
-    hanging: asyncio.Event = field(default_factory=asyncio.Event)
-    hung_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def _done(self, tag: Any) -> Callable[[bool], None]:
-        fut = self.done.setdefault(tag, asyncio.get_running_loop().create_future())
-
-        def done(ok: bool) -> None:
-            assert not fut.done(), f"done called twice for {tag!r}"
-            fut.set_result(ok)
-
-        return done
-
-    async def _grant(self, raw: bytes) -> Grant:
-        self.grants += 1
-        meta = json.loads(raw)
-        if meta.get("hang"):
-            self.hanging.set()
-            try:
-                await asyncio.Event().wait()
-            finally:
-                self.hung_cancelled.set()
-        if "refuse" in meta:
-            return Grant(Code(meta["refuse"]))
-        if "raise" in meta:
-            raise LLMException("refused by test", status_code=Code(meta["raise"]))
-        if meta.get("crash"):
-            raise KeyError("a bug in the cache layer")
-        buf = memoryview(self.regions[meta["region"]])
-        views = [buf[off : off + n] for off, n in meta["spans"]]
-        return Grant(Code.LLM_SUCCESS, views, self._done(meta.get("tag", object())))
-
-    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
-        return await self._grant(meta)
-
-    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
-        return await self._grant(meta)
 
 
 @dataclass
@@ -172,7 +122,7 @@ async def test_read_many_scatter_buffers_exact(chunk_bytes: int, scatter: Scatte
         )
         assert gather_spans(dst, dst_spans) == gather_spans(src, src_spans)
         assert set(outside_spans(dst, dst_spans)) == {0x77}  # nothing landed in the gaps
-        assert await asyncio.wait_for(p.hb.done["t"], 5) is True
+        assert await p.hb.done("t") is True
 
 
 async def test_write_many_scatter_buffers_exact(pair: Pair) -> None:
@@ -188,7 +138,7 @@ async def test_write_many_scatter_buffers_exact(pair: Pair) -> None:
         js({"region": "w", "spans": dst_spans, "tag": "w"}), views_of(src, src_spans), timeout=10
     )
     # write() returns only once the peer confirmed: its done has already run.
-    assert pair.hb.done["w"].result() is True
+    assert pair.hb.calls["w"] == [True]
     assert gather_spans(dst, dst_spans) == gather_spans(src, src_spans)
     assert outside_spans(dst, dst_spans) == outside_spans(dst_before, dst_spans)
 
@@ -227,8 +177,8 @@ async def test_zero_byte_transfers(pair: Pair) -> None:
     pair.hb.regions["r"] = bytearray(10)
     await pair.link_a.read(js({"region": "r", "spans": [], "tag": "r0"}), [], timeout=5)
     await pair.link_a.write(js({"region": "r", "spans": [], "tag": "w0"}), [], timeout=5)
-    assert await asyncio.wait_for(pair.hb.done["r0"], 5) is True
-    assert pair.hb.done["w0"].result() is True
+    assert await pair.hb.done("r0") is True
+    assert pair.hb.calls["w0"] == [True]
 
 
 async def test_views_of_any_format_are_bytes(pair: Pair) -> None:
@@ -265,12 +215,12 @@ async def test_size_mismatch_is_param_invalid(pair: Pair) -> None:
     with pytest.raises(LLMException) as info:
         await pair.link_a.read(js(meta), [memoryview(bytearray(49))], timeout=5)
     assert info.value.status_code == Code.LLM_PARAM_INVALID
-    assert await asyncio.wait_for(pair.hb.done["read"], 5) is False
+    assert await pair.hb.done("read") is False
     meta = {"region": "r", "spans": [[0, 50]], "tag": "write"}
     with pytest.raises(LLMException) as info:
         await pair.link_a.write(js(meta), [memoryview(bytearray(51))], timeout=5)
     assert info.value.status_code == Code.LLM_PARAM_INVALID
-    assert pair.hb.done["write"].result() is False
+    assert pair.hb.calls["write"] == [False]
     assert pair.hb.regions["r"] == b"x" * 100  # nothing was sent into a refused request
     got = bytearray(50)
     await pair.link_a.read(js({"region": "r", "spans": [[0, 50]]}), [memoryview(got)], timeout=5)
@@ -379,12 +329,13 @@ async def test_cancel_at_every_step_leaves_link_usable(
             method = p.link_a.read if op == "read" else p.link_a.write
             task = await cancel_after(method(meta, [memoryview(mine)], timeout=20), steps)
             snapshot = bytes(mine)
-            if tag in p.hb.done:  # the grant happened: the peer learns how it ended
-                ok = await asyncio.wait_for(p.hb.done[tag], 5)
+            if tag in p.hb.first:  # the grant happened: the peer learns how it ended
+                ok = await p.hb.done(tag)
                 if op == "read":  # a pull counts as done exactly when read() returned
                     assert ok is (not task.cancelled())
                 else:  # a push may land just before its confirmation is awaited
                     assert ok or task.cancelled()
+                assert p.hb.calls[tag] == [ok]  # done runs once
             # The link still works, and the cancelled op's buffer is never touched again
             # (late chunks of it are drained into scratch space while this runs).
             check = bytearray(size)

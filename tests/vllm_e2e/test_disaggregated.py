@@ -24,8 +24,12 @@ import pytest
 from tiny_model import make_tiny_llama
 from vllm_harness import (
     BLOCK_SIZE,
+    CONNECTOR,
     ENGINE_ARGS,
     ENGINE_ENV,
+    FREE_TIMEOUT_S,
+    LENGTHS,
+    MAX_TOKENS,
     EngineProcess,
     Output,
     Request,
@@ -37,13 +41,7 @@ from vllm_harness import (
 
 pytestmark = pytest.mark.timeout(900)
 
-CONNECTOR = ("AiokvConnector", "aiokv.integrations.vllm")
-# >= 8 requests: one shorter than a block, several exactly on and around block boundaries,
-# some many blocks long (block size 32)
-LENGTHS = [9, 31, 32, 33, 64, 95, 150, 257, 300]
-MAX_TOKENS = 12
 LEASE_S = 20.0
-FREE_TIMEOUT_S = 60.0
 # a decode whose prefill is dead: failed (or recomputed) within this bound
 DEAD_BOUND_S = 90.0
 

@@ -21,6 +21,10 @@ import pytest
 from tiny_model import make_tiny_llama
 from vllm_harness import (
     BLOCK_SIZE,
+    CONNECTOR,
+    FREE_TIMEOUT_S,
+    LENGTHS,
+    MAX_TOKENS,
     EngineProcess,
     Output,
     Request,
@@ -32,11 +36,7 @@ from vllm_harness import (
 
 pytestmark = pytest.mark.timeout(900)
 
-CONNECTOR = ("AiokvConnector", "aiokv.integrations.vllm")
-LENGTHS = [9, 31, 32, 33, 64, 95, 150, 257, 300]
-MAX_TOKENS = 12
 LEASE_S = 15.0
-FREE_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,16 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+#: the connector under test: its class name and module, as ``kv_config`` takes them
+CONNECTOR = ("AiokvConnector", "aiokv.integrations.vllm")
+#: prompt lengths of a batch: >= 8 requests, one shorter than a block, several exactly on
+#: and around block boundaries, some many blocks long (block size 32)
+LENGTHS = [9, 31, 32, 33, 64, 95, 150, 257, 300]
+#: tokens each request generates
+MAX_TOKENS = 12
+#: how long an instance gets to free every block after a test's requests ended
+FREE_TIMEOUT_S = 60.0
+
 # Engine arguments every engine here shares: token-id prompts (no tokenizer), greedy,
 # small blocks, no prefix caching (a decode must get its prompt's KV from the prefill, not
 # from its own cache), a small KV pool, no graph compilation.

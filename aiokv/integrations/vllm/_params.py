@@ -110,9 +110,7 @@ def endpoint_params(
 def check_transfer_id(value: Any) -> str | None:
     """Why ``value`` is not a transfer id (a non-empty string of at most 1024
     characters), or ``None``."""
-    if not isinstance(value, str) or not 0 < len(value) <= _MAX_TEXT:
-        return f"transfer_id must be a non-empty string of at most {_MAX_TEXT} characters"
-    return None
+    return _text_error("transfer_id", value)
 
 
 def parse_push_prefill(
@@ -120,31 +118,22 @@ def parse_push_prefill(
 ) -> PushPrefill | str:
     """Push-mode ``params`` of a decode request checked against this instance, or why
     they are unusable (they come from a client: never an exception)."""
-    if params.get("aiokv") != PARAMS_VERSION:
-        return (
-            f"not AiokvConnector params of version {PARAMS_VERSION} (aiokv={params.get('aiokv')!r})"
-        )
-    if params.get("mode") != "push":
-        return f"the prefill instance runs mode {params.get('mode')!r}, not 'push'"
-    transfer_id = params.get("transfer_id")
-    why = check_transfer_id(transfer_id)
+    why = _version_error(params)
+    if why is None and params.get("mode") != "push":
+        why = f"the prefill instance runs mode {params.get('mode')!r}, not 'push'"
+    transfer_id: Any = params.get("transfer_id")
+    engine_id: Any = params.get("remote_engine_id")
+    why = (
+        why
+        or check_transfer_id(transfer_id)
+        or _text_error("remote_engine_id", engine_id)
+        or _block_size_error(params, block_size)
+    )
     if why is not None:
         return why
-    engine_id = params.get("remote_engine_id")
-    if not isinstance(engine_id, str) or not 0 < len(engine_id) <= _MAX_TEXT:
-        return f"remote_engine_id must be a non-empty string of at most {_MAX_TEXT} characters"
-    remote_block_size = params.get("remote_block_size")
-    if remote_block_size != block_size or not _is_int(remote_block_size):
-        return f"remote_block_size {remote_block_size!r} differs from this instance's {block_size}"
-    ranks = _endpoints(params.get("remote_ranks"))
+    ranks = _ranks(params, tp_size)
     if isinstance(ranks, str):
         return ranks
-    if len(ranks) != tp_size:
-        return (
-            f"the prefill has {len(ranks)} tensor-parallel ranks and this instance {tp_size}: "
-            "AiokvConnector needs the same tensor-parallel size on both sides"
-        )
-    assert isinstance(transfer_id, str)
     return PushPrefill(engine_id, transfer_id, ranks)
 
 
@@ -185,47 +174,87 @@ def parse_remote_prefill(
         block_size: this instance's tokens per block (must equal the prefill's).
         tp_size: this instance's tensor-parallel size (must equal the prefill's).
     """
+    engine_id: Any = params.get("remote_engine_id")
+    request_id: Any = params.get("remote_request_id")
+    token: Any = params.get("remote_token")
+    blocks: Any = params.get("remote_block_ids")
+    num_tokens: Any = params.get("remote_num_tokens")
+    lease_s: Any = params.get("remote_lease_s")
+    why = (
+        _version_error(params)
+        or _text_error("remote_engine_id", engine_id)
+        or _text_error("remote_request_id", request_id)
+        or _text_error("remote_token", token)
+        or _blocks_error(blocks, num_tokens)
+        or _block_size_error(params, block_size)
+        or _covered_error(blocks, num_tokens, block_size)
+        or _lease_error(lease_s)
+    )
+    if why is not None:
+        return why
+    ranks = _ranks(params, tp_size)
+    if isinstance(ranks, str):
+        return ranks
+    return RemotePrefill(
+        engine_id, request_id, tuple(blocks), num_tokens, block_size, ranks, token, float(lease_s)
+    )
+
+
+def _version_error(params: dict[str, Any]) -> str | None:
     if params.get("aiokv") != PARAMS_VERSION:
         return (
             f"not AiokvConnector params of version {PARAMS_VERSION} (aiokv={params.get('aiokv')!r})"
         )
-    engine_id = params.get("remote_engine_id")
-    request_id = params.get("remote_request_id")
-    token = params.get("remote_token")
-    for name, text in (
-        ("remote_engine_id", engine_id),
-        ("remote_request_id", request_id),
-        ("remote_token", token),
-    ):
-        if not isinstance(text, str) or not 0 < len(text) <= _MAX_TEXT:
-            return f"{name} must be a non-empty string of at most {_MAX_TEXT} characters"
-    assert isinstance(engine_id, str) and isinstance(request_id, str) and isinstance(token, str)
-    blocks = params.get("remote_block_ids")
+    return None
+
+
+def _text_error(name: str, value: Any) -> str | None:
+    """Why ``value`` (the param ``name``) is not a non-empty string of at most 1024
+    characters, or ``None``."""
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_TEXT:
+        return f"{name} must be a non-empty string of at most {_MAX_TEXT} characters"
+    return None
+
+
+def _blocks_error(blocks: Any, num_tokens: Any) -> str | None:
     if not isinstance(blocks, list) or not 0 < len(blocks) <= MAX_PARAM_BLOCKS:
         return f"remote_block_ids must be a list of 1 to {MAX_PARAM_BLOCKS} block ids"
     if not all(_is_int(b) and 0 <= b < 2**63 for b in blocks):
         return "remote_block_ids must hold block ids (ints >= 0)"
-    num_tokens = params.get("remote_num_tokens")
     if not _is_int(num_tokens) or num_tokens <= 0:
         return "remote_num_tokens must be an int > 0"
+    return None
+
+
+def _block_size_error(params: dict[str, Any], block_size: int) -> str | None:
     remote_block_size = params.get("remote_block_size")
     if remote_block_size != block_size or not _is_int(remote_block_size):
         return f"remote_block_size {remote_block_size!r} differs from this instance's {block_size}"
+    return None
+
+
+def _covered_error(blocks: list[int], num_tokens: int, block_size: int) -> str | None:
+    """Why ``blocks`` cannot hold ``num_tokens`` tokens, or ``None``."""
     if -(-num_tokens // block_size) > len(blocks):
         return f"{num_tokens} tokens need more than the {len(blocks)} remote_block_ids given"
-    lease_s = params.get("remote_lease_s")
+    return None
+
+
+def _lease_error(lease_s: Any) -> str | None:
     if not isinstance(lease_s, int | float) or isinstance(lease_s, bool) or not 0 < lease_s < 1e9:
         return "remote_lease_s must be a number of seconds > 0"
+    return None
+
+
+def _ranks(params: dict[str, Any], tp_size: int) -> tuple[Endpoint, ...] | str:
+    """The prefill's ``remote_ranks``, one a tensor-parallel rank of this instance's
+    ``tp_size``, or why not."""
     ranks = _endpoints(params.get("remote_ranks"))
-    if isinstance(ranks, str):
+    if isinstance(ranks, str) or len(ranks) == tp_size:
         return ranks
-    if len(ranks) != tp_size:
-        return (
-            f"the prefill has {len(ranks)} tensor-parallel ranks and this instance {tp_size}: "
-            "AiokvConnector needs the same tensor-parallel size on both sides"
-        )
-    return RemotePrefill(
-        engine_id, request_id, tuple(blocks), num_tokens, block_size, ranks, token, float(lease_s)
+    return (
+        f"the prefill has {len(ranks)} tensor-parallel ranks and this instance {tp_size}: "
+        "AiokvConnector needs the same tensor-parallel size on both sides"
     )
 
 

@@ -37,9 +37,7 @@ from typing import TYPE_CHECKING, Final
 import numpy as np
 
 from ..._threads import Lane
-from .. import _wire as wire
-from .._base import Link, LinkCallback, RequestHandler, check_address, check_connect_timeout
-from .._tls import TlsContexts
+from .._base import Link, check_address, check_connect_timeout
 from ..tcp import TcpTransport
 from ..tcp._ops import PeerOp, State
 from ._agent import Agent
@@ -72,46 +70,12 @@ class NixlTransport(TcpTransport):
 
     _link_class: type[TcpLink] = NixlLink
 
-    def __init__(
-        self,
-        local_cluster_id: int,
-        handler: RequestHandler,
-        *,
-        secret: bytes | None = None,
-        max_meta_bytes: int = 1 << 20,
-        on_link: LinkCallback | None = None,
-        on_link_lost: LinkCallback | None = None,
-        chunk_bytes: int = wire.MAX_CHUNK,
-        handshake_timeout: float = 10.0,
-        sock_buf_bytes: int | None = None,
-        max_handshakes: int = 256,
-        max_handshakes_per_host: int = 64,
-        tls: TlsContexts | None = None,
-        max_links: int = 512,
-        max_links_per_host: int = 64,
-        idle_link_timeout: float | None = 30.0,
-    ) -> None:
-        super().__init__(
-            local_cluster_id,
-            handler,
-            secret=secret,
-            max_meta_bytes=max_meta_bytes,
-            on_link=on_link,
-            on_link_lost=on_link_lost,
-            chunk_bytes=chunk_bytes,
-            handshake_timeout=handshake_timeout,
-            sock_buf_bytes=sock_buf_bytes,
-            max_handshakes=max_handshakes,
-            max_handshakes_per_host=max_handshakes_per_host,
-            tls=tls,
-            max_links=max_links,
-            max_links_per_host=max_links_per_host,
-            idle_link_timeout=idle_link_timeout,
-        )
+    def _init_state(self) -> None:
+        super()._init_state()
         self.regions = Regions()  # host memory ("DRAM")
         self.vram: dict[int, Regions] = {}  # CUDA memory by device id ("VRAM")
         #: this side's agent name; peers check it names the cluster they authenticated
-        self.agent_name = f"aiokv-{local_cluster_id}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.agent_name = f"aiokv-{self.local_cluster_id}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.agent: Agent | None = None
         self._starting: asyncio.Lock | None = None
         self._md: tuple[int, bytes] | None = None  # (generation, metadata) cache

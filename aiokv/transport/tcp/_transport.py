@@ -130,6 +130,8 @@ class TcpTransport(Transport):
         self.max_links_per_host = max_links_per_host
         self.idle_link_timeout = idle_link_timeout
         self.tls = tls
+
+    def _init_state(self) -> None:
         self._listeners: dict[tuple[str, int], tuple[socket.socket, asyncio.Task[None]]] = {}
         self._handshaking: set[SockIO] = set()
         # incoming connections not yet authenticated, oldest first, with their host

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _helpers import until
+from _helpers import fill_randn, until
 
 from aiokv import (
     BlocksCacheKey,
@@ -134,12 +134,6 @@ def desc(blocks: int = 32) -> CacheDesc:
     return CacheDesc(4, [blocks, 4, 64], DataType.DT_FLOAT16)
 
 
-def fill(cache: Cache, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for t in cache.tensors:
-        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
-
-
 def same_blocks(a: Cache, a_blocks: list[int], b: Cache, b_blocks: list[int]) -> bool:
     return all(
         torch.equal(x[a_blocks], y[b_blocks]) for x, y in zip(a.tensors, b.tensors, strict=True)
@@ -185,23 +179,24 @@ async def keyed_caches(
 @needs_nixl
 async def test_pulls_and_pushes_move_under_a_lease_with_todays_bytes() -> None:
     async with keyed_caches() as (p, d, key, src, dst):
-        fill(src, 1)
+        fill_randn(src, 1)
         await d.cache_manager.pull_blocks(key, dst, [5, 2], [0, 9])  # by request; asks for a lease
         await until(lambda: lent(p) == 1 and holding(d) == 1)
         asked = served(p)
         for seed, srcs, dsts in ((2, [7, 1, 30], [3, 4, 5]), (3, [31], [31]), (4, [0, 1], [1, 0])):
-            fill(src, seed)  # the lease lends memory, not a copy: each pull sees today's bytes
+            # the lease lends memory, not a copy: each pull sees today's bytes
+            fill_randn(src, seed)
             before = moved_bytes(d)
             await d.cache_manager.pull_blocks(key, dst, srcs, dsts)
             assert same_blocks(src, srcs, dst, dsts)
             assert moved_bytes(d) - before == len(srcs) * src.block_bytes * 4
         assert served(p) == asked  # no request reached the peer
         # pushes get a lease of their own (a push needs what remote access allows)
-        fill(dst, 5)
+        fill_randn(dst, 5)
         await d.cache_manager.push_blocks(key, dst, [1, 2], [10, 11])
         await until(lambda: lent(p) == 2 and holding(d) == 2)
         asked = served(p)
-        fill(dst, 6)
+        fill_randn(dst, 6)
         await d.cache_manager.push_blocks(key, dst, [3, 4, 8], [12, 20, 13])
         assert same_blocks(dst, [3, 4, 8], src, [12, 20, 13])
         assert served(p) == asked
@@ -209,7 +204,7 @@ async def test_pulls_and_pushes_move_under_a_lease_with_todays_bytes() -> None:
         one = {"src_layer_range": range(1, 2), "dst_layer_range": range(1, 2)}
         await d.cache_manager.pull_blocks(key, dst, [6], [6], **one)
         await until(lambda: lent(p) == 3 and holding(d) == 3)
-        fill(src, 7)
+        fill_randn(src, 7)
         asked = served(p)
         await d.cache_manager.pull_blocks(key, dst, [6, 8], [6, 8], **one)
         assert served(p) == asked
@@ -220,7 +215,7 @@ async def test_pulls_and_pushes_move_under_a_lease_with_todays_bytes() -> None:
 @needs_nixl
 async def test_deallocate_takes_the_lease_back_before_it_returns() -> None:
     async with keyed_caches() as (p, d, key, src, dst):
-        fill(src, 1)
+        fill_randn(src, 1)
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
         await until(lambda: holding(d) == 1)
         await p.cache_manager.deallocate_blocks_cache(src)
@@ -232,7 +227,7 @@ async def test_deallocate_takes_the_lease_back_before_it_returns() -> None:
         assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
         # the key bound to a new cache: a pull reads the new cache, never the old memory
         again = await p.cache_manager.allocate_blocks_cache(desc(), key)
-        fill(again, 9)
+        fill_randn(again, 9)
         await d.cache_manager.pull_blocks(key, dst, [1, 2], [1, 2])
         assert same_blocks(again, [1, 2], dst, [1, 2])
 
@@ -267,7 +262,7 @@ async def test_a_lease_nixl_refuses_is_dropped_and_the_transfer_goes_by_request(
         leases = d.cache_manager._client.leases  # type: ignore[attr-defined]
         (held,) = [h for m in leases._held.values() for h in m.values()]
         held.bases = np.full_like(held.bases, 1 << 12)  # no memory the granter registered
-        fill(src, 5)
+        fill_randn(src, 5)
         asked = served(p)
         await d.cache_manager.pull_blocks(key, dst, [2, 3], [2, 3])
         assert same_blocks(src, [2, 3], dst, [2, 3])
@@ -384,7 +379,7 @@ async def _leased_by_hand(raw: Any, p: LLMDataDist, src: Cache) -> tuple[Any, by
 async def test_a_holder_that_keeps_the_lease_loses_its_link() -> None:
     async with LLMDataDist(LLMRole.PROMPT, 1, config(sync_kv_timeout=1000)) as p:
         src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
-        fill(src, 3)
+        fill_randn(src, 3)
         async with get_transport("nixl")(3, _Silent()) as raw:
             link, buf = await _leased_by_hand(raw, p, src)
             got = decode_reply(buf, 4)
@@ -411,12 +406,12 @@ async def test_a_device_cache_moves_under_a_lease_of_host_memory_in_stream_order
         src = await p.cache_manager.allocate_blocks_cache(desc(), key)
         dst = await d.cache_manager.allocate_blocks_cache(desc())
         assert not src.tensors[0].is_cuda and dst.tensors[0].is_cuda
-        fill(src, 1)
+        fill_randn(src, 1)
         await d.cache_manager.pull_blocks(key, dst, [3, 9], [4, 5])
         await d.cache_manager.push_blocks(key, dst, [4], [20])
         await until(lambda: lent(p) == 2 and holding(d) == 2)
         asked = served(p)
-        fill(src, 2)
+        fill_randn(src, 2)
         await d.cache_manager.pull_blocks(key, dst, [7, 1, 30], [0, 1, 2])
         assert all(
             torch.equal(s[[7, 1, 30]], t[[0, 1, 2]].cpu())
@@ -432,7 +427,7 @@ async def test_a_device_cache_moves_under_a_lease_of_host_memory_in_stream_order
         key = BlocksCacheKey(1, 0)
         src = await p.cache_manager.allocate_blocks_cache(desc(), key)
         dst = await d.cache_manager.allocate_blocks_cache(desc())
-        fill(src, 4)
+        fill_randn(src, 4)
         for _ in range(3):
             await d.cache_manager.pull_blocks(key, dst, [2], [3])
         await asyncio.sleep(0.2)
@@ -458,7 +453,7 @@ async def test_a_key_bound_to_another_cache_ends_the_leases_on_the_old_one(how: 
     allocated. The decoder's next pull reads B and its next push lands in B: A is
     untouched."""
     async with keyed_caches() as (p, d, key, a, dst):
-        fill(a, 1)
+        fill_randn(a, 1)
         await _lease_both_ways(p, d, key, dst)
         if how == "allocate":
             b = await p.cache_manager.allocate_blocks_cache(desc(), key)
@@ -467,17 +462,17 @@ async def test_a_key_bound_to_another_cache_ends_the_leases_on_the_old_one(how: 
             b = await p.cache_manager.register_blocks_cache(desc(), memory, key)
         # before the call returned, the old leases were taken back
         assert (lent(p), holding(d)) == (0, 0)
-        fill(b, 2)
+        fill_randn(b, 2)
         a_before = [t.clone() for t in a.tensors]
         await d.cache_manager.pull_blocks(key, dst, [3, 4], [3, 4])
         assert same_blocks(b, [3, 4], dst, [3, 4])
-        fill(dst, 3)
+        fill_randn(dst, 3)
         await d.cache_manager.push_blocks(key, dst, [5, 6], [7, 8])
         assert same_blocks(dst, [5, 6], b, [7, 8])
         assert all(torch.equal(x, y) for x, y in zip(a.tensors, a_before, strict=True))
         # and again once leases on B are held (they name B)
         await until(lambda: lent(p) >= 1, seconds=15)  # a lease on the new cache
-        fill(b, 4)
+        fill_randn(b, 4)
         await d.cache_manager.pull_blocks(key, dst, [9], [9])
         assert same_blocks(b, [9], dst, [9])
         assert all(torch.equal(x, y) for x, y in zip(a.tensors, a_before, strict=True))

@@ -8,7 +8,6 @@ device memory by address never becomes socket payload.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _helpers import fill_bytes, pull_and_push_blocks, same_rows
 
 from aiokv import (
     BlocksCacheKey,
-    Cache,
     CacheDesc,
     CacheKey,
     DataType,
@@ -180,42 +179,14 @@ def paged(placement: Placement = Placement.DEVICE) -> CacheDesc:
     return CacheDesc(4, [96, 8192], DataType.DT_FLOAT16, placement)  # 16 KiB blocks
 
 
-def fill(cache: Cache, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for t in cache.tensors:
-        raw = np.frombuffer(rng.bytes(t.numel() * t.element_size()), dtype=np.uint8)
-        t.view(torch.uint8).copy_(torch.from_numpy(raw.copy()).view(t.view(torch.uint8).shape))
-
-
-async def same_rows(dst: Cache, drows: Any, src: Cache | list[torch.Tensor], srows: Any) -> None:
-    def check() -> None:
-        tsrc = src if isinstance(src, list) else [t.cpu() for t in src.tensors]
-        for td, ts in zip([t.cpu() for t in dst.tensors], tsrc, strict=True):
-            assert torch.equal(td.view(torch.uint8)[drows], ts.view(torch.uint8)[srows])
-
-    await asyncio.to_thread(check)
-
-
 @needs_cuda_nixl
 async def test_device_caches_move_gpu_direct_both_ways(staging: list[str]) -> None:
     async with linked() as (p, d):
         assert p._transport.vram[0].all(), "the device pool is registered as VRAM"  # type: ignore[attr-defined]
         src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
         dst = await d.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(2, 0))
-        fill(src, 1)
-        fill(dst, 2)
-        rng = np.random.default_rng(0)
-        srcs = rng.permutation(96)[:80].tolist()
-        dsts = rng.permutation(96)[:80].tolist()
-        untouched = sorted(set(range(96)) - set(dsts))
-        before = [t.cpu() for t in dst.tensors]
         n = moved(d)
-        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, srcs, dsts)
-        await same_rows(dst, dsts, src, srcs)
-        await same_rows(dst, untouched, before, untouched)
-        fill(src, 3)
-        await p.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, srcs[:40], dsts[40:])
-        await same_rows(dst, dsts[40:], src, srcs[:40])
+        await pull_and_push_blocks(p.cache_manager, d.cache_manager, src, dst)
         assert moved(d) > n and moved(p) > 0
     assert staging == []  # no host buffer lent on either side
 
@@ -230,7 +201,7 @@ async def test_device_and_host_caches_mix(staging: list[str], placements: tuple[
             paged(place[placements[0]]), BlocksCacheKey(1, 0)
         )
         dst = await d.cache_manager.allocate_blocks_cache(paged(place[placements[1]]))
-        fill(src, 4)
+        fill_bytes(src, 4)
         blocks = list(range(0, 96, 2))
         await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks[::-1])
         await same_rows(dst, blocks[::-1], src, blocks)
@@ -243,7 +214,7 @@ async def test_a_contiguous_device_cache_is_pulled_by_key_directly(staging: list
         desc = CacheDesc(4, [1, 96 * 8192], DataType.DT_FLOAT16)
         key = CacheKey(1, req_id=7)
         src = await p.cache_manager.allocate_cache(desc, [key])
-        fill(src, 5)
+        fill_bytes(src, 5)
         dst = await d.cache_manager.allocate_blocks_cache(paged())
         chunks = list(range(96))
         await d.cache_manager.pull_blocks(key, dst, chunks, chunks[::-1])
@@ -262,11 +233,11 @@ async def test_memory_nixl_cannot_reach_is_staged(staging: list[str]) -> None:
         p._transport.vram[0].failed = True  # type: ignore[attr-defined]
         src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
         dst = await d.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(2, 0))
-        fill(src, 6)
+        fill_bytes(src, 6)
         blocks = list(range(96))
         await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks[::-1])
         await same_rows(dst, blocks[::-1], src, blocks)
-        fill(src, 7)
+        fill_bytes(src, 7)
         await d.cache_manager.push_blocks(BlocksCacheKey(1, 0), dst, blocks[:8], blocks[8:16])
         await same_rows(src, blocks[8:16], dst, blocks[:8])
     assert "gather" in staging and "reserve" in staging
@@ -277,7 +248,7 @@ async def test_a_tcp_peer_of_a_nixl_side_is_staged(staging: list[str]) -> None:
     async with linked(("nixl", "tcp")) as (p, d):
         src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
         dst = await d.cache_manager.allocate_blocks_cache(paged())
-        fill(src, 8)
+        fill_bytes(src, 8)
         blocks = list(range(0, 96, 3))
         await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks)
         await same_rows(dst, blocks, src, blocks)
