@@ -9,9 +9,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from test_disaggregated import CONNECTOR, LENGTHS, MAX_TOKENS, check_disaggregated, prefill, remote
+from test_disaggregated import check_disaggregated, prefill, remote
 from tiny_model import make_tiny_llama
-from vllm_harness import EngineProcess, Request, kv_config, prompts, start_engines, stop_engines
+from vllm_harness import (
+    CONNECTOR,
+    FREE_TIMEOUT_S,
+    LENGTHS,
+    MAX_TOKENS,
+    EngineProcess,
+    Request,
+    kv_config,
+    prompts,
+    start_engines,
+    stop_engines,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -71,5 +82,5 @@ def test_params_of_another_tensor_parallel_size_fail_that_request(
     (out,) = dec.generate([Request(p, MAX_TOKENS, params)])
     assert out.token_ids == baseline[tuple(p)]
     assert pre.start_blocks is not None and dec.start_blocks is not None
-    assert pre.wait_free(pre.start_blocks[0], 60) == pre.start_blocks
-    assert dec.wait_free(dec.start_blocks[0], 60) == dec.start_blocks
+    assert pre.wait_free(pre.start_blocks[0], FREE_TIMEOUT_S) == pre.start_blocks
+    assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
