@@ -256,6 +256,7 @@ class _Feed:
         self._loop = asyncio.get_running_loop()
         self.failed: set[int] = set()  # destinations a synchronizer failed (engine: after a job)
         self.stopped = False
+        self.job: concurrent.futures.Future[None] | None = None
         self.queue: asyncio.Queue[tuple[int, list[int], Any, bool] | None] = asyncio.Queue()
 
     def wanting(self, layer: int) -> list[int]:
@@ -294,6 +295,40 @@ class _Feed:
         with contextlib.suppress(RuntimeError):  # the engine loop is closed: nobody waits
             self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
+    def start(self, first: int, stop: int) -> RuntimeError | None:
+        """Start a job feeding ``[first, stop)``; the lane's error if it is closed."""
+        try:
+            self.job = self._lane.submit(
+                functools.partial(self.feed, first, stop), _label(self._sync, first)
+            )
+        except RuntimeError as exc:  # the lane is closed: the engine is ending
+            return exc
+        return None
+
+    def stop(self) -> None:
+        """No further call: the job stops before its next one (or never starts)."""
+        self.stopped = True
+        if self.job is not None:
+            self.job.cancel()
+
+    async def code(self, portal: Portal, item: tuple[int, list[int], Any, bool]) -> Code:
+        """On the engine: the code of one posted outcome (an awaitable one awaited on
+        the caller's loop through ``portal``; its job has ended then)."""
+        layer, wanting, got, raised = item
+        if raised:
+            if not isinstance(got, Exception):
+                raise got
+            return status_of(got, log, f"synchronize_layer({layer})")
+        if not inspect.isawaitable(got):
+            return _code_of(got)
+        try:
+            code = _code_of(await portal.run(_awaited, got))
+        except Exception as exc:
+            code = status_of(exc, log, f"synchronize_layer({layer})")
+        if code != Code.LLM_SUCCESS:
+            self.failed.update(wanting)
+        return code
+
 
 async def _released(
     sync: LayerSynchronizer,
@@ -312,44 +347,23 @@ async def _released(
                 yield layer, wanting, await _sync(sync, portal, layer)
         return
     feed = _Feed(sync, portal.lane, plans, results)
-    job: concurrent.futures.Future[None] | None = None
     try:
         start: int | None = first
         while start is not None:
-            try:
-                job = portal.lane.submit(
-                    functools.partial(feed.feed, start, last), _label(sync, start)
-                )
-            except RuntimeError as exc:  # the lane is closed: the engine is ending
+            if (closed := feed.start(start, last)) is not None:
                 for layer in range(start, last):
                     if wanting := feed.wanting(layer):
                         feed.failed.update(wanting)
-                        yield layer, wanting, status_of(exc, log, f"synchronize_layer({layer})")
+                        yield layer, wanting, status_of(closed, log, f"synchronize_layer({layer})")
                 return
             start = None
             while (item := await feed.queue.get()) is not None:
-                layer, wanting, got, raised = item
-                if raised:
-                    if not isinstance(got, Exception):
-                        raise got
-                    code = status_of(got, log, f"synchronize_layer({layer})")
-                elif inspect.isawaitable(got):  # a def returning an awaitable: the caller's
-                    try:
-                        code = _code_of(await portal.run(_awaited, got))
-                    except Exception as exc:
-                        code = status_of(exc, log, f"synchronize_layer({layer})")
-                    if code != Code.LLM_SUCCESS:
-                        feed.failed.update(wanting)
-                    start = layer + 1  # its job has ended: a new one goes on from there
-                else:
-                    code = _code_of(got)
-                yield layer, wanting, code
-                if start is not None:
+                yield item[0], item[1], await feed.code(portal, item)
+                if inspect.isawaitable(item[2]):  # its job has ended: a new one goes on
+                    start = item[0] + 1
                     break
     finally:
-        feed.stopped = True
-        if job is not None:
-            job.cancel()  # not started yet: it never runs
+        feed.stop()
 
 
 async def run_layers(
