@@ -586,6 +586,11 @@ class Portal:
             return await self.call(lambda: trio.from_thread.run(fn, *args, trio_token=token))
         return await fn(*args)
 
+    @property
+    def lane(self) -> Lane:
+        """Where this portal's blocking functions run."""
+        return self._lane
+
     async def call(self, fn: Callable[[], T], label: str = "") -> T:
         """On the engine loop: await ``fn()`` run on the portal's lane (``label`` names
         it in a warning if it is still running at the engine's end). Cancelled before a

@@ -15,10 +15,12 @@ by ``sync_kv_timeout``. Each destination gets one result code.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,6 +48,7 @@ from ._remote._protocol import (
     pack_blocks,
     wire_key,
 )
+from ._threads import Lane
 
 __all__ = ["CacheTask", "LayerPlan", "LayerSynchronizer", "plan", "run_layers"]
 
@@ -200,6 +203,10 @@ async def _sync(sync: LayerSynchronizer, portal: Portal, layer: int) -> LLMStatu
                 got = await portal.run(_awaited, got)
     except Exception as exc:
         return status_of(exc, log, f"synchronize_layer({layer})")
+    return _code_of(got)
+
+
+def _code_of(got: Any) -> LLMStatusCode:
     return Code.LLM_SUCCESS if got is True else Code.LLM_PARAM_INVALID
 
 
@@ -215,6 +222,150 @@ async def _awaited(aw: Awaitable[Any]) -> Any:
     return await aw
 
 
+#: (layer, the destinations that wanted it when its synchronizer was called, its code)
+Released = tuple[int, list[int], LLMStatusCode]
+
+
+class _Feed:
+    """A ``def`` synchronizer called for consecutive layers by ONE job on the engine's
+    synchronizer lane, which calls it for layer ``i + 1`` as soon as it returned for
+    layer ``i`` and posts each outcome to the engine loop: no thread hop per layer (on a
+    busy engine each hop waited for the loop, and delayed every later layer's send).
+
+    The job (:meth:`feed`) decides which layers are wanted as the engine did: a layer
+    no destination still needs (each one failed: a synchronizer's ``False`` or error,
+    which it tracks itself, or a send's failure, read from ``results``) is not asked
+    for. It stops before its next call once :attr:`stopped` is set (the transfer ended
+    or was cancelled: a call running then is abandoned, as before), and after an
+    outcome that is an awaitable (a ``def`` returning one: the engine awaits it on the
+    caller's loop, then starts a new job from the next layer).
+    """
+
+    def __init__(
+        self,
+        sync: LayerSynchronizer,
+        lane: Lane,
+        plans: list[LayerPlan],
+        results: list[Code | None],
+    ) -> None:
+        self._sync = sync
+        self._fn: Any = sync.synchronize_layer
+        self._lane = lane
+        self._plans = plans
+        self._results = results
+        self._loop = asyncio.get_running_loop()
+        self.failed: set[int] = set()  # destinations a synchronizer failed (engine: after a job)
+        self.stopped = False
+        self.job: concurrent.futures.Future[None] | None = None
+        self.queue: asyncio.Queue[tuple[int, list[int], Any, bool] | None] = asyncio.Queue()
+
+    def wanting(self, layer: int) -> list[int]:
+        """The destinations that still need ``layer``."""
+        return [
+            j
+            for j, p in enumerate(self._plans)
+            if layer in p.layers and self._results[j] is None and j not in self.failed
+        ]
+
+    def feed(self, start: int, stop: int) -> None:
+        """On a lane thread: call the synchronizer for the wanted layers of
+        ``[start, stop)`` in order, posting ``(layer, wanting, outcome, raised)`` for
+        each, then ``None`` (unless it stopped early)."""
+        for layer in range(start, stop):
+            if self.stopped:
+                return
+            wanting = self.wanting(layer)
+            if not wanting:
+                continue
+            self._lane.relabel(_label(self._sync, layer))
+            raised = False
+            try:
+                got = self._fn(layer, None)
+            except BaseException as exc:  # handed to the engine, whatever it is
+                got, raised = exc, True
+            waits = not raised and inspect.isawaitable(got)
+            if not waits and (raised or got is not True):
+                self.failed.update(wanting)
+            self._post((layer, wanting, got, raised))
+            if waits:
+                return
+        self._post(None)
+
+    def _post(self, item: tuple[int, list[int], Any, bool] | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the engine loop is closed: nobody waits
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def start(self, first: int, stop: int) -> RuntimeError | None:
+        """Start a job feeding ``[first, stop)``; the lane's error if it is closed."""
+        try:
+            self.job = self._lane.submit(
+                functools.partial(self.feed, first, stop), _label(self._sync, first)
+            )
+        except RuntimeError as exc:  # the lane is closed: the engine is ending
+            return exc
+        return None
+
+    def stop(self) -> None:
+        """No further call: the job stops before its next one (or never starts)."""
+        self.stopped = True
+        if self.job is not None:
+            self.job.cancel()
+
+    async def code(self, portal: Portal, item: tuple[int, list[int], Any, bool]) -> Code:
+        """On the engine: the code of one posted outcome (an awaitable one awaited on
+        the caller's loop through ``portal``; its job has ended then)."""
+        layer, wanting, got, raised = item
+        if raised:
+            if not isinstance(got, Exception):
+                raise got
+            return status_of(got, log, f"synchronize_layer({layer})")
+        if not inspect.isawaitable(got):
+            return _code_of(got)
+        try:
+            code = _code_of(await portal.run(_awaited, got))
+        except Exception as exc:
+            code = status_of(exc, log, f"synchronize_layer({layer})")
+        if code != Code.LLM_SUCCESS:
+            self.failed.update(wanting)
+        return code
+
+
+async def _released(
+    sync: LayerSynchronizer,
+    portal: Portal,
+    plans: list[LayerPlan],
+    results: list[Code | None],
+) -> AsyncGenerator[Released, None]:
+    """Each layer some destination still needs, in order, once its synchronizer
+    released it (or failed it): ``(layer, wanting, code)``."""
+    first = min(p.layers.start for p in plans)
+    last = max(p.layers.stop for p in plans)
+    if inspect.iscoroutinefunction(sync.synchronize_layer):
+        for layer in range(first, last):
+            wanting = [j for j, p in enumerate(plans) if layer in p.layers and results[j] is None]
+            if wanting:
+                yield layer, wanting, await _sync(sync, portal, layer)
+        return
+    feed = _Feed(sync, portal.lane, plans, results)
+    try:
+        start: int | None = first
+        while start is not None:
+            if (closed := feed.start(start, last)) is not None:
+                for layer in range(start, last):
+                    if wanting := feed.wanting(layer):
+                        feed.failed.update(wanting)
+                        yield layer, wanting, status_of(closed, log, f"synchronize_layer({layer})")
+                return
+            start = None
+            while (item := await feed.queue.get()) is not None:
+                yield item[0], item[1], await feed.code(portal, item)
+                if inspect.isawaitable(item[2]):  # its job has ended: a new one goes on
+                    start = item[0] + 1
+                    break
+    finally:
+        feed.stop()
+
+
 async def run_layers(
     sync: LayerSynchronizer,
     portal: Portal,
@@ -227,6 +378,8 @@ async def run_layers(
     ``LLM_SUCCESS`` as soon as its last layer landed: a destination that completed is
     reported so even if the transfer is cancelled afterwards). The sends run in a task
     group owned by this coroutine: cancelling it cancels them and waits for them to end.
+    A ``def`` synchronizer is called by one job on the synchronizer lane for
+    consecutive layers (:class:`_Feed`).
     """
     left = [len(p.layers) for p in plans]  # layers of each plan not landed yet
 
@@ -241,19 +394,17 @@ async def run_layers(
         if not left[j] and results[j] is None:
             results[j] = Code.LLM_SUCCESS
 
-    first = min(p.layers.start for p in plans)
-    last = max(p.layers.stop for p in plans)
     async with asyncio.TaskGroup() as group:
-        for layer in range(first, last):
-            wanting = [j for j, p in enumerate(plans) if layer in p.layers and results[j] is None]
-            if not wanting:
-                continue
-            code = await _sync(sync, portal, layer)
-            for j in wanting:
-                if code != Code.LLM_SUCCESS:
-                    results[j] = code
-                else:
-                    group.create_task(send(j, layer))
+        released = _released(sync, portal, plans, results)
+        try:
+            async for layer, wanting, code in released:
+                for j in wanting:
+                    if code != Code.LLM_SUCCESS:
+                        results[j] = code
+                    else:
+                        group.create_task(send(j, layer))
+        finally:
+            await released.aclose()
     for j, r in enumerate(results):
         if r is None:
             results[j] = Code.LLM_SUCCESS

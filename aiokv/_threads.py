@@ -99,6 +99,14 @@ class Lane:
                 t.start()
         return job.future
 
+    def relabel(self, label: str) -> None:
+        """From a job running on this lane: name it ``label`` from now on (a job that
+        makes several calls of user code names the one it is in)."""
+        with self._lock:
+            me = threading.current_thread()
+            if me in self._running:
+                self._running[me] = label
+
     async def run(self, fn: Callable[[], T], label: str = "") -> T:
         """Await ``fn()`` run on a thread of the lane.
 

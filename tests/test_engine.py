@@ -276,6 +276,87 @@ async def test_blocking_def_synchronizer_runs_off_the_loops_and_overlaps() -> No
     assert took < layers * compute_s + 0.5, f"{took:.2f} s"
 
 
+async def test_a_def_synchronizer_is_called_for_the_next_layer_without_the_engine_loop() -> None:
+    """A ``def`` synchronizer's calls for consecutive layers do not each wait for the
+    engine loop (a hop per layer, which delayed every later send on a busy engine): with
+    the loop held by a callback that only the call for layer 1 releases, layer 1 is
+    still asked for; a False for layer 2 fails the destination and no later layer is
+    asked for, as before."""
+    layers = 4
+    release = threading.Event()
+    held: list[bool] = []
+    asked: list[int] = []
+
+    def hold() -> None:  # on the engine loop: nothing else runs there meanwhile
+        held.append(release.wait(10))
+
+    desc = CacheDesc(2 * layers, [BLOCKS, 4096], DataType.DT_UINT8, Placement.HOST)
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
+    ):
+        engine = p.cache_manager._engine
+
+        class Holding:
+            def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+                asked.append(layer_index)
+                if layer_index == 0:
+                    engine.loop.call_soon_threadsafe(hold)
+                elif layer_index == 1:
+                    release.set()
+                return layer_index < 2
+
+        await d.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
+        code, _ = await p.link_clusters([info(2, d.listen_address)])
+        assert code == CODE.LLM_SUCCESS
+        src = await p.cache_manager.allocate_blocks_cache(desc)
+        blocks = list(range(BLOCKS))
+        cfg = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))
+        task = p.cache_manager.transfer_cache_async(src, Holding(), [cfg], blocks, blocks)
+        assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
+    assert held == [True]  # released by the call for layer 1, not by the 10 s wait
+    assert asked == [0, 1, 2]
+
+
+async def test_a_def_synchronizer_returning_awaitables_is_awaited_layer_after_layer() -> None:
+    """A ``def`` returning an awaitable: each is awaited on the caller's loop before the
+    next layer is asked for; a False stops the layers after it, and the layers released
+    before it landed."""
+    layers = 4
+    asked: list[int] = []
+    loops: list[asyncio.AbstractEventLoop] = []
+    caller = asyncio.get_running_loop()
+
+    async def ready(layer: int) -> bool:
+        loops.append(asyncio.get_running_loop())
+        await asyncio.sleep(0.01)
+        return layer < 2
+
+    class Deferring:
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> Any:
+            asked.append(layer_index)
+            return ready(layer_index)
+
+    desc = CacheDesc(2 * layers, [BLOCKS, 4096], DataType.DT_UINT8, Placement.HOST)
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
+    ):
+        dst = await d.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
+        code, _ = await p.link_clusters([info(2, d.listen_address)])
+        assert code == CODE.LLM_SUCCESS
+        src = await p.cache_manager.allocate_blocks_cache(desc)
+        for i, t in enumerate(src.tensors):
+            t.fill_(i + 1)
+        blocks = list(range(BLOCKS))
+        cfg = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))
+        task = p.cache_manager.transfer_cache_async(src, Deferring(), [cfg], blocks, blocks)
+        assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
+        assert asked == [0, 1, 2] and loops == [caller] * 3
+        for i, t in enumerate(dst.tensors):  # layers 0 and 1 (tensors 0-3) landed
+            assert bool((t == i + 1).all()) == (i < 4)
+
+
 # --------------------------------------------------------------------------- lifecycle
 
 

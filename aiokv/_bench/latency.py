@@ -10,6 +10,11 @@ Against the spawned prompt peer, interleaved round by round (medians of each):
   there, after the interleaved rounds (skipped where ``aiokv.sync`` does not exist,
   e.g. on a commit from before the engine).
 
+Then the engine hop alone (summary ``engine_hop``), interleaved: ``check_link_status``
+(the caller's loop → the engine thread, a dictionary look-up there, and back) against a
+bare hand-off of a callback to a plain thread running an event loop of the same kind
+and back (the floor of any hop between two threads' loops on the machine).
+
 Run the same command on two commits to see what a change added per call.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import threading
 import time
 from typing import Any
 
@@ -39,6 +45,64 @@ from .raw import RawStream
 __all__ = ["run_latency_bench"]
 
 BLOCKS = (4 * KIB, 64 * KIB)
+#: rounds of the engine hop per round of the pulls (a hop is ~100x cheaper)
+HOPS = 10
+
+
+class _Echo:
+    """A plain thread running an event loop (uvloop where installed, as the engine's):
+    :meth:`hand_off` schedules a callback there that wakes the caller's loop."""
+
+    def __init__(self) -> None:
+        try:
+            import uvloop
+
+            self._loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        except ImportError:
+            self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+    async def hand_off(self) -> None:
+        """To the thread's loop and back."""
+        here = asyncio.get_running_loop()
+        back = here.create_future()
+
+        def there() -> None:
+            here.call_soon_threadsafe(back.set_result, None)
+
+        self._loop.call_soon_threadsafe(there)
+        await back
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+async def _hop(report: Report, decoder: LLMDataDist, rounds: int) -> None:
+    """Add the ``engine_hop`` summary: ``check_link_status`` vs a bare thread hand-off."""
+    echo = _Echo()
+    try:
+        contenders = {
+            "thread": echo.hand_off,
+            "hop": lambda: decoder.check_link_status(PEER_ID),
+        }
+        times = await interleave(contenders, rounds, warmup=50)
+    finally:
+        echo.stop()
+    us = {k: sorted(v) for k, v in times.items()}
+    report.summary(
+        "engine_hop",
+        "engine hop (check_link_status): median {hop_us:.1f} µs (p90 {hop_p90_us:.1f}); a bare "
+        "hand-off to another thread's loop and back: median {thread_us:.1f} µs (p90 "
+        "{thread_p90_us:.1f}); {rounds} rounds",
+        hop_us=median(us["hop"]) * 1e6,
+        hop_p90_us=us["hop"][len(us["hop"]) * 9 // 10] * 1e6,
+        thread_us=median(us["thread"]) * 1e6,
+        thread_p90_us=us["thread"][len(us["thread"]) * 9 // 10] * 1e6,
+        rounds=rounds,
+    )
 
 
 def _sync_pulls(port: int, block: int, rounds: int) -> list[float] | None:
@@ -110,6 +174,7 @@ def run_latency_bench(*, quick: bool = False) -> Report:
                             row["sync_us"] = median(sync) * 1e6
                             row["sync_over_async_us"] = row["sync_us"] - t["pull"]
                         rows.append(row)
+        await _hop(report, decoder, HOPS * rounds)
 
     run_remote(main)
     return report

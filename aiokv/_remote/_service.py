@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -90,6 +91,49 @@ def _blocks(raw: bytes, limit: int, what: str, *, unique: bool, most: int | None
     return blocks
 
 
+class _LayoutMemo:
+    """The last few block lists this side validated and laid out, by their wire bytes.
+
+    A layer-wise transfer sends the same block list with every layer's request; its
+    checks (:func:`_blocks`) and runs (:meth:`ByteLayout.of_blocks`) depend only on the
+    bytes and the limits, so they are made once (a layout is immutable). Only lists
+    that passed are kept (a refused one is checked again, and refused again), at most
+    :data:`SIZE` of at most :data:`MOST_BYTES` bytes each.
+    """
+
+    SIZE = 8
+    MOST_BYTES = 256 << 10
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[tuple[bytes, int, bool, int, int | None], ByteLayout] = (
+            OrderedDict()
+        )
+
+    def get(
+        self, raw: bytes, limit: int, *, unique: bool, block_bytes: int, stride: int | None = None
+    ) -> ByteLayout:
+        """The layout of the blocks ``raw`` names: :func:`_blocks` (entries in
+        ``[0, limit)``, at most ``limit`` or, with a ``stride``, :data:`MAX_BLOCKS` of
+        them), then :meth:`ByteLayout.of_blocks`.
+
+        Raises:
+            _Refused: as :func:`_blocks`.
+        """
+        key = (raw, limit, unique, block_bytes, stride)
+        hit = self._kept.get(key)
+        if hit is not None:
+            self._kept.move_to_end(key)
+            return hit
+        most = None if stride is None else MAX_BLOCKS
+        blocks = _blocks(raw, limit, "blocks", unique=unique, most=most)
+        layout = ByteLayout.of_blocks(blocks, block_bytes, stride=stride)
+        if len(raw) <= self.MOST_BYTES:
+            self._kept[key] = layout
+            if len(self._kept) > self.SIZE:
+                self._kept.popitem(last=False)
+        return layout
+
+
 class PeerService:
     """Serves peers' requests for one ``LLMDataDist`` (a transport ``RequestHandler``).
 
@@ -123,6 +167,7 @@ class PeerService:
         self._counters = counters if counters is not None else PeerCounters()
         self._leases = leases
         self._inbox = inbox
+        self._layouts = _LayoutMemo()
 
     # ---- RequestHandler -----------------------------------------------------------------
     async def grant_read(
@@ -496,8 +541,9 @@ class PeerService:
         tensors = self._tensors(req.tensors, cache)
         if isinstance(req, BlocksReq):
             _check_blocks_cache(cache, req.block_bytes)
-            blocks = _blocks(req.blocks, cache.num_blocks, "blocks", unique=write)
-            layout = ByteLayout.of_blocks(blocks, req.block_bytes)
+            layout = self._layouts.get(
+                req.blocks, cache.num_blocks, unique=write, block_bytes=req.block_bytes
+            )
         else:
             if slot is None or not cache.slots_contiguous:
                 raise _invalid("slot transfers need a contiguous cache with batch_dim_index 0")
@@ -525,15 +571,16 @@ class PeerService:
         named twice) — which bounds the views of one request by the registered memory.
 
         Returns the entries, the layout and, per address, ``(entry, tensor, offset)``."""
-        blocks = None
-        extent = req.block_bytes
+        layout = ByteLayout.of_span(0, req.block_bytes)
         if req.blocks is not None:
             if req.stride < req.block_bytes:
                 raise _invalid("stride is smaller than the block size")
             # the blocks b whose last byte b * stride + block_bytes - 1 stays in int64
             limit = (2**63 - 1 - req.block_bytes) // req.stride + 1
-            blocks = _blocks(req.blocks, limit, "blocks", unique=True, most=MAX_BLOCKS)
-            extent = int(blocks.max()) * req.stride + req.block_bytes
+            layout = self._layouts.get(
+                req.blocks, limit, unique=True, block_bytes=req.block_bytes, stride=req.stride
+            )
+        extent = layout.extent  # the last block's end: max(blocks) * stride + block_bytes
         bases = sorted(req.bases)
         if any(b - a < extent for a, b in itertools.pairwise(bases)):
             raise _invalid("the regions of two destination addresses overlap")
@@ -550,10 +597,6 @@ class PeerService:
                 raise _invalid("the destination addresses are in host and device memory")
             entries.append(entry)
             places.append((entry, ti, off))
-        if blocks is None:
-            layout = ByteLayout.of_span(0, req.block_bytes)
-        else:
-            layout = ByteLayout.of_blocks(blocks, req.block_bytes, stride=req.stride)
         return entries, layout, places
 
 

@@ -14,7 +14,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from aiokv import CacheManager, LLMDataDist
-from aiokv._bench import _harness, layerwise, transfer
+from aiokv._bench import _harness, latency, layerwise, transfer
 from aiokv._bench._harness import PromptPeer, Report, interleave, run_loop, run_remote, scattered
 from aiokv.cli import app
 from aiokv.testing import requires_transport
@@ -101,6 +101,15 @@ class _Recorder:
         kinds = tuple(type(c).__name__ for c in cfgs)
         self.calls.append(("transfer_cache_async", src.cache_id, list(srcs), list(dsts), kinds))
         return self._cm.transfer_cache_async(src, sync, cfgs, srcs, dsts)
+
+
+def test_latency_bench_times_the_engine_hop_against_a_bare_thread_hand_off() -> None:
+    report = latency.run_latency_bench(quick=True).as_dict()
+    hop = report["engine_hop"]
+    assert hop["rounds"] == latency.HOPS * 30
+    assert 0 < hop["thread_us"] <= hop["thread_p90_us"]
+    assert 0 < hop["hop_us"] <= hop["hop_p90_us"]
+    assert [r["block_kib"] for r in report["latency"]] == [b // 1024 for b in latency.BLOCKS]
 
 
 def test_layerwise_baseline_is_one_push_of_the_same_contiguous_blocks() -> None:

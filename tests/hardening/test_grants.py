@@ -46,7 +46,7 @@ from aiokv._remote._protocol import (
     encode,
     pack_blocks,
 )
-from aiokv._remote._service import PeerService
+from aiokv._remote._service import PeerService, _LayoutMemo, _Refused
 from aiokv.testing import linked_pair, make_config
 from aiokv.transport import PeerInfo
 from aiokv.transport import _wire as wire
@@ -273,6 +273,28 @@ async def test_an_amplified_request_is_refused_before_anything_is_built() -> Non
     meta = encode(BlocksReq(KeyByBlocks(1, 0), Tensors(64), pack_blocks(twice), 4096))
     grant = await service.grant_write(PEER, meta, 3 * 4096 * 64)
     assert grant.status == CODE.LLM_PARAM_INVALID
+
+
+async def test_a_block_list_laid_out_once_is_still_checked_per_cache_and_direction() -> None:
+    """The serving side lays out a repeated block list once (a layer-wise transfer sends
+    the same list with every layer); what it keeps never serves a request it would have
+    refused: the limit, the direction (a write's blocks distinct) and the stride are
+    part of what was checked, and a refused list is checked again."""
+    memo = _LayoutMemo()
+    raw = pack_blocks(np.array([1, 2, 1], dtype=np.int64))
+    read = memo.get(raw, 4, unique=False, block_bytes=4096)
+    assert memo.get(raw, 4, unique=False, block_bytes=4096) is read  # laid out once
+    for limit, unique, stride in ((4, True, None), (2, False, None), (8, True, 8192)):
+        with pytest.raises(_Refused):
+            memo.get(raw, limit, unique=unique, block_bytes=4096, stride=stride)
+    service = _blocks_service()
+    meta = encode(BlocksReq(KeyByBlocks(1, 0), Tensors(64), raw, 4096))
+    for _ in range(2):  # a read may name a block twice; a write of the same list may not
+        grant = await service.grant_read(PEER, meta)
+        assert grant.status == CODE.LLM_SUCCESS and grant.done is not None
+        grant.done(False)
+        grant = await service.grant_write(PEER, meta, 3 * 4096 * 64)
+        assert grant.status == CODE.LLM_PARAM_INVALID
 
 
 async def test_raw_address_regions_may_not_overlap() -> None:
