@@ -1,7 +1,7 @@
 """``aiokv bench transfer --peers``: the clear failure without Mooncake Transfer Engine
 (the main suite runs without it), and, where it imports, its contender in the same
-rounds as aiokv over checked bytes (docs/benchmarks.md, "Against Mooncake Transfer
-Engine")."""
+rounds as aiokv over checked bytes (docs/benchmarks.md, "aiokv vs Mooncake Transfer
+Engine over TCP")."""
 
 from __future__ import annotations
 
@@ -83,6 +83,7 @@ def test_peers_times_mooncake_in_the_same_rounds_on_checked_bytes(
     assert list(speeds) == ["block_kib", "count", *(f"{p}_gbps" for p in paths)]
     assert all(speeds[f"{p}_gbps"] > 0 for p in paths)
     assert ratios["pull_vs_read"] > 0 and ratios["push_vs_write"] > 0
+    assert {"pull_us", "push_us", "mc_read_us", "mc_write_us"} <= set(ratios)
     assert ratios["verified"] is True  # aiokv's pull and Mooncake's READ matched digests
     assert set(got["peers_summary"]) == {
         f"{k}_{f}" for k in ("pull_vs_read", "push_vs_write") for f in ("min", "max")
