@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Final
 
 from ._harness import Elapsed, Peer, Report, apply_env, gbps, spawned_all
-from .nixl import _buffer, _raw_digest, _rows
+from .nixl import SETTINGS, _buffer, _raw_digest, _rows
 
 __all__ = ["ENV", "INSTALL", "MooncakeContenders", "Peers", "missing", "mooncake_contenders"]
 
@@ -191,7 +191,8 @@ class MooncakeContenders(Peers):
         )
         self._ratios = report.table(
             "peers_ratios",
-            "aiokv / Mooncake TE tcp (t_mooncake / t_aiokv; read: pull, write: push); "
+            "aiokv / Mooncake TE tcp (t_mooncake / t_aiokv; read: pull, write: push), "
+            "aiokv tcp and, with --backend nixl, aiokv-nixl per UCX setting; "
             "*_us: per-block cost over the raw stream, (t - t_raw) / K, in µs (mc: Mooncake)",
         )
 
@@ -214,7 +215,8 @@ class MooncakeContenders(Peers):
 
     def add(self, t: dict[str, float], block: int, count: int) -> None:
         """The rows of one ``(B, K)`` from its median times (``raw``, ``pull``, ``push``,
-        ``mooncake_read``, ``mooncake_write``)."""
+        ``mooncake_read``, ``mooncake_write``; with NIXL's, aiokv-nixl's per UCX
+        setting too: ``shm_pull`` ...)."""
         if not self._ratios:
             self._tables()
         nbytes, head = block * count, {"block_kib": block // 1024, "count": count}
@@ -223,30 +225,29 @@ class MooncakeContenders(Peers):
         us = {
             f"{p.replace('mooncake', 'mc')}_us": (t[p] - t["raw"]) / count * 1e6 for p in paths[1:]
         }
-        self._ratios.append(
-            {
-                **head,
-                "pull_vs_read": t["mooncake_read"] / t["pull"],
-                "push_vs_write": t["mooncake_write"] / t["push"],
-                **us,
-                "verified": True,
-            }
-        )
+        ratios = {
+            **head,
+            "pull_vs_read": t["mooncake_read"] / t["pull"],
+            "push_vs_write": t["mooncake_write"] / t["push"],
+        }
+        for u in (u for u in SETTINGS if f"{u}_pull" in t):
+            ratios[f"{u}_pull_vs_read"] = t["mooncake_read"] / t[f"{u}_pull"]
+            ratios[f"{u}_push_vs_write"] = t["mooncake_write"] / t[f"{u}_push"]
+        self._ratios.append({**ratios, **us, "verified": True})
 
     def summarize(self) -> None:
-        """The range of both ratios over the grid."""
+        """The range of every ratio over the grid."""
         if not self._ratios:
             return
+        keys = [k for k in self._ratios[0] if "_vs_" in k]
         values = {
-            f"{k}_{f.__name__}": f(r[k] for r in self._ratios)
-            for k in ("pull_vs_read", "push_vs_write")
-            for f in (min, max)
+            f"{k}_{f.__name__}": f(r[k] for r in self._ratios) for k in keys for f in (min, max)
         }
+        ranges = ", ".join(f"{k} {{{k}_min:.2f}}-{{{k}_max:.2f}}" for k in keys)
         self._report.summary(
             "peers_summary",
-            "aiokv tcp / Mooncake TE tcp (t_mooncake / t_aiokv), over the grid: pull vs "
-            "READ {pull_vs_read_min:.2f}-{pull_vs_read_max:.2f}, push vs WRITE "
-            "{push_vs_write_min:.2f}-{push_vs_write_max:.2f} (above 1: aiokv faster)",
+            f"aiokv / Mooncake TE tcp (t_mooncake / t_aiokv), over the grid: {ranges} "
+            "(above 1: aiokv faster)",
             **values,
         )
 

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from aiokv._bench import transfer
 from aiokv.cli import app
+from aiokv.testing import requires_transport
 
 try:
     has_mooncake = importlib.util.find_spec("mooncake.engine") is not None
@@ -89,6 +90,26 @@ def test_peers_times_mooncake_in_the_same_rounds_on_checked_bytes(
         f"{k}_{f}" for k in ("pull_vs_read", "push_vs_write") for f in ("min", "max")
     }
     assert [row["count"] for row in got["throughput"]] == [128]
+
+
+@needs_mooncake
+@requires_transport("nixl")
+def test_peers_with_nixl_adds_aiokv_nixl_vs_mooncake_per_ucx_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(transfer, "QUICK", [(16 << 10, 128)])
+    monkeypatch.setattr(transfer, "overlap", _skipped)
+    monkeypatch.setattr(transfer, "_concurrent", _skipped)
+    args = ["bench", "transfer", "--quick", "--json", "--peers", "--backend", "nixl"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)
+    [ratios] = got["peers_ratios"]
+    pairs = [f"{u}{op}" for u in ("", "shm_", "utcp_") for op in ("pull_vs_read", "push_vs_write")]
+    assert [k for k in ratios if "_vs_" in k] == pairs
+    assert all(ratios[k] > 0 for k in pairs)
+    assert set(got["peers_summary"]) == {f"{k}_{f}" for k in pairs for f in ("min", "max")}
+    assert got["nixl_ratios"][0]["verified"] is True
 
 
 @needs_mooncake
