@@ -266,6 +266,16 @@ Tls = Annotated[
 ]
 
 
+Peers = Annotated[
+    bool,
+    typer.Option(
+        "--peers",
+        help="Also run the other engines that are installed: Mooncake TE over TCP "
+        "(same blocks, same rounds).",
+    ),
+]
+
+
 class BenchBackend(StrEnum):
     """What ``aiokv bench transfer --backend`` adds to the throughput rounds."""
 
@@ -326,25 +336,40 @@ def _address(option: str, text: str) -> tuple[str, int]:
         _fail("bench transfer", f"{option}: {exc}")
 
 
+def _transfer_target(
+    command: str, connect: str | None, tls: bool, backend: BenchBackend, peers: bool
+) -> tuple[str, int] | None:
+    """``--connect``'s address (``None``: the peer runs here); exit (one line) if it is
+    given with an option that needs the peer here, or ``--peers`` without Mooncake."""
+    from ._bench.mooncake import missing
+
+    if connect is not None and (tls or backend != BenchBackend.tcp or peers):
+        _fail(command, "--connect runs plain TCP: no --tls, --backend nixl or --peers")
+    if peers and (why := missing()) is not None:
+        _fail(command, why, 1)
+    return _address("--connect", connect) if connect is not None else None
+
+
 @bench_app.command("transfer")
 def bench_transfer(
     quick: Quick = False,
     as_json: Json = False,
     tls: Tls = False,
     backend: BackendOpt = BenchBackend.tcp,
+    peers: Peers = False,
     listen: Listen = None,
     connect: Connect = None,
     data_port: DataPort = 0,
     once: Once = False,
     plot: Plot = None,
 ) -> None:
-    """pull/push vs a raw socket stream (and over TLS, or NIXL); layer-wise overlap
-    (+ overhead); 1,000 in flight. Across two hosts: --listen on one, --connect on the
+    """pull/push vs a raw socket stream (and over TLS, NIXL, vs Mooncake); layer-wise
+    overlap (+ overhead); 1,000 in flight. Across two hosts: --listen on one, --connect on the
     other."""
     command = "bench transfer"
     if listen is not None:
-        if connect is not None or tls or backend != BenchBackend.tcp or plot is not None:
-            _fail(command, "--listen takes no --connect, --tls, --backend nixl or --plot")
+        if connect is not None or tls or backend != BenchBackend.tcp or peers or plot is not None:
+            _fail(command, "--listen takes no --connect, --tls, --backend nixl, --peers or --plot")
         host, port = _address("--listen", listen)
         _check_bindable(command, "--listen", host, port)
         if data_port:
@@ -360,14 +385,14 @@ def bench_transfer(
         return
     if once or data_port:
         _fail(command, "--once and --data-port go with --listen only")
-    if connect is not None and (tls or backend != BenchBackend.tcp):
-        _fail(command, "--connect runs plain TCP: no --tls, no --backend nixl")
-    target = _address("--connect", connect) if connect is not None else None
+    target = _transfer_target(command, connect, tls, backend, peers)
     from ._bench.transfer import run_transfer_bench
 
     _run_bench(
         "transfer",
-        lambda: run_transfer_bench(quick=quick, tls=tls, backend=backend.value, connect=target),
+        lambda: run_transfer_bench(
+            quick=quick, tls=tls, backend=backend.value, connect=target, peers=peers
+        ),
         as_json,
         plot,
     )

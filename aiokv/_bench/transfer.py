@@ -12,7 +12,9 @@ In ONE run, with a prompt peer in a second process (spawn) on loopback:
    over NIXL and raw NIXL, each with UCX's default (shared memory / CMA) and with UCX
    over loopback TCP (:mod:`.nixl`), and a one-thread ``memcpy`` of the same scattered
    blocks join the same rounds: a table of GB/s and one of ratios (aiokv-nixl / raw
-   NIXL per UCX setting; the fastest path / memcpy).
+   NIXL per UCX setting; the fastest path / memcpy). With ``--peers``, Mooncake
+   Transfer Engine over TCP (:mod:`.mooncake`) READs and WRITEs the same blocks in the
+   same rounds: a table of GB/s and one of ratios (aiokv pull / push vs Mooncake).
 2. Layer-wise ``transfer_cache_async`` overlapped with simulated compute
    (:func:`.layerwise.overlap`) and, without ``--quick``, its overhead over one
    ``push_blocks`` (:func:`.layerwise.overhead`, also ``aiokv bench layerwise``).
@@ -57,6 +59,7 @@ from ._harness import (
 from ._pki import make_pki
 from ._progress import steps
 from .layerwise import overhead, overlap
+from .mooncake import Peers, missing, mooncake_contenders
 from .nixl import NixlContenders, nixl_contenders
 from .raw import RawStream
 from .remote import RemotePeer, RemoteRawStream
@@ -161,10 +164,12 @@ async def _throughput_row(
     count: int,
     tls: Pair | None,
     nixl: NixlContenders | None,
+    peers: Peers,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, tuple[dict[str, Any], dict[str, Any]] | None]:
     """One ``(B, K)``: check that every pull delivers, then time raw, pull and push
-    rounds (and, with ``tls`` or ``nixl``, theirs in the same rounds). Returns the plain
-    row, the TLS row and the NIXL rows (``None`` without them)."""
+    rounds (and, with ``tls``, ``nixl`` or ``peers``, theirs in the same rounds). Returns
+    the plain row, the TLS row and the NIXL rows (``None`` without them); ``peers`` adds
+    its rows to its own tables."""
     srcs = scattered(count, seed=block + count)
     dsts = scattered(count, seed=block + count + 1)
     key = BlocksCacheKey(PEER_ID, 0)
@@ -186,11 +191,14 @@ async def _throughput_row(
             await nixl.row(block, srcs, dsts)
             contenders["memcpy"] = _Memcpy(block, srcs, dsts)
             contenders.update(nixl.contenders())
+        await peers.row(block, srcs, dsts)
+        contenders.update(peers.contenders())
         times = await interleave(contenders, max(3, min(30, (512 * MIB) // nbytes)))
     finally:
         for cm, dst in caches:
             await cm.deallocate_blocks_cache(dst)
     t = {k: median(v) for k, v in times.items()}
+    peers.add(t, block, count)
     row = {
         "block_kib": block // KIB,
         "count": count,
@@ -229,7 +237,8 @@ async def _throughput(
     grid: list[tuple[int, int]],
     tls: Pair | None,
     nixl: NixlContenders | None,
-    raw_stream: Callable[[int], RawStream] = RawStream,
+    raw_stream: Callable[[int], RawStream],
+    peers: Peers,
 ) -> None:
     rows = report.table(
         "throughput",
@@ -260,7 +269,7 @@ async def _throughput(
             for block, count in grid:
                 with part.step(f"throughput {block // KIB} KiB x {count}"):
                     row, tls_row, nixl_row = await _throughput_row(
-                        plain, raw, block, count, tls, nixl
+                        plain, raw, block, count, tls, nixl, peers
                     )
                 rows.append(row)
                 if tls_rows is not None and tls_row is not None:
@@ -268,6 +277,7 @@ async def _throughput(
                 if nixl_rows is not None and nixl_ratios is not None and nixl_row is not None:
                     nixl_rows.append(nixl_row[0])
                     nixl_ratios.append(nixl_row[1])
+    peers.summarize()
     if nixl_ratios:
         report.summary(
             "nixl_summary",
@@ -348,6 +358,7 @@ def run_transfer_bench(
     tls: bool = False,
     backend: Backend = "tcp",
     connect: tuple[str, int] | None = None,
+    peers: bool = False,
 ) -> Report:
     """``aiokv bench transfer``: throughput, layer-wise overlap (and, without ``quick``,
     overhead), and concurrency, against one prompt peer, in one run.
@@ -362,18 +373,23 @@ def run_transfer_bench(
         connect: ``(host, port)`` of ``aiokv bench transfer --listen`` (:mod:`.remote`):
             the prompt peer and the raw stream's sender are there instead of in child
             processes here (neither ``tls`` nor ``backend="nixl"`` then).
+        peers: also the other engines installed here in the throughput rounds: Mooncake
+            Transfer Engine over TCP (:mod:`.mooncake`: two more processes).
 
     Raises:
-        ValueError: ``connect`` with ``tls`` or ``backend="nixl"``.
+        ValueError: ``connect`` with ``tls``, ``backend="nixl"`` or ``peers``.
+        RuntimeError: ``peers`` without Mooncake installed (the message names the fix).
         OSError: the listener cannot be reached.
         LLMException: ``backend="nixl"`` without NIXL installed (``LLM_FEATURE_NOT_ENABLED``,
             naming ``pip install 'aiokv[nixl]'``).
     """
-    if connect is not None and (tls or backend != "tcp"):
-        raise ValueError("--connect runs plain TCP only: no --tls, no --backend nixl")
+    if connect is not None and (tls or backend != "tcp" or peers):
+        raise ValueError("--connect runs plain TCP only: no --tls, --backend nixl or --peers")
+    if peers and (why := missing()) is not None:
+        raise RuntimeError(why)
     if backend == "nixl":
         get_transport("nixl")  # NIXL missing: fail now, with the install hint
-    meta: dict[str, object] = {"quick": quick, "tls": tls, "backend": backend}
+    meta: dict[str, object] = {"quick": quick, "tls": tls, "backend": backend, "peers": peers}
     start: Callable[[], PromptPeer] | None = None
     raw_stream: Callable[[int], RawStream] = RawStream
     if connect is not None:
@@ -388,11 +404,13 @@ def run_transfer_bench(
         grid = QUICK if quick else GRID
         async with contextlib.AsyncExitStack() as stack:
             secure = await stack.enter_async_context(_tls_pair()) if tls else None
-            nixl = None
+            nixl, others = None, Peers()
+            raw_bytes = 2 * max(b * k for b, k in grid)
             if backend == "nixl":
-                raw_bytes = 2 * max(b * k for b, k in grid)
                 nixl = await stack.enter_async_context(nixl_contenders(POOL_BYTES, raw_bytes))
-            await _throughput(report, (cm, peer), grid, secure, nixl, raw_stream)
+            if peers:
+                others = await stack.enter_async_context(mooncake_contenders(report, raw_bytes))
+            await _throughput(report, (cm, peer), grid, secure, nixl, raw_stream, others)
         layers = 16 if quick else 32
         await overlap(report, cm, peer, layers=layers, block=64 * KIB, count=32)
         if not quick:
