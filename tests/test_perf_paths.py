@@ -28,7 +28,7 @@ from aiokv._layout import ByteLayout, LayoutViews
 from aiokv.transport import Grant, Link, PeerInfo
 from aiokv.transport.tcp import TcpTransport
 from aiokv.transport.tcp import _io as tcp_io
-from aiokv.transport.tcp import _link as tcp_link
+from aiokv.transport.tcp import _writer as tcp_writer
 from aiokv.transport.tcp._ops import RunCursor, cursor_of
 
 HOST = "127.0.0.1"
@@ -272,7 +272,7 @@ async def test_a_stream_withdrawn_mid_frame_is_finished_from_a_copy(
         privatized.append(len(rows))
         return real(rows)
 
-    monkeypatch.setattr(tcp_link, "privatize", spy)
+    monkeypatch.setattr(tcp_writer, "privatize", spy)
     async with make_pair(chunk_bytes=4 * MIB, sock_buf_bytes=32 * KIB) as p:
         p.hb.region = bytearray(rng.randbytes(2 * count * block))
         blocks = np.array(rng.sample(range(2 * count), count), dtype=np.int64)

@@ -6,7 +6,6 @@ See :mod:`aiokv.transport.tcp` for the design.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -37,32 +36,23 @@ from ._io import (
     IOV_MAX,
     SockIO,
     advance_rows,
-    as_rows,
     consumed,
-    privatize,
     readv,
     vectored,
-    wake,
-    writev,
 )
-from ._ops import Bufs, MyOp, PeerOp, RunCursor, State, Stream, cursor_of
+from ._ops import MyOp, PeerOp, RunCursor, State, Stream, cursor_of
 from ._protocol import NOT_DIRECT, LinkProtocol
+from ._writer import BLOCKED, MORE, YIELD_BYTES, Writer
 
 __all__ = ["LinkOwner", "TcpLink"]
 
 _log = logging.getLogger("aiokv.transport.tcp")
 _S = LLMStatusCode
 _F = wire.FrameType
-# A peer that keeps the socket full would let the reader (or a fast peer the writer) run
-# without ever suspending; they yield to the loop after about this many bytes.
-_YIELD_BYTES: Final = 4 << 20
-# What handling one frame counts for against _YIELD_BYTES: a flood of small frames
-# (each may start a request) also lets the loop run every 64 frames.
-_FRAME_COST: Final = _YIELD_BYTES // 64
-# Outcomes of TcpLink._pump.
-_DONE: Final = 0
-_BLOCKED: Final = 1
-_MORE: Final = 2
+# What handling one frame counts for against YIELD_BYTES (after which the reader yields
+# to the loop): a flood of small frames (each may start a request) also lets the loop
+# run every 64 frames.
+_FRAME_COST: Final = YIELD_BYTES // 64
 # Requests a peer may have outstanding on one link; more are answered LLM_LINK_BUSY (their
 # meta skipped unread, so a refusal costs O(1)) so a hostile peer cannot pile up handler
 # tasks and grants without bound. aiokv itself has one request per transfer in flight
@@ -128,25 +118,9 @@ class TcpLink(Link):
         )
         self._mine = self._p.mine
         self._theirs = self._p.theirs
-        # Writer state. `_iov[_pos:]` is the unsent part of the batch in flight: a list
-        # of buffers, or (a batch with payload moved by address: see _next_batch)
-        # `(address, length)` rows over the memory of `_keep` and of the streams.
-        # `first_frame` (the accepting side's last handshake frame) leads every other
-        self._ctrl: Bufs = [] if first_frame is None else [first_frame]
-        self._streams: collections.deque[Stream] = collections.deque()
-        self._iov: Bufs | npt.NDArray[np.uint64] = []
-        self._keep: list[object] = []
-        self._pos = 0
+        self._w = Writer(self._sock, transport, self._p, first_frame)
         # payload of LayoutViews moves by address (readv / writev): no object per run
         self._vec = vectored(self._sock)
-        self._inflight: list[Stream] = []
-        # streams whose last byte is in the batch, with the iov index just past that byte:
-        # a stream is `sent` once the kernel took it, not when the whole batch is out (a
-        # peer's WRITE_DONE / READ_DONE may arrive while the batch's tail still waits)
-        self._finishing: collections.deque[tuple[int, Stream]] = collections.deque()
-        self._batch_data = 0  # payload bytes in the batch
-        self._drained: asyncio.Future[None] | None = None  # the paused reader waits here
-        self._writer_idle: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader = self._spawn(self._read_loop(), "reader")
         self._writer = self._spawn(self._write_loop(), "writer")
@@ -223,7 +197,7 @@ class TcpLink(Link):
                         elif op.device:  # a WRITE_GRANT: device memory cannot go as DATA
                             op.finish(_S.LLM_FAILED, NOT_DIRECT)
                         else:  # a WRITE_GRANT: the bytes go as DATA
-                            op.stream = self._add_stream(op.rid, views, total)
+                            op.stream = self._w.add_stream(op.rid, views, total)
                     await op.until_over()
             except TimeoutError:
                 self._timed_out(op, "Link.write", timeout)
@@ -281,7 +255,7 @@ class TcpLink(Link):
         raise NotImplementedError
 
     async def aclose(self) -> None:
-        if not self._broken and self._pos >= len(self._iov):
+        if not self._broken and self._w.between_frames():
             # Best effort: tell the peer this is an orderly close. Only when no frame is
             # half-sent, and without waiting: a close must not hang on a stuck peer.
             with contextlib.suppress(OSError):
@@ -387,148 +361,26 @@ class TcpLink(Link):
 
     # ---------------------------------------------------------------------- writer side
 
+    def _abort_stream(self, stream: Stream) -> None:
+        """Withdraw a stream; afterwards its memory is never read again."""
+        self._w.abort_stream(stream)
+
     def _post(self, frame: bytes) -> None:
         """Queue an owned control frame; the writer sends it before any further payload."""
         if self._broken:
             return
-        self._ctrl.append(frame)
-        self._p.queued(frame)
-        self._kick()
-
-    def _add_stream(self, rid: int, views: Sequence[memoryview], total: int) -> Stream:
-        stream = Stream(rid, views, total)
-        self._streams.append(stream)
-        self._kick()
-        return stream
-
-    def _abort_stream(self, stream: Stream) -> None:
-        """Withdraw a stream; afterwards its memory is never read again."""
-        if stream.sent or stream.aborted:
-            return
-        stream.aborted = True
-        with contextlib.suppress(ValueError):
-            self._streams.remove(stream)
-        if stream in self._inflight:
-            # Frames must stay whole, so the batch in flight is finished from private
-            # copies of whatever was not handed to the kernel yet.
-            iov = self._iov
-            if isinstance(iov, np.ndarray):
-                self._keep.append(privatize(iov[self._pos :]))
-                return
-            for i in range(self._pos, len(iov)):
-                if isinstance(iov[i], memoryview):
-                    iov[i] = bytes(iov[i])
-
-    def _next_batch(self) -> bool:
-        """Fill `_iov` with control frames plus up to ~one chunk from each stream in turn.
-
-        Payload of a :class:`RunCursor` on a :func:`vectored` socket is taken as address
-        rows; a batch with any becomes one array of rows (each buffer of the batch one
-        row, kept alive by `_keep`), sent with ``writev``.
-        """
-        iov: list[bytes | memoryview | npt.NDArray[np.uint64]] = list(self._ctrl)
-        self._ctrl = []
-        self._p.batch_taken()
-        inflight: list[Stream] = []
-        finishing: list[tuple[int, Stream]] = []  # piece index just past a stream's end
-        by_address = False
-        budget = self._t.chunk_bytes
-        streams = self._streams
-        while streams and budget > 0:
-            s = streams.popleft()
-            n = min(s.cursor.remaining, self._t.chunk_bytes)
-            iov.append(wire.encode_header(_F.DATA, s.rid, size=n))
-            if self._vec and type(s.cursor) is RunCursor:
-                iov.append(s.cursor.take_rows(n))
-                by_address = True
-            else:
-                iov.extend(s.cursor.take(n))
-            budget -= n
-            inflight.append(s)
-            if s.cursor.remaining:
-                streams.append(s)
-            else:
-                finishing.append((len(iov), s))
-        if by_address:
-            self._iov, ends = as_rows(iov)
-            self._keep = [p for p in iov if not isinstance(p, np.ndarray)]
-            self._finishing.extend((ends[i - 1], s) for i, s in finishing)
-        else:
-            self._iov = iov  # type: ignore[assignment]  # no rows in it
-            self._keep = []
-            self._finishing.extend(finishing)
-        self._pos, self._inflight = 0, inflight
-        self._batch_data = self._t.chunk_bytes - budget
-        return bool(iov)
-
-    def _pump(self) -> int:
-        """Send pending frames without waiting; returns ``_DONE``, ``_BLOCKED`` or ``_MORE``.
-
-        ``_BLOCKED``: the socket is full. ``_MORE``: work remains, but this call sent
-        :data:`_YIELD_BYTES` already and gives the loop a turn.
-
-        Raises:
-            OSError: the connection failed.
-        """
-        sock, sent = self._sock, 0
-        while True:
-            if self._pos >= len(self._iov):
-                self._inflight = []
-                self._p.batch_sent()
-                if self._drained is not None and self._p.replies_drained():
-                    wake(self._drained)
-                if sent >= _YIELD_BYTES:
-                    return _MORE
-                if not self._next_batch():
-                    return _DONE
-                sent += self._batch_data
-            iov, pos = self._iov, self._pos
-            if isinstance(iov, np.ndarray):
-                try:
-                    n = writev(sock, iov[pos : pos + IOV_MAX])
-                except (BlockingIOError, InterruptedError):
-                    return _BLOCKED
-                pos = advance_rows(iov, pos, n)
-            else:
-                try:
-                    n = sock.sendmsg(iov[pos : pos + IOV_MAX])
-                except (BlockingIOError, InterruptedError):
-                    return _BLOCKED
-                while n:
-                    k = len(iov[pos])
-                    if n >= k:
-                        n -= k
-                        pos += 1
-                    else:
-                        iov[pos] = memoryview(iov[pos])[n:]
-                        n = 0
-            self._pos = pos
-            finishing = self._finishing
-            while finishing and finishing[0][0] <= pos:
-                finishing.popleft()[1].sent = True
-
-    def _kick(self) -> None:
-        """Wake the writer if it is parked.
-
-        It sends on its next turn rather than right here, so that all the frames posted
-        during one loop iteration leave in one ``sendmsg`` (sending at once measured no
-        faster for a lone request, and much slower for many concurrent ones).
-        """
-        if self._writer_idle is not None:
-            wake(self._writer_idle)
+        self._w.post(frame)
 
     async def _write_loop(self) -> None:
         try:
             while True:
-                state = self._pump()
-                if state == _BLOCKED:
+                state = self._w.pump()
+                if state == BLOCKED:
                     await self._io.writable()
-                elif state == _MORE:
+                elif state == MORE:
                     await asyncio.sleep(0)
                 else:
-                    self._writer_idle = self._loop.create_future()
-                    await self._writer_idle
-                    self._writer_idle = None
+                    await self._w.until_work(self._loop)
         except OSError as exc:
             self._break(f"send failed: {exc}")
         except Exception as exc:  # a bug must not kill the loop silently
@@ -553,7 +405,7 @@ class TcpLink(Link):
                 else:
                     await self._on_control(h)
                     unyielded += h.meta_len + _FRAME_COST
-                if unyielded >= _YIELD_BYTES:
+                if unyielded >= YIELD_BYTES:
                     unyielded = 0
                     await asyncio.sleep(0)
                 if self._p.reader_must_pause():
@@ -589,12 +441,12 @@ class TcpLink(Link):
         Raises:
             TimeoutError: the peer read too little of them for ``_REPLY_STALL_S``.
         """
-        self._drained = self._loop.create_future()
+        self._w.drained = self._loop.create_future()
         try:
             async with asyncio.timeout(_REPLY_STALL_S):
-                await self._drained
+                await self._w.drained
         finally:
-            self._drained = None
+            self._w.drained = None
 
     async def _discard(self, n: int) -> None:
         scratch, sock = self._t._scratch, self._sock
@@ -751,7 +603,7 @@ class TcpLink(Link):
             op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL
             self._post(wire.encode_frame(_F.READ_RESP, op.rid, size=total))
             if total:
-                op.stream = self._add_stream(op.rid, views, total)
+                op.stream = self._w.add_stream(op.rid, views, total)
         else:
             op.state = State.RECEIVING
             op.cursor = cursor_of(views, total)
@@ -790,8 +642,7 @@ class TcpLink(Link):
         self._broken = True
         _log.debug("%r: %s", self, reason)
         self._io.close()
-        self._streams.clear()
-        self._ctrl.clear()
+        self._w.clear()
         self._p.close()
         current = asyncio.current_task()
         for task in (self._reader, self._writer):
