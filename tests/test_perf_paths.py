@@ -28,7 +28,7 @@ from aiokv._layout import ByteLayout, LayoutViews
 from aiokv.transport import Grant, Link, PeerInfo
 from aiokv.transport.tcp import TcpTransport
 from aiokv.transport.tcp import _io as tcp_io
-from aiokv.transport.tcp import _link as tcp_link
+from aiokv.transport.tcp import _writer as tcp_writer
 from aiokv.transport.tcp._ops import RunCursor, cursor_of
 
 HOST = "127.0.0.1"
@@ -244,17 +244,17 @@ def test_privatize_and_advance_rows() -> None:
     src = bytearray(random.Random(2).randbytes(300))
     base = ctypes.addressof(ctypes.c_char.from_buffer(src))
     rows = np.array([[base, 100], [base + 150, 50], [base + 250, 50]], dtype=np.uint64)
-    assert tcp_link._advance(rows, 0, 0) == 0
-    assert tcp_link._advance(rows, 0, 30) == 0
+    assert tcp_io.advance_rows(rows, 0, 0) == 0
+    assert tcp_io.advance_rows(rows, 0, 30) == 0
     assert rows[0].tolist() == [base + 30, 70]
-    assert tcp_link._advance(rows, 0, 70 + 10) == 1
+    assert tcp_io.advance_rows(rows, 0, 70 + 10) == 1
     assert rows[1].tolist() == [base + 160, 40]
     want = bytes(src[160:200] + src[250:300])
-    copy = tcp_link._privatize(rows[1:])
+    copy = tcp_io.privatize(rows[1:])
     src[:] = bytes(300)  # the owner reuses its memory
     assert b"".join(ctypes.string_at(a, n) for a, n in rows[1:].tolist()) == want
     assert bytes(copy) == want
-    assert tcp_link._advance(rows, 1, 90) == 3
+    assert tcp_io.advance_rows(rows, 1, 90) == 3
 
 
 async def test_a_stream_withdrawn_mid_frame_is_finished_from_a_copy(
@@ -266,13 +266,13 @@ async def test_a_stream_withdrawn_mid_frame_is_finished_from_a_copy(
     rng = random.Random(12)
     block, count = 64 * KIB, 64
     privatized: list[int] = []
-    real = tcp_link._privatize
+    real = tcp_io.privatize
 
     def spy(rows: np.ndarray) -> bytearray:
         privatized.append(len(rows))
         return real(rows)
 
-    monkeypatch.setattr(tcp_link, "_privatize", spy)
+    monkeypatch.setattr(tcp_writer, "privatize", spy)
     async with make_pair(chunk_bytes=4 * MIB, sock_buf_bytes=32 * KIB) as p:
         p.hb.region = bytearray(rng.randbytes(2 * count * block))
         blocks = np.array(rng.sample(range(2 * count), count), dtype=np.int64)

@@ -249,7 +249,8 @@ async def test_bad_arguments(pair: Pair) -> None:
 
 
 async def test_peer_request_flood_is_capped(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_link, "_MAX_PEER_REQUESTS", 2)
+    assert isinstance(pair.link_b, _link.TcpLink)
+    monkeypatch.setattr(pair.link_b._p, "max_peer_requests", 2)  # B's cap on A's requests
     hung = [
         asyncio.create_task(pair.link_a.read(js({"hang": True}), [], timeout=10)) for _ in range(2)
     ]

@@ -22,6 +22,10 @@ Design, in short:
   (copying the unsent tail of a half-sent chunk so its memory is no longer read) and
   posts ``CANCEL`` so the peer lets go too.
 * Readers never await sends, so two peers can never deadlock on full socket buffers.
+* What a frame means is decided without I/O: the reader hands each control frame to the
+  link's ``LinkProtocol`` (``_protocol.py``: request state, one handler per frame type,
+  reply backpressure), which asks the link to post frames, withdraw streams, start
+  handler tasks or break (see docs/design.md).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import itertools
 import os
 import socket
 import sys
@@ -14,10 +15,24 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from ..._layout import address_of
+
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
 
-__all__ = ["IOV_MAX", "RawSock", "SockIO", "readv", "vectored", "wake", "writev"]
+__all__ = [
+    "IOV_MAX",
+    "RawSock",
+    "SockIO",
+    "advance_rows",
+    "as_rows",
+    "consumed",
+    "privatize",
+    "readv",
+    "vectored",
+    "wake",
+    "writev",
+]
 
 #: Most buffers one vectored send or receive takes.
 IOV_MAX: Final = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
@@ -210,3 +225,81 @@ class SockIO:
                 wake(fut)
         self._rfut = self._wfut = None
         self.sock.close()
+
+
+def consumed(iov: list[memoryview], pos: int, n: int) -> int:
+    """Past ``n`` bytes moved from ``iov[pos:]``: the first view not fully moved (cut
+    down to what of it was not)."""
+    while n:
+        m = len(iov[pos])
+        if n >= m:
+            n -= m
+            pos += 1
+        else:
+            iov[pos] = iov[pos][n:]
+            n = 0
+    return pos
+
+
+# ------------------------------------------------------------------ address rows (writev)
+
+
+def as_rows(
+    pieces: list[bytes | memoryview | npt.NDArray[np.uint64]],
+) -> tuple[npt.NDArray[np.uint64], list[int]]:
+    """One ``(address, length)`` row array over ``pieces`` in order (a buffer: one row;
+    an array: its rows), and the row index just past each piece."""
+    parts: list[npt.NDArray[np.uint64]] = []
+    ends: list[int] = []
+    pending: list[tuple[int, int]] = []  # consecutive buffers, one array for them all
+    for p in pieces:
+        if isinstance(p, np.ndarray):
+            if pending:
+                parts.append(np.array(pending, dtype=np.uint64))
+                pending = []
+            parts.append(p)
+        else:
+            pending.append((_addr(p), len(p)))
+        ends.append(len(p) if isinstance(p, np.ndarray) else 1)
+    if pending:
+        parts.append(np.array(pending, dtype=np.uint64))
+    return np.ascontiguousarray(np.concatenate(parts)), list(itertools.accumulate(ends))
+
+
+def _addr(buf: bytes | memoryview) -> int:
+    """The address of a flat byte buffer of a batch (frames: bytes; views: flat ``'B'``)."""
+    if isinstance(buf, bytes):
+        addr = ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value  # its own bytes
+        assert addr is not None
+        return addr
+    return address_of(buf)
+
+
+def advance_rows(rows: npt.NDArray[np.uint64], pos: int, n: int) -> int:
+    """Past ``n`` bytes moved from ``rows[pos:]``: the first row not fully moved (its
+    start and length moved on by what of it was)."""
+    if not n:
+        return pos
+    ends = np.cumsum(rows[pos : pos + IOV_MAX, 1])
+    k = int(np.searchsorted(ends, n, side="right"))  # rows moved whole
+    if k < len(ends):
+        part = n - (int(ends[k - 1]) if k else 0)
+        if part:
+            rows[pos + k, 0] += np.uint64(part)
+            rows[pos + k, 1] -= np.uint64(part)
+    return pos + k
+
+
+def privatize(rows: npt.NDArray[np.uint64]) -> bytearray:
+    """Copy the memory of ``rows`` into a fresh buffer and point the rows at the copy
+    (a withdrawn stream's memory is read no more); returns the copy, to be kept alive."""
+    lens = rows[:, 1].copy()
+    copy = bytearray(int(lens.sum()))
+    if not len(copy):
+        return copy
+    base = ctypes.addressof(ctypes.c_char.from_buffer(copy))
+    offs = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.uint64)
+    for (addr, ln), off in zip(rows.tolist(), offs.tolist(), strict=True):
+        ctypes.memmove(base + off, addr, ln)
+    rows[:, 0] = np.uint64(base) + offs
+    return copy

@@ -6,10 +6,7 @@ See :mod:`aiokv.transport.tcp` for the design.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import ctypes
-import itertools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Final, Protocol
@@ -19,7 +16,6 @@ import numpy.typing as npt
 
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
-from ..._layout import address_of
 from .. import _wire as wire
 from .._base import (
     DIRECT_REFUSED,
@@ -32,49 +28,40 @@ from .._base import (
     check_grant,
     check_probe_timeout,
     check_request,
-    decode_reason,
-    encode_reason,
     flatten_views,
     grant_reason,
     refusal,
 )
-from ._io import IOV_MAX, SockIO, readv, vectored, wake, writev
-from ._ops import Bufs, MyOp, PeerOp, RunCursor, State, Stream, code_of, cursor_of
+from ._io import (
+    IOV_MAX,
+    SockIO,
+    advance_rows,
+    consumed,
+    readv,
+    vectored,
+)
+from ._ops import MyOp, PeerOp, RunCursor, State, Stream, cursor_of
+from ._protocol import NOT_DIRECT, LinkProtocol
+from ._writer import BLOCKED, MORE, YIELD_BYTES, Writer
 
 __all__ = ["LinkOwner", "TcpLink"]
 
-# the reason of our own op that a grant this link cannot move by address ended
-_NOT_DIRECT: Final = "granted memory not reachable by address"
 _log = logging.getLogger("aiokv.transport.tcp")
 _S = LLMStatusCode
 _F = wire.FrameType
-# A peer that keeps the socket full would let the reader (or a fast peer the writer) run
-# without ever suspending; they yield to the loop after about this many bytes.
-_YIELD_BYTES: Final = 4 << 20
-# What handling one frame counts for against _YIELD_BYTES: a flood of small frames
-# (each may start a request) also lets the loop run every 64 frames.
-_FRAME_COST: Final = _YIELD_BYTES // 64
-# Outcomes of TcpLink._pump.
-_DONE: Final = 0
-_BLOCKED: Final = 1
-_MORE: Final = 2
+# What handling one frame counts for against YIELD_BYTES (after which the reader yields
+# to the loop): a flood of small frames (each may start a request) also lets the loop
+# run every 64 frames.
+_FRAME_COST: Final = YIELD_BYTES // 64
 # Requests a peer may have outstanding on one link; more are answered LLM_LINK_BUSY (their
 # meta skipped unread, so a refusal costs O(1)) so a hostile peer cannot pile up handler
 # tasks and grants without bound. aiokv itself has one request per transfer in flight
 # (a layer-wise task: one per layer and destination).
 _MAX_PEER_REQUESTS: Final = 4096
-# Reply backpressure: frames this side posts in answer to the peer (grants, refusals,
-# confirmations) cost their length plus this much heap while queued. Past
-# _REPLY_BACKLOG_HIGH the reader stops reading from the peer until the writer has sent
-# them down to _REPLY_BACKLOG_LOW; a peer that lets it stall for _REPLY_STALL_S loses the
-# link. Our own requests do not count, so two busy peers cannot stop each other.
-_REPLY_TYPES: Final = frozenset(
-    {_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE, _F.CANCEL_ACK, _F.PONG, _F.ERROR, _F.NIXL_GRANT}
-)
-_REPLY_OVERHEAD: Final = 64
-_REQUEST_TYPES: Final = frozenset({_F.READ_REQ, _F.WRITE_REQ, _F.NREAD_REQ, _F.NWRITE_REQ})
-# Replies whose meta is a refusal's reason (capped by the wire at REASON_CAP): always read.
-_REASON_TYPES: Final = frozenset({_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE})
+# Reply backpressure (accounted by LinkProtocol): past _REPLY_BACKLOG_HIGH bytes of
+# replies queued for the peer the reader stops reading from the peer until the writer
+# has sent them down to _REPLY_BACKLOG_LOW; a peer that lets it stall for
+# _REPLY_STALL_S loses the link.
 _REPLY_BACKLOG_HIGH = 4 << 20
 _REPLY_BACKLOG_LOW = 1 << 20
 _REPLY_STALL_S = 30.0
@@ -121,37 +108,20 @@ class TcpLink(Link):
         self._broken = False
         #: whether the peer sent any frame since the handshake (see TcpTransport's caps)
         self.heard = False
-        # The connecting side numbers its requests 0, 2, 4, ...; the accepting side 1, 3, 5.
-        self._next_id = 0 if initiator else 1
-        self._peer_parity = 1 if initiator else 0
-        self._mine: dict[int, MyOp] = {}
-        self._theirs: dict[int, PeerOp] = {}
-        # our cancelled writes waiting for the peer's CANCEL_ACK
-        self._cancelling: dict[int, asyncio.Future[None]] = {}
-        # Writer state. `_iov[_pos:]` is the unsent part of the batch in flight: a list
-        # of buffers, or (a batch with payload moved by address: see _next_batch)
-        # `(address, length)` rows over the memory of `_keep` and of the streams.
-        # `first_frame` (the accepting side's last handshake frame) leads every other
-        self._ctrl: Bufs = [] if first_frame is None else [first_frame]
-        self._streams: collections.deque[Stream] = collections.deque()
-        self._iov: Bufs | npt.NDArray[np.uint64] = []
-        self._keep: list[object] = []
-        self._pos = 0
+        # the protocol's state (request ids, requests, reply backlog): see _protocol
+        self._p = LinkProtocol(
+            self,
+            initiator=initiator,
+            max_meta_bytes=transport.max_meta_bytes,
+            max_peer_requests=_MAX_PEER_REQUESTS,
+            reply_backlog=(_REPLY_BACKLOG_HIGH, _REPLY_BACKLOG_LOW),
+        )
+        self._mine = self._p.mine
+        self._theirs = self._p.theirs
+        self._w = Writer(self._sock, transport, self._p, first_frame)
         # payload of LayoutViews moves by address (readv / writev): no object per run
         self._vec = vectored(self._sock)
-        self._inflight: list[Stream] = []
-        # streams whose last byte is in the batch, with the iov index just past that byte:
-        # a stream is `sent` once the kernel took it, not when the whole batch is out (a
-        # peer's WRITE_DONE / READ_DONE may arrive while the batch's tail still waits)
-        self._finishing: collections.deque[tuple[int, Stream]] = collections.deque()
-        self._batch_data = 0  # payload bytes in the batch
-        self._ctrl_replies = 0  # cost of the replies in _ctrl (see _REPLY_OVERHEAD)
-        self._batch_replies = 0  # ... and in the batch in flight
-        self._drained: asyncio.Future[None] | None = None  # the paused reader waits here
-        self._writer_idle: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._probes: dict[int, asyncio.Future[None]] = {}  # our PINGs awaiting their PONG
-        self._next_probe = 0
         self._reader = self._spawn(self._read_loop(), "reader")
         self._writer = self._spawn(self._write_loop(), "writer")
 
@@ -225,9 +195,9 @@ class TcpLink(Link):
                         if op.remote is not None:
                             await self._move_direct(op, direct)
                         elif op.device:  # a WRITE_GRANT: device memory cannot go as DATA
-                            op.finish(_S.LLM_FAILED, _NOT_DIRECT)
+                            op.finish(_S.LLM_FAILED, NOT_DIRECT)
                         else:  # a WRITE_GRANT: the bytes go as DATA
-                            op.stream = self._add_stream(op.rid, views, total)
+                            op.stream = self._w.add_stream(op.rid, views, total)
                     await op.until_over()
             except TimeoutError:
                 self._timed_out(op, "Link.write", timeout)
@@ -285,7 +255,7 @@ class TcpLink(Link):
         raise NotImplementedError
 
     async def aclose(self) -> None:
-        if not self._broken and self._pos >= len(self._iov):
+        if not self._broken and self._w.between_frames():
             # Best effort: tell the peer this is an orderly close. Only when no frame is
             # half-sent, and without waiting: a close must not hang on a stuck peer.
             with contextlib.suppress(OSError):
@@ -297,24 +267,21 @@ class TcpLink(Link):
         seconds = check_probe_timeout(timeout)
         if self._broken:
             return False
-        pid = self._next_probe
-        self._next_probe += 1
-        pong = self._probes[pid] = self._loop.create_future()
+        pong: asyncio.Future[None] = self._loop.create_future()
+        pid, ping = self._p.new_probe(pong)
         try:
-            self._post(wire.encode_frame(_F.PING, pid))
+            self._post(ping)
             # the reader ends when the link breaks: no need to wait out the timeout then
             await asyncio.wait({pong, self._reader}, timeout=seconds, return_when="FIRST_COMPLETED")
             return pong.done() and not self._broken
         finally:
-            del self._probes[pid]
+            del self._p.probes[pid]
             pong.cancel()
 
     def _greet(self) -> None:
         """Send one PING right after linking (the connecting side): it tells the
         accepting side this link is in use, so its idle-link rule never closes it."""
-        pid = self._next_probe
-        self._next_probe += 1  # no waiter: its PONG is ignored
-        self._post(wire.encode_frame(_F.PING, pid))
+        self._post(self._p.new_probe(None)[1])  # no waiter: its PONG is ignored
 
     # ----------------------------------------------------------------- op bookkeeping
 
@@ -328,9 +295,7 @@ class TcpLink(Link):
         return meta
 
     def _start(self, *, is_read: bool, total: int) -> MyOp:
-        rid = self._next_id
-        self._next_id += 2
-        op = self._mine[rid] = MyOp(self._loop, rid, is_read)
+        op = self._p.start(lambda rid: MyOp(self._loop, rid, is_read))
         op.total = total
         return op
 
@@ -352,7 +317,8 @@ class TcpLink(Link):
         """
         if self._broken:
             return
-        fut = self._cancelling[rid] = self._loop.create_future()
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._p.cancelling[rid] = fut
         low, high = _CANCEL_ACK_WAIT
         wait = min(max(deadline - self._loop.time(), low), high)
         end = self._loop.time() + wait
@@ -369,14 +335,14 @@ class TcpLink(Link):
                 except asyncio.CancelledError:
                     cancelled = True  # cancelled again: keep waiting, re-raise below
         finally:
-            self._cancelling.pop(rid, None)
+            self._p.cancelling.pop(rid, None)
         if cancelled:
             raise asyncio.CancelledError
 
     def _refused(self, name: str, op: MyOp) -> LLMException:
         """The error of our failed ``op``: a broken link, or the peer's code and reason."""
         status = op.outcome()
-        if op.device and op.reason is _NOT_DIRECT:
+        if op.device and op.reason is NOT_DIRECT:
             return LLMException(
                 f"{name}: cluster {self.peer.cluster_id} granted memory this link cannot "
                 "reach by address",
@@ -389,165 +355,32 @@ class TcpLink(Link):
             )
         return refusal(name, self.peer.cluster_id, status, op.reason)
 
-    def _reply(
-        self, kind: wire.FrameType, rid: int, status: LLMStatusCode, reason: str = ""
-    ) -> None:
-        """Post a reply frame; a refusal carries ``reason`` (capped) for the requester."""
-        meta = encode_reason(reason) if status is not _S.LLM_SUCCESS else b""
-        self._post(wire.encode_frame(kind, rid, status=status, meta=meta))
-
     def _end(self, op: MyOp, *, cancel: bool) -> None:
         """Synchronous clean-up of our op: after this its buffers are never touched again."""
-        self._mine.pop(op.rid, None)
-        op.finish(_S.LLM_FAILED)  # no-op if already finished; makes the reader drop its data
-        if cancel:
-            self._post(wire.encode_frame(_F.CANCEL, op.rid))
+        self._p.end(op, cancel=cancel)
 
     # ---------------------------------------------------------------------- writer side
+
+    def _abort_stream(self, stream: Stream) -> None:
+        """Withdraw a stream; afterwards its memory is never read again."""
+        self._w.abort_stream(stream)
 
     def _post(self, frame: bytes) -> None:
         """Queue an owned control frame; the writer sends it before any further payload."""
         if self._broken:
             return
-        self._ctrl.append(frame)
-        if frame[5] in _REPLY_TYPES:  # the header's type byte
-            self._ctrl_replies += len(frame) + _REPLY_OVERHEAD
-        self._kick()
-
-    def _add_stream(self, rid: int, views: Sequence[memoryview], total: int) -> Stream:
-        stream = Stream(rid, views, total)
-        self._streams.append(stream)
-        self._kick()
-        return stream
-
-    def _abort_stream(self, stream: Stream) -> None:
-        """Withdraw a stream; afterwards its memory is never read again."""
-        if stream.sent or stream.aborted:
-            return
-        stream.aborted = True
-        with contextlib.suppress(ValueError):
-            self._streams.remove(stream)
-        if stream in self._inflight:
-            # Frames must stay whole, so the batch in flight is finished from private
-            # copies of whatever was not handed to the kernel yet.
-            iov = self._iov
-            if isinstance(iov, np.ndarray):
-                self._keep.append(_privatize(iov[self._pos :]))
-                return
-            for i in range(self._pos, len(iov)):
-                if isinstance(iov[i], memoryview):
-                    iov[i] = bytes(iov[i])
-
-    def _next_batch(self) -> bool:
-        """Fill `_iov` with control frames plus up to ~one chunk from each stream in turn.
-
-        Payload of a :class:`RunCursor` on a :func:`vectored` socket is taken as address
-        rows; a batch with any becomes one array of rows (each buffer of the batch one
-        row, kept alive by `_keep`), sent with ``writev``.
-        """
-        iov: list[bytes | memoryview | npt.NDArray[np.uint64]] = list(self._ctrl)
-        self._ctrl = []
-        self._batch_replies, self._ctrl_replies = self._ctrl_replies, 0
-        inflight: list[Stream] = []
-        finishing: list[tuple[int, Stream]] = []  # piece index just past a stream's end
-        by_address = False
-        budget = self._t.chunk_bytes
-        streams = self._streams
-        while streams and budget > 0:
-            s = streams.popleft()
-            n = min(s.cursor.remaining, self._t.chunk_bytes)
-            iov.append(wire.encode_header(_F.DATA, s.rid, size=n))
-            if self._vec and type(s.cursor) is RunCursor:
-                iov.append(s.cursor.take_rows(n))
-                by_address = True
-            else:
-                iov.extend(s.cursor.take(n))
-            budget -= n
-            inflight.append(s)
-            if s.cursor.remaining:
-                streams.append(s)
-            else:
-                finishing.append((len(iov), s))
-        if by_address:
-            self._iov, ends = _as_rows(iov)
-            self._keep = [p for p in iov if not isinstance(p, np.ndarray)]
-            self._finishing.extend((ends[i - 1], s) for i, s in finishing)
-        else:
-            self._iov = iov  # type: ignore[assignment]  # no rows in it
-            self._keep = []
-            self._finishing.extend(finishing)
-        self._pos, self._inflight = 0, inflight
-        self._batch_data = self._t.chunk_bytes - budget
-        return bool(iov)
-
-    def _pump(self) -> int:
-        """Send pending frames without waiting; returns ``_DONE``, ``_BLOCKED`` or ``_MORE``.
-
-        ``_BLOCKED``: the socket is full. ``_MORE``: work remains, but this call sent
-        :data:`_YIELD_BYTES` already and gives the loop a turn.
-
-        Raises:
-            OSError: the connection failed.
-        """
-        sock, sent = self._sock, 0
-        while True:
-            if self._pos >= len(self._iov):
-                self._inflight = []
-                self._batch_replies = 0
-                if self._drained is not None and self._ctrl_replies <= _REPLY_BACKLOG_LOW:
-                    wake(self._drained)
-                if sent >= _YIELD_BYTES:
-                    return _MORE
-                if not self._next_batch():
-                    return _DONE
-                sent += self._batch_data
-            iov, pos = self._iov, self._pos
-            if isinstance(iov, np.ndarray):
-                try:
-                    n = writev(sock, iov[pos : pos + IOV_MAX])
-                except (BlockingIOError, InterruptedError):
-                    return _BLOCKED
-                pos = _advance(iov, pos, n)
-            else:
-                try:
-                    n = sock.sendmsg(iov[pos : pos + IOV_MAX])
-                except (BlockingIOError, InterruptedError):
-                    return _BLOCKED
-                while n:
-                    k = len(iov[pos])
-                    if n >= k:
-                        n -= k
-                        pos += 1
-                    else:
-                        iov[pos] = memoryview(iov[pos])[n:]
-                        n = 0
-            self._pos = pos
-            finishing = self._finishing
-            while finishing and finishing[0][0] <= pos:
-                finishing.popleft()[1].sent = True
-
-    def _kick(self) -> None:
-        """Wake the writer if it is parked.
-
-        It sends on its next turn rather than right here, so that all the frames posted
-        during one loop iteration leave in one ``sendmsg`` (sending at once measured no
-        faster for a lone request, and much slower for many concurrent ones).
-        """
-        if self._writer_idle is not None:
-            wake(self._writer_idle)
+        self._w.post(frame)
 
     async def _write_loop(self) -> None:
         try:
             while True:
-                state = self._pump()
-                if state == _BLOCKED:
+                state = self._w.pump()
+                if state == BLOCKED:
                     await self._io.writable()
-                elif state == _MORE:
+                elif state == MORE:
                     await asyncio.sleep(0)
                 else:
-                    self._writer_idle = self._loop.create_future()
-                    await self._writer_idle
-                    self._writer_idle = None
+                    await self._w.until_work(self._loop)
         except OSError as exc:
             self._break(f"send failed: {exc}")
         except Exception as exc:  # a bug must not kill the loop silently
@@ -570,25 +403,12 @@ class TcpLink(Link):
                     await self._on_data(h.req_id, h.size)
                     unyielded += h.size + _FRAME_COST
                 else:
-                    meta: bytearray | None = None
-                    if h.type not in _REASON_TYPES and (
-                        h.meta_len > self._t.max_meta_bytes
-                        or (len(self._theirs) >= _MAX_PEER_REQUESTS and h.meta_len)
-                    ):
-                        # only requests get here (over our cap, or the link is busy):
-                        # answered without reading their meta
-                        await self._discard(h.meta_len)
-                    elif h.meta_len:
-                        meta = bytearray(h.meta_len)
-                        await recv_exact(memoryview(meta))
-                    else:
-                        meta = bytearray()
-                    self._dispatch(h, meta)
+                    await self._on_control(h)
                     unyielded += h.meta_len + _FRAME_COST
-                if unyielded >= _YIELD_BYTES:
+                if unyielded >= YIELD_BYTES:
                     unyielded = 0
                     await asyncio.sleep(0)
-                if self._ctrl_replies + self._batch_replies > _REPLY_BACKLOG_HIGH:
+                if self._p.reader_must_pause():
                     await self._until_replies_drain()
         except TimeoutError:  # an OSError too: first
             _log.warning("%r: the peer does not read our replies; dropping the link", self)
@@ -602,18 +422,31 @@ class TcpLink(Link):
             _log.exception("reader of %r failed", self)
             self._break(f"reader failed: {exc!r}")
 
+    async def _on_control(self, h: wire.Header) -> None:
+        """Read a control frame's meta and hand the frame to the protocol; the meta of a
+        request it refuses unread (see :meth:`LinkProtocol.skips_meta`) is skipped."""
+        meta: bytearray | None = None
+        if self._p.skips_meta(h):
+            await self._discard(h.meta_len)
+        elif h.meta_len:
+            meta = bytearray(h.meta_len)
+            await self._io.recv_exact(memoryview(meta))
+        else:
+            meta = bytearray()
+        self._p.receive(h, meta)
+
     async def _until_replies_drain(self) -> None:
         """Backpressure: read nothing more until our replies to the peer are sent.
 
         Raises:
             TimeoutError: the peer read too little of them for ``_REPLY_STALL_S``.
         """
-        self._drained = self._loop.create_future()
+        self._w.drained = self._loop.create_future()
         try:
             async with asyncio.timeout(_REPLY_STALL_S):
-                await self._drained
+                await self._w.drained
         finally:
-            self._drained = None
+            self._w.drained = None
 
     async def _discard(self, n: int) -> None:
         scratch, sock = self._t._scratch, self._sock
@@ -628,8 +461,7 @@ class TcpLink(Link):
             n -= k
 
     async def _on_data(self, rid: int, size: int) -> None:
-        sink: MyOp | PeerOp | None
-        sink = self._mine.get(rid) if rid % 2 != self._peer_parity else self._theirs.get(rid)
+        sink = self._p.sink(rid)
         if sink is None or sink.state is not State.RECEIVING or sink.cursor is None:
             await self._discard(size)  # late data of a finished or cancelled request
             return
@@ -640,8 +472,13 @@ class TcpLink(Link):
             return
         if self._vec and type(sink.cursor) is RunCursor:
             await self._recv_rows(sink, sink.cursor.take_rows(size))
-            return
-        iov = sink.cursor.take(size)
+        else:
+            await self._recv_views(sink, sink.cursor.take(size), size)
+
+    async def _recv_views(self, sink: MyOp | PeerOp, iov: list[memoryview], size: int) -> None:
+        """Receive one DATA chunk of ``size`` bytes into the views ``iov``; the rest of
+        the chunk is dropped once ``sink`` stops receiving (cancelled mid-chunk)."""
+        assert sink.cursor is not None
         pos, sock, left = 0, self._sock, size
         while pos < len(iov):
             if sink.state is not State.RECEIVING:
@@ -659,14 +496,7 @@ class TcpLink(Link):
             left -= k
             if not k:
                 raise ConnectionResetError("connection closed by peer")
-            while k:
-                m = len(iov[pos])
-                if k >= m:
-                    k -= m
-                    pos += 1
-                else:
-                    iov[pos] = iov[pos][k:]
-                    k = 0
+            pos = consumed(iov, pos, k)
         if not sink.cursor.remaining:
             self._filled(sink)
 
@@ -688,56 +518,15 @@ class TcpLink(Link):
             if not k:
                 raise ConnectionResetError("connection closed by peer")
             left -= k
-            pos = _advance(rows, pos, k)
+            pos = advance_rows(rows, pos, k)
         if not sink.cursor.remaining:
             self._filled(sink)
 
     def _fail_sink(self, sink: MyOp | PeerOp, why: str) -> None:
         _log.warning("%r: request %d failed: peer %s", self, sink.rid, why)
-        if isinstance(sink, MyOp):
-            sink.finish(_S.LLM_PARAM_INVALID, f"the peer {why}")
-        else:
-            self._theirs.pop(sink.rid, None)
-            sink.finish(False)
-            self._reply(_F.WRITE_DONE, sink.rid, _S.LLM_PARAM_INVALID, f"you {why}")
+        self._p.fail_sink(sink, why)
 
-    def _dispatch(self, h: wire.Header, meta: bytearray | None) -> None:
-        """Handle one control frame; synchronous, so the reader never waits on anything else."""
-        kind, rid = h.type, h.req_id
-        if kind in _REQUEST_TYPES:
-            self._on_request(h, meta)
-        elif kind is _F.READ_RESP or kind is _F.WRITE_GRANT or kind is _F.WRITE_DONE:
-            op = self._mine.get(rid) if rid % 2 != self._peer_parity else None
-            if op is not None:
-                status = code_of(h.status)
-                why = decode_reason(meta) if meta and status is not _S.LLM_SUCCESS else ""
-                self._on_reply(op, kind, status, h.size, why)
-        elif kind is _F.READ_DONE or kind is _F.CANCEL:
-            peer_op = self._theirs.get(rid) if rid % 2 == self._peer_parity else None
-            if peer_op is not None and (kind is _F.CANCEL or peer_op.is_read):
-                self._on_peer_end(peer_op, acked=kind is _F.READ_DONE)
-            if kind is _F.CANCEL and rid % 2 == self._peer_parity:
-                # every earlier DATA frame of it has been read: nothing more lands
-                self._post(wire.encode_frame(_F.CANCEL_ACK, rid))
-        elif kind is _F.CANCEL_ACK:
-            waiter = self._cancelling.pop(rid, None)
-            if waiter is not None:
-                wake(waiter)
-        elif kind is _F.ERROR or kind is _F.CLOSE:
-            self._break("closed by peer")
-        elif kind is _F.PING:
-            self._post(wire.encode_frame(_F.PONG, rid))
-        elif kind is _F.PONG:
-            pong = self._probes.get(rid)
-            if pong is not None and not pong.done():
-                pong.set_result(None)
-        elif kind is _F.NIXL_MD:
-            self._on_nixl_md(meta, h.size)
-        elif kind is _F.NIXL_GRANT:
-            op = self._mine.get(rid) if rid % 2 != self._peer_parity else None
-            self._on_nixl_grant(op, code_of(h.status), h.size, meta)
-        else:  # HELLO / AUTH after the handshake
-            raise wire.WireError(f"unexpected {kind.name} frame")
+    # --------------------------------------------------- actions of the link protocol
 
     def _on_nixl_md(self, meta: bytearray | None, cap: int) -> None:
         """The peer's NIXL agent metadata: a TCP link ignores it (it speaks no NIXL, so
@@ -754,109 +543,18 @@ class TcpLink(Link):
         did. A TCP link never does: the bytes move as DATA frames."""
         return False
 
-    def _on_reply(
-        self, op: MyOp, kind: wire.FrameType, status: LLMStatusCode, size: int, why: str
-    ) -> None:
-        if kind is _F.READ_RESP:
-            if op.is_read and op.state is State.RECEIVING and status is not _S.LLM_SUCCESS:
-                op.finish(status, why)  # the granter revoked its grant mid-transfer
-                return
-            if not op.is_read or op.state is not State.WAIT_REPLY:
-                return
-            if status is not _S.LLM_SUCCESS:
-                op.finish(status, why)
-            elif size != op.total:  # the peer should have refused; never trust it
-                op.finish(_S.LLM_PARAM_INVALID, f"it granted {size} bytes, not {op.total}")
-            elif size == 0:
-                op.finish(_S.LLM_SUCCESS)
-            elif op.device:  # DATA cannot land in device memory: we cancel it
-                op.finish(_S.LLM_FAILED, _NOT_DIRECT)
-            else:
-                op.state = State.RECEIVING
-        elif kind is _F.WRITE_GRANT:
-            if op.is_read or op.state is not State.WAIT_REPLY:
-                return
-            if status is _S.LLM_SUCCESS:
-                op.grant()
-            else:
-                op.finish(status, why)
-        elif not op.is_read and op.state is not State.OVER:  # WRITE_DONE
-            op.peer_over = True
-            complete = op.state is State.SENDING and (
-                op.total == 0 or (op.stream is not None and op.stream.sent)
-            )
-            if status is _S.LLM_SUCCESS and not complete:
-                status = _S.LLM_FAILED  # "landed" before we even sent it: a broken peer
-                why = "it confirmed bytes not yet sent"
-            op.finish(status, why)
+    def _start_serving(self, op: PeerOp, meta: bytes, size: int) -> None:
+        op.task = self._spawn(self._serve(op, meta, size), f"serve-{op.rid}")
 
-    def _on_peer_end(self, op: PeerOp, *, acked: bool) -> None:
-        """The peer acknowledged (READ_DONE) or cancelled one of its requests."""
-        self._theirs.pop(op.rid, None)
-        if op.task is not None and op.state is State.GRANTING:
-            op.task.cancel()
-        if op.stream is not None:
-            acked = acked and op.stream.sent
-            self._abort_stream(op.stream)
-        op.finish(acked and op.state is State.SENDING)
-
-    def _revoke(self, op: PeerOp, status: LLMStatusCode) -> None:
-        """Our handler revoked a grant being served (``Grant.abort``): stop all I/O on its
-        buffers now, release it, and tell the peer its request failed with ``status``."""
-        if self._theirs.get(op.rid) is not op or op.state is State.OVER:
-            return
-        del self._theirs[op.rid]
-        if op.stream is not None:
-            self._abort_stream(op.stream)  # unsent bytes of the batch in flight: copies
-        op.finish(False)  # a write's DATA still on its way is discarded (no sink)
-        reply = _F.READ_RESP if op.is_read else _F.WRITE_DONE
-        self._reply(reply, op.rid, status, f"the grant was revoked ({status.name})")
-
-    def _on_request(self, h: wire.Header, meta: bytearray | None) -> None:
-        is_read = h.type is _F.READ_REQ or h.type is _F.NREAD_REQ
-        reply = _F.READ_RESP if is_read else _F.WRITE_GRANT
-        rid = h.req_id
-        # Refusals a conforming peer never causes (or a flood does) carry no reason: a
-        # small request must not be answered with a bigger reply.
-        why = ""
-        if rid % 2 != self._peer_parity:
-            status = _S.LLM_PARAM_INVALID
-        elif rid in self._theirs:
-            status = _S.LLM_REPEAT_REQUEST
-        elif len(self._theirs) >= _MAX_PEER_REQUESTS:
-            status = _S.LLM_LINK_BUSY
-        elif meta is None:  # meta over our cap, already skipped
-            status = _S.LLM_PARAM_INVALID
-            why = f"request meta of {h.meta_len} bytes exceeds {self._t.max_meta_bytes}"
-        else:
-            op = self._theirs[rid] = PeerOp(rid, is_read)
-            op.nixl = h.type is _F.NREAD_REQ or h.type is _F.NWRITE_REQ
-            op.task = self._spawn(self._serve(op, bytes(meta), h.size), f"serve-{rid}")
-            return
-        self._reply(reply, rid, status, why)
+    def _start_commit(self, op: PeerOp, commit: Callable[[], Awaitable[LLMStatusCode]]) -> None:
+        self._spawn(self._committed(op, commit), f"commit-{op.rid}")
 
     async def _serve(self, op: PeerOp, meta: bytes, size: int) -> None:
         """Ask the handler, then answer the peer and start the transfer."""
-        name = "grant_read" if op.is_read else "grant_write"
         direct = self._direct_check(op)
-        handler = self._t.handler
-        try:
-            if direct is not None:  # only then: handlers without device memory lack it
-                if op.is_read:
-                    grant = await handler.grant_read(self.peer, meta, direct=direct)  # type: ignore[call-arg]
-                else:
-                    grant = await handler.grant_write(self.peer, meta, size, direct=direct)  # type: ignore[call-arg]
-            elif op.is_read:
-                grant = await handler.grant_read(self.peer, meta)
-            else:
-                grant = await handler.grant_write(self.peer, meta, size)
-        except LLMException as exc:
-            grant = Grant(exc.status_code, reason=str(exc))
-        except Exception:
-            _log.exception("%r: handler %s failed", self, name)
-            grant = Grant(_S.LLM_FAILED, reason="the peer's handler failed")
+        grant = await self._ask(op, meta, size, direct)
         status, views, total = check_grant(
-            grant, name, writable=not op.is_read, device_ok=direct is not None
+            grant, _grant_name(op), writable=not op.is_read, device_ok=direct is not None
         )
         why = grant_reason(grant)
         if isinstance(grant, Grant):
@@ -867,52 +565,55 @@ class TcpLink(Link):
             return
         if status is _S.LLM_SUCCESS and total != size:
             status, why = _S.LLM_PARAM_INVALID, f"the request is {size} bytes, not {total}"
-        reply = _F.READ_RESP if op.is_read else _F.WRITE_GRANT
         if status is not _S.LLM_SUCCESS:
-            self._theirs.pop(op.rid, None)
-            op.finish(False)
-            self._reply(reply, op.rid, status, why)
+            self._p.refuse(op, status, why)
             return
         assert isinstance(grant, Grant)  # check_grant fails anything else
-        grant.bind_abort(lambda code: self._revoke(op, code))
-        if op.state is State.OVER:  # revoked before it was even answered
-            return
+        grant.bind_abort(lambda code: self._p.revoke(op, code))
+        if op.state is not State.OVER:  # else revoked before it was even answered
+            self._answer(op, grant, views, total)
+
+    async def _ask(self, op: PeerOp, meta: bytes, size: int, direct: DirectCheck | None) -> Any:
+        """The handler's answer to the peer's request ``op`` (a failure: a refusal)."""
+        handler = self._t.handler
+        try:
+            if direct is not None:  # only then: handlers without device memory lack it
+                if op.is_read:
+                    return await handler.grant_read(self.peer, meta, direct=direct)  # type: ignore[call-arg]
+                return await handler.grant_write(self.peer, meta, size, direct=direct)  # type: ignore[call-arg]
+            if op.is_read:
+                return await handler.grant_read(self.peer, meta)
+            return await handler.grant_write(self.peer, meta, size)
+        except LLMException as exc:
+            return Grant(exc.status_code, reason=str(exc))
+        except Exception:
+            _log.exception("%r: handler %s failed", self, _grant_name(op))
+            return Grant(_S.LLM_FAILED, reason="the peer's handler failed")
+
+    def _answer(self, op: PeerOp, grant: Grant, views: Sequence[memoryview], total: int) -> None:
+        """Answer the peer's request ``op`` that the handler granted, and start the
+        transfer: by address (a NIXL link), else as DATA frames."""
         if grant.device is not None:  # never as DATA: by address, or refused
             if not self._serve_device(op, grant.device):
-                self._theirs.pop(op.rid, None)
-                op.finish(False)
-                self._reply(reply, op.rid, _S.LLM_FAILED, "device memory not reachable by NIXL")
+                self._p.refuse(op, _S.LLM_FAILED, "device memory not reachable by NIXL")
             return
         if op.nixl and total and self._serve_nixl(op, views, total):
             return
         if op.is_read:
             op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL
-            self._post(wire.encode_frame(reply, op.rid, status=status, size=total))
+            self._post(wire.encode_frame(_F.READ_RESP, op.rid, size=total))
             if total:
-                op.stream = self._add_stream(op.rid, views, total)
+                op.stream = self._w.add_stream(op.rid, views, total)
         else:
             op.state = State.RECEIVING
             op.cursor = cursor_of(views, total)
-            self._post(wire.encode_frame(reply, op.rid, status=status))
+            self._post(wire.encode_frame(_F.WRITE_GRANT, op.rid))
             if not total:
                 self._filled(op)
 
     def _filled(self, sink: MyOp | PeerOp) -> None:
-        """Every byte of ``sink`` landed: our read is over; the peer's write is confirmed
-        (WRITE_DONE), after the grant's commit."""
-        if isinstance(sink, MyOp):
-            sink.finish(_S.LLM_SUCCESS)
-            return
-        commit, sink.commit = sink.commit, None
-        if commit is None:
-            self._landed(sink, _S.LLM_SUCCESS)
-        else:
-            self._spawn(self._committed(sink, commit), f"commit-{sink.rid}")
-
-    def _landed(self, op: PeerOp, status: LLMStatusCode) -> None:
-        self._theirs.pop(op.rid, None)
-        op.finish(status is _S.LLM_SUCCESS)
-        self._post(wire.encode_frame(_F.WRITE_DONE, op.rid, status=status))
+        """Every byte of ``sink`` landed (see :meth:`LinkProtocol.filled`)."""
+        self._p.filled(sink)
 
     async def _committed(self, op: PeerOp, commit: Callable[[], Awaitable[LLMStatusCode]]) -> None:
         status = _S.LLM_FAILED
@@ -924,7 +625,7 @@ class TcpLink(Link):
             _log.exception("%r: the commit of request %d failed", self, op.rid)
         finally:
             if self._theirs.get(op.rid) is op and op.state is not State.OVER:
-                self._landed(op, status)  # else revoked, cancelled or the link broke
+                self._p.landed(op, status)  # else revoked, cancelled or the link broke
 
     # ------------------------------------------------------------------------ lifecycle
 
@@ -941,20 +642,8 @@ class TcpLink(Link):
         self._broken = True
         _log.debug("%r: %s", self, reason)
         self._io.close()
-        mine, theirs = list(self._mine.values()), list(self._theirs.values())
-        self._mine.clear()
-        self._theirs.clear()
-        self._streams.clear()
-        self._ctrl.clear()
-        for waiter in self._cancelling.values():
-            wake(waiter)
-        self._cancelling.clear()
-        for op in mine:
-            op.finish(_S.LLM_LINK_FAILED)
-        for peer_op in theirs:
-            if peer_op.task is not None and peer_op.state is State.GRANTING:
-                peer_op.task.cancel()
-            peer_op.finish(False)
+        self._w.clear()
+        self._p.close()
         current = asyncio.current_task()
         for task in (self._reader, self._writer):
             if task is not current:
@@ -969,65 +658,5 @@ class TcpLink(Link):
             await asyncio.wait(tasks)
 
 
-# ------------------------------------------------------------------ address rows (writev)
-
-
-def _as_rows(
-    pieces: list[bytes | memoryview | npt.NDArray[np.uint64]],
-) -> tuple[npt.NDArray[np.uint64], list[int]]:
-    """One ``(address, length)`` row array over ``pieces`` in order (a buffer: one row;
-    an array: its rows), and the row index just past each piece."""
-    parts: list[npt.NDArray[np.uint64]] = []
-    ends: list[int] = []
-    pending: list[tuple[int, int]] = []  # consecutive buffers, one array for them all
-    for p in pieces:
-        if isinstance(p, np.ndarray):
-            if pending:
-                parts.append(np.array(pending, dtype=np.uint64))
-                pending = []
-            parts.append(p)
-        else:
-            pending.append((_addr(p), len(p)))
-        ends.append(len(p) if isinstance(p, np.ndarray) else 1)
-    if pending:
-        parts.append(np.array(pending, dtype=np.uint64))
-    return np.ascontiguousarray(np.concatenate(parts)), list(itertools.accumulate(ends))
-
-
-def _addr(buf: bytes | memoryview) -> int:
-    """The address of a flat byte buffer of a batch (frames: bytes; views: flat ``'B'``)."""
-    if isinstance(buf, bytes):
-        addr = ctypes.cast(ctypes.c_char_p(buf), ctypes.c_void_p).value  # its own bytes
-        assert addr is not None
-        return addr
-    return address_of(buf)
-
-
-def _advance(rows: npt.NDArray[np.uint64], pos: int, n: int) -> int:
-    """Past ``n`` bytes moved from ``rows[pos:]``: the first row not fully moved (its
-    start and length moved on by what of it was)."""
-    if not n:
-        return pos
-    ends = np.cumsum(rows[pos : pos + IOV_MAX, 1])
-    k = int(np.searchsorted(ends, n, side="right"))  # rows moved whole
-    if k < len(ends):
-        part = n - (int(ends[k - 1]) if k else 0)
-        if part:
-            rows[pos + k, 0] += np.uint64(part)
-            rows[pos + k, 1] -= np.uint64(part)
-    return pos + k
-
-
-def _privatize(rows: npt.NDArray[np.uint64]) -> bytearray:
-    """Copy the memory of ``rows`` into a fresh buffer and point the rows at the copy
-    (a withdrawn stream's memory is read no more); returns the copy, to be kept alive."""
-    lens = rows[:, 1].copy()
-    copy = bytearray(int(lens.sum()))
-    if not len(copy):
-        return copy
-    base = ctypes.addressof(ctypes.c_char.from_buffer(copy))
-    offs = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.uint64)
-    for (addr, ln), off in zip(rows.tolist(), offs.tolist(), strict=True):
-        ctypes.memmove(base + off, addr, ln)
-    rows[:, 0] = np.uint64(base) + offs
-    return copy
+def _grant_name(op: PeerOp) -> str:
+    return "grant_read" if op.is_read else "grant_write"

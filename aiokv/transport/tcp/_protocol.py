@@ -1,0 +1,407 @@
+"""The protocol of a TCP link, without I/O: frames in, actions out.
+
+:class:`LinkProtocol` owns a link's request state: the ids of our requests, our
+requests (:class:`MyOp`) and the peer's (:class:`PeerOp`) by id, the cap on the
+peer's outstanding requests, the cost of the replies queued for the peer (reply
+backpressure), our cancelled writes awaiting ``CANCEL_ACK`` and our probes awaiting
+``PONG``. :meth:`LinkProtocol.receive` takes one decoded control frame and hands it
+to the one handler of its type (:attr:`LinkProtocol.handlers`); what the frame calls
+for beyond the state kept here, the protocol asks of its :class:`LinkDriver` (the
+:class:`~aiokv.transport.tcp._link.TcpLink`): post a frame, break the link, withdraw
+a payload stream, start serving a request or committing a write, or hand a NIXL frame
+to the link. The driver owns the socket, its reader and writer tasks and the streams.
+
+This module does no I/O and imports neither ``asyncio`` nor ``socket`` (a test
+checks), so it is tested frame by frame without either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Final, Protocol
+
+from ..._enums import LLMStatusCode
+from .. import _wire as wire
+from .._base import decode_reason, encode_reason
+from ._ops import MyOp, PeerOp, State, Stream, code_of
+
+__all__ = ["NOT_DIRECT", "LinkDriver", "LinkProtocol", "Waiter"]
+
+_S = LLMStatusCode
+_F = wire.FrameType
+
+#: the reason of our own op that a grant this link cannot move by address ended
+NOT_DIRECT: Final = "granted memory not reachable by address"
+# Reply backpressure: frames this side posts in answer to the peer (grants, refusals,
+# confirmations) cost their length plus this much heap while queued; our own requests
+# do not count, so two busy peers cannot stop each other.
+_REPLY_TYPES: Final = frozenset(
+    {_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE, _F.CANCEL_ACK, _F.PONG, _F.ERROR, _F.NIXL_GRANT}
+)
+_REPLY_OVERHEAD: Final = 64
+_REQUEST_TYPES: Final = (_F.READ_REQ, _F.WRITE_REQ, _F.NREAD_REQ, _F.NWRITE_REQ)
+# Replies whose meta is a refusal's reason (capped by the wire at REASON_CAP): always read.
+_REASON_TYPES: Final = frozenset({_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE})
+
+Handler = Callable[[wire.Header, "bytearray | None"], None]
+Commit = Callable[[], Awaitable[LLMStatusCode]]
+
+
+class Waiter(Protocol):
+    """A one-shot waiter the protocol resolves (an ``asyncio.Future[None]``)."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: None, /) -> None: ...
+
+
+class LinkDriver(Protocol):
+    """The actions a :class:`LinkProtocol` asks of the link that drives it."""
+
+    def _post(self, frame: bytes) -> None:
+        """Send ``frame`` (queued behind the frames posted before it)."""
+
+    def _break(self, reason: str) -> None:
+        """Close the link; it calls :meth:`LinkProtocol.close`."""
+
+    def _abort_stream(self, stream: Stream) -> None:
+        """Withdraw ``stream``: its memory is never read again."""
+
+    def _start_serving(self, op: PeerOp, meta: bytes, size: int) -> None:
+        """Ask the handler about the peer's new request ``op`` (sets ``op.task``)."""
+
+    def _start_commit(self, op: PeerOp, commit: Commit) -> None:
+        """Run the peer's landed write's ``commit``, then :meth:`~LinkProtocol.landed`."""
+
+    def _on_nixl_md(self, meta: bytearray | None, cap: int) -> None:
+        """The peer's NIXL agent metadata."""
+
+    def _on_nixl_grant(
+        self, op: MyOp | None, status: LLMStatusCode, size: int, meta: bytearray | None
+    ) -> None:
+        """A NIXL grant answering our request ``op`` (None: not one of ours)."""
+
+
+def _wake(waiter: Waiter) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class LinkProtocol:
+    """The request state of one link and one small handler per control frame type."""
+
+    def __init__(
+        self,
+        driver: LinkDriver,
+        *,
+        initiator: bool,
+        max_meta_bytes: int,
+        max_peer_requests: int,
+        reply_backlog: tuple[int, int],
+    ) -> None:
+        self._out = driver
+        self.max_meta_bytes = max_meta_bytes
+        # requests a peer may have outstanding; more are answered LLM_LINK_BUSY
+        self.max_peer_requests = max_peer_requests
+        # past `high` queued reply bytes the reader pauses until they are down to `low`
+        self.backlog_high, self.backlog_low = reply_backlog
+        # The connecting side numbers its requests 0, 2, 4, ...; the accepting side 1, 3, 5.
+        self.next_id = 0 if initiator else 1
+        self.peer_parity = 1 if initiator else 0
+        self.mine: dict[int, MyOp] = {}
+        self.theirs: dict[int, PeerOp] = {}
+        self.cancelling: dict[int, Waiter] = {}  # our cancelled writes awaiting CANCEL_ACK
+        self.probes: dict[int, Waiter] = {}  # our PINGs awaiting their PONG
+        self.next_probe = 0
+        self.queued_replies = 0  # cost of the replies posted, not yet in a batch
+        self.batch_replies = 0  # ... and in the batch in flight
+        self.handlers: dict[wire.FrameType, Handler] = {
+            _F.READ_RESP: self._on_read_resp,
+            _F.WRITE_GRANT: self._on_write_grant,
+            _F.WRITE_DONE: self._on_write_done,
+            _F.READ_DONE: self._on_read_done,
+            _F.CANCEL: self._on_cancel,
+            _F.CANCEL_ACK: self._on_cancel_ack,
+            _F.ERROR: self._on_close,
+            _F.CLOSE: self._on_close,
+            _F.PING: self._on_ping,
+            _F.PONG: self._on_pong,
+            _F.NIXL_MD: self._on_nixl_md,
+            _F.NIXL_GRANT: self._on_nixl_grant,
+        }
+        self.handlers.update(dict.fromkeys(_REQUEST_TYPES, self._on_request))
+
+    # ------------------------------------------------------------------ our requests
+
+    def start(self, op_of: Callable[[int], MyOp]) -> MyOp:
+        """Register our new request, made by ``op_of(request id)``."""
+        rid = self.next_id
+        self.next_id += 2
+        op = self.mine[rid] = op_of(rid)
+        return op
+
+    def end(self, op: MyOp, *, cancel: bool) -> None:
+        """Forget our ``op`` (failed unless already over); ``cancel``: tell the peer."""
+        self.mine.pop(op.rid, None)
+        op.finish(_S.LLM_FAILED)  # no-op if already finished; makes the reader drop its data
+        if cancel:
+            self._out._post(wire.encode_frame(_F.CANCEL, op.rid))
+
+    def new_probe(self, waiter: Waiter | None) -> tuple[int, bytes]:
+        """The id and PING frame of a new probe; ``waiter`` (if any, until the prober
+        drops it from :attr:`probes`) is woken by its PONG."""
+        pid = self.next_probe
+        self.next_probe += 1
+        if waiter is not None:
+            self.probes[pid] = waiter
+        return pid, wire.encode_frame(_F.PING, pid)
+
+    # ------------------------------------------------------------ frames and replies
+
+    def skips_meta(self, h: wire.Header) -> bool:
+        """Whether the frame's meta is skipped unread: a request's over our cap, or any
+        request's while the peer has the most requests it may have (a refusal is O(1))."""
+        return h.type not in _REASON_TYPES and (
+            h.meta_len > self.max_meta_bytes
+            or (len(self.theirs) >= self.max_peer_requests and h.meta_len > 0)
+        )
+
+    def receive(self, h: wire.Header, meta: bytearray | None) -> None:
+        """Handle one control frame (``meta``: None when skipped unread).
+
+        Raises:
+            wire.WireError: a frame that has no place after the handshake.
+        """
+        self.handlers.get(h.type, _unexpected)(h, meta)
+
+    def sink(self, rid: int) -> MyOp | PeerOp | None:
+        """The request a DATA frame of ``rid`` lands in, if any."""
+        return self.mine.get(rid) if rid % 2 != self.peer_parity else self.theirs.get(rid)
+
+    def reply(
+        self, kind: wire.FrameType, rid: int, status: LLMStatusCode, reason: str = ""
+    ) -> None:
+        """Post a reply frame; a refusal carries ``reason`` (capped) for the requester."""
+        meta = encode_reason(reason) if status is not _S.LLM_SUCCESS else b""
+        self._out._post(wire.encode_frame(kind, rid, status=status, meta=meta))
+
+    def refuse(self, op: PeerOp, status: LLMStatusCode, why: str) -> None:
+        """End the peer's request ``op`` and answer it ``status`` (``why``: the reason)."""
+        self.theirs.pop(op.rid, None)
+        op.finish(False)
+        self.reply(_F.READ_RESP if op.is_read else _F.WRITE_GRANT, op.rid, status, why)
+
+    # ------------------------------------------------------------- reply backpressure
+
+    def queued(self, frame: bytes) -> None:
+        """Account ``frame``, just posted: a reply costs its length and overhead."""
+        if frame[5] in _REPLY_TYPES:  # the header's type byte
+            self.queued_replies += len(frame) + _REPLY_OVERHEAD
+
+    def batch_taken(self) -> None:
+        """The writer took the posted frames into its batch."""
+        self.batch_replies, self.queued_replies = self.queued_replies, 0
+
+    def batch_sent(self) -> None:
+        self.batch_replies = 0
+
+    def reader_must_pause(self) -> bool:
+        return self.queued_replies + self.batch_replies > self.backlog_high
+
+    def replies_drained(self) -> bool:
+        return self.queued_replies <= self.backlog_low
+
+    # ------------------------------------------------------------ the peer's requests
+
+    def _on_request(self, h: wire.Header, meta: bytearray | None) -> None:
+        rid = h.req_id
+        # Refusals a conforming peer never causes (or a flood does) carry no reason: a
+        # small request must not be answered with a bigger reply.
+        why = ""
+        if rid % 2 != self.peer_parity:
+            status = _S.LLM_PARAM_INVALID
+        elif rid in self.theirs:
+            status = _S.LLM_REPEAT_REQUEST
+        elif len(self.theirs) >= self.max_peer_requests:
+            status = _S.LLM_LINK_BUSY
+        elif meta is None:  # meta over our cap, already skipped
+            status = _S.LLM_PARAM_INVALID
+            why = f"request meta of {h.meta_len} bytes exceeds {self.max_meta_bytes}"
+        else:
+            is_read = h.type is _F.READ_REQ or h.type is _F.NREAD_REQ
+            op = self.theirs[rid] = PeerOp(rid, is_read)
+            op.nixl = h.type is _F.NREAD_REQ or h.type is _F.NWRITE_REQ
+            self._out._start_serving(op, bytes(meta), h.size)
+            return
+        is_read = h.type is _F.READ_REQ or h.type is _F.NREAD_REQ
+        self.reply(_F.READ_RESP if is_read else _F.WRITE_GRANT, rid, status, why)
+
+    def _theirs_of(self, rid: int) -> PeerOp | None:
+        return self.theirs.get(rid) if rid % 2 == self.peer_parity else None
+
+    def _on_read_done(self, h: wire.Header, meta: bytearray | None) -> None:
+        op = self._theirs_of(h.req_id)
+        if op is not None and op.is_read:
+            self.peer_ended(op, acked=True)
+
+    def _on_cancel(self, h: wire.Header, meta: bytearray | None) -> None:
+        rid = h.req_id
+        if rid % 2 != self.peer_parity:
+            return
+        op = self.theirs.get(rid)
+        if op is not None:
+            self.peer_ended(op, acked=False)
+        # every earlier DATA frame of it has been read: nothing more lands
+        self._out._post(wire.encode_frame(_F.CANCEL_ACK, rid))
+
+    def peer_ended(self, op: PeerOp, *, acked: bool) -> None:
+        """The peer acknowledged (READ_DONE) or cancelled one of its requests."""
+        self.theirs.pop(op.rid, None)
+        if op.task is not None and op.state is State.GRANTING:
+            op.task.cancel()
+        if op.stream is not None:
+            acked = acked and op.stream.sent
+            self._out._abort_stream(op.stream)
+        op.finish(acked and op.state is State.SENDING)
+
+    def revoke(self, op: PeerOp, status: LLMStatusCode) -> None:
+        """Our handler revoked a grant being served (``Grant.abort``): stop all I/O on its
+        buffers now, release it, and tell the peer its request failed with ``status``."""
+        if self.theirs.get(op.rid) is not op or op.state is State.OVER:
+            return
+        del self.theirs[op.rid]
+        if op.stream is not None:
+            self._out._abort_stream(op.stream)  # unsent bytes of the batch in flight: copies
+        op.finish(False)  # a write's DATA still on its way is discarded (no sink)
+        reply = _F.READ_RESP if op.is_read else _F.WRITE_DONE
+        self.reply(reply, op.rid, status, f"the grant was revoked ({status.name})")
+
+    def filled(self, sink: MyOp | PeerOp) -> None:
+        """Every byte of ``sink`` landed: our read is over; the peer's write is confirmed
+        (WRITE_DONE), after the grant's commit."""
+        if isinstance(sink, MyOp):
+            sink.finish(_S.LLM_SUCCESS)
+            return
+        commit, sink.commit = sink.commit, None
+        if commit is None:
+            self.landed(sink, _S.LLM_SUCCESS)
+        else:
+            self._out._start_commit(sink, commit)
+
+    def landed(self, op: PeerOp, status: LLMStatusCode) -> None:
+        """The peer's write ``op`` is over with ``status`` (after its commit)."""
+        self.theirs.pop(op.rid, None)
+        op.finish(status is _S.LLM_SUCCESS)
+        self._out._post(wire.encode_frame(_F.WRITE_DONE, op.rid, status=status))
+
+    def fail_sink(self, sink: MyOp | PeerOp, why: str) -> None:
+        """The peer sent DATA it may not (``why``): the request fails."""
+        if isinstance(sink, MyOp):
+            sink.finish(_S.LLM_PARAM_INVALID, f"the peer {why}")
+        else:
+            self.theirs.pop(sink.rid, None)
+            sink.finish(False)
+            self.reply(_F.WRITE_DONE, sink.rid, _S.LLM_PARAM_INVALID, f"you {why}")
+
+    # ------------------------------------------------------------ answers to ours
+
+    def _mine_of(self, h: wire.Header, meta: bytearray | None) -> tuple[MyOp | None, str]:
+        """Our op a reply answers (None: not ours, or over), and its refusal reason."""
+        rid = h.req_id
+        op = self.mine.get(rid) if rid % 2 != self.peer_parity else None
+        why = decode_reason(meta) if op is not None and meta and h.status else ""
+        return op, why
+
+    def _on_read_resp(self, h: wire.Header, meta: bytearray | None) -> None:
+        op, why = self._mine_of(h, meta)
+        if op is None or not op.is_read:
+            return
+        status = code_of(h.status)
+        if op.state is State.RECEIVING and status is not _S.LLM_SUCCESS:
+            op.finish(status, why)  # the granter revoked its grant mid-transfer
+        elif op.state is State.WAIT_REPLY:
+            _answer_read(op, status, h.size, why)
+
+    def _on_write_grant(self, h: wire.Header, meta: bytearray | None) -> None:
+        op, why = self._mine_of(h, meta)
+        if op is None or op.is_read or op.state is not State.WAIT_REPLY:
+            return
+        status = code_of(h.status)
+        if status is _S.LLM_SUCCESS:
+            op.grant()
+        else:
+            op.finish(status, why)
+
+    def _on_write_done(self, h: wire.Header, meta: bytearray | None) -> None:
+        op, why = self._mine_of(h, meta)
+        if op is None or op.is_read or op.state is State.OVER:
+            return
+        status = code_of(h.status)
+        op.peer_over = True
+        complete = op.state is State.SENDING and (
+            op.total == 0 or (op.stream is not None and op.stream.sent)
+        )
+        if status is _S.LLM_SUCCESS and not complete:
+            status = _S.LLM_FAILED  # "landed" before we even sent it: a broken peer
+            why = "it confirmed bytes not yet sent"
+        op.finish(status, why)
+
+    def _on_cancel_ack(self, h: wire.Header, meta: bytearray | None) -> None:
+        waiter = self.cancelling.pop(h.req_id, None)
+        if waiter is not None:
+            _wake(waiter)
+
+    # ------------------------------------------------------------ link-level frames
+
+    def _on_close(self, h: wire.Header, meta: bytearray | None) -> None:
+        self._out._break("closed by peer")
+
+    def _on_ping(self, h: wire.Header, meta: bytearray | None) -> None:
+        self._out._post(wire.encode_frame(_F.PONG, h.req_id))
+
+    def _on_pong(self, h: wire.Header, meta: bytearray | None) -> None:
+        pong = self.probes.get(h.req_id)
+        if pong is not None:
+            _wake(pong)
+
+    def _on_nixl_md(self, h: wire.Header, meta: bytearray | None) -> None:
+        self._out._on_nixl_md(meta, h.size)
+
+    def _on_nixl_grant(self, h: wire.Header, meta: bytearray | None) -> None:
+        rid = h.req_id
+        op = self.mine.get(rid) if rid % 2 != self.peer_parity else None
+        self._out._on_nixl_grant(op, code_of(h.status), h.size, meta)
+
+    def close(self) -> None:
+        """The link broke: fail our requests, end the peer's, wake every waiter."""
+        mine, theirs = list(self.mine.values()), list(self.theirs.values())
+        self.mine.clear()
+        self.theirs.clear()
+        for waiter in self.cancelling.values():
+            _wake(waiter)
+        self.cancelling.clear()
+        for op in mine:
+            op.finish(_S.LLM_LINK_FAILED)
+        for peer_op in theirs:
+            if peer_op.task is not None and peer_op.state is State.GRANTING:
+                peer_op.task.cancel()
+            peer_op.finish(False)
+
+
+def _answer_read(op: MyOp, status: LLMStatusCode, size: int, why: str) -> None:
+    """The peer's READ_RESP to our read ``op``, which awaited it."""
+    if status is not _S.LLM_SUCCESS:
+        op.finish(status, why)
+    elif size != op.total:  # the peer should have refused; never trust it
+        op.finish(_S.LLM_PARAM_INVALID, f"it granted {size} bytes, not {op.total}")
+    elif size == 0:
+        op.finish(_S.LLM_SUCCESS)
+    elif op.device:  # DATA cannot land in device memory: we cancel it
+        op.finish(_S.LLM_FAILED, NOT_DIRECT)
+    else:
+        op.state = State.RECEIVING
+
+
+def _unexpected(h: wire.Header, meta: bytearray | None) -> None:
+    """HELLO / AUTH (or DATA, which never reaches the handlers) after the handshake."""
+    raise wire.WireError(f"unexpected {h.type.name} frame")

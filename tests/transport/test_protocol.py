@@ -1,0 +1,484 @@
+"""The TCP link's protocol without a socket: frames in, actions out, frame by frame."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from aiokv import LLMStatusCode as Code
+from aiokv.transport import _wire as wire
+from aiokv.transport._base import encode_reason
+from aiokv.transport.tcp import _protocol
+from aiokv.transport.tcp._ops import MyOp, PeerOp, State, Stream
+from aiokv.transport.tcp._protocol import LinkProtocol
+
+F = wire.FrameType
+
+
+def test_the_protocol_module_does_no_io() -> None:
+    """It imports neither an event loop nor sockets or TLS: it only keeps state."""
+    tree = ast.parse(Path(_protocol.__file__).read_text())
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported.add(node.module.split(".")[0])
+    assert imported  # it was read
+    assert not imported & {"asyncio", "socket", "ssl", "anyio", "trio", "selectors"}
+
+
+class FakeTask:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+class FakeWaiter:
+    def __init__(self) -> None:
+        self.woken = 0
+
+    def done(self) -> bool:
+        return self.woken > 0
+
+    def set_result(self, result: None, /) -> None:
+        self.woken += 1
+
+
+class Driver:
+    """Records what the protocol asks of its link."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[wire.Header, bytes]] = []
+        self.broken: list[str] = []
+        self.aborted: list[Stream] = []
+        self.serving: list[tuple[PeerOp, bytes, int]] = []
+        self.commits: list[PeerOp] = []
+        self.nixl: list[tuple[str, object]] = []
+
+    def _post(self, frame: bytes) -> None:
+        h = wire.decode_header(frame[: wire.HEADER_SIZE])
+        self.posted.append((h, frame[wire.HEADER_SIZE :]))
+
+    def _break(self, reason: str) -> None:
+        self.broken.append(reason)
+
+    def _abort_stream(self, stream: Stream) -> None:
+        stream.aborted = True
+        self.aborted.append(stream)
+
+    def _start_serving(self, op: PeerOp, meta: bytes, size: int) -> None:
+        op.task = cast(Any, FakeTask())
+        self.serving.append((op, meta, size))
+
+    def _start_commit(self, op: PeerOp, commit: Callable[[], Awaitable[Code]]) -> None:
+        self.commits.append(op)
+
+    def _on_nixl_md(self, meta: bytearray | None, cap: int) -> None:
+        self.nixl.append(("md", cap))
+
+    def _on_nixl_grant(
+        self, op: MyOp | None, status: Code, size: int, meta: bytearray | None
+    ) -> None:
+        self.nixl.append(("grant", op))
+
+    def sent(self) -> list[tuple[F, int, Code]]:
+        """``(type, request id, status)`` of each frame posted, in order."""
+        return [(h.type, h.req_id, Code(h.status)) for h, _ in self.posted]
+
+
+def make(*, initiator: bool = True, peer_cap: int = 4, high: int = 1000, low: int = 100) -> Any:
+    driver = Driver()
+    proto = LinkProtocol(
+        driver,
+        initiator=initiator,
+        max_meta_bytes=64,
+        max_peer_requests=peer_cap,
+        reply_backlog=(high, low),
+    )
+    return proto, driver
+
+
+def feed(proto: LinkProtocol, kind: F, rid: int = 0, **fields: Any) -> None:
+    frame = wire.encode_frame(kind, rid, **fields)
+    proto.receive(
+        wire.decode_header(frame[: wire.HEADER_SIZE]), bytearray(frame[wire.HEADER_SIZE :])
+    )
+
+
+def mine(proto: LinkProtocol, *, is_read: bool, total: int = 10) -> MyOp:
+    op = proto.start(lambda rid: MyOp(cast(Any, None), rid, is_read))
+    op.total = total
+    return op
+
+
+# ------------------------------------------------------------------------- request ids
+
+
+def test_each_side_numbers_its_requests_in_its_own_parity() -> None:
+    a, _ = make(initiator=True)
+    b, _ = make(initiator=False)
+    assert [mine(a, is_read=True).rid for _ in range(3)] == [0, 2, 4]
+    assert [mine(b, is_read=False).rid for _ in range(3)] == [1, 3, 5]
+    assert sorted(a.mine) == [0, 2, 4]
+
+
+def test_ending_our_request_forgets_it_and_cancels_it_at_the_peer() -> None:
+    proto, driver = make()
+    op = mine(proto, is_read=True)
+    proto.end(op, cancel=True)
+    assert op.rid not in proto.mine
+    assert op.state is State.OVER and op.result is Code.LLM_FAILED
+    assert driver.sent() == [(F.CANCEL, op.rid, Code.LLM_SUCCESS)]
+
+
+# ---------------------------------------------------------------------- peer's requests
+
+
+@pytest.mark.parametrize(
+    ("kind", "is_read", "nixl"),
+    [
+        (F.READ_REQ, True, False),
+        (F.WRITE_REQ, False, False),
+        (F.NREAD_REQ, True, True),
+        (F.NWRITE_REQ, False, True),
+    ],
+)
+def test_a_peer_request_starts_serving(kind: F, is_read: bool, nixl: bool) -> None:
+    proto, driver = make(initiator=True)  # the peer's ids are odd
+    feed(proto, kind, 7, meta=b"key", size=100)
+    [(op, meta, size)] = driver.serving
+    assert (op.rid, op.is_read, op.nixl, meta, size) == (7, is_read, nixl, b"key", 100)
+    assert proto.theirs == {7: op}
+    assert driver.posted == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "reply"), [(F.READ_REQ, F.READ_RESP), (F.WRITE_REQ, F.WRITE_GRANT)]
+)
+def test_bad_peer_requests_are_refused_without_serving(kind: F, reply: F) -> None:
+    proto, driver = make(initiator=True, peer_cap=2)
+    feed(proto, kind, 2)  # our parity: not the peer's to use
+    feed(proto, kind, 1)
+    feed(proto, kind, 1)  # a repeat of a request being served
+    feed(proto, kind, 3)
+    feed(proto, kind, 5)  # over the cap of 2
+    assert driver.sent() == [
+        (reply, 2, Code.LLM_PARAM_INVALID),
+        (reply, 1, Code.LLM_REPEAT_REQUEST),
+        (reply, 5, Code.LLM_LINK_BUSY),
+    ]
+    assert sorted(proto.theirs) == [1, 3]
+    assert all(meta == b"" for _, meta in driver.posted)  # no reason: O(1) refusals
+
+
+def test_a_request_whose_meta_was_skipped_is_refused_with_a_reason() -> None:
+    proto, driver = make()
+    h = wire.decode_header(wire.encode_header(F.WRITE_REQ, 1, meta_len=65, size=8))
+    assert proto.skips_meta(h)  # over max_meta_bytes=64
+    proto.receive(h, None)
+    [(reply, meta)] = driver.posted
+    assert (reply.type, reply.req_id, Code(reply.status)) == (
+        F.WRITE_GRANT,
+        1,
+        Code.LLM_PARAM_INVALID,
+    )
+    assert b"exceeds 64" in meta
+    assert not driver.serving
+
+
+def test_a_busy_link_skips_request_meta_but_reads_reasons() -> None:
+    proto, _ = make(peer_cap=1)
+    small = wire.decode_header(wire.encode_header(F.READ_REQ, 3, meta_len=5))
+    assert not proto.skips_meta(small)
+    feed(proto, F.READ_REQ, 1, meta=b"x")
+    assert proto.skips_meta(small)  # the peer has its one request: refused unread
+    reason = wire.decode_header(
+        wire.encode_header(F.READ_RESP, 0, status=Code.LLM_FAILED, meta_len=5)
+    )
+    assert not proto.skips_meta(reason)
+
+
+# ----------------------------------------------------------------- replies to ours
+
+
+def test_a_read_grant_of_the_whole_size_starts_receiving() -> None:
+    proto, driver = make()
+    op = mine(proto, is_read=True, total=10)
+    feed(proto, F.READ_RESP, op.rid, size=10)
+    assert op.state is State.RECEIVING and op.result is None
+    assert proto.sink(op.rid) is op
+    assert driver.posted == [] and driver.broken == []
+
+
+def test_read_replies_that_end_our_read() -> None:
+    proto, _ = make()
+    wrong, refused, empty = (mine(proto, is_read=True, total=t) for t in (10, 10, 0))
+    feed(proto, F.READ_RESP, wrong.rid, size=9)
+    feed(
+        proto,
+        F.READ_RESP,
+        refused.rid,
+        status=Code.LLM_KV_CACHE_NOT_EXIST,
+        meta=encode_reason("no such key\n"),
+    )
+    feed(proto, F.READ_RESP, empty.rid, size=0)
+    assert (wrong.result, wrong.reason) == (Code.LLM_PARAM_INVALID, "it granted 9 bytes, not 10")
+    assert (refused.result, refused.reason) == (
+        Code.LLM_KV_CACHE_NOT_EXIST,
+        "no such key?",
+    )  # sanitized
+    assert empty.result is Code.LLM_SUCCESS
+
+
+def test_a_revoked_grant_mid_read_fails_it() -> None:
+    proto, _ = make()
+    op = mine(proto, is_read=True)
+    feed(proto, F.READ_RESP, op.rid, size=10)
+    feed(proto, F.READ_RESP, op.rid, status=Code.LLM_FAILED, meta=b"revoked")
+    assert (op.result, op.reason) == (Code.LLM_FAILED, "revoked")
+
+
+def test_replies_for_unknown_requests_are_dropped() -> None:
+    proto, driver = make()
+    op = mine(proto, is_read=True)
+    feed(proto, F.READ_RESP, 40, size=10)  # never ours
+    feed(proto, F.WRITE_GRANT, 40)
+    feed(proto, F.WRITE_DONE, 40)
+    feed(proto, F.READ_RESP, 1, size=10)  # the peer's parity: never a reply to us
+    feed(proto, F.WRITE_GRANT, op.rid)  # a write's reply to our read
+    feed(proto, F.CANCEL_ACK, 40)
+    feed(proto, F.PONG, 40)
+    assert op.state is State.WAIT_REPLY and op.result is None
+    assert driver.posted == [] and driver.broken == []
+
+
+def test_a_write_grant_then_its_confirmation() -> None:
+    proto, _ = make()
+    op = mine(proto, is_read=False, total=4)
+    feed(proto, F.WRITE_GRANT, op.rid)
+    assert op.granted and op.state is State.SENDING
+    op.stream = Stream(op.rid, [memoryview(b"abcd")], 4)
+    op.stream.sent = True
+    feed(proto, F.WRITE_DONE, op.rid)
+    assert op.peer_over and op.result is Code.LLM_SUCCESS
+
+
+def test_a_write_confirmed_before_it_was_sent_fails() -> None:
+    proto, _ = make()
+    op = mine(proto, is_read=False, total=4)
+    feed(proto, F.WRITE_GRANT, op.rid)
+    op.stream = Stream(op.rid, [memoryview(b"abcd")], 4)  # not yet sent
+    feed(proto, F.WRITE_DONE, op.rid)
+    assert (op.result, op.reason) == (Code.LLM_FAILED, "it confirmed bytes not yet sent")
+
+
+def test_a_refused_write() -> None:
+    proto, _ = make()
+    op = mine(proto, is_read=False)
+    feed(proto, F.WRITE_GRANT, op.rid, status=Code.LLM_OUT_OF_MEMORY, meta=b"full")
+    assert (op.result, op.reason, op.granted) == (Code.LLM_OUT_OF_MEMORY, "full", False)
+
+
+# ------------------------------------------------------------------------ cancel / ack
+
+
+def test_a_peer_cancel_stops_serving_and_is_acknowledged() -> None:
+    proto, driver = make()
+    feed(proto, F.READ_REQ, 1)
+    op = driver.serving[0][0]
+    feed(proto, F.CANCEL, 1)
+    assert cast(FakeTask, op.task).cancelled  # the handler was still deciding
+    assert op.state is State.OVER and 1 not in proto.theirs
+    feed(proto, F.CANCEL, 3)  # unknown (already over): acknowledged all the same
+    feed(proto, F.CANCEL, 2)  # ours: not the peer's to cancel
+    assert driver.sent() == [
+        (F.CANCEL_ACK, 1, Code.LLM_SUCCESS),
+        (F.CANCEL_ACK, 3, Code.LLM_SUCCESS),
+    ]
+
+
+def test_a_cancel_mid_send_withdraws_the_stream() -> None:
+    proto, driver = make()
+    feed(proto, F.READ_REQ, 1, size=4)
+    op = driver.serving[0][0]
+    outcomes: list[bool] = []
+    op.bind(outcomes.append)
+    op.state = State.SENDING
+    op.stream = Stream(1, [memoryview(b"abcd")], 4)
+    feed(proto, F.CANCEL, 1)
+    assert driver.aborted == [op.stream] and outcomes == [False]
+
+
+def test_read_done_releases_a_sent_grant() -> None:
+    proto, driver = make()
+    feed(proto, F.READ_REQ, 1, size=4)
+    op = driver.serving[0][0]
+    outcomes: list[bool] = []
+    op.bind(outcomes.append)
+    op.state = State.SENDING
+    op.stream = Stream(1, [memoryview(b"abcd")], 4)
+    op.stream.sent = True
+    feed(proto, F.READ_DONE, 1)
+    assert outcomes == [True] and proto.theirs == {}
+    assert driver.posted == []  # READ_DONE is not answered
+
+
+def test_cancel_ack_wakes_the_cancelled_write() -> None:
+    proto, _ = make()
+    waiter = FakeWaiter()
+    proto.cancelling[4] = waiter
+    feed(proto, F.CANCEL_ACK, 4)
+    feed(proto, F.CANCEL_ACK, 4)  # a second one: nobody waits any more
+    assert waiter.woken == 1 and proto.cancelling == {}
+
+
+# --------------------------------------------------------------------------- revocation
+
+
+def test_revoking_a_grant_tells_the_peer_once() -> None:
+    proto, driver = make()
+    feed(proto, F.WRITE_REQ, 1, size=4)
+    op = driver.serving[0][0]
+    outcomes: list[bool] = []
+    op.bind(outcomes.append)
+    op.state = State.RECEIVING
+    proto.revoke(op, Code.LLM_FAILED)
+    proto.revoke(op, Code.LLM_FAILED)
+    [(h, meta)] = driver.posted
+    assert (h.type, h.req_id, Code(h.status)) == (F.WRITE_DONE, 1, Code.LLM_FAILED)
+    assert meta == b"the grant was revoked (LLM_FAILED)"
+    assert outcomes == [False] and proto.theirs == {} and proto.sink(1) is None
+
+
+def test_a_revoked_read_withdraws_its_stream() -> None:
+    proto, driver = make()
+    feed(proto, F.READ_REQ, 1, size=4)
+    op = driver.serving[0][0]
+    op.state = State.SENDING
+    op.stream = Stream(1, [memoryview(b"abcd")], 4)
+    proto.revoke(op, Code.LLM_KV_CACHE_NOT_EXIST)
+    assert driver.aborted == [op.stream]
+    assert driver.sent() == [(F.READ_RESP, 1, Code.LLM_KV_CACHE_NOT_EXIST)]
+
+
+# ----------------------------------------------------------- landing, commit, bad data
+
+
+def test_a_filled_peer_write_is_confirmed_or_committed_first() -> None:
+    proto, driver = make()
+    feed(proto, F.WRITE_REQ, 1, size=4)
+    feed(proto, F.WRITE_REQ, 3, size=4)
+    plain, committed = (op for op, _, _ in driver.serving)
+
+    async def commit() -> Code:
+        return Code.LLM_SUCCESS
+
+    committed.commit = commit
+    proto.filled(plain)
+    proto.filled(committed)
+    assert driver.sent() == [(F.WRITE_DONE, 1, Code.LLM_SUCCESS)]
+    assert driver.commits == [committed] and committed.commit is None
+    proto.landed(committed, Code.LLM_FAILED)  # the commit failed
+    assert driver.sent()[-1] == (F.WRITE_DONE, 3, Code.LLM_FAILED)
+    assert proto.theirs == {}
+
+
+def test_too_much_data_fails_the_request() -> None:
+    proto, driver = make()
+    op = mine(proto, is_read=True)
+    proto.fail_sink(op, "sent more bytes than granted")
+    assert (op.result, op.reason) == (
+        Code.LLM_PARAM_INVALID,
+        "the peer sent more bytes than granted",
+    )
+    feed(proto, F.WRITE_REQ, 1, size=4)
+    peer = driver.serving[0][0]
+    proto.fail_sink(peer, "sent more bytes than granted")
+    [(h, meta)] = driver.posted
+    assert (h.type, Code(h.status), meta) == (
+        F.WRITE_DONE,
+        Code.LLM_PARAM_INVALID,
+        b"you sent more bytes than granted",
+    )
+
+
+# ------------------------------------------------------------------ reply backpressure
+
+
+def test_replies_are_accounted_until_sent() -> None:
+    proto, _ = make(high=300, low=100)
+    proto.queued(wire.encode_frame(F.READ_REQ, 4))  # our own requests do not count
+    assert proto.queued_replies == 0
+    refusal = wire.encode_frame(F.READ_RESP, 1, status=Code.LLM_FAILED, meta=b"why")
+    proto.queued(refusal)
+    assert proto.queued_replies == len(refusal) + 64
+    assert not proto.reader_must_pause() and proto.replies_drained()
+    for rid in range(3):
+        proto.queued(wire.encode_frame(F.PONG, rid))
+    assert proto.queued_replies == len(refusal) + 3 * wire.HEADER_SIZE + 4 * 64 > 300
+    assert proto.reader_must_pause() and not proto.replies_drained()
+    proto.batch_taken()  # the writer took them: unsent, they still count
+    assert proto.queued_replies == 0 and proto.reader_must_pause()
+    assert proto.replies_drained()  # nothing more queued behind the batch
+    proto.batch_sent()
+    assert not proto.reader_must_pause()
+
+
+# ------------------------------------------------------------------- link-level frames
+
+
+def test_ping_is_answered_and_pong_wakes_its_probe() -> None:
+    proto, driver = make()
+    feed(proto, F.PING, 9)
+    assert driver.sent() == [(F.PONG, 9, Code.LLM_SUCCESS)]
+    waiter = FakeWaiter()
+    pid, ping = proto.new_probe(waiter)
+    greeting = proto.new_probe(None)[0]  # no waiter: its PONG is ignored
+    assert wire.decode_header(ping).type is F.PING and greeting == pid + 1
+    feed(proto, F.PONG, greeting)
+    feed(proto, F.PONG, pid)
+    assert waiter.woken == 1
+
+
+@pytest.mark.parametrize("kind", [F.CLOSE, F.ERROR])
+def test_close_and_error_break_the_link(kind: F) -> None:
+    proto, driver = make()
+    feed(proto, kind)
+    assert driver.broken == ["closed by peer"]
+
+
+def test_handshake_frames_after_the_handshake_are_violations() -> None:
+    proto, _ = make()
+    with pytest.raises(wire.WireError, match="unexpected HELLO"):
+        feed(proto, F.HELLO, meta=b"{}")
+
+
+def test_nixl_frames_go_to_the_link() -> None:
+    proto, driver = make()
+    op = mine(proto, is_read=True)
+    feed(proto, F.NIXL_MD, meta=b"md", size=512)
+    feed(proto, F.NIXL_GRANT, op.rid, status=Code.LLM_FAILED)
+    feed(proto, F.NIXL_GRANT, 1, status=Code.LLM_FAILED)  # the peer's parity: no op
+    assert driver.nixl == [("md", 512), ("grant", op), ("grant", None)]
+
+
+def test_close_fails_everything_pending() -> None:
+    proto, driver = make()
+    ours = mine(proto, is_read=False)
+    feed(proto, F.READ_REQ, 1)
+    theirs = driver.serving[0][0]
+    waiter = FakeWaiter()
+    proto.cancelling[6] = waiter
+    proto.close()
+    assert ours.result is Code.LLM_LINK_FAILED
+    assert cast(FakeTask, theirs.task).cancelled and theirs.state is State.OVER
+    assert waiter.woken == 1
+    assert proto.mine == proto.theirs == proto.cancelling == {}
