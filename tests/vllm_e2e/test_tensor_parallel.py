@@ -7,6 +7,7 @@ rank ``i``; params from a prefill of another size fail that request alone."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from test_disaggregated import check_disaggregated, prefill, remote
@@ -54,27 +55,30 @@ def baseline(engines: dict[str, EngineProcess]) -> dict[tuple[int, ...], list[in
     return {tuple(p): o.token_ids for p, o in zip(every, outputs, strict=True)}
 
 
+def prefilled(engines: dict[str, EngineProcess]) -> tuple[list[int], dict[str, Any]]:
+    """One prompt (96 tokens) prefilled: the prompt and its params for the decode."""
+    (p,) = prompts([96], seed=4)
+    (first,) = prefill(engines["prefill"], [p])
+    return p, remote(first.kv_transfer_params)
+
+
 def test_each_rank_pulls_from_its_own_rank(
     engines: dict[str, EngineProcess], baseline: dict[tuple[int, ...], list[int]]
 ) -> None:
-    pre, dec = engines["prefill"], engines["decode"]
-    (p,) = prompts([96], seed=4)
-    (first,) = prefill(pre, [p])
-    params = remote(first.kv_transfer_params)
+    p, params = prefilled(engines)
     ranks = params["remote_ranks"]  # one endpoint per prefill rank
     assert len(ranks) == 2 and len({(host, port) for host, port, _ in ranks}) == 2, ranks
-    (out,) = dec.generate([Request(p, MAX_TOKENS, params)])
+    (out,) = engines["decode"].generate([Request(p, MAX_TOKENS, params)])
     assert out.token_ids == baseline[tuple(p)]
-    check_disaggregated(pre, dec, baseline)  # 9 prompts, own blocks, all freed
+    # 9 prompts: the colocated tokens, each in the decode's own blocks, all freed
+    check_disaggregated(engines["prefill"], engines["decode"], baseline)
 
 
 def test_params_of_another_tensor_parallel_size_fail_that_request(
     engines: dict[str, EngineProcess], baseline: dict[tuple[int, ...], list[int]]
 ) -> None:
     pre, dec = engines["prefill"], engines["decode"]
-    (p,) = prompts([96], seed=4)
-    (first,) = prefill(pre, [p])
-    params = remote(first.kv_transfer_params)
+    p, params = prefilled(engines)
     one_rank = {**params, "remote_ranks": params["remote_ranks"][:1]}  # a TP=1 prefill's
     (out,) = dec.generate([Request(p, MAX_TOKENS, one_rank)])
     assert out.finish_reason == "error", out
