@@ -17,5 +17,6 @@ lint-imports
 python -m pytest -q "$@"
 if [ "$vllm" = 1 ]; then
   bash scripts/setup_vllm.sh
-  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_e2e
+  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_e2e \
+    tests/integrations/test_vllm_connector.py
 fi

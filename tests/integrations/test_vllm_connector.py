@@ -5,6 +5,7 @@ factory loads it by module path."""
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import pytest
 
@@ -39,3 +40,19 @@ def test_the_factory_finds_it_by_module_path() -> None:
 
     module = importlib.import_module("aiokv.integrations.vllm")
     assert module.AiokvConnector is AiokvConnector
+
+
+def test_a_step_without_model_work_is_marked_idle() -> None:
+    """The workers wait for transfers only in steps that ran no model: the scheduler
+    side marks exactly those (no tokens scheduled) in the step's metadata."""
+    from types import SimpleNamespace
+
+    from aiokv.integrations.vllm._connector import AiokvMetadata
+    from aiokv.integrations.vllm._scheduler import SchedulerSide
+
+    sched = SchedulerSide(engine_id="e", block_size=16, tp_size=1, lease_s=60.0, push=False)
+    fake: Any = SimpleNamespace(_sched=lambda: sched, _push_requests={})
+    for tokens, idle in ((0, True), (7, False)):
+        out: Any = SimpleNamespace(num_scheduled_tokens={}, total_num_scheduled_tokens=tokens)
+        meta = AiokvConnector.build_connector_meta(fake, out)
+        assert isinstance(meta, AiokvMetadata) and meta.idle is idle

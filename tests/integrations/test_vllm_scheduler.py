@@ -280,6 +280,8 @@ def test_options_defaults_and_overrides() -> None:
         ({"port": "80"}, "port"),
         ({"transfer_backend": "rdma"}, "transfer_backend"),
         ({"lease_timeout_s": 0}, "lease_timeout_s"),
+        ({"idle_wait_ms": -1}, "idle_wait_ms"),
+        ({"idle_wait_ms": 5000}, "idle_wait_ms"),
         ({"mode": "teleport"}, "mode"),
         ({"host": "0.0.0.0"}, "advertise_host"),
     ],

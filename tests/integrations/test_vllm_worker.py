@@ -203,3 +203,50 @@ def test_kernel_blocks_smaller_than_vllm_blocks_are_grouped() -> None:
     assert torch.equal(v[1], t[2:4])
     assert logical_blocks([t], None)[0] is t
     assert logical_blocks([t], 8)[0] is t
+
+
+# ---- idle steps: the GIL goes to the transfer ----------------------------------------------
+def idle_pair(wait_ms: float) -> Any:
+    return worker_pair(
+        ConnectorOptions.parse({"transfer_timeout_ms": 3000, "idle_wait_ms": wait_ms})
+    )
+
+
+def test_an_idle_step_waits_for_the_load_in_flight() -> None:
+    """In a step that ran no model, results() blocks until the load ends (woken by it,
+    long before ``idle_wait_ms``), so vLLM's empty steps stop competing for the GIL."""
+    with idle_pair(1000) as (p, pkv, d, dkv):
+        d.step(StepPlan(loads=(load(p, "i0", [0], [0], "-"),)))  # links the pair
+        wait_for(d, lambda a: "i0" in a.finished_recving)
+        untouched = {n: t.clone() for n, t in dkv.items()}
+        p.step(StepPlan(holds=(Hold("p-i1", "tok", 60.0),)))
+        d.step(StepPlan(loads=(load(p, "i1", [4, 6], [1, 2], "tok"),)))
+        t0 = time.monotonic()
+        done = d.results(idle=True)
+        assert time.monotonic() - t0 < 0.9  # woken by the load, not by the 1 s bound
+        assert (done.finished_recving, done.failed_recving) == ({"i1"}, set())
+        assert_copied(pkv, [1, 2], dkv, [4, 6], untouched)
+        assert d._loads == 0
+        wait_for(p, lambda a: "p-i1" in a.finished_sending)
+
+
+def test_an_idle_step_with_blocks_held_waits_at_most_idle_wait_ms() -> None:
+    with idle_pair(200) as (p, _, _, _):
+        p.step(StepPlan(holds=(Hold("p-i2", "tok", 60.0),)))
+        t0 = time.monotonic()
+        assert p.results(idle=True).finished_sending == set()
+        assert 0.19 <= time.monotonic() - t0 < 5
+
+
+def test_no_wait_when_nothing_is_in_flight_or_the_step_ran_the_model() -> None:
+    with idle_pair(1000) as (p, _, d, _):
+        t0 = time.monotonic()
+        assert d.results(idle=True).finished_recving == set()  # nothing in flight
+        p.step(StepPlan(holds=(Hold("p-i3", "tok", 60.0),)))
+        assert p.results().finished_sending == set()  # a step with a forward pass
+        assert time.monotonic() - t0 < 0.9
+    with idle_pair(0) as (p, _, _, _):  # 0: never wait
+        p.step(StepPlan(holds=(Hold("p-i4", "tok", 60.0),)))
+        t0 = time.monotonic()
+        p.results(idle=True)
+        assert time.monotonic() - t0 < 0.9

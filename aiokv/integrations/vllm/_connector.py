@@ -66,9 +66,10 @@ class AiokvHandshake(KVConnectorHandshakeMetadata):
 
 @dataclass
 class AiokvMetadata(KVConnectorMetadata):
-    """One step's plan (scheduler → workers)."""
+    """One step's plan (scheduler → workers); ``idle``: the step runs no model."""
 
     plan: StepPlan
+    idle: bool = False
 
 
 @dataclass
@@ -186,7 +187,8 @@ class AiokvConnector(KVConnectorBase_V1):
                 block_ids=list(self._kv_cache_manager.get_block_ids(request_id)[0]),
                 num_tokens=request.num_prompt_tokens,
             )
-        return AiokvMetadata(sched.take_plan())
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        return AiokvMetadata(sched.take_plan(), idle=idle)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -269,7 +271,9 @@ class AiokvConnector(KVConnectorBase_V1):
         return AiokvWorkerMetadata(reserved) if reserved else None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        done = self._work().results()
+        meta = self._get_connector_metadata()
+        idle = isinstance(meta, AiokvMetadata) and meta.idle
+        done = self._work().results(idle=idle)
         return KVConnectorTransferResults(
             finished_sending=done.finished_sending,
             finished_recving=done.finished_recving,

@@ -45,6 +45,10 @@ class ConnectorOptions(BaseModel):
         link_timeout_ms: bound of linking to a prefill worker.
         link_secret: the shared secret that authenticates links (aiokv's
             ``link_secret``); set the same on every instance.
+        idle_wait_ms: in a step that runs no model (vLLM then steps again at once),
+            how long a worker with transfers in flight waits for one to end before it
+            answers vLLM, the GIL released: the transfers' threads then run instead of
+            vLLM's empty steps. A load that ends wakes it at once. 0: never wait.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -59,6 +63,7 @@ class ConnectorOptions(BaseModel):
     transfer_timeout_ms: int = Field(default=30_000, ge=1, le=2**31 - 1)
     link_timeout_ms: int = Field(default=5_000, ge=1, le=2**31 - 1)
     link_secret: str | None = Field(default=None, min_length=1)
+    idle_wait_ms: float = Field(default=2.0, ge=0, le=1000, allow_inf_nan=False)
 
     @classmethod
     def parse(cls, extra: dict[str, Any], kv_port: int = DEFAULT_KV_PORT) -> ConnectorOptions:

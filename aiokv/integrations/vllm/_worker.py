@@ -198,6 +198,8 @@ class WorkerSide:
         self._early: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
         self._linking: dict[int, asyncio.Lock] = {}  # cluster -> lock (portal loop only)
         self._pending: set[Any] = set()  # futures of loads and notices in flight
+        self._loads = 0  # loads started and not ended
+        self._wake = threading.Event()  # set when a load ends
         # push mode
         self._layers: dict[str, int] = {}  # vLLM layer name -> index in the blocks cache
         self._awaiting: dict[str, _Awaiting] = {}  # decode: transfer -> load waiting
@@ -330,8 +332,19 @@ class WorkerSide:
             if waiting is not None and waiting.request_id == withdraw.request_id:
                 self._spawn_send(waiting.cluster_id, CancelNotice(withdraw.transfer_id))
 
-    def results(self) -> TransferResults:
-        """What ended since the last call (see the module docstring); never blocks."""
+    def results(self, *, idle: bool = False) -> TransferResults:
+        """What ended since the last call (see the module docstring).
+
+        Args:
+            idle: vLLM's step ran no model. Then, while this worker has transfers in
+                flight or blocks held for a peer, it first waits up to ``idle_wait_ms``
+                for a load to end, releasing the GIL: vLLM steps again at once when a
+                step is empty, and that loop would otherwise starve the threads that
+                move the bytes. Otherwise it never blocks.
+        """
+        if idle and self._options.idle_wait_ms and self._busy():
+            self._wake.wait(self._options.idle_wait_ms / 1000)
+        self._wake.clear()  # a load ending from here on is in this call's results or wakes the next
         notices = self._dd.get_notifications() if self._dd is not None else []
         now = time.monotonic()
         linked = self._linked_clusters() if self._awaiting else set()
@@ -379,6 +392,10 @@ class WorkerSide:
         for cluster_id, message in expired:
             self._spawn_send(cluster_id, message)
         return done
+
+    def _busy(self) -> bool:
+        """Loads in flight, or pushes awaited, or blocks held for a decode side."""
+        return bool(self._loads or self._awaiting or self._holds or self._push_holds)
 
     def _linked_clusters(self) -> set[int]:
         return set(self._dd.linked_clusters()) if self._dd is not None else set()
@@ -653,6 +670,8 @@ class WorkerSide:
             if isinstance(item, Load):
                 self._ended(item.request_id, ok=False)
             return
+        with self._lock:
+            self._loads += isinstance(item, Load)  # until _load ends
         fut = self._portal.start_task_soon(fn, item)
         with self._lock:
             self._pending.add(fut)
@@ -667,6 +686,7 @@ class WorkerSide:
             self._done.finished_recving.add(request_id)
             if not ok:
                 self._done.failed_recving.add(request_id)
+        self._wake.set()
 
     async def _load(self, load: Load) -> None:
         """Pull the load's blocks within the link and transfer bounds; report it ended
@@ -695,6 +715,8 @@ class WorkerSide:
                 exc,
             )
         finally:
+            with self._lock:
+                self._loads -= 1
             self._ended(load.request_id, ok=ok)
         await self._notify(source, load.remote_request_id, load.token)
 
