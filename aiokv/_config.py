@@ -427,37 +427,37 @@ class LLMConfig(Model):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     device_id: int = Field(default=0, ge=0, le=1 << 16)
     device_type: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    if TYPE_CHECKING:  # what llm_datadist programs assign: digit and JSON strings too
-        sync_kv_timeout: _Assignable[int, int | str]
-        mem_pool_cfg: _Assignable[MemPoolConfig | None, MemPoolConfig | str | None]
-        host_mem_pool_cfg: _Assignable[MemPoolConfig | None, MemPoolConfig | str | None]
-    else:
+    if not TYPE_CHECKING:
         sync_kv_timeout: int = Field(default=1000, gt=0, le=2**31 - 1)
         mem_pool_cfg: MemPoolConfig | None = None
         host_mem_pool_cfg: MemPoolConfig | None = None
+    else:  # what llm_datadist programs assign: digit and JSON strings too
+        sync_kv_timeout: _Assignable[int, int | str]
+        mem_pool_cfg: _Assignable[MemPoolConfig | None, MemPoolConfig | str | None]
+        host_mem_pool_cfg: _Assignable[MemPoolConfig | None, MemPoolConfig | str | None]
     listen_ip_info: str | None = ""
-    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
-        enable_cache_manager: _Assignable[bool, bool | None]
-    else:
+    if not TYPE_CHECKING:
         enable_cache_manager: bool = False
-    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
-        enable_remote_cache_accessible: _Assignable[bool, bool | None]
-    else:
+    else:  # llm_datadist's None (back to unset) is assignable too
+        enable_cache_manager: _Assignable[bool, bool | None]
+    if not TYPE_CHECKING:
         enable_remote_cache_accessible: bool = False
+    else:  # llm_datadist's None (back to unset) is assignable too
+        enable_remote_cache_accessible: _Assignable[bool, bool | None]
     link_total_time: int = Field(default=0, ge=0, le=2**32 - 1)
     link_retry_count: int = Field(default=1, ge=1, le=100)
-    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
+    if not TYPE_CHECKING:
+        transfer_backend: Literal["tcp", "local", "nixl"] = "tcp"
+    else:  # llm_datadist's None (back to unset) is assignable too
         transfer_backend: _Assignable[
             Literal["tcp", "local", "nixl"], Literal["tcp", "local", "nixl", "hixl"] | None
         ]
-    else:
-        transfer_backend: Literal["tcp", "local", "nixl"] = "tcp"
     local_comm_res: str | None = None
     ge_options: dict[str, str] = Field(default_factory=dict)
-    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
-        enable_switch_role: _Assignable[bool, bool | None]
-    else:
+    if not TYPE_CHECKING:
         enable_switch_role: bool = False
+    else:  # llm_datadist's None (back to unset) is assignable too
+        enable_switch_role: _Assignable[bool, bool | None]
     rdma_traffic_class: int | None = Field(default=None, ge=0, le=2**32 - 1)
     rdma_service_level: int | None = Field(default=None, ge=0, le=2**32 - 1)
     buf_pool_cfg: str | None = ""
@@ -465,10 +465,10 @@ class LLMConfig(Model):
     deploy_res_path: str | None = ""
     output_max_size: int | None = Field(default=None, ge=0, le=2**63 - 1)
     cluster_info: str = ""
-    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
-        global_resource_config: _Assignable[str, str | None]
-    else:
+    if not TYPE_CHECKING:
         global_resource_config: str = ""
+    else:  # llm_datadist's None (back to unset) is assignable too
+        global_resource_config: _Assignable[str, str | None]
     link_secret: SecretStr | None = Field(default=None, min_length=1, max_length=_SECRET_MAX)
     handshake_timeout: int = Field(default=10000, gt=0, le=2**31 - 1)
     tls_cert_file: str | None = Field(default=None, min_length=1, max_length=4096)
