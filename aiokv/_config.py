@@ -20,7 +20,7 @@ import os
 import re
 import types
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import (
     ConfigDict,
@@ -55,6 +55,18 @@ _SECRET_MAX = 4096
 ENV_PREFIX = "AIOKV_"
 #: what ``generate_options()`` shows for a secret unless ``reveal_secrets=True``
 SECRET_MASK = "**********"
+
+
+if TYPE_CHECKING:
+    _Read = TypeVar("_Read")
+    _Write = TypeVar("_Write")
+
+    class _Assignable(Generic[_Read, _Write]):
+        """For type checkers only: a field that reads as ``_Read`` and accepts the wider
+        ``_Write`` (what llm_datadist programs assign; validation converts it)."""
+
+        def __get__(self, obj: object, owner: object = None) -> _Read: ...
+        def __set__(self, obj: object, value: _Write) -> None: ...
 
 
 class InvalidOptionError(LLMException, ValueError):
@@ -415,68 +427,37 @@ class LLMConfig(Model):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     device_id: int = Field(default=0, ge=0, le=1 << 16)
     device_type: Literal["auto", "cpu", "cuda", "npu"] = "auto"
-    if TYPE_CHECKING:  # what llm_datadist programs assign: digit and JSON strings too
-
-        @property
-        def sync_kv_timeout(self) -> int: ...
-        @sync_kv_timeout.setter
-        def sync_kv_timeout(self, value: int | str) -> None: ...
-        @property
-        def mem_pool_cfg(self) -> MemPoolConfig | None: ...
-        @mem_pool_cfg.setter
-        def mem_pool_cfg(self, value: MemPoolConfig | str | None) -> None: ...
-        @property
-        def host_mem_pool_cfg(self) -> MemPoolConfig | None: ...
-        @host_mem_pool_cfg.setter
-        def host_mem_pool_cfg(self, value: MemPoolConfig | str | None) -> None: ...
-
-    else:
+    if not TYPE_CHECKING:
         sync_kv_timeout: int = Field(default=1000, gt=0, le=2**31 - 1)
         mem_pool_cfg: MemPoolConfig | None = None
         host_mem_pool_cfg: MemPoolConfig | None = None
+    else:  # what llm_datadist programs assign: digit and JSON strings too
+        sync_kv_timeout: _Assignable[int, int | str]
+        mem_pool_cfg: _Assignable[MemPoolConfig | None, MemPoolConfig | str | None]
+        host_mem_pool_cfg: _Assignable[MemPoolConfig | None, MemPoolConfig | str | None]
     listen_ip_info: str | None = ""
-    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
-
-        @property
-        def enable_cache_manager(self) -> bool: ...
-        @enable_cache_manager.setter
-        def enable_cache_manager(self, value: bool | None) -> None: ...
-
-    else:
+    if not TYPE_CHECKING:
         enable_cache_manager: bool = False
-    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
-
-        @property
-        def enable_remote_cache_accessible(self) -> bool: ...
-        @enable_remote_cache_accessible.setter
-        def enable_remote_cache_accessible(self, value: bool | None) -> None: ...
-
-    else:
+    else:  # llm_datadist's None (back to unset) is assignable too
+        enable_cache_manager: _Assignable[bool, bool | None]
+    if not TYPE_CHECKING:
         enable_remote_cache_accessible: bool = False
+    else:  # llm_datadist's None (back to unset) is assignable too
+        enable_remote_cache_accessible: _Assignable[bool, bool | None]
     link_total_time: int = Field(default=0, ge=0, le=2**32 - 1)
     link_retry_count: int = Field(default=1, ge=1, le=100)
-    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
-
-        @property
-        def transfer_backend(self) -> Literal["tcp", "local", "nixl"]: ...
-        @transfer_backend.setter
-        def transfer_backend(
-            self, value: Literal["tcp", "local", "nixl", "hixl"] | None
-        ) -> None: ...
-
-    else:
+    if not TYPE_CHECKING:
         transfer_backend: Literal["tcp", "local", "nixl"] = "tcp"
+    else:  # llm_datadist's None (back to unset) is assignable too
+        transfer_backend: _Assignable[
+            Literal["tcp", "local", "nixl"], Literal["tcp", "local", "nixl", "hixl"] | None
+        ]
     local_comm_res: str | None = None
     ge_options: dict[str, str] = Field(default_factory=dict)
-    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
-
-        @property
-        def enable_switch_role(self) -> bool: ...
-        @enable_switch_role.setter
-        def enable_switch_role(self, value: bool | None) -> None: ...
-
-    else:
+    if not TYPE_CHECKING:
         enable_switch_role: bool = False
+    else:  # llm_datadist's None (back to unset) is assignable too
+        enable_switch_role: _Assignable[bool, bool | None]
     rdma_traffic_class: int | None = Field(default=None, ge=0, le=2**32 - 1)
     rdma_service_level: int | None = Field(default=None, ge=0, le=2**32 - 1)
     buf_pool_cfg: str | None = ""
@@ -484,15 +465,10 @@ class LLMConfig(Model):
     deploy_res_path: str | None = ""
     output_max_size: int | None = Field(default=None, ge=0, le=2**63 - 1)
     cluster_info: str = ""
-    if TYPE_CHECKING:  # llm_datadist's None (back to unset) is assignable too
-
-        @property
-        def global_resource_config(self) -> str: ...
-        @global_resource_config.setter
-        def global_resource_config(self, value: str | None) -> None: ...
-
-    else:
+    if not TYPE_CHECKING:
         global_resource_config: str = ""
+    else:  # llm_datadist's None (back to unset) is assignable too
+        global_resource_config: _Assignable[str, str | None]
     link_secret: SecretStr | None = Field(default=None, min_length=1, max_length=_SECRET_MAX)
     handshake_timeout: int = Field(default=10000, gt=0, le=2**31 - 1)
     tls_cert_file: str | None = Field(default=None, min_length=1, max_length=4096)

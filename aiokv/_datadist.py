@@ -728,8 +728,7 @@ class LLMDataDist:
                 (``enable_cache_manager=False``), as llm_datadist.
         """
         op = "link"
-        engine, linker = self._linker_on(op)
-        self._cache_manager_mode(op)
+        engine, linker = self._communicator(op)
         plan = parse_link(op, comm_name, cluster_rank_info, rank_table, self._cluster_id)
         reached = any(p.address is None for p in plan.parties)
         if reached and self._listen is None and plan.own_address is None:
@@ -753,10 +752,7 @@ class LLMDataDist:
             LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
                 ``LLM_PARAM_INVALID`` in legacy mode.
         """
-        op = "query_register_mem_status"
-        engine, linker = self._linker_on(op)
-        self._cache_manager_mode(op)
-        check_int(op, "comm_id", comm_id, 0, 2**64 - 1)
+        engine, linker = self._communicator("query_register_mem_status", comm_id)
 
         async def query() -> RegisterMemStatus:
             return linker.status(comm_id)
@@ -773,19 +769,22 @@ class LLMDataDist:
             LLMException: ``LLM_PARAM_INVALID`` for an unknown ``comm_id``;
                 ``LLM_PARAM_INVALID`` in legacy mode.
         """
-        op = "unlink"
-        engine, linker = self._linker_on(op)
-        self._cache_manager_mode(op)
-        check_int(op, "comm_id", comm_id, 0, 2**64 - 1)
+        engine, linker = self._communicator("unlink", comm_id)
         await engine.run(linker.unlink, comm_id)
 
-    def _cache_manager_mode(self, op: str) -> None:
+    def _communicator(self, op: str, comm_id: int | None = None) -> tuple[Engine, Linker]:
+        """:meth:`_linker_on` for ``link`` and the calls on its ``comm_id`` (checked when
+        given): they need cache-manager mode, as llm_datadist's."""
+        found = self._linker_on(op)
         if isinstance(self._manager, KvCacheManager):  # llm_datadist's code and words
             param_invalid(
                 op,
                 f"{op} is not supported when llm.EnableCacheManager is not configured "
                 "(set enable_cache_manager=True)",
             )
+        if comm_id is not None:
+            check_int(op, "comm_id", comm_id, 0, 2**64 - 1)
+        return found
 
     async def switch_role(
         self, role: LLMRole, switch_options: dict[str, str] | None = None

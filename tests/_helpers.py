@@ -176,12 +176,17 @@ async def serving_once(serve: Callable[[socket.socket], Awaitable[None]]) -> Asy
         listener.close()
 
 
-async def cancel_after(coro: Coroutine[Any, Any, Any], steps: int) -> asyncio.Task[Any]:
-    """Run ``coro`` as a task, cancel it after ``steps`` loop steps and wait until it has
-    ended (cancelled, or done first); returns the task, to ask how it ended."""
+async def cancel_after(
+    coro: Coroutine[Any, Any, Any], steps: int, delay: float = 0.0
+) -> asyncio.Task[Any]:
+    """Run ``coro`` as a task, cancel it after ``steps`` loop steps (then ``delay``
+    seconds, if positive) and wait until it has ended (cancelled, or done first);
+    returns the task, to ask how it ended."""
     task = asyncio.create_task(coro)
     for _ in range(steps):
         await asyncio.sleep(0)
+    if delay > 0:
+        await asyncio.sleep(delay)
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task

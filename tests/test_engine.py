@@ -11,10 +11,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -23,8 +25,12 @@ import torch
 
 from aiokv import (
     BlocksCacheKey,
+    Cache,
     CacheDesc,
+    CacheManager,
+    CacheTask,
     DataType,
+    LayerSynchronizer,
     LLMConfig,
     LLMDataDist,
     LLMRole,
@@ -233,6 +239,29 @@ def test_core_flows_under_trio() -> None:
 # ---------------------------------------------------------------------- synchronizers
 
 
+@contextlib.asynccontextmanager
+async def layerwise(layers: int) -> AsyncIterator[tuple[CacheManager, Cache, Cache]]:
+    """``(prompt's manager, source, destination)``: a prompt linked to a decoder, and on
+    each a host blocks cache of ``layers`` layers (two tensors a layer), the decoder's
+    under ``BlocksCacheKey(2, 0)``."""
+    desc = CacheDesc(2 * layers, [BLOCKS, 4096], DataType.DT_UINT8, Placement.HOST)
+    async with (
+        LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
+        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
+    ):
+        dst = await d.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
+        code, _ = await p.link_clusters([info(2, d.listen_address)])
+        assert code == CODE.LLM_SUCCESS
+        yield p.cache_manager, await p.cache_manager.allocate_blocks_cache(desc), dst
+
+
+def send_all(manager: CacheManager, src: Cache, synchronizer: LayerSynchronizer) -> CacheTask:
+    """Start the layer-wise transfer of every block of ``src`` into the decoder's cache."""
+    blocks = list(range(BLOCKS))
+    cfg = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))
+    return manager.transfer_cache_async(src, synchronizer, [cfg], blocks, blocks)
+
+
 async def test_blocking_def_synchronizer_runs_off_the_loops_and_overlaps() -> None:
     layers, compute_s = 8, 0.05
     loop_thread = threading.current_thread()
@@ -244,17 +273,7 @@ async def test_blocking_def_synchronizer_runs_off_the_loops_and_overlaps() -> No
             time.sleep(compute_s)  # e.g. waiting on a device event
             return True
 
-    desc = CacheDesc(2 * layers, [BLOCKS, 4096], DataType.DT_UINT8, Placement.HOST)
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
-    ):
-        await d.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
-        code, _ = await p.link_clusters([info(2, d.listen_address)])
-        assert code == CODE.LLM_SUCCESS
-        src = await p.cache_manager.allocate_blocks_cache(desc)
-        blocks = list(range(BLOCKS))
-        cfg = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))
+    async with layerwise(layers) as (manager, src, _):
         ticks = 0
 
         async def ticker() -> None:  # the caller's loop stays free meanwhile
@@ -265,7 +284,7 @@ async def test_blocking_def_synchronizer_runs_off_the_loops_and_overlaps() -> No
 
         tick = asyncio.create_task(ticker())
         start = time.perf_counter()
-        task = p.cache_manager.transfer_cache_async(src, Blocking(), [cfg], blocks, blocks)
+        task = send_all(manager, src, Blocking())
         assert await task.synchronize() == CODE.LLM_SUCCESS
         took = time.perf_counter() - start
         tick.cancel()
@@ -290,12 +309,8 @@ async def test_a_def_synchronizer_is_called_for_the_next_layer_without_the_engin
     def hold() -> None:  # on the engine loop: nothing else runs there meanwhile
         held.append(release.wait(10))
 
-    desc = CacheDesc(2 * layers, [BLOCKS, 4096], DataType.DT_UINT8, Placement.HOST)
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
-    ):
-        engine = p.cache_manager._engine
+    async with layerwise(layers) as (manager, src, _):
+        engine = manager._engine
 
         class Holding:
             def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
@@ -306,13 +321,7 @@ async def test_a_def_synchronizer_is_called_for_the_next_layer_without_the_engin
                     release.set()
                 return layer_index < 2
 
-        await d.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
-        code, _ = await p.link_clusters([info(2, d.listen_address)])
-        assert code == CODE.LLM_SUCCESS
-        src = await p.cache_manager.allocate_blocks_cache(desc)
-        blocks = list(range(BLOCKS))
-        cfg = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))
-        task = p.cache_manager.transfer_cache_async(src, Holding(), [cfg], blocks, blocks)
+        task = send_all(manager, src, Holding())
         assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
     assert held == [True]  # released by the call for layer 1, not by the 10 s wait
     assert asked == [0, 1, 2]
@@ -337,20 +346,10 @@ async def test_a_def_synchronizer_returning_awaitables_is_awaited_layer_after_la
             asked.append(layer_index)
             return ready(layer_index)
 
-    desc = CacheDesc(2 * layers, [BLOCKS, 4096], DataType.DT_UINT8, Placement.HOST)
-    async with (
-        LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
-        LLMDataDist(LLMRole.DECODER, 2, config()) as d,
-    ):
-        dst = await d.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
-        code, _ = await p.link_clusters([info(2, d.listen_address)])
-        assert code == CODE.LLM_SUCCESS
-        src = await p.cache_manager.allocate_blocks_cache(desc)
+    async with layerwise(layers) as (manager, src, dst):
         for i, t in enumerate(src.tensors):
             t.fill_(i + 1)
-        blocks = list(range(BLOCKS))
-        cfg = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))
-        task = p.cache_manager.transfer_cache_async(src, Deferring(), [cfg], blocks, blocks)
+        task = send_all(manager, src, Deferring())
         assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
         assert asked == [0, 1, 2] and loops == [caller] * 3
         for i, t in enumerate(dst.tensors):  # layers 0 and 1 (tensors 0-3) landed

@@ -305,22 +305,24 @@ def _round(
         client.setdefault((name, n), []).append(whole)
 
 
-def _median_rows(
-    samples: dict[tuple[str, int], list[float]], lengths: list[int]
-) -> list[tuple[int, dict[str, Any]]]:
+def _rows(
+    samples: dict[tuple[str, int], list[float]],
+    lengths: list[int],
+    ratios: list[tuple[str, str]],
+) -> list[dict[str, Any]]:
     """Per prompt length ``n``, a row of each setup's median time in ms (colocated
-    first), for the caller to add its ratios to."""
+    first), then the ratio ``a / b`` of the medians for each pair of ``ratios`` that has
+    samples at ``n``."""
     names = sorted({name for name, _ in samples}, key=lambda s: (s != "colocated", s))
-    return [
-        (
-            n,
-            {
-                "prompt tokens": n,
-                **{f"{name} ms": median(samples[name, n]) * 1e3 for name in names},
-            },
-        )
-        for n in lengths
-    ]
+    rows = []
+    for n in lengths:
+        row: dict[str, Any] = {"prompt tokens": n}
+        row |= {f"{name} ms": median(samples[name, n]) * 1e3 for name in names}
+        for a, b in ratios:
+            if (a, n) in samples and (b, n) in samples:
+                row[f"{a} / {b}"] = median(samples[a, n]) / median(samples[b, n])
+        rows.append(row)
+    return rows
 
 
 def _report(
@@ -334,29 +336,21 @@ def _report(
     report.meta.update(
         model=model, block_size=BLOCK_SIZE, rounds=rounds, cpus=os.cpu_count(), device="cpu"
     )
-    rows = report.table(
+    report.table(
         "first_token",
         "decode-side time to the first token after the params arrive (median ms); "
         "colocated: the whole local prefill",
+    ).extend(
+        _rows(
+            times,
+            lengths,
+            [("aiokv", "nixl-connector"), ("aiokv-nixl", "nixl-connector"), ("aiokv", "colocated")],
+        )
     )
-    for n, row in _median_rows(times, lengths):
-        if ("nixl-connector", n) in times:
-            nixl = median(times["nixl-connector", n])
-            row["aiokv / nixl-connector"] = median(times["aiokv", n]) / nixl
-            if ("aiokv-nixl", n) in times:
-                row["aiokv-nixl / nixl-connector"] = median(times["aiokv-nixl", n]) / nixl
-        row["aiokv / colocated"] = median(times["aiokv", n]) / median(times["colocated", n])
-        rows.append(row)
     if client:
-        rows = report.table(
+        report.table(
             "client_first_token",
             "client's time to the first token through the pair, prefill included (median "
             "ms); pull: prefill then decode; aiokv-push: both at once",
-        )
-        for n, row in _median_rows(client, lengths):
-            if ("aiokv-push", n) in client:
-                row["aiokv-push / aiokv"] = median(client["aiokv-push", n]) / median(
-                    client["aiokv", n]
-                )
-            rows.append(row)
+        ).extend(_rows(client, lengths, [("aiokv-push", "aiokv")]))
     return report

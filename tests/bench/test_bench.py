@@ -14,7 +14,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from aiokv import CacheManager, LLMDataDist
-from aiokv._bench import _harness, latency, layerwise, transfer
+from aiokv._bench import _harness, latency, layerwise
 from aiokv._bench._harness import PromptPeer, Report, interleave, run_loop, run_remote, scattered
 from aiokv.cli import app
 from aiokv.testing import requires_transport
@@ -178,18 +178,9 @@ def _silent(conn: Any) -> None:
     conn.recv()  # until the parent's ("stop",)
 
 
-async def _skipped(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 @requires_transport("nixl")
-def test_cli_bench_transfer_nixl_times_every_path_on_checked_bytes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # one small row; the overlap and concurrency parts have their own figures
-    monkeypatch.setattr(transfer, "QUICK", [(16 << 10, 128)])
-    monkeypatch.setattr(transfer, "overlap", _skipped)
-    monkeypatch.setattr(transfer, "_concurrent", _skipped)
+@pytest.mark.usefixtures("one_transfer_row")
+def test_cli_bench_transfer_nixl_times_every_path_on_checked_bytes() -> None:
     result = CliRunner().invoke(
         app, ["bench", "transfer", "--quick", "--json", "--backend", "nixl"]
     )

@@ -62,18 +62,9 @@ def test_peers_runs_here_only(other: list[str]) -> None:
     assert "--peers" in line and line.startswith("aiokv bench transfer: ")
 
 
-async def _skipped(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 @needs_mooncake
-def test_peers_times_mooncake_in_the_same_rounds_on_checked_bytes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # one small row; the overlap and concurrency parts have their own figures
-    monkeypatch.setattr(transfer, "QUICK", [(16 << 10, 128)])
-    monkeypatch.setattr(transfer, "overlap", _skipped)
-    monkeypatch.setattr(transfer, "_concurrent", _skipped)
+@pytest.mark.usefixtures("one_transfer_row")
+def test_peers_times_mooncake_in_the_same_rounds_on_checked_bytes() -> None:
     result = CliRunner().invoke(app, ["bench", "transfer", "--quick", "--json", "--peers"])
     assert result.exit_code == 0, result.output
     got = json.loads(result.stdout)
@@ -94,12 +85,8 @@ def test_peers_times_mooncake_in_the_same_rounds_on_checked_bytes(
 
 @needs_mooncake
 @requires_transport("nixl")
-def test_peers_with_nixl_adds_aiokv_nixl_vs_mooncake_per_ucx_setting(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(transfer, "QUICK", [(16 << 10, 128)])
-    monkeypatch.setattr(transfer, "overlap", _skipped)
-    monkeypatch.setattr(transfer, "_concurrent", _skipped)
+@pytest.mark.usefixtures("one_transfer_row")
+def test_peers_with_nixl_adds_aiokv_nixl_vs_mooncake_per_ucx_setting() -> None:
     args = ["bench", "transfer", "--quick", "--json", "--peers", "--backend", "nixl"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output

@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from _helpers import cancel_after
 
 from aiokv import (
     BlocksCacheKey,
@@ -153,22 +154,8 @@ async def _pull_cancelled(
         return d.cache_manager.pull_cache(key, dst, slot)
 
     if rng.random() < 0.5:
-
-        async def pull() -> None:
-            nonlocal pulled
-            await op()
-            pulled = True
-
-        task = asyncio.create_task(pull())
-        if turns is None:
-            await asyncio.sleep(delay)
-        else:
-            for _ in range(turns):
-                await asyncio.sleep(0)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return pulled
+        task = await cancel_after(op(), turns or 0, delay if turns is None else 0.0)
+        return not task.cancelled()
     timed_out = False
     try:
         async with asyncio.timeout(delay) as cm:
