@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -237,6 +238,33 @@ def test_malformed_params_fail_that_request_and_the_engine_serves_on(
     assert [o.finish_reason for o in out] == ["error", "error"], out
     assert [o.token_ids for o in decode(dec, [a], [first])] == [baseline[tuple(a)]]
     assert pre.start_blocks is not None and dec.start_blocks is not None
+    assert pre.wait_free(pre.start_blocks[0], FREE_TIMEOUT_S) == pre.start_blocks
+    assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
+
+
+def test_decode_aborted_while_it_waits_frees_its_blocks_and_serves_on(
+    engines: dict[str, EngineProcess], baseline: dict[tuple[int, ...], list[int]]
+) -> None:
+    """A decode request aborted while its load is in flight (the prefill named in its
+    params accepts the connection and never answers): vLLM frees its blocks once the
+    connector reports the load ended, within the link bound, and the engine serves on."""
+    dec = engines["decode"]
+    a = prompts(LENGTHS)[5]
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        (first,) = prefill(engines["prefill"], [a])
+        params = remote(first.kv_transfer_params)
+        port = silent.getsockname()[1]
+        stalled = {
+            **params,
+            "remote_ranks": [["127.0.0.1", port, r[2]] for r in params["remote_ranks"]],
+        }
+        assert dec.abort_waiting(Request(a, MAX_TOKENS, stalled), 60.0) == "WAITING_FOR_REMOTE_KVS"
+        assert dec.start_blocks is not None
+        assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
+    # the same engine then loads the prompt from the live prefill, which still holds it
+    assert [o.token_ids for o in decode(dec, [a], [first])] == [baseline[tuple(a)]]
+    pre = engines["prefill"]
+    assert pre.start_blocks is not None
     assert pre.wait_free(pre.start_blocks[0], FREE_TIMEOUT_S) == pre.start_blocks
     assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
 

@@ -117,6 +117,37 @@ def _generate(llm: Any, requests: Sequence[Request]) -> list[Output]:
     ]
 
 
+def _abort_waiting(llm: Any, request: Request, within_s: float) -> str | None:
+    """Add ``request``, step until vLLM parks it waiting for its remote KV (or
+    ``within_s`` passed), abort it there, and step until the engine holds nothing.
+    Returns the status the request had when it was aborted."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(
+        max_tokens=request.max_tokens,
+        detokenize=False,
+        extra_args={"kv_transfer_params": dict(request.kv_transfer_params or {})},
+    )
+    rid = engine.add_request(
+        "abort-me", TokensPrompt(prompt_token_ids=list(request.prompt)), params
+    )
+    scheduler = engine.engine_core.engine_core.scheduler
+    status = None
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        engine.step()
+        status = scheduler.requests[rid].status.name
+        if status == "WAITING_FOR_REMOTE_KVS":
+            break
+    engine.abort_request([rid], internal=True)
+    deadline = time.monotonic() + within_s
+    while _has_requests(llm) and time.monotonic() < deadline:
+        engine.step()
+    return status
+
+
 def _record_blocks(llm: Any, records: dict[str, dict[tuple[int, ...], list[int]]]) -> None:
     """Record, per prompt, the block ids the scheduler gave the connector.
 
@@ -187,6 +218,8 @@ def _serve(conn: Connection, model: str, env: dict[str, str], options: dict[str,
                 result: Any = _generate(llm, args)
             elif command == "blocks":
                 result = {key: dict(value) for key, value in records.items()}
+            elif command == "abort_waiting":
+                result = _abort_waiting(llm, *args)
             elif command == "free_blocks":
                 result = _free_blocks(llm)
             elif command == "wait_free":
@@ -264,6 +297,12 @@ class EngineProcess:
     def blocks(self) -> dict[str, dict[tuple[int, ...], list[int]]]:
         """Block ids per prompt: "loaded" (decode side), "finished" (prefill side)."""
         result: dict[str, dict[tuple[int, ...], list[int]]] = self.call("blocks")
+        return result
+
+    def abort_waiting(self, request: Request, within_s: float) -> str | None:
+        """Abort ``request`` once it waits for its remote KV (see ``_abort_waiting``):
+        the status it had then."""
+        result: str | None = self.call("abort_waiting", (request, within_s), within_s * 3)
         return result
 
     def free_blocks(self) -> tuple[int, int]:
