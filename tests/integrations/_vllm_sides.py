@@ -24,30 +24,41 @@ BS = SHAPE[1]  # tokens per block
 Pair = tuple[WorkerSide, dict[str, torch.Tensor], WorkerSide, dict[str, torch.Tensor]]
 
 
-def kv(seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+#: FlashAttention's layout: K and V apart, then the blocks: [2, blocks, bs, heads, head_dim]
+FLASH_SHAPE = (2, BLOCKS, BS, 2, 16)
+
+
+def kv(seed: int, device: str = "cpu", layout: str = "blocks") -> dict[str, torch.Tensor]:
     """One worker's KV tensors (``LAYERS`` layers) on ``device``, random but fixed by
-    ``seed``."""
+    ``seed``; ``layout`` "blocks" (vLLM's CPU layout) or "flash" (FlashAttention's)."""
     g = torch.Generator().manual_seed(seed)
-    return {
-        f"layer.{i}": torch.randn(BLOCKS, *SHAPE, generator=g).to(device) for i in range(LAYERS)
-    }
+    shape = FLASH_SHAPE if layout == "flash" else (BLOCKS, *SHAPE)
+    return {f"layer.{i}": torch.randn(*shape, generator=g).to(device) for i in range(LAYERS)}
+
+
+def blockwise(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed with the blocks first (FlashAttention's layout: the blocks second)."""
+    return t.transpose(0, 1) if tuple(t.shape) == FLASH_SHAPE else t
 
 
 @contextlib.contextmanager
-def worker_pair(opts: ConnectorOptions, device: str = "cpu") -> Iterator[Pair]:
+def worker_pair(
+    opts: ConnectorOptions, device: str = "cpu", layout: str = "blocks"
+) -> Iterator[Pair]:
     """A started prefill worker ("P") and decode worker ("D") with their KV
-    tensors on ``device`` (seeds 1 and 2); skips the test when ``opts``' backend is nixl
-    and nixl is unavailable; closes both workers afterwards."""
+    tensors on ``device`` in ``layout`` (seeds 1 and 2; see :func:`kv`), started as
+    vLLM starts them (with its block count); skips the test when ``opts``' backend is
+    nixl and nixl is unavailable; closes both workers afterwards."""
     if opts.transfer_backend == "nixl":
         try:
             get_transport("nixl")
         except LLMException as exc:
             pytest.skip(f"nixl: {exc}")
     p, d = WorkerSide(opts, engine_id="P", rank=0), WorkerSide(opts, engine_id="D", rank=0)
-    pkv, dkv = kv(1, device), kv(2, device)
-    p.start(pkv)
+    pkv, dkv = kv(1, device, layout), kv(2, device, layout)
+    p.start(pkv, BLOCKS)
     try:
-        d.start(dkv)
+        d.start(dkv, BLOCKS)
         try:
             yield p, pkv, d, dkv
         finally:
@@ -87,9 +98,10 @@ def assert_copied(
     """Every layer's blocks ``src`` of ``src_kv`` stand in blocks ``dst`` of ``dst_kv``,
     and every other block of ``dst_kv`` is as it was in ``before`` (nothing else written)."""
     for name in src_kv:
-        assert torch.equal(dst_kv[name][dst], src_kv[name][src])
+        into, was = blockwise(dst_kv[name]), blockwise(before[name])
+        assert torch.equal(into[dst], blockwise(src_kv[name])[src])
         rest = [b for b in range(BLOCKS) if b not in dst]
-        assert torch.equal(dst_kv[name][rest], before[name][rest])
+        assert torch.equal(into[rest], was[rest])
 
 
 def options(backend: str = "tcp", **extra: Any) -> ConnectorOptions:

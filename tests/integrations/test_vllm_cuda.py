@@ -19,27 +19,35 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 GPU_CYCLES = 200_000_000  # ~0.1 s of one SM spinning: the layer's "compute"
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+#: backend, and KV layout: vLLM's blocks-first one or FlashAttention's [2, blocks, ...]
+SETUPS = ["tcp", "nixl", "tcp-flash", "nixl-flash"]
+
+
+@pytest.fixture(params=SETUPS)
 def pull_pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     """Pull-mode prefill and decode workers, KV on ``cuda:0``, over tcp or nixl."""
+    backend, _, layout = request.param.partition("-")
     opts = ConnectorOptions.parse(
-        {"transfer_timeout_ms": 5000, "link_timeout_ms": 3000, "transfer_backend": request.param}
+        {"transfer_timeout_ms": 5000, "link_timeout_ms": 3000, "transfer_backend": backend}
     )
-    with worker_pair(opts, "cuda:0") as pair:
+    with worker_pair(opts, "cuda:0", layout or "blocks") as pair:
         yield pair
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(params=SETUPS)
 def push_pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     """Push-mode prefill and decode workers, KV on ``cuda:0``, over tcp or nixl."""
-    with worker_pair(options(request.param, transfer_timeout_ms=5000), "cuda:0") as pair:
+    backend, _, layout = request.param.partition("-")
+    opts = options(backend, transfer_timeout_ms=5000)
+    with worker_pair(opts, "cuda:0", layout or "blocks") as pair:
         yield pair
 
 
 def test_the_device_tensors_are_registered_in_place(pull_pair: Pair) -> None:
     p, pkv, _, _ = pull_pair
     assert p._cache is not None
-    assert [t.data_ptr() for t in p._cache.tensors] == [t.data_ptr() for t in pkv.values()]
+    halves = [h for t in pkv.values() for h in (t.unbind(0) if p._per_layer == 2 else [t])]
+    assert [t.data_ptr() for t in p._cache.tensors] == [h.data_ptr() for h in halves]
     assert all(t.is_cuda for t in p._cache.tensors)
 
 

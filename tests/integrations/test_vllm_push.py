@@ -15,6 +15,7 @@ from _vllm_sides import (
     BS,
     Pair,
     assert_copied,
+    blockwise,
     kv,
     options,
     reserve,
@@ -28,10 +29,12 @@ from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._plan import Cancel, Hold, Push, Reserve, StepPlan, Withdraw
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(params=["tcp", "nixl", "tcp-flash"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    """A prefill and a decode worker in push mode over ``tcp`` or ``nixl``."""
-    with worker_pair(options(request.param)) as pair:
+    """A prefill and a decode worker in push mode over ``tcp`` or ``nixl``, vLLM's CPU
+    KV layout (``-flash``: FlashAttention's, two tensors per layer)."""
+    backend, _, layout = request.param.partition("-")
+    with worker_pair(options(backend), layout=layout or "blocks") as pair:
         yield pair
 
 
@@ -86,7 +89,7 @@ def test_a_prefix_hit_on_the_decode_side_gets_the_rest(pair: Pair) -> None:
     p.step(StepPlan(holds=(Hold("p3", "", 60.0, pushed=True),)))
     assert wait_for(d, lambda a: "d3" in a.finished_recving).failed_recving == set()
     for name in pkv:
-        assert torch.equal(dkv[name][[20, 21]], pkv[name][[8, 11]])
+        assert torch.equal(blockwise(dkv[name])[[20, 21]], blockwise(pkv[name])[[8, 11]])
 
 
 @pytest.mark.parametrize(
@@ -143,7 +146,7 @@ def test_a_withdrawal_after_the_push_began_waits_for_the_push(pair: Pair) -> Non
     done = wait_for(d, lambda a: "d14" in a.finished_recving)
     assert done.failed_recving == set()  # the push ended: the blocks are whole
     for name in pkv:
-        assert torch.equal(dkv[name][[6]], pkv[name][[2]])
+        assert torch.equal(blockwise(dkv[name])[[6]], blockwise(pkv[name])[[2]])
 
 
 def test_a_push_without_reservation_releases_the_blocks(pair: Pair) -> None:

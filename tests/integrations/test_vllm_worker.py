@@ -12,21 +12,23 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from _vllm_sides import BLOCKS, Pair, assert_copied, kv, wait_for, worker_pair
+from _vllm_sides import BLOCKS, FLASH_SHAPE, Pair, assert_copied, kv, wait_for, worker_pair
 
 from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
 from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._plan import Hold, Load, Release, StepPlan
-from aiokv.integrations.vllm._worker import DoneNotice, blocks_desc, logical_blocks
+from aiokv.integrations.vllm._worker import DoneNotice, blocks_desc, logical_blocks, split_kv
 
 
-@pytest.fixture(params=["tcp", "nixl"])
+@pytest.fixture(params=["tcp", "nixl", "tcp-flash"])
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
-    """A prefill and a decode worker over ``tcp`` or ``nixl``."""
+    """A prefill and a decode worker over ``tcp`` or ``nixl``, vLLM's CPU KV layout
+    (``-flash``: FlashAttention's)."""
+    backend, _, layout = request.param.partition("-")
     opts = ConnectorOptions.parse(
-        {"transfer_timeout_ms": 3000, "link_timeout_ms": 2000, "transfer_backend": request.param}
+        {"transfer_timeout_ms": 3000, "link_timeout_ms": 2000, "transfer_backend": backend}
     )
-    with worker_pair(opts) as pair:
+    with worker_pair(opts, layout=layout or "blocks") as pair:
         yield pair
 
 
@@ -39,7 +41,9 @@ def test_registers_vllm_tensors_in_place(pair: Any) -> None:
     p, pkv, _, _ = pair
     cache = p._cache
     assert cache is not None
-    assert [t.data_ptr() for t in cache.tensors] == [t.data_ptr() for t in pkv.values()]
+    halves = [h for t in pkv.values() for h in (t.unbind(0) if p._per_layer == 2 else [t])]
+    assert [t.data_ptr() for t in cache.tensors] == [h.data_ptr() for h in halves]
+    assert len(cache.tensors) == len(pkv) * (2 if tuple(pkv["layer.0"].shape) == FLASH_SHAPE else 1)
     assert p.endpoint is not None and p.endpoint.port > 0 and p.endpoint.host == "127.0.0.1"
 
 
@@ -203,6 +207,21 @@ def test_kernel_blocks_smaller_than_vllm_blocks_are_grouped() -> None:
     assert torch.equal(v[1], t[2:4])
     assert logical_blocks([t], None)[0] is t
     assert logical_blocks([t], 8)[0] is t
+
+
+def test_flash_attention_layout_gives_k_and_v_halves_per_layer() -> None:
+    flash = [torch.zeros(2, 8, 4, 2, 3) for _ in range(2)]  # 8 blocks, K and V first
+    halves, per_layer = split_kv(flash, 8)
+    assert per_layer == 2 and [h.shape for h in halves] == [(8, 4, 2, 3)] * 4
+    assert [h.data_ptr() for h in halves[:2]] == [flash[0].data_ptr(), flash[0][1].data_ptr()]
+    assert all(h.is_contiguous() for h in halves)
+    blocks_first = [torch.zeros(8, 2, 4, 6)]  # FlashInfer's [blocks, 2, ...]: as it is
+    assert split_kv(blocks_first, 8) == (blocks_first, 1)
+    assert split_kv(flash, None) == (flash, 1)  # no block count: blocks first
+    two = [torch.zeros(2, 2, 4)]  # 2 blocks: the blocks come first, not K/V
+    assert split_kv(two, 2) == (two, 1)
+    with pytest.raises(ValueError, match="blocks first or second"):
+        blocks_desc(logical_blocks([torch.zeros(4, 2, 8, 3)], 8), 8)
 
 
 # ---- idle steps: the GIL goes to the transfer ----------------------------------------------

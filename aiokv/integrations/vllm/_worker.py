@@ -201,7 +201,8 @@ class WorkerSide:
         self._loads = 0  # loads started and not ended
         self._wake = threading.Event()  # set when a load ends
         # push mode
-        self._layers: dict[str, int] = {}  # vLLM layer name -> index in the blocks cache
+        self._layers: dict[str, int] = {}  # vLLM layer name -> layer of the blocks cache
+        self._per_layer = 1  # tensors of the blocks cache per layer (2: K and V apart)
         self._awaiting: dict[str, _Awaiting] = {}  # decode: transfer -> load waiting
         self._reservations: dict[str, _Reservation] = {}  # prefill: transfer -> where to
         self._new_reserved: dict[str, int] = {}  # prefill: reported to the scheduler next
@@ -226,7 +227,8 @@ class WorkerSide:
             LLMException: aiokv could not start (address in use, ...).
         """
         self._layers = {name: i for i, name in enumerate(kv_caches)}
-        tensors = logical_blocks(list(kv_caches.values()), num_blocks)
+        halves, self._per_layer = split_kv(list(kv_caches.values()), num_blocks)
+        tensors = logical_blocks(halves, num_blocks)
         desc = blocks_desc(tensors, num_blocks)
         device = tensors[0].device
         if device.type not in _DEVICES:
@@ -580,7 +582,7 @@ class WorkerSide:
                         job.dst,
                         src_layer_range=range(layer, layer + 1),
                         dst_layer_range=range(layer, layer + 1),
-                        tensor_num_per_layer=1,
+                        tensor_num_per_layer=self._per_layer,
                     )
         except Exception as exc:
             if job.error is None:
@@ -764,6 +766,21 @@ class WorkerSide:
                 )
 
 
+def split_kv(tensors: list[torch.Tensor], num_blocks: int | None) -> tuple[list[torch.Tensor], int]:
+    """vLLM's per-layer KV tensors as tensors with the blocks first, and how many of them
+    each layer gives: FlashAttention's layout ``[2, num_blocks, ...]`` (K and V apart,
+    the blocks second) gives each layer's K and V halves, two per layer, each a view
+    ``[num_blocks, ...]`` of the same memory; layouts with the blocks first (vLLM's CPU
+    layout, FlashInfer's ``[num_blocks, 2, ...]``) are one per layer, as they are.
+    Without ``num_blocks`` the blocks are taken to come first."""
+    if not num_blocks or not tensors:
+        return tensors, 1
+    n = num_blocks
+    if all(t.dim() >= 3 and t.shape[0] == 2 and n > 2 and t.shape[1] % n == 0 for t in tensors):
+        return [half for t in tensors for half in t.unbind(0)], 2
+    return tensors, 1
+
+
 def logical_blocks(tensors: list[torch.Tensor], num_blocks: int | None) -> list[torch.Tensor]:
     """``tensors`` viewed with vLLM's (logical) blocks first: a contiguous tensor of
     ``r * num_blocks`` kernel blocks (a kernel block size ``r`` times smaller than the
@@ -796,8 +813,9 @@ def blocks_desc(tensors: list[torch.Tensor], num_blocks: int | None = None) -> C
     if num_blocks is not None and first.shape[0] != num_blocks:
         raise ValueError(
             f"AiokvConnector: KV tensors of shape {tuple(first.shape)} for {num_blocks} "
-            "blocks: this KV layout does not put the blocks first (supported: vLLM's CPU "
-            "layout, [num_blocks, ...] per layer)"
+            "blocks: this KV layout does not put the blocks first or second (supported: "
+            "[num_blocks, ...] per layer, as vLLM's CPU and FlashInfer layouts, and "
+            "FlashAttention's [2, num_blocks, ...])"
         )
     for i, t in enumerate(tensors):
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
