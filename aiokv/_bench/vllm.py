@@ -14,7 +14,11 @@ Per request, the prefill engine answers ``max_tokens=1`` with ``do_remote_decode
 timed); then the decode engine gets the prompt and those params and is timed from the
 call to its first token: the **decode-side wait for the KV** plus one token of compute
 (the prompt's last position). That is the figure a disaggregated deployment adds over
-the colocated one's local prefill. Medians per prompt length; ratios in the same run.
+the colocated one's local prefill. The wait alone is timed too (``kv_wait``): from the
+call to the first step in which vLLM's scheduler runs the request's model, i.e. once the
+connector reported its KV received — the same measure for every connector, without the
+one-token forward (whose time swings with the machine's load). Medians per prompt
+length; ratios in the same run.
 
 Push mode has no such figure (the decode request is sent with the prefill request, and
 waits for its compute), so a second table compares what a client sees: the time to the
@@ -95,7 +99,8 @@ def make_model(directory: Path) -> Path:
 
 
 def _engine(conn: Connection, model: str, env: dict[str, str], kv: dict[str, Any] | None) -> None:
-    """One engine's process: answer (prompt, max_tokens, params) with (seconds, tokens)."""
+    """One engine's process: answer (prompt, max_tokens, params) with (seconds, the
+    wait until the request's model first ran, tokens, the output's kv_transfer_params)."""
     os.dup2(2, 1)  # vLLM logs on stdout: keep the parent's stdout for the report (--json)
     os.environ.update(env)
     try:
@@ -109,6 +114,16 @@ def _engine(conn: Connection, model: str, env: dict[str, str], kv: dict[str, Any
         conn.send(("error", traceback.format_exc()))
         raise
     core = llm.llm_engine.engine_core.engine_core
+    ran: list[float] = []  # when the scheduler first scheduled tokens since the call
+    schedule = core.scheduler.schedule
+
+    def timed_schedule(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        if out.total_num_scheduled_tokens and not ran:
+            ran.append(time.perf_counter())
+        return out
+
+    core.scheduler.schedule = timed_schedule
     conn.send(("ok", None))
     while True:
         while core.scheduler.has_requests() and not conn.poll(0.005):
@@ -124,10 +139,23 @@ def _engine(conn: Connection, model: str, env: dict[str, str], kv: dict[str, Any
             detokenize=False,
             extra_args={"kv_transfer_params": params} if params is not None else None,
         )
+        ran.clear()
         t0 = time.perf_counter()
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sampling, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        conn.send(("ok", (seconds, list(out.outputs[0].token_ids), out.kv_transfer_params)))
+        wait = ran[0] - t0 if ran else seconds
+        result = (seconds, wait, list(out.outputs[0].token_ids), out.kv_transfer_params)
+        conn.send(("ok", result))
+
+
+#: an engine's answer: seconds to the first token, seconds until the request's model
+#: first ran, the tokens, the output's kv_transfer_params
+_Reply = tuple[float, float, list[int], dict[str, Any] | None]
+#: a pair's answer: the decode's seconds to its first token and until its model ran,
+#: the client's seconds to the first token (prefill included), the tokens
+_Timed = tuple[float, float, float, list[int]]
+#: seconds per (contender, prompt length), per table
+_Samples = dict[str, dict[tuple[str, int], list[float]]]
 
 
 class _Engine:
@@ -152,9 +180,7 @@ class _Engine:
             raise RuntimeError(f"a vLLM engine failed:\n{value}")
         return value
 
-    def generate(
-        self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None
-    ) -> tuple[float, list[int], dict[str, Any] | None]:
+    def generate(self, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> _Reply:
         self.submit(prompt, max_tokens, params)
         return self.collect()
 
@@ -162,8 +188,8 @@ class _Engine:
         """Send a request without waiting (:meth:`collect` waits)."""
         self._conn.send((prompt, max_tokens, params))
 
-    def collect(self) -> tuple[float, list[int], dict[str, Any] | None]:
-        result: tuple[float, list[int], dict[str, Any] | None] = self.reply()
+    def collect(self) -> _Reply:
+        result: _Reply = self.reply()
         return result
 
     def stop(self) -> None:
@@ -183,14 +209,14 @@ class _Pair:
         self.prefill = _Engine(model, {"kv_role": "kv_producer", **kv}, envs[0])
         self.decode = _Engine(model, {"kv_role": "kv_consumer", **kv}, envs[1])
 
-    def first_token(self, prompt: list[int]) -> tuple[float, float, list[int]]:
-        """Prefill, then decode: the decode's seconds to its first token, both engines'
-        seconds (the client's time to the first token), and the token."""
-        before, _, params = self.prefill.generate(prompt, 1, {"do_remote_decode": True})
+    def first_token(self, prompt: list[int]) -> _Timed:
+        """Prefill, then decode: the decode's seconds to its first token and its KV
+        wait, both engines' seconds (the client's time to the first token), the token."""
+        before, _, _, params = self.prefill.generate(prompt, 1, {"do_remote_decode": True})
         if params is None:
             raise RuntimeError("the prefill engine returned no kv_transfer_params")
-        seconds, tokens, _ = self.decode.generate(prompt, 1, params)
-        return seconds, before + seconds, tokens
+        seconds, wait, tokens, _ = self.decode.generate(prompt, 1, params)
+        return seconds, wait, before + seconds, tokens
 
 
 class _PushPair(_Pair):
@@ -202,11 +228,11 @@ class _PushPair(_Pair):
         self._endpoints: dict[str, Any] | None = None
         self._ids = iter(range(1 << 62))
 
-    def first_token(self, prompt: list[int]) -> tuple[float, float, list[int]]:
+    def first_token(self, prompt: list[int]) -> _Timed:
         """Both requests at once (decode first); the decode's seconds to its first
-        token (prefill included), twice, and the token."""
+        token (prefill included) and until its model ran, the first again, the token."""
         if self._endpoints is None:  # the proxy's discovery, once
-            _, _, self._endpoints = self.prefill.generate([1], 1, {"aiokv_discover": True})
+            *_, self._endpoints = self.prefill.generate([1], 1, {"aiokv_discover": True})
             if self._endpoints is None:
                 raise RuntimeError("the push prefill engine returned no endpoints")
         transfer = f"bench-{next(self._ids)}"
@@ -214,11 +240,11 @@ class _PushPair(_Pair):
             prompt, 1, {**self._endpoints, "do_remote_prefill": True, "transfer_id": transfer}
         )
         self.prefill.submit(prompt, 1, {"do_remote_decode": True, "transfer_id": transfer})
-        _, _, done = self.prefill.collect()
-        seconds, tokens, _ = self.decode.collect()
+        *_, done = self.prefill.collect()
+        seconds, wait, tokens, _ = self.decode.collect()
         if not done or not done.get("pushed"):
             raise RuntimeError(f"aiokv-push: the prefill pushed nothing: {done}")
-        return seconds, seconds, tokens
+        return seconds, wait, seconds, tokens
 
 
 def _contenders() -> dict[str, dict[str, Any]]:
@@ -269,39 +295,38 @@ def _run(model: str, lengths: list[int], rounds: int) -> Report:
                 engine.reply()
                 bar.advance()
         rng = random.Random(0)
-        times: dict[tuple[str, int], list[float]] = {}
-        client: dict[tuple[str, int], list[float]] = {}
+        samples: _Samples = {"first_token": {}, "kv_wait": {}, "client": {}}
         with steps("rounds", (rounds + 1) * len(lengths)) as bar:
             for round_ in range(rounds + 1):
                 for n in lengths:
-                    warm = round_ > 0
-                    _round(colocated, pairs, rng, n, times if warm else {}, client if warm else {})
+                    warm_up: _Samples = {key: {} for key in samples}
+                    _round(colocated, pairs, rng, n, samples if round_ else warm_up)
                     bar.advance()
     finally:
         for engine in engines:
             engine.stop()
-    return _report(times, lengths, rounds, model, client)
+    return _report(
+        samples["first_token"], lengths, rounds, model, samples["client"], samples["kv_wait"]
+    )
 
 
 def _round(
-    colocated: _Engine,
-    pairs: dict[str, _Pair],
-    rng: random.Random,
-    n: int,
-    times: dict[tuple[str, int], list[float]],
-    client: dict[tuple[str, int], list[float]],
+    colocated: _Engine, pairs: dict[str, _Pair], rng: random.Random, n: int, samples: _Samples
 ) -> None:
-    """One prompt of ``n`` tokens through every contender; the first tokens must agree."""
+    """One prompt of ``n`` tokens through every contender, timed into ``samples``
+    ("first_token", "kv_wait", "client"); the first tokens must agree."""
+    times, waits, client = samples["first_token"], samples["kv_wait"], samples["client"]
     prompt = [rng.randrange(3, 1000) for _ in range(n)]
-    local, expected, _ = colocated.generate(prompt, 1, None)
+    local, _, expected, _ = colocated.generate(prompt, 1, None)
     times.setdefault(("colocated", n), []).append(local)
     client.setdefault(("colocated", n), []).append(local)
     for name, pair in pairs.items():
-        seconds, whole, tokens = pair.first_token(prompt)
+        seconds, wait, whole, tokens = pair.first_token(prompt)
         if tokens != expected:
             raise RuntimeError(f"{name}: first token {tokens} != colocated {expected}")
         if not isinstance(pair, _PushPair):  # no decode-side-only figure in push mode
             times.setdefault((name, n), []).append(seconds)
+            waits.setdefault((name, n), []).append(wait)
         client.setdefault((name, n), []).append(whole)
 
 
@@ -331,6 +356,7 @@ def _report(
     rounds: int,
     model: str,
     client: dict[tuple[str, int], list[float]] | None = None,
+    waits: dict[tuple[str, int], list[float]] | None = None,
 ) -> Report:
     report = Report("vllm")
     report.meta.update(
@@ -347,6 +373,14 @@ def _report(
             [("aiokv", "nixl-connector"), ("aiokv-nixl", "nixl-connector"), ("aiokv", "colocated")],
         )
     )
+    if waits:
+        report.table(
+            "kv_wait",
+            "decode side: from the call to the step that first runs the request's model, "
+            "i.e. the wait for the KV alone (median ms)",
+        ).extend(
+            _rows(waits, lengths, [("aiokv", "nixl-connector"), ("aiokv-nixl", "nixl-connector")])
+        )
     if client:
         report.table(
             "client_first_token",

@@ -50,3 +50,18 @@ def test_report_compares_push_and_pull_as_the_client_sees_them() -> None:
     assert row["aiokv-push / aiokv"] == pytest.approx(0.5)
     assert list(row)[1] == "colocated ms"
     assert "client_first_token" not in _report(times, [64], 3, "m").as_dict()
+
+
+def test_report_gives_the_kv_wait_alone_per_connector() -> None:
+    times = {("aiokv", 256): [0.050], ("nixl-connector", 256): [0.040]}
+    waits = {
+        ("aiokv", 256): [0.030, 0.010, 0.020],
+        ("aiokv-nixl", 256): [0.012, 0.012, 0.500],
+        ("nixl-connector", 256): [0.010, 0.040, 0.030],
+    }
+    tables = _report(times, [256], 3, "m", None, waits).as_dict()
+    (row,) = tables["kv_wait"]
+    assert row["aiokv ms"] == pytest.approx(20.0)
+    assert row["aiokv / nixl-connector"] == pytest.approx(20 / 30)
+    assert row["aiokv-nixl / nixl-connector"] == pytest.approx(12 / 30)
+    assert "kv_wait" not in _report(times, [256], 3, "m").as_dict()
