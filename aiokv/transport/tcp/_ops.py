@@ -172,6 +172,7 @@ class MyOp:
         "granted",
         "is_read",
         "peer_over",
+        "plan",
         "reason",
         "remote",
         "result",
@@ -195,8 +196,8 @@ class MyOp:
         self.peer_over = False  # a write's WRITE_DONE came: the peer writes no more of it
         self.result: LLMStatusCode | None = None  # final outcome
         self.reason = ""  # the peer's reason for a refusal (sanitized), with the outcome
-        # a NIXL grant: the tag and the granted (address, length) rows of peer memory
-        self.remote: tuple[bytes, Any] | None = None
+        self.plan: Any | None = None  # the data plane's plan: sent as a plane request
+        self.remote: Any | None = None  # the plane's grant (DataPlane.accept) of it
 
     def grant(self) -> None:
         self.granted = True
