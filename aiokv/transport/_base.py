@@ -254,15 +254,19 @@ class Grant:
 class RequestHandler(Protocol):
     """Serves a peer's requests; implemented by the cache layer, runs on the event loop.
 
-    A transport that moves device memory by address (NIXL with memory registered on a
-    ``cuda`` device) passes ``direct=`` (a :data:`DirectCheck`) to a call whose request
-    it could serve from such memory; then, and only for memory ``direct`` accepts, the
-    handler may answer with a :attr:`Grant.device` grant instead of host buffers. The
-    keyword is never passed to a handler of a transport that has no device memory
-    registered; a handler that never registers any need not accept it.
+    ``direct`` (keyword-only, declared here) is the one piece of context a transport
+    may add to a request: a transport that moves device memory by address (an RDMA
+    transport with memory registered on a ``cuda`` device) passes a
+    :data:`DirectCheck` with a request it could serve from such memory; then, and only
+    for memory ``direct`` accepts, the handler may answer with a :attr:`Grant.device`
+    grant instead of host buffers. It is passed only then (never by a transport that
+    has no device memory registered), so a handler that never registers any may leave
+    it out at run time; type checkers want it declared.
     """
 
-    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+    async def grant_read(
+        self, peer: PeerInfo, meta: bytes, *, direct: DirectCheck | None = None
+    ) -> Grant:
         """The peer wants to READ (pull) from us: return the buffers to send.
 
         ``meta`` is the requester's opaque request (the layer above encodes it), at most
@@ -270,7 +274,9 @@ class RequestHandler(Protocol):
         """
         ...
 
-    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+    async def grant_write(
+        self, peer: PeerInfo, meta: bytes, nbytes: int, *, direct: DirectCheck | None = None
+    ) -> Grant:
         """The peer wants to WRITE (push) ``nbytes`` into us: return buffers totalling it.
 
         A grant whose buffers do not total ``nbytes`` is answered ``LLM_PARAM_INVALID``.
@@ -332,7 +338,7 @@ class Link(abc.ABC):
     @property
     def one_sided(self) -> bool:
         """Whether :meth:`move_at` works on this link now: whether it has the
-        :data:`ONE_SIDED` capability (NIXL, with the peer's agent loaded)."""
+        :data:`ONE_SIDED` capability (an RDMA transport, once it can reach the peer's memory)."""
         return self.extra(ONE_SIDED) is not None
 
     def publish(self) -> None:
@@ -553,7 +559,7 @@ class Transport(abc.ABC):
     def register_memory(self, addr: int, nbytes: int, *, device: str = "cpu") -> None:  # noqa: B027
         """Tell the transport that ``[addr, addr + nbytes)`` on ``device`` (``"cpu"``,
         ``"cuda:0"``, ...) will hold grants and request buffers until
-        :meth:`deregister_memory`: a transport that moves bytes by address (NIXL)
+        :meth:`deregister_memory`: a transport that moves bytes by address (RDMA)
         registers it once with its engine. The default does nothing.
 
         Called by the owner of the memory (a pool when reserved, a user cache when

@@ -105,6 +105,8 @@ class NixlPlane:
     :data:`~aiokv.transport._base.ONE_SIDED` capabilities once the peer's agent is
     loaded."""
 
+    name = "nixl"
+
     def __init__(self, transport: NixlOwner) -> None:
         self._n = transport
         self._link: PlaneHost | None = None
@@ -141,9 +143,9 @@ class NixlPlane:
         self.link._hello(len(name).to_bytes(2, "little") + name + md)
         self._md_gen = gen
 
-    def hello(self, meta: bytes, cap: int) -> None:
+    def hello(self, payload: bytes, cap: int) -> None:
         """The peer's agent metadata: loaded if it names the authenticated cluster's agent."""
-        agent = self._n.agent
+        agent, meta = self._n.agent, payload
         if len(meta) < 2 or agent is None or self.link.broken:
             return
         n = int.from_bytes(meta[:2], "little")

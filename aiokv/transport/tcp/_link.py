@@ -168,7 +168,7 @@ class TcpLink(Link):
             op.cursor = cursor_of(views, total)
         acked = False
         try:
-            kind = _F.READ_REQ if plan is None else _F.NREAD_REQ
+            kind = _F.READ_REQ if plan is None else _F.PLANE_READ_REQ
             self._post(wire.encode_frame(kind, op.rid, meta=frame_meta, size=total))
             try:
                 async with asyncio.timeout(timeout):
@@ -203,7 +203,7 @@ class TcpLink(Link):
         deadline = self._loop.time() + timeout
         ok = False
         try:
-            kind = _F.WRITE_REQ if plan is None else _F.NWRITE_REQ
+            kind = _F.WRITE_REQ if plan is None else _F.PLANE_WRITE_REQ
             self._post(wire.encode_frame(kind, op.rid, meta=frame_meta, size=total))
             try:
                 async with asyncio.timeout(timeout):
@@ -520,12 +520,16 @@ class TcpLink(Link):
 
     # --------------------------------------------------- actions of the link protocol
 
-    def _on_nixl_md(self, meta: bytearray | None, cap: int) -> None:
-        """The peer's plane greeting: for our plane (meta skipped unread: ignored)."""
-        if meta is not None and not self._broken:
-            self._plane.hello(bytes(meta), cap)
+    def _on_plane_hello(self, meta: bytearray | None, cap: int) -> None:
+        """The peer's plane greeting: for our plane if it names it (else, or skipped
+        unread: ignored, and no plane request of ours is ever granted by a plane)."""
+        if meta is None or not meta or self._broken:
+            return
+        n = meta[0]
+        if meta[1 : 1 + n] == self._plane.name.encode():
+            self._plane.hello(bytes(meta[1 + n :]), cap)
 
-    def _on_nixl_grant(
+    def _on_plane_grant(
         self, op: MyOp | None, status: LLMStatusCode, size: int, meta: bytearray | None
     ) -> None:
         """The peer's plane grant answering our plane request ``op`` (None: not ours)."""
@@ -547,7 +551,9 @@ class TcpLink(Link):
             op.state = State.RECEIVING
 
     def _hello(self, payload: bytes) -> None:
-        self._post(wire.encode_frame(_F.NIXL_MD, meta=payload, size=self._t.max_meta_bytes))
+        name = self._plane.name.encode()
+        meta = bytes((len(name),)) + name + payload
+        self._post(wire.encode_frame(_F.PLANE_HELLO, meta=meta, size=self._t.max_meta_bytes))
 
     def _plane_landed(self, op: PeerOp) -> None:
         if self._theirs.get(op.rid) is op and op.state is State.RECEIVING:
@@ -561,7 +567,7 @@ class TcpLink(Link):
 
     async def _serve(self, op: PeerOp, meta: bytes, size: int) -> None:
         """Ask the handler, then answer the peer and start the transfer."""
-        direct = self._plane.direct(op) if op.nixl else None
+        direct = self._plane.direct(op) if op.plane else None
         grant = await self._ask(op, meta, size, direct)
         status, views, total = check_grant(
             grant, _grant_name(op), writable=not op.is_read, device_ok=direct is not None
@@ -587,10 +593,10 @@ class TcpLink(Link):
         """The handler's answer to the peer's request ``op`` (a failure: a refusal)."""
         handler = self._t.handler
         try:
-            if direct is not None:  # only then: handlers without device memory lack it
+            if direct is not None:  # only then: handlers without device memory may lack it
                 if op.is_read:
-                    return await handler.grant_read(self.peer, meta, direct=direct)  # type: ignore[call-arg]
-                return await handler.grant_write(self.peer, meta, size, direct=direct)  # type: ignore[call-arg]
+                    return await handler.grant_read(self.peer, meta, direct=direct)
+                return await handler.grant_write(self.peer, meta, size, direct=direct)
             if op.is_read:
                 return await handler.grant_read(self.peer, meta)
             return await handler.grant_write(self.peer, meta, size)
@@ -602,7 +608,7 @@ class TcpLink(Link):
 
     def _answer(self, op: PeerOp, grant: Grant, views: Sequence[memoryview], total: int) -> None:
         """Answer the peer's request ``op`` that the handler granted, and start the
-        transfer: by address (a NIXL link), else as DATA frames."""
+        transfer: by the data plane where it takes the grant, else as DATA frames."""
         if grant.device is not None:  # never as DATA: by address, or refused
             payload = self._plane.answer_device(op, grant.device)
             if payload is None:
@@ -610,7 +616,7 @@ class TcpLink(Link):
             else:
                 self._grant_plane(op, payload, total)
             return
-        if op.nixl and total and (payload := self._plane.answer(op, views, total)) is not None:
+        if op.plane and total and (payload := self._plane.answer(op, views, total)) is not None:
             self._grant_plane(op, payload, total)
             return
         if op.is_read:
@@ -630,7 +636,7 @@ class TcpLink(Link):
         requester's plane moves the bytes (a read is held until READ_DONE or CANCEL, a
         write until its plane sees it landed)."""
         op.state = State.SENDING if op.is_read else State.RECEIVING
-        self._post(wire.encode_frame(_F.NIXL_GRANT, op.rid, meta=payload, size=total))
+        self._post(wire.encode_frame(_F.PLANE_GRANT, op.rid, meta=payload, size=total))
 
     def _filled(self, sink: MyOp | PeerOp) -> None:
         """Every byte of ``sink`` landed (see :meth:`LinkProtocol.filled`)."""

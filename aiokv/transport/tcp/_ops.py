@@ -234,7 +234,7 @@ class MyOp:
 class PeerOp:
     """A request the peer started, which this side serves."""
 
-    __slots__ = ("_done", "commit", "cursor", "is_read", "nixl", "rid", "state", "stream", "task")
+    __slots__ = ("_done", "commit", "cursor", "is_read", "plane", "rid", "state", "stream", "task")
 
     def __init__(self, rid: int, is_read: bool) -> None:
         self.rid = rid
@@ -245,7 +245,7 @@ class PeerOp:
         self.stream: Stream | None = None
         self._done: Callable[[bool], None] | None = None
         self.commit: Callable[[], Awaitable[LLMStatusCode]] | None = None  # Grant.commit
-        self.nixl = False  # the peer asked for a NIXL transfer (NREAD_REQ / NWRITE_REQ)
+        self.plane = False  # a plane request (PLANE_READ_REQ / PLANE_WRITE_REQ)
 
     def bind(self, done: Callable[[bool], None] | None) -> None:
         self._done = done

@@ -6,11 +6,12 @@ the moving of the payload to its :class:`DataPlane`, which it is given when it i
 
 * the **stream plane** (:data:`STREAM`, every plain TCP link): it offers nothing, so
   every payload moves as ``DATA`` frames on the link's own socket;
-* another medium (the NIXL plane, :mod:`aiokv.transport.nixl`): a request whose
-  buffers it can reach is *offered* to it (:meth:`DataPlane.offer`) and sent as a plane
-  request; the granter's plane *answers* with an opaque grant (:meth:`DataPlane.answer`,
-  a ``PLANE_GRANT`` frame) or leaves it to ``DATA``; the requester's plane then *moves*
-  the bytes itself (:meth:`DataPlane.move`), settling its transfer before it returns.
+* another medium (RDMA: the plane that the transport making the link hands it): a
+  request whose buffers it can reach is *offered* to it (:meth:`DataPlane.offer`) and
+  sent as a plane request; the granter's plane *answers* with an opaque grant
+  (:meth:`DataPlane.answer`, a ``PLANE_GRANT`` frame) or leaves it to ``DATA``; the
+  requester's plane then *moves* the bytes itself (:meth:`DataPlane.move`), settling
+  its transfer before it returns.
 
 The link stays the only owner of the request state (:mod:`._protocol`); a plane holds
 its medium's state for the link (the peer's agent, transfers in flight) and learns of
@@ -55,6 +56,10 @@ class DataPlane(Protocol):
     a grant's bytes from the granter's plane (:meth:`answer`) to the requester's
     (:meth:`accept`).
     """
+
+    #: the plane's name (ASCII, at most 255 bytes): ``PLANE_HELLO`` frames of a peer plane
+    #: of another name are ignored, so two different planes never mix
+    name: str
 
     def bind(self, link: PlaneHost) -> None:
         """Called once, by the link being made: the plane's link (it may greet the peer)."""
@@ -110,6 +115,8 @@ class DataPlane(Protocol):
 
 class StreamPlane:
     """The default plane: nothing moves outside the socket; every payload is ``DATA``."""
+
+    name = "stream"
 
     def bind(self, link: PlaneHost) -> None:
         return
