@@ -222,7 +222,7 @@ class NixlPlane:
 
     # ------------------------------------------------------------------ requester side
 
-    def accept(self, grant: bytes, size: int) -> tuple[bytes, Place] | None:
+    def accept(self, grant: bytes | bytearray, size: int) -> tuple[bytes, Place] | None:
         return decode_grant(grant, size)
 
     def addressable(self, device: str, addr: int, nbytes: int) -> bool:

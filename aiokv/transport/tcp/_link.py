@@ -540,7 +540,7 @@ class TcpLink(Link):
             return
         remote = None
         if op.plan is not None and meta is not None and size == op.total:
-            remote = self._plane.accept(bytes(meta), size)
+            remote = self._plane.accept(meta, size)
         if remote is None:  # the peer should have refused; never trust it
             op.finish(_S.LLM_PARAM_INVALID, "it granted a transfer it may not")
             return

@@ -82,7 +82,7 @@ class DataPlane(Protocol):
         """As :meth:`offer`, for device memory (which moves no other way: None makes
         the request ``LLM_PARAM_INVALID``)."""
 
-    def accept(self, grant: bytes, size: int) -> Any | None:
+    def accept(self, grant: bytes | bytearray, size: int) -> Any | None:
         """The peer's ``PLANE_GRANT`` bytes for our plan request of ``size`` bytes, as the
         plane's grant (stored in ``MyOp.remote``), or None when unusable (the request
         fails ``LLM_PARAM_INVALID``)."""
@@ -133,7 +133,7 @@ class StreamPlane:
     def offer_device(self, dev: DeviceRuns) -> None:
         return None
 
-    def accept(self, grant: bytes, size: int) -> None:
+    def accept(self, grant: bytes | bytearray, size: int) -> None:
         return None
 
     async def move(self, op: MyOp, plan: Any) -> None:
