@@ -179,7 +179,7 @@ class NixlDecoder(Peer):
 def _poll_bounds() -> tuple[float, float]:
     """aiokv's back-off bounds (imported late: NIXL loads after
     :func:`~._harness.apply_env`)."""
-    from ..transport.nixl._link import POLL_MAX_S, POLL_MIN_S
+    from ..transport.nixl._plane import POLL_MAX_S, POLL_MIN_S
 
     return POLL_MIN_S, POLL_MAX_S
 

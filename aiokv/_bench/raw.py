@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .. import LLMStatusCode
-from ..transport import Grant, Link, PeerInfo, get_transport
+from ..transport import DirectCheck, Grant, Link, PeerInfo, get_transport
 from ._harness import (
     KIB,
     MIB,
@@ -105,10 +105,14 @@ class _PoolHandler:
             LLMStatusCode.LLM_SUCCESS, [self._pool[i * size : (i + 1) * size] for i in blocks]
         )
 
-    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
-        return self._views(meta)
+    async def grant_read(
+        self, peer: PeerInfo, meta: bytes, *, direct: DirectCheck | None = None
+    ) -> Grant:
+        return self._views(meta)  # host memory only: ``direct`` is never passed
 
-    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+    async def grant_write(
+        self, peer: PeerInfo, meta: bytes, nbytes: int, *, direct: DirectCheck | None = None
+    ) -> Grant:
         return self._views(meta)
 
 

@@ -25,7 +25,7 @@ from .._enums import LLMStatusCode
 from .._errors import LLMException, map_errors
 from .._layout import tensor_bytes, total_bytes
 from .._stats import PeerCounters
-from ..transport import DeviceRuns, Link
+from ..transport import BY_ADDRESS, ONE_SIDED, DeviceRuns, Link
 from ._leases import LeaseKey, Leases, reply_size
 from ._links import LinkTable
 from ._parts import Part, Transfer
@@ -112,8 +112,9 @@ class RemoteClient:
     def _lease_key(self, link: Link, cache: Cache, job: Transfer, write: bool) -> LeaseKey | None:
         """What a lease for ``job`` would cover, when one could serve it: blocks of a
         blocks cache named by ``BlocksCacheKey``, over a
-        one-sided link, from host memory or device memory the link moves by address
-        (whether host memory is registered is up to :meth:`~aiokv.transport.Link.move_at`)."""
+        link with the ``ONE_SIDED`` capability, from host memory or device memory the
+        link moves by address (whether host memory is registered is up to
+        :meth:`~aiokv.transport.OneSided.move_at`)."""
         req = job.request
         if (
             self.leases is None
@@ -121,7 +122,7 @@ class RemoteClient:
             or not isinstance(req.key, KeyByBlocks)
             or req.release
             or job.remote is None
-            or not link.one_sided
+            or link.extra(ONE_SIDED) is None
         ):
             return None
         tensors = [cache.tensors[t] for t in job.tensors]
@@ -360,9 +361,16 @@ class _NotDirect(Exception):
 
 
 def _addressable(link: Link, tensors: list[torch.Tensor]) -> bool:
-    """Whether ``link`` moves all of each (accelerator) tensor by address."""
-    return tensors[0].device.type != "cpu" and all(
-        link.addressable(str(t.device), t.data_ptr(), t.numel() * t.element_size()) for t in tensors
+    """Whether ``link`` moves all of each (accelerator) tensor by address (its
+    ``BY_ADDRESS`` capability)."""
+    by_address = link.extra(BY_ADDRESS)
+    return (
+        by_address is not None
+        and tensors[0].device.type != "cpu"
+        and all(
+            by_address.addressable(str(t.device), t.data_ptr(), t.numel() * t.element_size())
+            for t in tensors
+        )
     )
 
 

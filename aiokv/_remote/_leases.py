@@ -60,7 +60,7 @@ from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._layout import ByteLayout
 from .._registry import CacheRegistry, Entry
-from ..transport import DeviceRuns, Link, PeerInfo
+from ..transport import BY_ADDRESS, ONE_SIDED, DeviceRuns, Link, PeerInfo
 from ._protocol import KeyByBlocks, RevokeReq, Tensors, encode
 
 __all__ = ["MAX_LEASES", "Held", "LeaseKey", "Leases", "decode_reply", "encode_reply"]
@@ -257,7 +257,9 @@ class Leases:
                 :data:`MAX_LEASES`; ``LLM_KV_CACHE_NOT_EXIST`` for a released cache.
         """
         link = self._links.get(peer)
-        if link is None or not link.one_sided:
+        one_sided = None if link is None else link.extra(ONE_SIDED)
+        by_address = None if link is None else link.extra(BY_ADDRESS)
+        if link is None or one_sided is None or by_address is None:
             raise LLMException(
                 "leases need a one-sided link (NIXL)",
                 status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
@@ -280,7 +282,8 @@ class Leases:
                 status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
             )
         if not all(
-            link.addressable(device, t.data_ptr(), t.numel() * t.element_size()) for t in chosen
+            by_address.addressable(device, t.data_ptr(), t.numel() * t.element_size())
+            for t in chosen
         ):
             raise LLMException(
                 f"cache {cache.cache_id} is not in memory the link moves by address",
@@ -293,9 +296,9 @@ class Leases:
             )
         self._registry.pin(entry, lease=True)
         lid = next(self._ids)
-        self._lent[lid] = _Lent(link, entry, link.lend())
+        self._lent[lid] = _Lent(link, entry, one_sided.lend())
         self._lent_by_cache.setdefault(cache.cache_id, set()).add(lid)
-        link.publish()  # before the reply: the holder must know the memory it names
+        one_sided.publish()  # before the reply: the holder must know the memory it names
         reply = encode_reply(lid, cache.num_blocks, device, write, [t.data_ptr() for t in chosen])
         return lid, reply
 

@@ -14,12 +14,17 @@ import importlib
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from ._base import (
+    BY_ADDRESS,
     DIRECT_REFUSED,
+    ONE_SIDED,
+    ByAddress,
+    Capability,
     DeviceRuns,
     DirectCheck,
     Grant,
     Link,
     LinkCallback,
+    OneSided,
     PeerInfo,
     RequestHandler,
     Transport,
@@ -27,12 +32,17 @@ from ._base import (
 from ._tls import TlsContexts, load_tls
 
 __all__ = [
+    "BY_ADDRESS",
     "DIRECT_REFUSED",
+    "ONE_SIDED",
+    "ByAddress",
+    "Capability",
     "DeviceRuns",
     "DirectCheck",
     "Grant",
     "Link",
     "LinkCallback",
+    "OneSided",
     "PeerInfo",
     "RequestHandler",
     "TlsContexts",

@@ -18,7 +18,7 @@ import math
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Final, Protocol, Self
+from typing import Any, Final, Generic, Protocol, Self, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -29,13 +29,18 @@ from .._layout import LayoutViews
 
 __all__ = [
     "AUTH_FAILED",
+    "BY_ADDRESS",
     "DIRECT_REFUSED",
+    "ONE_SIDED",
     "REASON_CAP",
+    "ByAddress",
+    "Capability",
     "DeviceRuns",
     "DirectCheck",
     "Grant",
     "Link",
     "LinkCallback",
+    "OneSided",
     "PeerInfo",
     "RequestHandler",
     "Transport",
@@ -80,6 +85,79 @@ class DeviceRuns:
 #: ``direct(device, addr, nbytes)``: whether a grant may name ``[addr, addr + nbytes)``
 #: of ``device`` memory by address (:attr:`Grant.device`) for the request being served.
 DirectCheck = Callable[[str, int, int], bool]
+
+
+T = TypeVar("T")
+
+
+class Capability(Generic[T]):
+    """The typed key of an optional capability of a link (:meth:`Link.extra`), in the
+    manner of anyio's typed attributes: ``link.extra(ONE_SIDED)`` is a :class:`OneSided`
+    or None. Keys compare by identity."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<link capability {self.name}>"
+
+
+class ByAddress(Protocol):
+    """A link that moves memory by address (no host staging): :data:`BY_ADDRESS`."""
+
+    def addressable(self, device: str, addr: int, nbytes: int) -> bool:
+        """Whether ``[addr, addr + nbytes)`` of ``device`` memory (``"cuda:0"``,
+        ``"cpu"``) moves by address on this link now; see :meth:`Link.addressable`."""
+        ...
+
+
+class OneSided(Protocol):
+    """A link with one-sided transfers (no request, no grant): :data:`ONE_SIDED`."""
+
+    def publish(self) -> None:
+        """Make sure the peer can reach this side's memory as it is registered now
+        (e.g. resend memory metadata if registrations changed since it was last sent).
+        Frames of one link arrive in order, so whatever this side sends after it may
+        name that memory."""
+        ...
+
+    def lend(self) -> Callable[[], None]:
+        """This side's memory is lent to the peer for :meth:`move_at`: keep whatever the
+        peer's one-sided transfers need of this side going (progress, with back-off)
+        until the returned function is called (idempotent)."""
+        ...
+
+    async def move_at(
+        self,
+        write: bool,
+        local: Sequence[memoryview] | DeviceRuns,
+        remote: DeviceRuns,
+        *,
+        timeout: float,  # noqa: ASYNC109
+    ) -> None:
+        """Read the peer's memory ``remote`` (by address; ``remote.device`` names where
+        it lives on the peer: ``"cpu"``, ``"cuda:N"``) into ``local``, or write
+        ``local`` into it (``write``), in wire order. No request and no grant: the
+        peer's code is not involved, so the caller must know that the peer lent that
+        memory (a lease, :mod:`aiokv._remote._leases`). Once this returns or raises,
+        the transfer is over.
+
+        Raises:
+            LLMException: ``LLM_FEATURE_NOT_ENABLED`` when ``local`` or ``remote`` is not
+                memory the link can move by address (nothing moved);
+                ``LLM_PARAM_INVALID`` when the lengths differ; ``LLM_TIMEOUT`` past
+                ``timeout`` seconds; ``LLM_FAILED`` / ``LLM_LINK_FAILED`` when the
+                transfer failed.
+        """
+        ...
+
+
+#: The capability of a link that moves memory by address (:meth:`Link.addressable`).
+BY_ADDRESS: Final[Capability[ByAddress]] = Capability("by address")
+#: The capability of a link with one-sided transfers (:meth:`Link.move_at`).
+ONE_SIDED: Final[Capability[OneSided]] = Capability("one-sided")
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,15 +254,19 @@ class Grant:
 class RequestHandler(Protocol):
     """Serves a peer's requests; implemented by the cache layer, runs on the event loop.
 
-    A transport that moves device memory by address (NIXL with memory registered on a
-    ``cuda`` device) passes ``direct=`` (a :data:`DirectCheck`) to a call whose request
-    it could serve from such memory; then, and only for memory ``direct`` accepts, the
-    handler may answer with a :attr:`Grant.device` grant instead of host buffers. The
-    keyword is never passed to a handler of a transport that has no device memory
-    registered; a handler that never registers any need not accept it.
+    ``direct`` (keyword-only, declared here) is the one piece of context a transport
+    may add to a request: a transport that moves device memory by address (an RDMA
+    transport with memory registered on a ``cuda`` device) passes a
+    :data:`DirectCheck` with a request it could serve from such memory; then, and only
+    for memory ``direct`` accepts, the handler may answer with a :attr:`Grant.device`
+    grant instead of host buffers. It is passed only then (never by a transport that
+    has no device memory registered), so a handler that never registers any may leave
+    it out at run time; type checkers want it declared.
     """
 
-    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+    async def grant_read(
+        self, peer: PeerInfo, meta: bytes, *, direct: DirectCheck | None = None
+    ) -> Grant:
         """The peer wants to READ (pull) from us: return the buffers to send.
 
         ``meta`` is the requester's opaque request (the layer above encodes it), at most
@@ -192,7 +274,9 @@ class RequestHandler(Protocol):
         """
         ...
 
-    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+    async def grant_write(
+        self, peer: PeerInfo, meta: bytes, nbytes: int, *, direct: DirectCheck | None = None
+    ) -> Grant:
         """The peer wants to WRITE (push) ``nbytes`` into us: return buffers totalling it.
 
         A grant whose buffers do not total ``nbytes`` is answered ``LLM_PARAM_INVALID``.
@@ -227,39 +311,47 @@ class Link(abc.ABC):
     def broken(self) -> bool:
         """True once the link can no longer carry requests (closed, reset, protocol error)."""
 
+    def extra(self, capability: Capability[T]) -> T | None:
+        """The link's optional ``capability`` as it stands now (e.g. ``link.extra(ONE_SIDED)``:
+        a :class:`OneSided`), or None where the link has none now. Every capability is
+        optional: a link that moves bytes over its socket only has none (this default).
+        A capability may come later in a link's life (a peer's metadata arriving) or
+        go (the link breaking): ask again rather than keep the answer."""
+        return None
+
     def addressable(self, device: str, addr: int, nbytes: int) -> bool:
         """Whether ``[addr, addr + nbytes)`` of accelerator memory on ``device``
         (``"cuda:0"``) can be passed to :meth:`read` / :meth:`write` as
-        :class:`DeviceRuns` now: moved by address, without host staging. The default
-        (every transport that moves bytes over sockets) is False. (For ``"cpu"``:
-        whether that host memory moves by address on this link, as :meth:`move_at`
-        needs of ``local`` memory and a lease of the peer's.)
+        :class:`DeviceRuns` now: moved by address, without host staging (the link's
+        :data:`BY_ADDRESS` capability; without it: False, as on every link that moves
+        bytes over its socket only). (For ``"cpu"``: whether that host memory moves by
+        address on this link, as :meth:`move_at` needs of ``local`` memory and a lease
+        of the peer's.)
 
         Even when True, the peer may grant memory this link cannot reach by address:
         the operation then raises ``LLMException`` with :data:`DIRECT_REFUSED` as its
         context, having moved nothing, and the caller stages instead.
         """
-        return False
+        by_address = self.extra(BY_ADDRESS)
+        return by_address is not None and by_address.addressable(device, addr, nbytes)
 
     @property
     def one_sided(self) -> bool:
-        """Whether :meth:`move_at` works on this link now (NIXL, with the peer's agent
-        loaded). The default, every transport that moves bytes over sockets: False."""
-        return False
+        """Whether :meth:`move_at` works on this link now: whether it has the
+        :data:`ONE_SIDED` capability (an RDMA transport, once it can reach the peer's memory)."""
+        return self.extra(ONE_SIDED) is not None
 
     def publish(self) -> None:
-        """Make sure the peer can reach this side's memory as it is registered now
-        (NIXL: resend the agent metadata if registrations changed since it was last
-        sent). Frames of one link arrive in order, so whatever this side sends after
-        it may name that memory. The default does nothing."""
-        return
+        """:meth:`OneSided.publish` where the link is :attr:`one_sided`; else nothing."""
+        one_sided = self.extra(ONE_SIDED)
+        if one_sided is not None:
+            one_sided.publish()
 
     def lend(self) -> Callable[[], None]:
-        """This side's memory is lent to the peer for :meth:`move_at`: keep whatever
-        the peer's one-sided transfers need of this side going (NIXL: UCX progress, with
-        back-off) until the returned function is called (idempotent). The default needs
-        nothing."""
-        return _nothing
+        """:meth:`OneSided.lend` where the link is :attr:`one_sided`; else nothing is
+        needed (the release returned does nothing)."""
+        one_sided = self.extra(ONE_SIDED)
+        return _nothing if one_sided is None else one_sided.lend()
 
     async def move_at(
         self,
@@ -269,24 +361,19 @@ class Link(abc.ABC):
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        """One-sided: read the peer's memory ``remote`` (by address; ``remote.device``
-        names where it lives on the peer: ``"cpu"``, ``"cuda:N"``) into ``local``, or
-        write ``local`` into it (``write``), in wire order. No request and no grant:
-        the peer's code is not involved, so the caller must know that the peer lent
-        that memory (a lease, :mod:`aiokv._remote._leases`). Once this returns or
-        raises, the transfer is over.
+        """:meth:`OneSided.move_at` of the link's :data:`ONE_SIDED` capability.
 
         Raises:
             LLMException: ``LLM_FEATURE_NOT_ENABLED`` when the link is not
-                :attr:`one_sided` or ``local`` is not memory it can move by address
-                (nothing moved); ``LLM_PARAM_INVALID`` when the lengths differ;
-                ``LLM_TIMEOUT`` past ``timeout`` seconds; ``LLM_FAILED`` when the transfer
-                failed (the link is then broken).
+                :attr:`one_sided` (nothing moved); otherwise as :meth:`OneSided.move_at`.
         """
-        raise LLMException(
-            "this link has no one-sided transfers",
-            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-        )
+        one_sided = self.extra(ONE_SIDED)
+        if one_sided is None:
+            raise LLMException(
+                "this link has no one-sided transfers",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        await one_sided.move_at(write, local, remote, timeout=timeout)
 
     @abc.abstractmethod
     async def read(
@@ -472,7 +559,7 @@ class Transport(abc.ABC):
     def register_memory(self, addr: int, nbytes: int, *, device: str = "cpu") -> None:  # noqa: B027
         """Tell the transport that ``[addr, addr + nbytes)`` on ``device`` (``"cpu"``,
         ``"cuda:0"``, ...) will hold grants and request buffers until
-        :meth:`deregister_memory`: a transport that moves bytes by address (NIXL)
+        :meth:`deregister_memory`: a transport that moves bytes by address (RDMA)
         registers it once with its engine. The default does nothing.
 
         Called by the owner of the memory (a pool when reserved, a user cache when

@@ -4,7 +4,7 @@ Every frame starts with one 30-byte little-endian header::
 
     offset  size  field
     0       4     magic      b"AIKV"
-    4       1     version    4
+    4       1     version    6
     5       1     type       FrameType
     6       4     status     LLMStatusCode of a reply (0 elsewhere)
     10      4     meta_len   bytes of meta that follow the header
@@ -15,13 +15,13 @@ followed by ``meta_len`` bytes of meta and, for ``DATA`` frames only, ``size`` b
 payload. Handshake and ``ERROR`` meta is a UTF-8 JSON object (:func:`encode_meta`);
 request meta is the layer above's opaque bytes, which the transport only caps.
 A reply that refuses (``READ_RESP``, ``WRITE_GRANT``, ``WRITE_DONE`` and
-``NIXL_GRANT`` with a status other than ``LLM_SUCCESS``) may carry the refuser's
+``PLANE_GRANT`` with a status other than ``LLM_SUCCESS``) may carry the refuser's
 reason as meta: UTF-8 text of at most :data:`REASON_CAP` bytes (version 4; a longer
 one is a framing violation), which the receiver sanitizes and shows, never parses.
 ``size`` is the payload length of a ``DATA`` frame, the total number of bytes
 of a transfer in ``READ_REQ`` (bytes the reader expects), ``READ_RESP`` (bytes granted)
-and ``WRITE_REQ`` (bytes to push), their NIXL variants and ``NIXL_GRANT``, the meta
-cap in ``NIXL_MD``, and 0 elsewhere.
+and ``WRITE_REQ`` (bytes to push), their plane variants and ``PLANE_GRANT``, the meta
+cap in ``PLANE_HELLO``, and 0 elsewhere.
 
 Every ``CANCEL`` is answered with a ``CANCEL_ACK`` for the same id. Frames of one link
 are read in order, so when the granter reads ``CANCEL`` every ``DATA`` byte the
@@ -32,18 +32,22 @@ the ``CANCEL_ACK`` therefore tells the requester that no byte of it lands any mo
 ``req_id`` of a ``PONG`` is that of the ``PING`` it answers, numbered by the prober in a
 space of its own (not request ids).
 
-NIXL frames (the ``nixl`` transport, which runs this protocol as its control plane):
-``NIXL_MD`` carries the sender's NIXL agent metadata as meta and, in ``size``, the
-largest meta it accepts; it is sent when a link comes up and again before a grant that
-needs newer metadata. A TCP-only side ignores it and so never receives the other NIXL
-frames. ``NREAD_REQ`` / ``NWRITE_REQ`` are ``READ_REQ`` / ``WRITE_REQ`` from a requester
-whose buffers NIXL can reach; the granter answers either as for the plain request
-(``READ_RESP`` / ``WRITE_GRANT``, the bytes then move as ``DATA``) or with
-``NIXL_GRANT``: status, ``size`` granted bytes, and meta = an 8-byte tag, the granted
-memory's NIXL kind (u32: 0 ``DRAM``, 1 ``VRAM``) and device id (u32), then the granted
-memory as little-endian ``(address, length)`` u64 pairs. The requester then
-moves the bytes itself with a NIXL READ (and sends ``READ_DONE``) or a NIXL WRITE
-that carries the tag as its notification (and waits for ``WRITE_DONE``).
+Plane frames (version 6), for a link whose payload may move on another medium than
+the socket (its *data plane*, ``tcp/_plane.py``; the link stays the control plane):
+``PLANE_HELLO`` carries the sender's plane greeting as meta (a u8 length and the
+plane's ASCII name, then the plane's opaque payload) and, in ``size``, the largest
+meta the sender accepts; it is sent when a link comes up and again whenever the plane
+has news for the peer (before a grant that needs it). A side whose plane has another
+name (or none: every payload as ``DATA``) ignores it and so never receives the other
+plane frames. ``PLANE_READ_REQ`` / ``PLANE_WRITE_REQ`` are ``READ_REQ`` /
+``WRITE_REQ`` from a requester whose plane can move the buffers; the granter answers
+either as for the plain request (``READ_RESP`` / ``WRITE_GRANT``, the bytes then move
+as ``DATA``) or with ``PLANE_GRANT``: status, ``size`` granted bytes, and meta = the
+granter plane's opaque grant (e.g. the granted memory as address runs).
+The requester's plane then moves the bytes itself: a read is acknowledged with
+``READ_DONE``, a write's landing is confirmed by the granter's ``WRITE_DONE`` as over
+``DATA``. A ``PLANE_GRANT`` answering a request that was not a plane request fails
+that request (``LLM_PARAM_INVALID``).
 
 Request ids name the side that started the request: the connecting side numbers its
 requests 0, 2, 4, ..., the accepting side 1, 3, 5, ...; ids are never reused on a link,
@@ -87,8 +91,8 @@ __all__ = [
 ]
 
 MAGIC = b"AIKV"
-#: 5: a ``NIXL_GRANT`` names its memory kind and device (VRAM grants, nixlvram)
-VERSION = 5
+#: 6: generic data-plane frames (``PLANE_*``) with an opaque plane payload
+VERSION = 6
 HEADER = struct.Struct("<4sBBIIQQ")
 HEADER_SIZE = HEADER.size
 #: Protocol cap on one DATA frame's payload. Big transfers are cut into chunks no larger,
@@ -120,11 +124,10 @@ class FrameType(enum.IntEnum):
     CANCEL_ACK = 13  # answer to CANCEL: the granter dropped `req_id`; nothing more lands
     PING = 14  # liveness probe `req_id` (the prober's own numbering); answer PONG at once
     PONG = 15  # the answer to PING `req_id`
-    NIXL_MD = 16  # NIXL agent metadata in meta; `size`: the sender's meta cap
-    NREAD_REQ = 17  # READ_REQ from a requester that can move the bytes over NIXL
-    NWRITE_REQ = 18  # WRITE_REQ from a requester that can move the bytes over NIXL
-    NIXL_GRANT = 19  # status; on success meta = tag + kind + device + (address, length) pairs,
-    # else meta = the reason
+    PLANE_HELLO = 16  # the sender's plane name and greeting in meta; `size`: its meta cap
+    PLANE_READ_REQ = 17  # READ_REQ from a requester whose data plane can move the bytes
+    PLANE_WRITE_REQ = 18  # WRITE_REQ from a requester whose data plane can move the bytes
+    PLANE_GRANT = 19  # status; on success meta = the plane's opaque grant, else the reason
 
 
 # Frame types allowed to carry meta, with the cap that applies (None: the owner's cap).
@@ -137,10 +140,10 @@ _META_TYPES = {
     FrameType.WRITE_DONE: REASON_CAP,
     FrameType.READ_REQ: None,
     FrameType.WRITE_REQ: None,
-    FrameType.NIXL_MD: None,
-    FrameType.NREAD_REQ: None,
-    FrameType.NWRITE_REQ: None,
-    FrameType.NIXL_GRANT: None,
+    FrameType.PLANE_HELLO: None,
+    FrameType.PLANE_READ_REQ: None,
+    FrameType.PLANE_WRITE_REQ: None,
+    FrameType.PLANE_GRANT: None,
 }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiokv.transport import Grant, PeerInfo, RequestHandler, get_transport
 from aiokv.transport.nixl._descs import address_of
-from aiokv.transport.nixl._link import NixlLink
+from aiokv.transport.nixl._plane import NixlPlane
 from aiokv.transport.nixl._transport import NixlTransport
 
 
@@ -43,14 +43,12 @@ class _RegisteringHandler:
         return grant
 
 
-class _RegisteringLink(NixlLink):
-    async def read(self, meta: bytes, into: Sequence[memoryview], *, timeout: float) -> None:  # noqa: ASYNC109
-        _register(self._n, into)
-        await super().read(meta, into, timeout=timeout)
+class _RegisteringPlane(NixlPlane):
+    """Registers the buffers of every request the link offers it (the requester's)."""
 
-    async def write(self, meta: bytes, src: Sequence[memoryview], *, timeout: float) -> None:  # noqa: ASYNC109
-        _register(self._n, src)
-        await super().write(meta, src, timeout=timeout)
+    def offer(self, views: Sequence[memoryview], total: int) -> Any:
+        _register(self._n, views)
+        return super().offer(views, total)
 
 
 def registering_nixl() -> type[NixlTransport]:
@@ -58,7 +56,8 @@ def registering_nixl() -> type[NixlTransport]:
     get_transport("nixl")
 
     class RegisteringNixl(NixlTransport):
-        _link_class = _RegisteringLink
+        def _new_plane(self) -> NixlPlane:
+            return _RegisteringPlane(self)
 
         def __init__(self, cluster_id: int, handler: Any, **kwargs: Any) -> None:
             super().__init__(cluster_id, handler, **kwargs)

@@ -73,10 +73,14 @@ def _nixl_or_skip(name: str) -> None:
         _VARIANTS[name] = registering_nixl()
 
 
-@pytest.fixture(params=[*transport_names(), "tcp+tls", "nixl+reg"])
+@pytest.fixture(params=[*transport_names(), "tcp+tls", "nixl+reg", "tcp+memmove"])
 def name(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     if str(request.param).startswith("nixl"):
         _nixl_or_skip(request.param)
+    if request.param == "tcp+memmove":
+        from memmove_plane import MemmoveTransport
+
+        _VARIANTS[request.param] = MemmoveTransport
     if request.param == "tcp+tls" and request.param not in _VARIANTS:
         _VARIANTS[request.param] = tls_tcp_transport(tmp_path_factory.mktemp("pki"))
     return str(request.param)

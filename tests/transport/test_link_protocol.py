@@ -32,6 +32,17 @@ def test_the_protocol_module_does_no_io() -> None:
     assert not imported & {"asyncio", "socket", "ssl", "anyio", "trio", "selectors"}
 
 
+def test_the_link_layers_name_no_data_plane() -> None:
+    """The TCP link, the wire format and the link contract know data planes only by
+    their interface (tcp/_plane.py): no medium's name appears in them, so a new medium
+    is one new plane, not an edit of the link."""
+    root = Path(wire.__file__).parent
+    files = [*sorted((root / "tcp").glob("*.py")), root / "_base.py", root / "_wire.py"]
+    assert len(files) > 5
+    named = [f.name for f in files if "nixl" in f.read_text().lower()]
+    assert named == []
+
+
 class FakeTask:
     def __init__(self) -> None:
         self.cancelled = False
@@ -61,7 +72,7 @@ class Driver:
         self.aborted: list[Stream] = []
         self.serving: list[tuple[PeerOp, bytes, int]] = []
         self.commits: list[PeerOp] = []
-        self.nixl: list[tuple[str, object]] = []
+        self.plane: list[tuple[str, object]] = []
 
     def _post(self, frame: bytes) -> None:
         h = wire.decode_header(frame[: wire.HEADER_SIZE])
@@ -81,13 +92,13 @@ class Driver:
     def _start_commit(self, op: PeerOp, commit: Callable[[], Awaitable[Code]]) -> None:
         self.commits.append(op)
 
-    def _on_nixl_md(self, meta: bytearray | None, cap: int) -> None:
-        self.nixl.append(("md", cap))
+    def _on_plane_hello(self, meta: bytearray | None, cap: int) -> None:
+        self.plane.append(("hello", cap))
 
-    def _on_nixl_grant(
+    def _on_plane_grant(
         self, op: MyOp | None, status: Code, size: int, meta: bytearray | None
     ) -> None:
-        self.nixl.append(("grant", op))
+        self.plane.append(("grant", op))
 
     def sent(self) -> list[tuple[F, int, Code]]:
         """``(type, request id, status)`` of each frame posted, in order."""
@@ -143,19 +154,19 @@ def test_ending_our_request_forgets_it_and_cancels_it_at_the_peer() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kind", "is_read", "nixl"),
+    ("kind", "is_read", "plane"),
     [
         (F.READ_REQ, True, False),
         (F.WRITE_REQ, False, False),
-        (F.NREAD_REQ, True, True),
-        (F.NWRITE_REQ, False, True),
+        (F.PLANE_READ_REQ, True, True),
+        (F.PLANE_WRITE_REQ, False, True),
     ],
 )
-def test_a_peer_request_starts_serving(kind: F, is_read: bool, nixl: bool) -> None:
+def test_a_peer_request_starts_serving(kind: F, is_read: bool, plane: bool) -> None:
     proto, driver = make(initiator=True)  # the peer's ids are odd
     feed(proto, kind, 7, meta=b"key", size=100)
     [(op, meta, size)] = driver.serving
-    assert (op.rid, op.is_read, op.nixl, meta, size) == (7, is_read, nixl, b"key", 100)
+    assert (op.rid, op.is_read, op.plane, meta, size) == (7, is_read, plane, b"key", 100)
     assert proto.theirs == {7: op}
     assert driver.posted == []
 
@@ -461,13 +472,13 @@ def test_handshake_frames_after_the_handshake_are_violations() -> None:
         feed(proto, F.HELLO, meta=b"{}")
 
 
-def test_nixl_frames_go_to_the_link() -> None:
+def test_plane_frames_go_to_the_link() -> None:
     proto, driver = make()
     op = mine(proto, is_read=True)
-    feed(proto, F.NIXL_MD, meta=b"md", size=512)
-    feed(proto, F.NIXL_GRANT, op.rid, status=Code.LLM_FAILED)
-    feed(proto, F.NIXL_GRANT, 1, status=Code.LLM_FAILED)  # the peer's parity: no op
-    assert driver.nixl == [("md", 512), ("grant", op), ("grant", None)]
+    feed(proto, F.PLANE_HELLO, meta=b"md", size=512)
+    feed(proto, F.PLANE_GRANT, op.rid, status=Code.LLM_FAILED)
+    feed(proto, F.PLANE_GRANT, 1, status=Code.LLM_FAILED)  # the peer's parity: no op
+    assert driver.plane == [("hello", 512), ("grant", op), ("grant", None)]
 
 
 def test_close_fails_everything_pending() -> None:

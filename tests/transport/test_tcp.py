@@ -610,6 +610,35 @@ async def test_oversized_chunk_breaks_the_link() -> None:
             await client.aclose()
 
 
+async def test_a_plane_grant_to_a_plain_request_fails_only_that_request() -> None:
+    """A link whose plane offered nothing (plain TCP) never moves a plane grant: the
+    request fails LLM_PARAM_INVALID, nothing lands, the link stays up."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _fake_peer_hello(reader, writer)
+        h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+        await reader.readexactly(h.meta_len)
+        # a greeting of some plane, then its grant of our plain READ_REQ
+        writer.write(wire.encode_frame(FrameType.PLANE_HELLO, meta=b"\x04rdma", size=64))
+        grant = bytes(8 + 8 + 16)
+        writer.write(wire.encode_frame(FrameType.PLANE_GRANT, h.req_id, meta=grant, size=10))
+        with contextlib.suppress(Exception):
+            await reader.read()
+
+    async with fake_peer(serve) as port:
+        client = TcpTransport(1, FakeHandler())
+        try:
+            link = await client.connect(HOST, port, timeout=5)
+            into = bytearray(b"x" * 10)
+            with pytest.raises(LLMException) as info:
+                await link.read(js({}), [memoryview(into)], timeout=5)
+            assert info.value.status_code == Code.LLM_PARAM_INVALID
+            assert into == b"x" * 10
+            assert not link.broken
+        finally:
+            await client.aclose()
+
+
 async def test_aclose_fails_pending_and_leaves_nothing_behind() -> None:
     before = asyncio.all_tasks()
     async with make_pair() as p:

@@ -76,9 +76,14 @@ def test_malformed_header_rejected(fields: dict[str, int | bytes], match: str) -
         wire.decode_header(raw_header(**fields))  # type: ignore[arg-type]
 
 
-def test_version_is_5_since_nixl_grants_name_their_memory_kind() -> None:
-    assert wire.VERSION == 5  # 4: refusals carry reasons
+def test_version_is_6_since_data_planes_have_generic_frames() -> None:
+    assert wire.VERSION == 6  # 4: refusals carry reasons; 5: memory kinds in grants
     assert wire.REASON_CAP == 512
+
+
+def test_a_peer_of_an_older_version_is_refused() -> None:
+    with pytest.raises(WireError, match="unsupported protocol version 5"):
+        wire.decode_header(raw_header(version=5))
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,9 @@
 
 Composition: it *is* a :class:`~aiokv.transport.tcp.TcpTransport` (listening, the
 authenticated handshake, ``link_secret``, TLS, pre-auth caps, PING/PONG, every request's
-meta, grant and refusal), whose links are :class:`NixlLink` s. A link that comes up
-sends this side's NIXL agent metadata over itself (``NIXL_MD``); the peer loads it
+meta, grant and refusal), whose links each carry a :class:`NixlPlane` (their data
+plane). A link that comes up sends this side's NIXL agent metadata over itself (the
+plane's greeting); the peer loads it
 (``add_remote_agent``) and unloads it when the last link to that agent ends. No etcd,
 no NIXL listener. A request whose buffers all lie in registered memory asks for a
 NIXL grant; the granter answers with the validated grant's memory as descriptors and the
@@ -12,7 +13,7 @@ notification tells the granter it landed). Anything else moves as TCP ``DATA``.
 
 Memory is registered by kind: host memory as ``DRAM``, ``cuda:N`` memory as ``VRAM``
 of device N (one region table each). Device memory moves only by address: requester
-buffers as :class:`~aiokv.transport.DeviceRuns` (where :meth:`NixlLink.addressable`),
+buffers as :class:`~aiokv.transport.DeviceRuns` (where :meth:`NixlPlane.addressable`),
 grants as :attr:`~aiokv.transport.Grant.device` (offered to the handler as ``direct``
 for a NIXL request); either side's device memory pairs with the other's host or device
 memory in one transfer (UCX moves it GPU-direct where it can).
@@ -41,11 +42,8 @@ from .._base import Link, check_address, check_connect_timeout
 from ..tcp import TcpTransport
 from ..tcp._ops import PeerOp, State
 from ._agent import Agent
-from ._link import POLL_MAX_S, POLL_MIN_S, NixlLink, NixlOwner
+from ._plane import POLL_MAX_S, POLL_MIN_S, NixlOwner, NixlPlane
 from ._regions import Regions
-
-if TYPE_CHECKING:
-    from ..tcp._link import TcpLink
 
 __all__ = ["POLL_MAX_S", "POLL_MIN_S", "NixlTransport"]
 
@@ -68,8 +66,6 @@ class NixlTransport(TcpTransport):
     before is registered with it then.
     """
 
-    _link_class: type[TcpLink] = NixlLink
-
     def _init_state(self) -> None:
         super()._init_state()
         self.regions = Regions()  # host memory ("DRAM")
@@ -82,8 +78,8 @@ class NixlTransport(TcpTransport):
         self._remote_refs: dict[str, int] = {}  # peer agent -> links using it
         self._tags = itertools.count(1)
         # NIXL grants being served, and the pushes whose notification is awaited
-        self._served: dict[PeerOp, NixlLink] = {}
-        self._expect: dict[bytes, tuple[NixlLink, PeerOp]] = {}
+        self._served: dict[PeerOp, NixlPlane] = {}
+        self._expect: dict[bytes, tuple[NixlPlane, PeerOp]] = {}
         self._pump_task: asyncio.Task[None] | None = None
         self._lent = 0  # memory lent for one-sided transfers (progress while any is)
         self.xfers = 0  # NIXL transfers not yet released (all links)
@@ -229,12 +225,16 @@ class NixlTransport(TcpTransport):
 
     # ------------------------------------------------------------------ serving side
 
-    def serve(self, link: NixlLink, op: PeerOp, tag: bytes | None) -> None:
+    def _new_plane(self) -> NixlPlane:
+        """Every link of this transport moves its payload over NIXL where it can."""
+        return NixlPlane(self)
+
+    def serve(self, plane: NixlPlane, op: PeerOp, tag: bytes | None) -> None:
         """Track a NIXL grant being served (``tag``: the push notification it awaits) and
         make sure notifications are polled (which is also UCX's progress here)."""
-        self._served[op] = link
+        self._served[op] = plane
         if tag is not None:
-            self._expect[tag] = (link, op)
+            self._expect[tag] = (plane, op)
         self._progress()
 
     def lend(self) -> Callable[[], None]:
@@ -307,5 +307,5 @@ class NixlTransport(TcpTransport):
 if TYPE_CHECKING:
 
     def _owns_links(transport: NixlTransport) -> NixlOwner:
-        """Static check (mypy): a NixlTransport is what its links expect of their owner."""
+        """Static check (mypy): a NixlTransport is what its planes expect of their owner."""
         return transport

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar, final
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +19,7 @@ from ..._errors import LLMException
 from .. import _wire as wire
 from .._base import (
     DIRECT_REFUSED,
+    Capability,
     DeviceRuns,
     DirectCheck,
     Grant,
@@ -28,6 +29,7 @@ from .._base import (
     check_grant,
     check_probe_timeout,
     check_request,
+    decode_reason,
     flatten_views,
     grant_reason,
     refusal,
@@ -41,6 +43,7 @@ from ._io import (
     vectored,
 )
 from ._ops import MyOp, PeerOp, RunCursor, State, Stream, cursor_of
+from ._plane import DataPlane
 from ._protocol import NOT_DIRECT, LinkProtocol
 from ._writer import BLOCKED, MORE, YIELD_BYTES, Writer
 
@@ -68,6 +71,7 @@ _REPLY_STALL_S = 30.0
 # How long a cancelled or timed-out write waits for the peer's CANCEL_ACK: its remaining
 # time, clamped to this range (seconds). Without the ack in time the link is dropped.
 _CANCEL_ACK_WAIT: Final = (0.5, 5.0)
+T = TypeVar("T")
 
 
 class LinkOwner(Protocol):
@@ -87,8 +91,13 @@ class LinkOwner(Protocol):
     def _link_lost(self, link: TcpLink) -> None: ...
 
 
+@final
 class TcpLink(Link):
-    """One connected socket with its reader and writer tasks; see the module docstring."""
+    """One connected socket with its reader and writer tasks; see the module docstring.
+
+    Payload moves as ``DATA`` frames on the socket, or by its data ``plane`` where that
+    plane offers to move it (see :mod:`._plane`).
+    """
 
     def __init__(
         self,
@@ -97,6 +106,7 @@ class TcpLink(Link):
         peer: PeerInfo,
         *,
         initiator: bool,
+        plane: DataPlane,
         first_frame: bytes | None = None,
     ) -> None:
         self.local_cluster_id = transport.local_cluster_id
@@ -124,6 +134,8 @@ class TcpLink(Link):
         self._tasks: set[asyncio.Task[None]] = set()
         self._reader = self._spawn(self._read_loop(), "reader")
         self._writer = self._spawn(self._write_loop(), "writer")
+        self._plane = plane
+        plane.bind(self)
 
     def __repr__(self) -> str:
         state = "broken" if self._broken else "up"
@@ -135,6 +147,9 @@ class TcpLink(Link):
     def broken(self) -> bool:
         return self._broken
 
+    def extra(self, capability: Capability[T]) -> T | None:
+        return None if self._broken else self._plane.extra(capability)
+
     # ---------------------------------------------------------------- public operations
 
     async def read(
@@ -144,22 +159,23 @@ class TcpLink(Link):
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        views, total, direct = self._buffers("Link.read", into, writable=True)
+        views, total, plan = self._buffers("Link.read", into, writable=True)
         frame_meta = self._prepare("Link.read", meta, timeout)
         op = self._start(is_read=True, total=total)
         op.device = isinstance(into, DeviceRuns)
-        if not op.device:  # a direct request may be answered with DATA too
+        op.plan = plan
+        if not op.device:  # a plane request may be answered with DATA too
             op.cursor = cursor_of(views, total)
         acked = False
         try:
-            kind = _F.READ_REQ if direct is None else _F.NREAD_REQ
+            kind = _F.READ_REQ if plan is None else _F.PLANE_READ_REQ
             self._post(wire.encode_frame(kind, op.rid, meta=frame_meta, size=total))
             try:
                 async with asyncio.timeout(timeout):
-                    if direct is not None:
+                    if plan is not None:
                         await op.until_granted_or_over()
                         if op.remote is not None and op.result is None:
-                            await self._move_direct(op, direct)
+                            await self._plane.move(op, plan)
                     await op.until_over()
             except TimeoutError:
                 self._timed_out(op, "Link.read", timeout)
@@ -179,21 +195,22 @@ class TcpLink(Link):
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        views, total, direct = self._buffers("Link.write", src, writable=False)
+        views, total, plan = self._buffers("Link.write", src, writable=False)
         frame_meta = self._prepare("Link.write", meta, timeout)
         op = self._start(is_read=False, total=total)
         op.device = isinstance(src, DeviceRuns)
+        op.plan = plan
         deadline = self._loop.time() + timeout
         ok = False
         try:
-            kind = _F.WRITE_REQ if direct is None else _F.NWRITE_REQ
+            kind = _F.WRITE_REQ if plan is None else _F.PLANE_WRITE_REQ
             self._post(wire.encode_frame(kind, op.rid, meta=frame_meta, size=total))
             try:
                 async with asyncio.timeout(timeout):
                     await op.until_granted_or_over()
                     if op.state is State.SENDING and op.result is None and total:
                         if op.remote is not None:
-                            await self._move_direct(op, direct)
+                            await self._plane.move(op, plan)
                         elif op.device:  # a WRITE_GRANT: device memory cannot go as DATA
                             op.finish(_S.LLM_FAILED, NOT_DIRECT)
                         else:  # a WRITE_GRANT: the bytes go as DATA
@@ -206,7 +223,7 @@ class TcpLink(Link):
                 raise self._refused("Link.write", op)
             ok = True
         finally:
-            data = op.stream is not None and op.remote is None  # DATA frames, not direct
+            data = op.stream is not None and op.remote is None  # DATA frames, not the plane
             if op.stream is not None:
                 self._abort_stream(op.stream)
             self._end(op, cancel=not ok)
@@ -218,41 +235,16 @@ class TcpLink(Link):
     def _buffers(
         self, name: str, bufs: Sequence[memoryview] | DeviceRuns, *, writable: bool
     ) -> tuple[Sequence[memoryview], int, Any | None]:
-        """``(flat views, total, direct plan)`` of a request's buffers; device memory
-        has no views and always a plan (else ``LLM_PARAM_INVALID``)."""
+        """``(flat views, total, the plane's plan)`` of a request's buffers (no plan:
+        the payload moves as DATA); device memory has no views and always a plan (else
+        ``LLM_PARAM_INVALID``)."""
         if isinstance(bufs, DeviceRuns):
-            plan = self._direct_device(bufs)
+            plan = self._plane.offer_device(bufs)
             if plan is None:
                 flatten_views(name, bufs, writable=writable)  # raises: not addressable
             return [], bufs.total, plan
         views, total = flatten_views(name, bufs, writable=writable)
-        return views, total, self._direct(views, total)
-
-    def _direct_device(self, dev: DeviceRuns) -> Any | None:
-        """Hook: as :meth:`_direct`, for device memory (which can move no other way)."""
-        return None
-
-    def _direct_check(self, op: PeerOp) -> DirectCheck | None:
-        """Hook: the ``direct`` to offer the handler for the peer's request ``op``, or
-        None when this link could not serve it from device memory by address."""
-        return None
-
-    def _serve_device(self, op: PeerOp, dev: DeviceRuns) -> bool:
-        """Hook: as :meth:`_serve_nixl`, for a device grant (False: refused)."""
-        return False
-
-    def _direct(self, views: Sequence[memoryview], total: int) -> Any | None:
-        """Hook: a plan to move ``views`` outside this socket (a NIXL link: their
-        memory's address runs), or None to move them as DATA frames. With a plan the
-        request is sent as ``NREAD_REQ`` / ``NWRITE_REQ``, and a ``NIXL_GRANT`` answer
-        is moved by :meth:`_move_direct`."""
-        return None
-
-    async def _move_direct(self, op: MyOp, plan: Any) -> None:
-        """Hook: move granted ``op``'s payload per ``plan`` (``op.remote``: the grant).
-        When it returns or raises, nothing touches the buffers any more. Never called
-        on a link whose :meth:`_direct` returns None."""
-        raise NotImplementedError
+        return views, total, self._plane.offer(views, total) if total else None
 
     async def aclose(self) -> None:
         if not self._broken and self._w.between_frames():
@@ -528,20 +520,44 @@ class TcpLink(Link):
 
     # --------------------------------------------------- actions of the link protocol
 
-    def _on_nixl_md(self, meta: bytearray | None, cap: int) -> None:
-        """The peer's NIXL agent metadata: a TCP link ignores it (it speaks no NIXL, so
-        the peer never asks it for a NIXL transfer)."""
+    def _on_plane_hello(self, meta: bytearray | None, cap: int) -> None:
+        """The peer's plane greeting: for our plane if it names it (else, or skipped
+        unread: ignored, and no plane request of ours is ever granted by a plane)."""
+        if meta is None or not meta or self._broken:
+            return
+        n = meta[0]
+        if meta[1 : 1 + n] == self._plane.name.encode():
+            self._plane.hello(bytes(meta[1 + n :]), cap)
 
-    def _on_nixl_grant(
+    def _on_plane_grant(
         self, op: MyOp | None, status: LLMStatusCode, size: int, meta: bytearray | None
     ) -> None:
-        """A NIXL grant: only an answer to a NIXL request, which a TCP link never sends."""
-        raise wire.WireError("unexpected NIXL_GRANT frame")
+        """The peer's plane grant answering our plane request ``op`` (None: not ours)."""
+        if op is None or op.state is not State.WAIT_REPLY:
+            return  # late answer of a request we dropped
+        if status is not _S.LLM_SUCCESS:
+            op.finish(status, decode_reason(meta) if meta else "")
+            return
+        remote = None
+        if op.plan is not None and meta is not None and size == op.total:
+            remote = self._plane.accept(meta, size)
+        if remote is None:  # the peer should have refused; never trust it
+            op.finish(_S.LLM_PARAM_INVALID, "it granted a transfer it may not")
+            return
+        op.remote = remote
+        op.cursor = None  # no DATA lands in our buffers now
+        op.grant()
+        if op.is_read:
+            op.state = State.RECEIVING
 
-    def _serve_nixl(self, op: PeerOp, views: Sequence[memoryview], total: int) -> bool:
-        """Answer the peer's NIXL request ``op`` with a NIXL grant of ``views``; True if it
-        did. A TCP link never does: the bytes move as DATA frames."""
-        return False
+    def _hello(self, payload: bytes) -> None:
+        name = self._plane.name.encode()
+        meta = bytes((len(name),)) + name + payload
+        self._post(wire.encode_frame(_F.PLANE_HELLO, meta=meta, size=self._t.max_meta_bytes))
+
+    def _plane_landed(self, op: PeerOp) -> None:
+        if self._theirs.get(op.rid) is op and op.state is State.RECEIVING:
+            self._filled(op)
 
     def _start_serving(self, op: PeerOp, meta: bytes, size: int) -> None:
         op.task = self._spawn(self._serve(op, meta, size), f"serve-{op.rid}")
@@ -551,7 +567,7 @@ class TcpLink(Link):
 
     async def _serve(self, op: PeerOp, meta: bytes, size: int) -> None:
         """Ask the handler, then answer the peer and start the transfer."""
-        direct = self._direct_check(op)
+        direct = self._plane.direct(op) if op.plane else None
         grant = await self._ask(op, meta, size, direct)
         status, views, total = check_grant(
             grant, _grant_name(op), writable=not op.is_read, device_ok=direct is not None
@@ -577,10 +593,10 @@ class TcpLink(Link):
         """The handler's answer to the peer's request ``op`` (a failure: a refusal)."""
         handler = self._t.handler
         try:
-            if direct is not None:  # only then: handlers without device memory lack it
+            if direct is not None:  # only then: handlers without device memory may lack it
                 if op.is_read:
-                    return await handler.grant_read(self.peer, meta, direct=direct)  # type: ignore[call-arg]
-                return await handler.grant_write(self.peer, meta, size, direct=direct)  # type: ignore[call-arg]
+                    return await handler.grant_read(self.peer, meta, direct=direct)
+                return await handler.grant_write(self.peer, meta, size, direct=direct)
             if op.is_read:
                 return await handler.grant_read(self.peer, meta)
             return await handler.grant_write(self.peer, meta, size)
@@ -592,12 +608,16 @@ class TcpLink(Link):
 
     def _answer(self, op: PeerOp, grant: Grant, views: Sequence[memoryview], total: int) -> None:
         """Answer the peer's request ``op`` that the handler granted, and start the
-        transfer: by address (a NIXL link), else as DATA frames."""
+        transfer: by the data plane where it takes the grant, else as DATA frames."""
         if grant.device is not None:  # never as DATA: by address, or refused
-            if not self._serve_device(op, grant.device):
-                self._p.refuse(op, _S.LLM_FAILED, "device memory not reachable by NIXL")
+            payload = self._plane.answer_device(op, grant.device)
+            if payload is None:
+                self._p.refuse(op, _S.LLM_FAILED, "device memory not reachable by address")
+            else:
+                self._grant_plane(op, payload, total)
             return
-        if op.nixl and total and self._serve_nixl(op, views, total):
+        if op.plane and total and (payload := self._plane.answer(op, views, total)) is not None:
+            self._grant_plane(op, payload, total)
             return
         if op.is_read:
             op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL
@@ -610,6 +630,13 @@ class TcpLink(Link):
             self._post(wire.encode_frame(_F.WRITE_GRANT, op.rid))
             if not total:
                 self._filled(op)
+
+    def _grant_plane(self, op: PeerOp, payload: bytes, total: int) -> None:
+        """Answer the peer's request ``op`` with its plane's grant ``payload``: the
+        requester's plane moves the bytes (a read is held until READ_DONE or CANCEL, a
+        write until its plane sees it landed)."""
+        op.state = State.SENDING if op.is_read else State.RECEIVING
+        self._post(wire.encode_frame(_F.PLANE_GRANT, op.rid, meta=payload, size=total))
 
     def _filled(self, sink: MyOp | PeerOp) -> None:
         """Every byte of ``sink`` landed (see :meth:`LinkProtocol.filled`)."""
@@ -648,6 +675,7 @@ class TcpLink(Link):
         for task in (self._reader, self._writer):
             if task is not current:
                 task.cancel()
+        self._plane.closed()
         self._t._link_lost(self)
 
     async def _join(self) -> None:

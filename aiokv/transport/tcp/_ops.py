@@ -172,6 +172,7 @@ class MyOp:
         "granted",
         "is_read",
         "peer_over",
+        "plan",
         "reason",
         "remote",
         "result",
@@ -195,8 +196,8 @@ class MyOp:
         self.peer_over = False  # a write's WRITE_DONE came: the peer writes no more of it
         self.result: LLMStatusCode | None = None  # final outcome
         self.reason = ""  # the peer's reason for a refusal (sanitized), with the outcome
-        # a NIXL grant: the tag and the granted (address, length) rows of peer memory
-        self.remote: tuple[bytes, Any] | None = None
+        self.plan: Any | None = None  # the data plane's plan: sent as a plane request
+        self.remote: Any | None = None  # the plane's grant (DataPlane.accept) of it
 
     def grant(self) -> None:
         self.granted = True
@@ -233,7 +234,7 @@ class MyOp:
 class PeerOp:
     """A request the peer started, which this side serves."""
 
-    __slots__ = ("_done", "commit", "cursor", "is_read", "nixl", "rid", "state", "stream", "task")
+    __slots__ = ("_done", "commit", "cursor", "is_read", "plane", "rid", "state", "stream", "task")
 
     def __init__(self, rid: int, is_read: bool) -> None:
         self.rid = rid
@@ -244,7 +245,7 @@ class PeerOp:
         self.stream: Stream | None = None
         self._done: Callable[[bool], None] | None = None
         self.commit: Callable[[], Awaitable[LLMStatusCode]] | None = None  # Grant.commit
-        self.nixl = False  # the peer asked for a NIXL transfer (NREAD_REQ / NWRITE_REQ)
+        self.plane = False  # a plane request (PLANE_READ_REQ / PLANE_WRITE_REQ)
 
     def bind(self, done: Callable[[bool], None] | None) -> None:
         self._done = done

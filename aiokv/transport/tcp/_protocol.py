@@ -8,8 +8,9 @@ backpressure), our cancelled writes awaiting ``CANCEL_ACK`` and our probes await
 to the one handler of its type (:attr:`LinkProtocol.handlers`); what the frame calls
 for beyond the state kept here, the protocol asks of its :class:`LinkDriver` (the
 :class:`~aiokv.transport.tcp._link.TcpLink`): post a frame, break the link, withdraw
-a payload stream, start serving a request or committing a write, or hand a NIXL frame
-to the link. The driver owns the socket, its reader and writer tasks and the streams.
+a payload stream, start serving a request or committing a write, or hand a plane frame
+to the link (for its data plane, ``_plane.py``). The driver owns the socket, its reader
+and writer tasks and the streams.
 
 This module does no I/O and imports neither ``asyncio`` nor ``socket`` (a test
 checks), so it is tested frame by frame without either.
@@ -36,10 +37,10 @@ NOT_DIRECT: Final = "granted memory not reachable by address"
 # confirmations) cost their length plus this much heap while queued; our own requests
 # do not count, so two busy peers cannot stop each other.
 _REPLY_TYPES: Final = frozenset(
-    {_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE, _F.CANCEL_ACK, _F.PONG, _F.ERROR, _F.NIXL_GRANT}
+    {_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE, _F.CANCEL_ACK, _F.PONG, _F.ERROR, _F.PLANE_GRANT}
 )
 _REPLY_OVERHEAD: Final = 64
-_REQUEST_TYPES: Final = (_F.READ_REQ, _F.WRITE_REQ, _F.NREAD_REQ, _F.NWRITE_REQ)
+_REQUEST_TYPES: Final = (_F.READ_REQ, _F.WRITE_REQ, _F.PLANE_READ_REQ, _F.PLANE_WRITE_REQ)
 # Replies whose meta is a refusal's reason (capped by the wire at REASON_CAP): always read.
 _REASON_TYPES: Final = frozenset({_F.READ_RESP, _F.WRITE_GRANT, _F.WRITE_DONE})
 
@@ -73,13 +74,13 @@ class LinkDriver(Protocol):
     def _start_commit(self, op: PeerOp, commit: Commit) -> None:
         """Run the peer's landed write's ``commit``, then :meth:`~LinkProtocol.landed`."""
 
-    def _on_nixl_md(self, meta: bytearray | None, cap: int) -> None:
-        """The peer's NIXL agent metadata."""
+    def _on_plane_hello(self, meta: bytearray | None, cap: int) -> None:
+        """The peer's ``PLANE_HELLO``: its meta (None: skipped unread) and meta cap."""
 
-    def _on_nixl_grant(
+    def _on_plane_grant(
         self, op: MyOp | None, status: LLMStatusCode, size: int, meta: bytearray | None
     ) -> None:
-        """A NIXL grant answering our request ``op`` (None: not one of ours)."""
+        """A ``PLANE_GRANT`` answering our request ``op`` (None: not one of ours)."""
 
 
 def _wake(waiter: Waiter) -> None:
@@ -126,8 +127,8 @@ class LinkProtocol:
             _F.CLOSE: self._on_close,
             _F.PING: self._on_ping,
             _F.PONG: self._on_pong,
-            _F.NIXL_MD: self._on_nixl_md,
-            _F.NIXL_GRANT: self._on_nixl_grant,
+            _F.PLANE_HELLO: self._on_plane_hello,
+            _F.PLANE_GRANT: self._on_plane_grant,
         }
         self.handlers.update(dict.fromkeys(_REQUEST_TYPES, self._on_request))
 
@@ -228,12 +229,12 @@ class LinkProtocol:
             status = _S.LLM_PARAM_INVALID
             why = f"request meta of {h.meta_len} bytes exceeds {self.max_meta_bytes}"
         else:
-            is_read = h.type is _F.READ_REQ or h.type is _F.NREAD_REQ
+            is_read = h.type is _F.READ_REQ or h.type is _F.PLANE_READ_REQ
             op = self.theirs[rid] = PeerOp(rid, is_read)
-            op.nixl = h.type is _F.NREAD_REQ or h.type is _F.NWRITE_REQ
+            op.plane = h.type is _F.PLANE_READ_REQ or h.type is _F.PLANE_WRITE_REQ
             self._out._start_serving(op, bytes(meta), h.size)
             return
-        is_read = h.type is _F.READ_REQ or h.type is _F.NREAD_REQ
+        is_read = h.type is _F.READ_REQ or h.type is _F.PLANE_READ_REQ
         self.reply(_F.READ_RESP if is_read else _F.WRITE_GRANT, rid, status, why)
 
     def _theirs_of(self, rid: int) -> PeerOp | None:
@@ -364,13 +365,13 @@ class LinkProtocol:
         if pong is not None:
             _wake(pong)
 
-    def _on_nixl_md(self, h: wire.Header, meta: bytearray | None) -> None:
-        self._out._on_nixl_md(meta, h.size)
+    def _on_plane_hello(self, h: wire.Header, meta: bytearray | None) -> None:
+        self._out._on_plane_hello(meta, h.size)
 
-    def _on_nixl_grant(self, h: wire.Header, meta: bytearray | None) -> None:
+    def _on_plane_grant(self, h: wire.Header, meta: bytearray | None) -> None:
         rid = h.req_id
         op = self.mine.get(rid) if rid % 2 != self.peer_parity else None
-        self._out._on_nixl_grant(op, code_of(h.status), h.size, meta)
+        self._out._on_plane_grant(op, code_of(h.status), h.size, meta)
 
     def close(self) -> None:
         """The link broke: fail our requests, end the peer's, wake every waiter."""

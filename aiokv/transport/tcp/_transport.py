@@ -28,6 +28,7 @@ from .._tls import TlsContexts
 from ._handshake import ACCEPTED, AuthError, HandshakeError, client_handshake, server_handshake
 from ._io import SockIO
 from ._link import TcpLink
+from ._plane import STREAM, DataPlane
 from ._tls_io import TlsSockIO
 
 __all__ = ["TcpTransport"]
@@ -76,9 +77,6 @@ class TcpTransport(Transport):
     ``max_links_per_host`` descriptors per address, for a while, and never keeps a
     legitimate peer out.
     """
-
-    #: the class of this transport's links (a subclass may serve links of its own)
-    _link_class: type[TcpLink] = TcpLink
 
     def __init__(
         self,
@@ -300,8 +298,13 @@ class TcpTransport(Transport):
     def _adopt(self, io: SockIO, peer: PeerInfo, *, initiator: bool) -> TcpLink:
         # The accepting side's last handshake frame is the link's first, queued before
         # on_link registers the link: the peer sees it accepted only once it is.
-        link = self._link_class(
-            self, io, peer, initiator=initiator, first_frame=None if initiator else ACCEPTED
+        link = TcpLink(
+            self,
+            io,
+            peer,
+            initiator=initiator,
+            plane=self._new_plane(),
+            first_frame=None if initiator else ACCEPTED,
         )
         self._links[link] = None
         if initiator:
@@ -316,6 +319,11 @@ class TcpTransport(Transport):
                 )
         self._notify(self.on_link, link)
         return link
+
+    def _new_plane(self) -> DataPlane:
+        """The data plane of a link being made: here the stream plane (every payload as
+        DATA frames); a transport with another medium hands its own (:mod:`._plane`)."""
+        return STREAM
 
     def _link_lost(self, link: TcpLink) -> None:
         self._incoming.pop(link._io, None)

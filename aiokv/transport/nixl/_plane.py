@@ -1,13 +1,15 @@
-"""NixlLink: a TCP link whose requests move their payload over NIXL when they can.
+"""NixlPlane: the data plane of a TCP link that moves payload over NIXL where it can.
 
-See :mod:`aiokv.transport.nixl._transport` for the design. The operations are
-:class:`TcpLink`'s; this class fills in its two hooks. Requester side (``_direct``): a
-request whose buffers all lie in registered memory is sent as ``NREAD_REQ`` /
-``NWRITE_REQ``; a ``NIXL_GRANT`` answer is moved with one NIXL transfer
-(``_move_direct``), any other answer as over TCP. Descriptors are numpy rows throughout
-(:mod:`._descs`): no Python loop per block on either side.
-Granter side: a NIXL request whose validated grant lies in registered memory is answered
-with ``NIXL_GRANT`` (the grant's memory as coalesced runs) instead of DATA frames.
+See :mod:`aiokv.transport.nixl._transport` for the design and
+:mod:`aiokv.transport.tcp._plane` for the interface. The operations are the
+:class:`~aiokv.transport.tcp._link.TcpLink`'s; the link hands this plane what it may
+move. Requester side (:meth:`NixlPlane.offer`): a request whose buffers all lie in
+registered memory gets a plan and is sent as a plane request; the peer plane's grant is
+moved with one NIXL transfer (:meth:`NixlPlane.move`), any other answer as over TCP.
+Descriptors are numpy rows throughout (:mod:`._descs`): no Python loop per block on
+either side. Granter side (:meth:`NixlPlane.answer`): a plane request whose validated
+grant lies in registered memory is answered with the grant's memory as coalesced runs
+instead of DATA frames. The plane greets the peer with this side's agent metadata.
 
 Buffers are off limits once an operation returns: a transfer still in flight is aborted
 (released) first, or, where NIXL cannot abort it, waited for (shielded, at most
@@ -21,26 +23,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar, cast
 
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from ..._layout import LayoutViews
 from ..._threads import Lane
-from .. import _wire as wire
-from .._base import DeviceRuns, DirectCheck, PeerInfo, decode_reason
-from ..tcp._io import SockIO
-from ..tcp._link import LinkOwner, TcpLink
-from ..tcp._ops import MyOp, PeerOp, State, Stream
+from .._base import BY_ADDRESS, ONE_SIDED, Capability, DeviceRuns, DirectCheck
+from ..tcp._ops import MyOp, PeerOp, Stream
+from ..tcp._plane import PlaneHost
 from ._agent import Agent
 from ._descs import Place, decode_grant, encode_grant, pair, runs_of
 from ._regions import Regions
 
-__all__ = ["NixlLink", "NixlOwner"]
+__all__ = ["NixlOwner", "NixlPlane"]
 
 _log = logging.getLogger("aiokv.transport.nixl")
 _S = LLMStatusCode
-_F = wire.FrameType
+T = TypeVar("T")
 # How long an operation that must return waits for a transfer NIXL cannot abort.
 _SETTLE_S: Final = 5.0
 # Back-off bounds of every NIXL poll (transfer state, notifications), seconds.
@@ -64,11 +64,12 @@ def _failed(op: MyOp) -> bool:
     return op.result is not None and (op.is_read or op.result is not _S.LLM_SUCCESS)
 
 
-class NixlOwner(LinkOwner, Protocol):
-    """What a NIXL link needs from the transport that made it (:class:`NixlTransport`):
+class NixlOwner(Protocol):
+    """What a NIXL plane needs from the transport that made it (:class:`NixlTransport`):
     its agent, registered memory and metadata, the grants it serves, its wait lane and
     transfer counters."""
 
+    max_meta_bytes: int
     agent: Agent | None
     agent_name: str
     regions: Regions
@@ -92,31 +93,45 @@ class NixlOwner(LinkOwner, Protocol):
 
     def new_tag(self) -> bytes: ...
 
-    def serve(self, link: NixlLink, op: PeerOp, tag: bytes | None) -> None: ...
+    def serve(self, plane: NixlPlane, op: PeerOp, tag: bytes | None) -> None: ...
 
     def lend(self) -> Callable[[], None]: ...
 
 
-class NixlLink(TcpLink):
-    """A :class:`TcpLink` that moves payload over NIXL where both ends can."""
+class NixlPlane:
+    """The data plane of one TCP link (:class:`~aiokv.transport.tcp._plane.DataPlane`)
+    that moves payload over NIXL where both ends can; also the link's
+    :data:`~aiokv.transport._base.BY_ADDRESS` and
+    :data:`~aiokv.transport._base.ONE_SIDED` capabilities once the peer's agent is
+    loaded."""
 
-    def __init__(
-        self,
-        transport: NixlOwner,
-        io: SockIO,
-        peer: PeerInfo,
-        *,
-        initiator: bool,
-        first_frame: bytes | None = None,
-    ) -> None:
-        super().__init__(transport, io, peer, initiator=initiator, first_frame=first_frame)
+    name = "nixl"
+
+    def __init__(self, transport: NixlOwner) -> None:
         self._n = transport
+        self._link: PlaneHost | None = None
         self.peer_agent: str | None = None  # the peer's NIXL agent, once loaded
         self._peer_cap = 0  # the largest meta the peer accepts
         self._md_gen = -1  # generation of the metadata we sent last
         self._xfers = 0  # our NIXL transfers not yet released
         self._retired = False  # the peer agent was released (link over, no transfer left)
+
+    def __repr__(self) -> str:
+        return f"<NixlPlane of {self._link!r}>"
+
+    @property
+    def link(self) -> PlaneHost:
+        assert self._link is not None, "a plane is bound to its link when the link is made"
+        return self._link
+
+    def bind(self, link: PlaneHost) -> None:
+        self._link = link
         self._send_md()
+
+    def extra(self, capability: Capability[T]) -> T | None:
+        if (capability is BY_ADDRESS or capability is ONE_SIDED) and self._usable():
+            return cast(T, self)
+        return None
 
     # ------------------------------------------------------------------ metadata
 
@@ -125,22 +140,23 @@ class NixlLink(TcpLink):
             return
         gen, md = self._n.metadata()
         name = self._n.agent_name.encode()
-        meta = len(name).to_bytes(2, "little") + name + md
-        self._post(wire.encode_frame(_F.NIXL_MD, meta=meta, size=self._n.max_meta_bytes))
+        self.link._hello(len(name).to_bytes(2, "little") + name + md)
         self._md_gen = gen
 
-    def _on_nixl_md(self, meta: bytearray | None, cap: int) -> None:
-        agent = self._n.agent
-        if meta is None or len(meta) < 2 or agent is None or self._broken:
+    def hello(self, payload: bytes, cap: int) -> None:
+        """The peer's agent metadata: loaded if it names the authenticated cluster's agent."""
+        agent, meta = self._n.agent, payload
+        if len(meta) < 2 or agent is None or self.link.broken:
             return
         n = int.from_bytes(meta[:2], "little")
         name = bytes(meta[2 : 2 + n]).decode(errors="replace")
         # the agent must be the authenticated cluster's, and the same for the whole link
-        if not name.startswith(f"aiokv-{self.peer.cluster_id}-") or name == self._n.agent_name:
+        peer = self.link.peer
+        if not name.startswith(f"aiokv-{peer.cluster_id}-") or name == self._n.agent_name:
             _log.warning("%r: peer announced NIXL agent %r; not using NIXL", self, name)
             return
         if self.peer_agent not in (None, name):
-            self._break("peer changed its NIXL agent")
+            self.link._break("peer changed its NIXL agent")
             return
         try:
             loaded = agent.add_remote(bytes(meta[2 + n :]))
@@ -148,97 +164,74 @@ class NixlLink(TcpLink):
             _log.warning("%r: peer's NIXL metadata refused: %s", self, exc)
             return
         if loaded != name:
-            self._break("peer's NIXL metadata names another agent")
+            self.link._break("peer's NIXL metadata names another agent")
             return
         if self.peer_agent is None:
             self._n.ref_remote(name)
             self.peer_agent = name
         self._peer_cap = cap
 
+    def closed(self) -> None:
+        self._retire()
+
     def _retire(self) -> None:
         """Release the peer agent once the link is over and no transfer uses it."""
-        if self._broken and not self._xfers and not self._retired:
+        if self.link.broken and not self._xfers and not self._retired:
             self._retired = True
             if self.peer_agent is not None:
                 self._n.unref_remote(self.peer_agent)
 
-    def _break(self, reason: str) -> None:
-        super()._break(reason)
-        self._retire()
-
     # ------------------------------------------------------------------ granter side
 
-    def _serve_nixl(self, op: PeerOp, views: Sequence[memoryview], total: int) -> bool:
+    def answer(self, op: PeerOp, views: Sequence[memoryview], total: int) -> bytes | None:
         runs = runs_of(views)
-        return self._n.regions.covers(runs) and self._grant_place(op, ("DRAM", 0, runs), total)
+        return self._grant_place(op, ("DRAM", 0, runs)) if self._n.regions.covers(runs) else None
 
-    def _direct_check(self, op: PeerOp) -> DirectCheck | None:
+    def direct(self, op: PeerOp) -> DirectCheck | None:
         n = self._n
-        if not (op.nixl and n.vram and self.peer_agent is not None and n.agent is not None):
+        if not (n.vram and self.peer_agent is not None and n.agent is not None):
             return None
         return n.addressable
 
-    def _serve_device(self, op: PeerOp, dev: DeviceRuns) -> bool:
+    def answer_device(self, op: PeerOp, dev: DeviceRuns) -> bytes | None:
         table = self._n._table(dev.device)
-        return (
-            table is not None
-            and table.covers(dev.runs)
-            and self._grant_place(op, (table.mem, table.dev, dev.runs), dev.total)
-        )
+        if table is None or not table.covers(dev.runs):
+            return None
+        return self._grant_place(op, (table.mem, table.dev, dev.runs))
 
-    def _grant_place(self, op: PeerOp, place: Place, total: int) -> bool:
-        """Answer ``op`` with a NIXL grant of registered memory ``place``; False when
-        it cannot (no peer agent, meta too big for the peer)."""
+    def _grant_place(self, op: PeerOp, place: Place) -> bytes | None:
+        """The grant of registered memory ``place`` for ``op``, which this plane serves
+        from now on; None when it cannot (no peer agent, meta too big for the peer)."""
         n = self._n
-        if self.peer_agent is None or n.agent is None or self._broken:
-            return False
+        if self.peer_agent is None or n.agent is None or self.link.broken:
+            return None
         tag = n.new_tag()
         meta = encode_grant(tag, place)
         if len(meta) > min(self._peer_cap, n.max_meta_bytes):
-            return False
+            return None
         if n.generation() != self._md_gen:
             self._send_md()  # before the grant: the peer must know the regions it names
-        if op.is_read:
-            op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL
-            n.serve(self, op, None)
-        else:
-            op.state = State.RECEIVING  # until the push's notification
-            n.serve(self, op, tag)
-        self._post(wire.encode_frame(_F.NIXL_GRANT, op.rid, meta=meta, size=total))
-        return True
+        # a read is held until the reader's READ_DONE or CANCEL, a write until the
+        # push's notification (tag)
+        n.serve(self, op, None if op.is_read else tag)
+        return meta
 
     def landed(self, op: PeerOp) -> None:
         """The peer's NIXL push for ``op`` notified: every byte landed."""
-        if self._theirs.get(op.rid) is op and op.state is State.RECEIVING:
-            self._filled(op)
+        self.link._plane_landed(op)
 
     # ------------------------------------------------------------------ requester side
 
-    def _on_nixl_grant(
-        self, op: MyOp | None, status: LLMStatusCode, size: int, meta: bytearray | None
-    ) -> None:
-        if op is None or op.state is not State.WAIT_REPLY:
-            return  # late answer of a request we dropped
-        if status is not _S.LLM_SUCCESS:
-            op.finish(status, decode_reason(meta) if meta else "")
-            return
-        parsed = None if meta is None or size != op.total else decode_grant(meta, size)
-        if parsed is None:
-            op.finish(_S.LLM_PARAM_INVALID)  # the peer should have refused; never trust it
-            return
-        op.remote = parsed
-        op.cursor = None  # no DATA lands in our buffers now
-        op.grant()
-        if op.is_read:
-            op.state = State.RECEIVING
+    def accept(self, grant: bytes | bytearray, size: int) -> tuple[bytes, Place] | None:
+        return decode_grant(grant, size)
 
     def addressable(self, device: str, addr: int, nbytes: int) -> bool:
         return self._usable() and self._n.addressable(device, addr, nbytes)
 
     def _usable(self) -> bool:
-        return self.peer_agent is not None and self._n.agent is not None and not self._broken
+        return self.peer_agent is not None and self._n.agent is not None and not self.link.broken
 
-    def _direct(self, views: Sequence[memoryview], total: int) -> Place | None:
+    def offer(self, views: Sequence[memoryview], total: int) -> Place | None:
         """Our ``("DRAM", 0, rows)`` of ``views`` if NIXL can move them on this link,
         else None (they move as DATA)."""
         if not total or not self._usable():
@@ -246,15 +239,11 @@ class NixlLink(TcpLink):
         runs = runs_of(views)
         return ("DRAM", 0, runs) if self._n.regions.covers(runs) else None
 
-    def _direct_device(self, dev: DeviceRuns) -> Place | None:
+    def offer_device(self, dev: DeviceRuns) -> Place | None:
         table = self._n._table(dev.device)
         if table is None or not dev.runs.size or not self._usable():
             return None
         return (table.mem, table.dev, dev.runs) if table.covers(dev.runs) else None
-
-    @property
-    def one_sided(self) -> bool:
-        return self._usable()
 
     def publish(self) -> None:
         if self._usable() and self._n.generation() != self._md_gen:
@@ -273,11 +262,11 @@ class NixlLink(TcpLink):
     ) -> None:
         if isinstance(local, DeviceRuns):
             total = local.total
-            plan = self._direct_device(local)
+            plan = self.offer_device(local)
         else:
             total = local.total if isinstance(local, LayoutViews) else sum(map(len, local))
             views = local if isinstance(local, list | LayoutViews) else list(local)
-            plan = self._direct(views, total)
+            plan = self.offer(views, total)
         far = _far_place(remote)
         if plan is None or far is None or self.peer_agent is None:
             raise LLMException(
@@ -306,7 +295,7 @@ class NixlLink(TcpLink):
         state = "PROC"
         try:
             async with asyncio.timeout(timeout):
-                state = await self._run(xfer, total, lambda: self._broken)
+                state = await self._run(xfer, total, lambda: self.link.broken)
         except TimeoutError:
             raise LLMException(
                 f"one-sided NIXL {kind} not done within {timeout:.3g} s",
@@ -319,10 +308,10 @@ class NixlLink(TcpLink):
             self._n.moved_bytes += total
             return
         if state == "ERR":
-            self._break("NIXL transfer failed")
+            self.link._break("NIXL transfer failed")
         raise LLMException(f"one-sided NIXL {kind} failed", status_code=_S.LLM_LINK_FAILED)
 
-    async def _move_direct(self, op: MyOp, plan: Place) -> None:
+    async def move(self, op: MyOp, plan: Place) -> None:
         """Move ``op``'s payload with one NIXL transfer; when this returns or raises the
         transfer is over (done, aborted or, at worst, the link broken)."""
         assert op.remote is not None and self.peer_agent is not None
@@ -336,7 +325,7 @@ class NixlLink(TcpLink):
             notif = b"" if op.is_read else tag
             xfer = agent.xfer(kind, local, far, self.peer_agent, notif, (mem, far_mem))
         except Exception as exc:  # e.g. a grant outside the peer's registered memory
-            _log.warning("%r: NIXL refused a %s of request %d: %s", self, kind, op.rid, exc)
+            _log.warning("%r: NIXL refused a %s of request %d: %s", self.link, kind, op.rid, exc)
             op.finish(_S.LLM_FAILED)
             return
         self._xfers += 1
@@ -349,7 +338,7 @@ class NixlLink(TcpLink):
                 op.stream.sent = True
             state = await self._run(xfer, op.total, lambda: _failed(op))
             if state == "ERR":
-                self._break("NIXL transfer failed")
+                self.link._break("NIXL transfer failed")
             elif state == "DONE":
                 self._n.moved += 1
                 self._n.moved_bytes += op.total
@@ -398,7 +387,7 @@ class NixlLink(TcpLink):
             return state
 
         # the transport's own lane: threads blocked elsewhere (a synchronizer) never delay it
-        job = self._n.wait_lane.submit(work, f"NIXL wait of {self!r}")
+        job = self._n.wait_lane.submit(work, f"NIXL wait of {self.link!r}")
         fut = asyncio.wrap_future(job)
         cancelled = False
         while not fut.done():
@@ -421,17 +410,18 @@ class NixlLink(TcpLink):
         try:
             if agent is None or agent.release(xfer):
                 return
-            end = self._loop.time() + _SETTLE_S
+            loop = asyncio.get_running_loop()
+            end = loop.time() + _SETTLE_S
             delay = POLL_MIN_S
-            while agent.state(xfer) == "PROC" and self._loop.time() < end:
+            while agent.state(xfer) == "PROC" and loop.time() < end:
                 try:
                     await asyncio.sleep(delay)
                 except asyncio.CancelledError:
                     cancelled = True
                 delay = min(delay * 2, POLL_MAX_S)
             if not agent.release(xfer):
-                _log.error("%r: a NIXL transfer does not end; dropping the link", self)
-                self._break("NIXL transfer could not be stopped")
+                _log.error("%r: a NIXL transfer does not end; dropping the link", self.link)
+                self.link._break("NIXL transfer could not be stopped")
         finally:
             self._xfers -= 1
             self._n.xfers -= 1
