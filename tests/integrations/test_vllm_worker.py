@@ -15,9 +15,10 @@ import torch
 from _vllm_sides import BLOCKS, FLASH_SHAPE, Pair, assert_copied, kv, wait_for, worker_pair
 
 from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
+from aiokv.integrations.vllm._layout import blocks_desc, logical_blocks, split_kv
 from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._plan import Hold, Load, Release, StepPlan
-from aiokv.integrations.vllm._worker import DoneNotice, blocks_desc, logical_blocks, split_kv
+from aiokv.integrations.vllm._worker import DoneNotice
 
 
 @pytest.fixture(params=["tcp", "nixl", "tcp-flash"])

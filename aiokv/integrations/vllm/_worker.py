@@ -57,8 +57,8 @@ from ... import (
     LLMException,
     LLMRole,
     LLMStatusCode,
-    Placement,
 )
+from ._layout import blocks_desc, logical_blocks, split_kv
 from ._options import ConnectorOptions
 from ._params import Endpoint
 from ._plan import Cancel, Load, Push, Release, Reserve, StepPlan
@@ -70,8 +70,6 @@ __all__ = [
     "ReserveNotice",
     "TransferResults",
     "WorkerSide",
-    "blocks_desc",
-    "logical_blocks",
 ]
 
 log = logging.getLogger("aiokv.vllm")
@@ -357,43 +355,54 @@ class WorkerSide:
                     self._push_noticed(cluster_id, payload, now, expired)
                 else:
                     self._noticed(cluster_id, payload, now)
-            for transfer, waiting in list(self._awaiting.items()):
-                why = None
-                if now >= waiting.deadline:
-                    why = f"no push came within {self._options.lease_timeout_s:g} s"
-                    expired.append((waiting.cluster_id, CancelNotice(transfer)))
-                elif waiting.cluster_id not in linked:
-                    why = "the link to the prefill broke"
-                if why is not None:
-                    log.error(
-                        "request %s: push under %s failed: %s", waiting.request_id, transfer, why
-                    )
-                    del self._awaiting[transfer]
-                    self._done.finished_recving.add(waiting.request_id)
-                    self._done.failed_recving.add(waiting.request_id)
-            for transfer, reservation in list(self._reservations.items()):
-                if now >= reservation.deadline:
-                    del self._reservations[transfer]
-                    why = "no prefill request claimed the reservation in time"
-                    expired.append((reservation.cluster_id, PushedNotice(transfer, False, why)))
-            for request_id, forget in list(self._push_ended.items()):
-                if now >= forget:
-                    del self._push_ended[request_id]
-            for request_id, (_, deadline) in list(self._holds.items()):
-                if now >= deadline:
-                    log.warning(
-                        "request %s: no decode side took its blocks within %.0f s; freed",
-                        request_id,
-                        self._options.lease_timeout_s,
-                    )
-                    del self._holds[request_id]
-                    self._done.finished_sending.add(request_id)
-            while self._early and next(iter(self._early.values())) < now:
-                self._early.popitem(last=False)
+            self._expire_pushes(now, linked, expired)
+            self._expire_holds(now)
             done, self._done = self._done, TransferResults()
         for cluster_id, message in expired:
             self._spawn_send(cluster_id, message)
         return done
+
+    def _expire_pushes(
+        self, now: float, linked: set[int], expired: list[tuple[int, PushedNotice | CancelNotice]]
+    ) -> None:
+        """Push mode, under the lock: fail the decode waits whose push did not come in
+        time or whose prefill's link broke, drop the reservations no prefill claimed in
+        time (the notices to send go to ``expired``), forget old ended pushes."""
+        for transfer, waiting in list(self._awaiting.items()):
+            why = None
+            if now >= waiting.deadline:
+                why = f"no push came within {self._options.lease_timeout_s:g} s"
+                expired.append((waiting.cluster_id, CancelNotice(transfer)))
+            elif waiting.cluster_id not in linked:
+                why = "the link to the prefill broke"
+            if why is not None:
+                log.error("request %s: push under %s failed: %s", waiting.request_id, transfer, why)
+                del self._awaiting[transfer]
+                self._done.finished_recving.add(waiting.request_id)
+                self._done.failed_recving.add(waiting.request_id)
+        for transfer, reservation in list(self._reservations.items()):
+            if now >= reservation.deadline:
+                del self._reservations[transfer]
+                why = "no prefill request claimed the reservation in time"
+                expired.append((reservation.cluster_id, PushedNotice(transfer, False, why)))
+        for request_id, forget in list(self._push_ended.items()):
+            if now >= forget:
+                del self._push_ended[request_id]
+
+    def _expire_holds(self, now: float) -> None:
+        """Under the lock: free the held blocks whose lease ran out, forget old early
+        done notices."""
+        for request_id, (_, deadline) in list(self._holds.items()):
+            if now >= deadline:
+                log.warning(
+                    "request %s: no decode side took its blocks within %.0f s; freed",
+                    request_id,
+                    self._options.lease_timeout_s,
+                )
+                del self._holds[request_id]
+                self._done.finished_sending.add(request_id)
+        while self._early and next(iter(self._early.values())) < now:
+            self._early.popitem(last=False)
 
     def _busy(self) -> bool:
         """Loads in flight, or pushes awaited, or blocks held for a decode side."""
@@ -764,69 +773,3 @@ class WorkerSide:
                     f"link to {source.host}:{source.port} (cluster {source.cluster_id}) failed",
                     status_code=codes[0],
                 )
-
-
-def split_kv(tensors: list[torch.Tensor], num_blocks: int | None) -> tuple[list[torch.Tensor], int]:
-    """vLLM's per-layer KV tensors as tensors with the blocks first, and how many of them
-    each layer gives: FlashAttention's layout ``[2, num_blocks, ...]`` (K and V apart,
-    the blocks second) gives each layer's K and V halves, two per layer, each a view
-    ``[num_blocks, ...]`` of the same memory; layouts with the blocks first (vLLM's CPU
-    layout, FlashInfer's ``[num_blocks, 2, ...]``) are one per layer, as they are.
-    Without ``num_blocks`` the blocks are taken to come first."""
-    if not num_blocks or not tensors:
-        return tensors, 1
-    n = num_blocks
-    if all(t.dim() >= 3 and t.shape[0] == 2 and n > 2 and t.shape[1] % n == 0 for t in tensors):
-        return [half for t in tensors for half in t.unbind(0)], 2
-    return tensors, 1
-
-
-def logical_blocks(tensors: list[torch.Tensor], num_blocks: int | None) -> list[torch.Tensor]:
-    """``tensors`` viewed with vLLM's (logical) blocks first: a contiguous tensor of
-    ``r * num_blocks`` kernel blocks (a kernel block size ``r`` times smaller than the
-    scheduler's) becomes ``[num_blocks, r, ...]`` over the same memory; others are
-    returned as they are (and checked by :func:`blocks_desc`)."""
-    if num_blocks is None or num_blocks <= 0:
-        return tensors
-    out = []
-    for t in tensors:
-        rows = t.shape[0] if t.dim() else 0
-        if t.is_contiguous() and rows > num_blocks and rows % num_blocks == 0:
-            t = t.view(num_blocks, rows // num_blocks, *t.shape[1:])
-        out.append(t)
-    return out
-
-
-def blocks_desc(tensors: list[torch.Tensor], num_blocks: int | None = None) -> CacheDesc:
-    """The ``CacheDesc`` of vLLM's per-layer KV tensors as one blocks cache: every
-    tensor the same shape, dtype and device, contiguous, blocks along dimension 0
-    (vLLM's CPU layout ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, or
-    any other whose first dimension is the blocks).
-
-    Raises:
-        ValueError: no tensors, or tensors that do not form one blocks cache (with
-            ``num_blocks``: whose first dimension is not ``num_blocks``).
-    """
-    if not tensors:
-        raise ValueError("AiokvConnector: no KV cache tensors to register")
-    first = tensors[0]
-    if num_blocks is not None and first.shape[0] != num_blocks:
-        raise ValueError(
-            f"AiokvConnector: KV tensors of shape {tuple(first.shape)} for {num_blocks} "
-            "blocks: this KV layout does not put the blocks first or second (supported: "
-            "[num_blocks, ...] per layer, as vLLM's CPU and FlashInfer layouts, and "
-            "FlashAttention's [2, num_blocks, ...])"
-        )
-    for i, t in enumerate(tensors):
-        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-            raise ValueError(
-                f"AiokvConnector: KV tensor {i} is {tuple(t.shape)} {t.dtype} on {t.device}, "
-                f"tensor 0 {tuple(first.shape)} {first.dtype} on {first.device}: layers of "
-                "different shapes (hybrid models) are not supported"
-            )
-        if not t.is_contiguous() or t.dim() < 2:
-            raise ValueError(
-                f"AiokvConnector: KV tensor {i} ({tuple(t.shape)}, strides {t.stride()}) is "
-                "not a contiguous tensor whose first dimension is the blocks"
-            )
-    return CacheDesc(len(tensors), list(first.shape), first.dtype, Placement.DEVICE)
