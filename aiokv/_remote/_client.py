@@ -19,7 +19,7 @@ import torch
 from .._cache import Cache
 from .._cancel import redeliver
 from .._config import LLMConfig
-from .._copy import MAX_STAGED_BYTES, PART_BYTES, Stager, is_staged
+from .._copy import MAX_STAGED_BYTES, PART_BYTES, Stager
 from .._engine import completing
 from .._enums import LLMStatusCode
 from .._errors import LLMException, map_errors
@@ -30,6 +30,7 @@ from ._leases import LeaseKey, Leases, reply_size
 from ._links import LinkTable
 from ._parts import Part, Transfer
 from ._protocol import BlocksReq, KeyByBlocks, LeaseReq, Request, encode
+from ._route import Route, route
 
 __all__ = ["RemoteClient"]
 
@@ -126,7 +127,7 @@ class RemoteClient:
         ):
             return None
         tensors = [cache.tensors[t] for t in job.tensors]
-        if is_staged(tensors[0].device) and not _addressable(link, tensors):
+        if route(tensors[0].device, lambda: _addressable(link, tensors)) is Route.STAGED:
             return None
         return LeaseKey(req.key, req.tensors, req.block_bytes, write)
 
@@ -148,7 +149,7 @@ class RemoteClient:
             return False
         tensors = [_flat(cache.tensors[t]) for t in job.tensors]
         device = tensors[0].device
-        if is_staged(device):  # device memory by address: once queued work is done
+        if device.type != "cpu":  # routed BY_ADDRESS (a lease is never STAGED): settle first
             with map_errors(op):
                 await self._stager.settle(device)
         local = DeviceRuns(str(device), job.layout.addresses([t.data_ptr() for t in tensors]))
@@ -192,8 +193,8 @@ class RemoteClient:
     ) -> None:
         """:meth:`move` by request(s) (see there)."""
         device = cache.tensors[0].device
-        staged = is_staged(device)
-        direct = staged and _addressable(link, [cache.tensors[t] for t in job.tensors])
+        way = route(device, lambda: _addressable(link, [cache.tensors[t] for t in job.tensors]))
+        staged, direct = way is not Route.HOST_VIEWS, way is Route.BY_ADDRESS
         # staged: at least PIPELINE parts (so copies overlap the wire), of 1 MiB to PART_BYTES
         limit = (
             max(min(PART_BYTES, -(-job.nbytes // PIPELINE)), min(PART_BYTES, _MIN_PART))

@@ -51,6 +51,7 @@ from ._protocol import (
     blocks_of,
     decode,
 )
+from ._route import Route, route
 
 __all__ = ["PeerService"]
 
@@ -227,7 +228,7 @@ class PeerService:
                 if write or not req.release:
                     release = None
             device = views = None
-            if is_staged(entries[0].cache.tensors[0].device):
+            if is_staged(entries[0].cache.tensors[0].device):  # not HOST_VIEWS: see there
                 device = self._device_plan(entries, layout, places, release, direct)
             else:
                 views = layout.views([_host_bytes(e, t, off) for e, t, off in places])
@@ -330,11 +331,13 @@ class PeerService:
             raise _invalid("the destination addresses are on different devices")
         runs = None
         name = str(device)
-        if (
-            direct is not None
-            and device.type != "cpu"
-            and all(direct(name, b.data_ptr(), layout.extent) for b in buffers)
-        ):
+
+        def by_address() -> bool:
+            return direct is not None and all(
+                direct(name, b.data_ptr(), layout.extent) for b in buffers
+            )
+
+        if route(device, by_address) is Route.BY_ADDRESS:
             runs = DeviceRuns(name, layout.addresses([b.data_ptr() for b in buffers]))
         total = layout.total(len(buffers))
         if runs is None and total > MAX_STAGED_BYTES:
