@@ -218,14 +218,15 @@ def test_raw_blocks_moves_every_block_into_place() -> None:
     try:
         raw.blocks(block, [0, 6, 2], [5, 1, 3])
         raw.receive()
-        got = bytes(raw._buf)
+        got = raw.buf.numpy().tobytes()
         for b in range(16):
             want = 0xA5 if b in (5, 1, 3) else 0x5A
             assert got[b * block : (b + 1) * block] == bytes([want]) * block, b
         raw.blocks(block, [1], [9])
         raw.receive()
-        assert bytes(raw._buf[9 * block : 10 * block]) == b"\xa5" * block
-        assert bytes(raw._buf[8 * block : 9 * block]) == b"\x5a" * block
+        got = raw.buf.numpy().tobytes()
+        assert got[9 * block : 10 * block] == b"\xa5" * block
+        assert got[8 * block : 9 * block] == b"\x5a" * block
     finally:
         raw.stop()
 
