@@ -5,6 +5,10 @@
   here, after a 9-byte request per round (a pull needs a request too). ``MSG_WAITALL``,
   chunked sends and non-blocking ``poll`` loops measured no faster on the development
   machine.
+* :class:`RawBlocks` — the same stream between scattered blocks: blocking ``writev``
+  from K blocks of a buffer in a child process, blocking ``readv`` into K blocks here,
+  no protocol. What the kernel alone charges for moving scattered blocks rather than one
+  contiguous buffer: the floor of any transfer of those blocks over a socket.
 * :func:`run_raw_bench` — the ``tcp`` transport (through :mod:`aiokv.transport` only)
   serving one pool from a child process; this process pulls ``K`` scattered blocks of
   ``B`` bytes (``Link.read``) into, then pushes them (``Link.write``) from, ``K``
@@ -16,11 +20,18 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+import torch
+
 from .. import LLMStatusCode
+from .._copy import host_empty
 from ..transport import DirectCheck, Grant, Link, PeerInfo, get_transport
+from ..transport.tcp._io import IOV_MAX, advance_rows, readv, writev
 from ._harness import (
     KIB,
     MIB,
@@ -35,7 +46,7 @@ from ._harness import (
 )
 from ._progress import steps
 
-__all__ = ["RawStream", "run_raw_bench"]
+__all__ = ["RawBlocks", "RawStream", "run_raw_bench"]
 
 #: Default grid: block sizes x block counts, skipping transfers above 256 MiB.
 BLOCK_SIZES = (16 * KIB, 64 * KIB, 256 * KIB, 1 * MIB)
@@ -80,6 +91,85 @@ class RawStream:
         pos = 0
         while pos < nbytes:
             pos += self._sock.recv_into(self._buf[pos:nbytes])
+
+    def stop(self) -> None:
+        """Close the stream; the child sees EOF and exits."""
+        self._sock.close()
+        self._peer.stop()
+
+
+def _pool_like(nbytes: int, byte: int) -> torch.Tensor:
+    """``nbytes`` of ``byte`` in memory allocated as the caches' pools are (huge pages
+    where the kernel grants them: they halved the kernel's cost per scattered 4 KiB
+    block here), every page touched."""
+    return host_empty(nbytes, torch.device("cpu")).fill_(byte)
+
+
+def _rows(buf: torch.Tensor, blocks: npt.NDArray[np.int64], block: int) -> npt.NDArray[np.uint64]:
+    """``(address, length)`` rows of ``blocks`` of ``block`` bytes in ``buf``, in order."""
+    starts = np.uint64(buf.data_ptr()) + blocks.astype(np.uint64) * np.uint64(block)
+    return np.ascontiguousarray(np.stack((starts, np.full_like(starts, block)), axis=1))
+
+
+def _move_rows(call: Any, sock: socket.socket, rows: npt.NDArray[np.uint64]) -> None:
+    """Every byte of ``rows`` through blocking ``readv`` / ``writev`` (``call``)."""
+    rows, pos = rows.copy(), 0  # advance_rows moves partly done rows on
+    while pos < len(rows):
+        n = call(sock, rows[pos : pos + IOV_MAX])
+        if not n:
+            raise ConnectionResetError("raw blocks: connection closed")
+        pos = advance_rows(rows, pos, n)
+
+
+def _blocks_sender(conn: Connection, port: int, max_bytes: int) -> None:
+    """Child: connect, greet; ``b"b"`` + block size + count + the block indices (8
+    bytes each, little-endian) sets the blocks sent; ``b"g"`` + size sends them."""
+    buf = _pool_like(2 * max_bytes, 0xA5)
+    rows = np.empty((0, 2), dtype=np.uint64)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.send("connected")
+        head = bytearray(17)
+        while sock.recv_into(head, len(head), socket.MSG_WAITALL) == len(head):
+            if head[:1] == b"g":
+                _move_rows(writev, sock, rows)
+                continue
+            block, count = (int.from_bytes(head[i : i + 8], "little") for i in (1, 9))
+            raw = bytearray(8 * count)
+            sock.recv_into(raw, len(raw), socket.MSG_WAITALL)
+            rows = _rows(buf, np.frombuffer(raw, dtype="<i8").astype(np.int64), block)
+
+
+class RawBlocks:
+    """:class:`RawStream` between scattered blocks: the kernel's floor for them.
+
+    :meth:`blocks` sets which blocks move (the sender's ``srcs``, this side's ``dsts``,
+    at most ``2 * max_bytes`` bytes in); :meth:`receive` is one round: a request, then
+    every block received with blocking ``readv`` (no protocol, no Python per block).
+    Both buffers are allocated as the caches' pools are (:func:`_pool_like`).
+
+    Attributes:
+        buf: this side's buffer (``0x5A`` until blocks of the sender's ``0xA5`` land).
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.buf = _pool_like(2 * max_bytes, 0x5A)
+        self._rows = np.empty((0, 2), dtype=np.uint64)
+        with socket.create_server(("127.0.0.1", 0)) as lsock:
+            self._peer = Peer(_blocks_sender, lsock.getsockname()[1], max_bytes)
+            self._sock = lsock.accept()[0]
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def blocks(self, block: int, srcs: Sequence[int], dsts: Sequence[int]) -> None:
+        """Move ``srcs`` of the sender's buffer into ``dsts`` of ours, ``block`` bytes each."""
+        head = b"b" + block.to_bytes(8, "little") + len(srcs).to_bytes(8, "little")
+        self._sock.sendall(head + np.asarray(srcs, dtype="<i8").tobytes())
+        self._rows = _rows(self.buf, np.asarray(dsts, dtype=np.int64), block)
+
+    def receive(self) -> None:
+        """One round: every block of :meth:`blocks`."""
+        self._sock.sendall(b"g" + bytes(16))
+        _move_rows(readv, self._sock, self._rows)
 
     def stop(self) -> None:
         """Close the stream; the child sees EOF and exits."""

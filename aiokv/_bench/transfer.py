@@ -4,7 +4,14 @@ In ONE run, with a prompt peer in a second process (spawn) on loopback:
 
 1. ``pull_blocks`` and ``push_blocks`` of K scattered blocks of B bytes, interleaved
    round by round with a raw socket stream of the same bytes (:class:`.raw.RawStream`):
-   GB/s, ratio, and the per-block overhead ``(t_pull - t_raw) / K``. A pull into a
+   GB/s, ratio, the overhead per block ``(t - t_raw) / K`` and, after the rounds, the
+   tail of :data:`TAIL_PULLS` consecutive pulls (slowest / median: a collector pause
+   shows there). A raw stream between the same scattered blocks
+   (:class:`.raw.RawBlocks`: blocking ``writev`` / ``readv``, no protocol) runs in the
+   same rounds: the kernel's floor for those blocks. Per block size, the *slope*
+   between consecutive block counts: the overhead each added block costs,
+   ``Δ(t - t_raw) / ΔK`` (the per-call cost cancels out; growth with the count shows
+   as a rising slope). A pull into a
    zeroed cache is checked byte for byte (digests) before the timed rounds. With
    ``--tls``, a second prompt peer and decoder linked over TLS (a throwaway CA and
    certificate pair made at the start) join the same rounds: a second table with their
@@ -26,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import itertools
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -55,21 +63,26 @@ from ._harness import (
     run_remote,
     scattered,
     spawned,
+    time_call,
 )
 from ._pki import make_pki
 from ._progress import steps
 from .layerwise import overhead, overlap
 from .mooncake import Peers, missing, mooncake_contenders
 from .nixl import NixlContenders, nixl_contenders
-from .raw import RawStream
+from .raw import RawBlocks, RawStream
 from .remote import RemotePeer, RemoteRawStream
 
 __all__ = ["run_transfer_bench"]
 
 GRID = [
+    (4 * KIB, 1024),
+    (4 * KIB, 4096),
+    (4 * KIB, 16384),
     (16 * KIB, 256),
     (16 * KIB, 1024),
     (16 * KIB, 4096),
+    (16 * KIB, 16384),
     (64 * KIB, 64),
     (64 * KIB, 1024),
     (256 * KIB, 256),
@@ -77,6 +90,10 @@ GRID = [
     (1 * MIB, 128),
 ]
 QUICK = [(16 * KIB, 1024), (64 * KIB, 256), (1 * MIB, 64)]
+#: Consecutive pulls timed after each row's rounds, for the tail figure.
+TAIL_PULLS = 20
+#: The rows the per-block summary covers: blocks of 4-16 KiB, 1,024-16,384 of them.
+_PER_BLOCK_SIZES, _PER_BLOCK_COUNTS = (4 * KIB, 16 * KIB), (1024, 16384)
 
 
 def _desc(block: int, nblocks: int, tensors: int = 1) -> CacheDesc:
@@ -160,6 +177,7 @@ def _nixl_rows(
 async def _throughput_row(
     plain: Pair,
     raw: RawStream,
+    raw_blocks: RawBlocks | None,
     block: int,
     count: int,
     tls: Pair | None,
@@ -180,6 +198,9 @@ async def _throughput_row(
             if pair is not None:
                 caches.append((pair[0], await _checked_pull(pair, block, srcs, dsts, name)))
         contenders: dict[str, Any] = {"raw": lambda: raw.receive(nbytes)}
+        if raw_blocks is not None:
+            await asyncio.to_thread(raw_blocks.blocks, block, srcs, dsts)
+            contenders["raw_blocks"] = raw_blocks.receive
         for prefix, (cm, dst) in zip(("", "tls_"), caches, strict=False):
             contenders[f"{prefix}pull"] = lambda cm=cm, dst=dst: cm.pull_blocks(
                 key, dst, srcs, dsts
@@ -194,6 +215,7 @@ async def _throughput_row(
         await peers.row(block, srcs, dsts)
         contenders.update(peers.contenders())
         times = await interleave(contenders, max(3, min(30, (512 * MIB) // nbytes)))
+        tail = [await time_call(contenders["pull"]) for _ in range(TAIL_PULLS)]
     finally:
         for cm, dst in caches:
             await cm.deallocate_blocks_cache(dst)
@@ -208,7 +230,16 @@ async def _throughput_row(
         "push_gbps": gbps(nbytes, t["push"]),
         "push_ratio": t["raw"] / t["push"],
         "pull_us_per_block": (t["pull"] - t["raw"]) / count * 1e6,
+        "push_us_per_block": (t["push"] - t["raw"]) / count * 1e6,
+        "pull_tail": max(tail) / median(tail),
     }
+    if "raw_blocks" in t:  # the kernel's floor for these blocks: their raw stream
+        row |= {
+            "raw_blocks_gbps": gbps(nbytes, t["raw_blocks"]),
+            "raw_blocks_us_per_block": (t["raw_blocks"] - t["raw"]) / count * 1e6,
+            "pull_vs_raw_blocks": t["raw_blocks"] / t["pull"],
+            "push_vs_raw_blocks": t["raw_blocks"] / t["push"],
+        }
     nixl_rows = None
     if nixl is not None:
         nixl_rows = _nixl_rows(t, nbytes, block, count, await nixl.build_ms())
@@ -264,12 +295,17 @@ async def _throughput(
             "aiokv-nixl / raw NIXL (t_raw / t_aiokv; read: pull, write: push) per UCX "
             "setting; raw build_ms: initialize_xfer per transfer; fastest path / memcpy",
         )
-    async with spawned(lambda: raw_stream(max(b * k for b, k in grid))) as raw:
+    most = max(b * k for b, k in grid)
+    async with contextlib.AsyncExitStack() as stack:
+        raw = await stack.enter_async_context(spawned(lambda: raw_stream(most)))
+        raw_blocks = None
+        if raw_stream is RawStream:  # (not across hosts)
+            raw_blocks = await stack.enter_async_context(spawned(lambda: RawBlocks(most)))
         with steps("throughput", len(grid)) as part:
             for block, count in grid:
                 with part.step(f"throughput {block // KIB} KiB x {count}"):
                     row, tls_row, nixl_row = await _throughput_row(
-                        plain, raw, block, count, tls, nixl, peers
+                        plain, raw, raw_blocks, block, count, tls, nixl, peers
                     )
                 rows.append(row)
                 if tls_rows is not None and tls_row is not None:
@@ -277,6 +313,7 @@ async def _throughput(
                 if nixl_rows is not None and nixl_ratios is not None and nixl_row is not None:
                     nixl_rows.append(nixl_row[0])
                     nixl_ratios.append(nixl_row[1])
+    _per_block(report, rows)
     peers.summarize()
     if nixl_ratios:
         report.summary(
@@ -290,6 +327,51 @@ async def _throughput(
             },
             fastest_vs_memcpy=max(r["fastest_vs_memcpy"] for r in nixl_ratios),
         )
+
+
+def _per_block(report: Report, rows: list[dict[str, Any]]) -> None:
+    """The slope table (per block size, the overhead per added block between
+    consecutive counts) and the summary of the per-block goals over the rows of 4-16 KiB
+    blocks at 1,024-16,384 blocks: slope, ratio to the raw stream, tail."""
+    slopes: list[dict[str, Any]] = []
+    for a, b in itertools.pairwise(rows):
+        if a["block_kib"] != b["block_kib"] or b["count"] <= a["count"]:
+            continue
+        span = b["count"] - a["count"]
+        slope = {
+            f"{op}_us": (
+                b[f"{op}_us_per_block"] * b["count"] - a[f"{op}_us_per_block"] * a["count"]
+            )
+            / span
+            for op in ("pull", "push", "raw_blocks")
+            if f"{op}_us_per_block" in b
+        }
+        slopes.append({"block_kib": b["block_kib"], "from": a["count"], "to": b["count"]} | slope)
+    if slopes:
+        report.table(
+            "per_block",
+            "overhead per added block, us: d(t - t_raw) / dK between consecutive block "
+            "counts of one block size (the per-call cost cancels out)",
+        ).extend(slopes)
+    sizes = {b // KIB for b in _PER_BLOCK_SIZES}
+    lo, hi = _PER_BLOCK_COUNTS
+    picked = [r for r in rows if r["block_kib"] in sizes and lo <= r["count"] <= hi]
+    steep = [r for r in slopes if r["block_kib"] in sizes and lo <= r["from"] and r["to"] <= hi]
+    if not picked:
+        return
+    report.summary(
+        "per_block_goals",
+        "4-16 KiB x 1,024-16,384 blocks, worst row: slope pull {slope_pull:.2f} push "
+        "{slope_push:.2f} us/block (goal <= 0.5); vs raw stream pull {pull_ratio:.2f} push "
+        "{push_ratio:.2f} (goal >= 0.9); tail of {pulls} pulls {tail:.2f} x median (goal "
+        "<= 1.3)",
+        slope_pull=max((r["pull_us"] for r in steep), default=float("nan")),
+        slope_push=max((r["push_us"] for r in steep), default=float("nan")),
+        pull_ratio=min(r["pull_ratio"] for r in picked),
+        push_ratio=min(r["push_ratio"] for r in picked),
+        pulls=TAIL_PULLS,
+        tail=max(r["pull_tail"] for r in picked),
+    )
 
 
 @contextlib.asynccontextmanager

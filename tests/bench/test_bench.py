@@ -14,8 +14,9 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from aiokv import CacheManager, LLMDataDist
-from aiokv._bench import _harness, latency, layerwise
+from aiokv._bench import _harness, latency, layerwise, transfer
 from aiokv._bench._harness import PromptPeer, Report, interleave, run_loop, run_remote, scattered
+from aiokv._bench.raw import RawBlocks
 from aiokv.cli import app
 from aiokv.testing import requires_transport
 
@@ -166,6 +167,68 @@ def test_cli_bench_json_prints_one_object(monkeypatch: pytest.MonkeyPatch) -> No
     got = json.loads(result.stdout)
     assert got["bench"] == "layerwise" and got["meta"]["rounds"] == 2
     assert got["layerwise_overhead"][0]["verified"] is True
+
+
+def test_per_block_slopes_cancel_the_per_call_cost() -> None:
+    """The slope between two block counts is the overhead of the added blocks only, and
+    the summary takes the worst of the 4-16 KiB rows at 1,024-16,384 blocks."""
+
+    def row(kib: int, count: int, fixed_us: float, per_block_us: float) -> dict[str, Any]:
+        over = fixed_us + per_block_us * count  # t - t_raw, us
+        return {
+            "block_kib": kib,
+            "count": count,
+            "pull_ratio": 0.5 + count / 65536,
+            "push_ratio": 0.6,
+            "pull_us_per_block": over / count,
+            "push_us_per_block": 2 * over / count,
+            "raw_blocks_us_per_block": 1.0,
+            "pull_tail": 1.1,
+        }
+
+    rows = [
+        row(4, 1024, 500, 0.25),
+        row(4, 4096, 500, 0.25),
+        row(16, 256, 900, 3.0),  # outside the goals' counts
+        row(16, 1024, 900, 0.5),
+        row(64, 64, 100, 9.0),  # outside the goals' sizes
+        row(64, 1024, 100, 9.0),
+    ]
+    rows[1]["pull_tail"] = 1.7
+    report = Report("transfer")
+    transfer._per_block(report, rows)
+    got = report.as_dict()
+    slopes = {(r["block_kib"], r["from"], r["to"]): r for r in got["per_block"]}
+    assert set(slopes) == {(4, 1024, 4096), (16, 256, 1024), (64, 64, 1024)}
+    assert slopes[4, 1024, 4096]["pull_us"] == pytest.approx(0.25)
+    assert slopes[4, 1024, 4096]["push_us"] == pytest.approx(0.5)  # its fixed cost cancels too
+    assert slopes[4, 1024, 4096]["raw_blocks_us"] == pytest.approx(1.0)
+    goals = got["per_block_goals"]
+    # 16 KiB 256 -> 1024 starts below 1,024 blocks, 64 KiB is too big: neither counts
+    assert (goals["slope_pull"], goals["slope_push"]) == pytest.approx((0.25, 0.5))
+    assert goals["pull_ratio"] == pytest.approx(0.5 + 1024 / 65536)
+    assert goals["tail"] == pytest.approx(1.7)
+
+
+def test_raw_blocks_moves_every_block_into_place() -> None:
+    """One round of the raw stream between scattered blocks fills exactly the blocks it
+    names, and a second layout replaces the first."""
+    block = 4096
+    raw = RawBlocks(8 * block)
+    try:
+        raw.blocks(block, [0, 6, 2], [5, 1, 3])
+        raw.receive()
+        got = raw.buf.numpy().tobytes()
+        for b in range(16):
+            want = 0xA5 if b in (5, 1, 3) else 0x5A
+            assert got[b * block : (b + 1) * block] == bytes([want]) * block, b
+        raw.blocks(block, [1], [9])
+        raw.receive()
+        got = raw.buf.numpy().tobytes()
+        assert got[9 * block : 10 * block] == b"\xa5" * block
+        assert got[8 * block : 9 * block] == b"\x5a" * block
+    finally:
+        raw.stop()
 
 
 def test_peer_that_never_greets_is_reported_and_stopped() -> None:

@@ -280,7 +280,7 @@ def advance_rows(rows: npt.NDArray[np.uint64], pos: int, n: int) -> int:
     start and length moved on by what of it was)."""
     if not n:
         return pos
-    ends = np.cumsum(rows[pos : pos + IOV_MAX, 1])
+    ends = np.cumsum(rows[pos : pos + IOV_MAX, 1], dtype=np.int64)  # int64: n needs no cast
     k = int(np.searchsorted(ends, n, side="right"))  # rows moved whole
     if k < len(ends):
         part = n - (int(ends[k - 1]) if k else 0)

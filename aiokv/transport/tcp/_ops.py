@@ -91,7 +91,9 @@ class RunCursor:
 
     def __init__(self, views: LayoutViews) -> None:
         self._rows = np.ascontiguousarray(views.runs(), dtype=np.uint64)
-        self._ends = np.cumsum(self._rows[:, 1])  # byte offset just past each row
+        # byte offset just past each row, as int64: searching it for a Python int is
+        # O(log n) (a uint64 array is converted whole first: O(n) per chunk)
+        self._ends = np.cumsum(self._rows[:, 1], dtype=np.int64)
         self._pos = 0  # bytes handed out
         self.remaining = views.total
 
