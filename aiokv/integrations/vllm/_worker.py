@@ -38,7 +38,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar
 
@@ -186,7 +186,8 @@ class WorkerSide:
         self._rank = rank
         self.cluster_id = options.worker_cluster_id(engine_id, rank)
         self._portal_cm: Any = None
-        self._portal: BlockingPortal | None = None
+        self._portal: BlockingPortal | None = None  # starts and ends aiokv
+        self._loop: asyncio.AbstractEventLoop | None = None  # aiokv's engine loop: the rest
         self._dd: LLMDataDist | None = None
         self._cache: Cache | None = None
         self.endpoint: Endpoint | None = None
@@ -274,12 +275,17 @@ class WorkerSide:
             await dd.finalize()
             raise
         self._dd = dd
+        # loads, pushes and notices run on aiokv's own engine loop: their calls into
+        # aiokv then run there at once, with no hop to another thread and back
+        assert dd._engine is not None
+        self._loop = dd._engine.loop
 
     def close(self) -> None:
         """Stop loads in flight, finalize aiokv and the loop thread. Idempotent."""
         portal, self._portal = self._portal, None
         if portal is None:
             return
+        self._loop = None
         dd, self._dd = self._dd, None
         for fut in list(self._pending):
             fut.cancel()
@@ -565,14 +571,19 @@ class WorkerSide:
         job.started.add(layer)
         self._run_soon(self._push_layer, job, layer, event)
 
-    def _run_soon(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
-        """Run ``fn(*args)`` on the loop thread, tracked as in flight."""
-        if self._portal is None:
-            return
-        fut = self._portal.start_task_soon(fn, *args)
+    def _run_soon(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> bool:
+        """Run ``fn(*args)`` on aiokv's engine loop, tracked as in flight; False (nothing
+        started) once closed."""
+        loop = self._loop
+        if loop is None:
+            return False
+        with self._lock:
+            self._loads += bool(args) and isinstance(args[0], Load)  # until _load ends
+        fut = asyncio.run_coroutine_threadsafe(fn(*args), loop)
         with self._lock:
             self._pending.add(fut)
         fut.add_done_callback(self._forget)
+        return True
 
     async def _push_layer(self, job: _PushJob, layer: int, event: Any) -> None:
         """Push one layer of ``job`` (on the loop thread); the last one to end sends the
@@ -676,17 +687,9 @@ class WorkerSide:
             )
 
     # ---- loads ----------------------------------------------------------------------------
-    def _spawn(self, fn: Callable[[_Item], Awaitable[None]], item: _Item) -> None:
-        if self._portal is None:
-            if isinstance(item, Load):
-                self._ended(item.request_id, ok=False)
-            return
-        with self._lock:
-            self._loads += isinstance(item, Load)  # until _load ends
-        fut = self._portal.start_task_soon(fn, item)
-        with self._lock:
-            self._pending.add(fut)
-        fut.add_done_callback(self._forget)
+    def _spawn(self, fn: Callable[[_Item], Coroutine[Any, Any, None]], item: _Item) -> None:
+        if not self._run_soon(fn, item) and isinstance(item, Load):
+            self._ended(item.request_id, ok=False)
 
     def _forget(self, fut: Any) -> None:
         with self._lock:
