@@ -26,8 +26,10 @@ Push mode (``mode="push"``; docs/vllm.md):
 
 :meth:`WorkerSide.results` reports what finished since the last call: held requests
 released (``finished_sending``), loads ended (``finished_recving``) and, among those,
-loads that failed (``failed_recving``). The aiokv work runs on an event loop thread
-of its own (an anyio blocking portal), so vLLM's step never waits for the network.
+loads that failed (``failed_recving``). The aiokv work runs on aiokv's own engine
+loop thread (an anyio blocking portal starts and finalizes aiokv; loads, pushes and
+notices are tasks on the engine loop, so their calls into aiokv need no thread hop), so
+vLLM's step never waits for the network.
 """
 
 from __future__ import annotations
@@ -191,11 +193,11 @@ class WorkerSide:
         self._dd: LLMDataDist | None = None
         self._cache: Cache | None = None
         self.endpoint: Endpoint | None = None
-        self._lock = threading.Lock()  # the sets below: vLLM's thread and the portal's
+        self._lock = threading.Lock()  # the sets below: vLLM's thread and the engine loop's
         self._done = TransferResults()
         self._holds: dict[str, tuple[str, float]] = {}  # request -> (token, deadline)
         self._early: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
-        self._linking: dict[int, asyncio.Lock] = {}  # cluster -> lock (portal loop only)
+        self._linking: dict[int, asyncio.Lock] = {}  # cluster -> lock (engine loop only)
         self._pending: set[Any] = set()  # futures of loads and notices in flight
         self._loads = 0  # loads started and not ended
         self._wake = threading.Event()  # set when a load ends
