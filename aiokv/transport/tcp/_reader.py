@@ -84,6 +84,9 @@ class Reader:
         self._vec = vectored(self._sock)
 
     async def run(self) -> None:
+        """Read frames until the link breaks, then break it with the reason (EOF, an
+        ``OSError``, a protocol violation, the peer leaving our replies unread for
+        ``stall_s``, or a bug); never raises."""
         hbuf = bytearray(wire.HEADER_SIZE)
         hview = memoryview(hbuf)
         recv_exact = self._io.recv_exact
