@@ -146,7 +146,7 @@ async def test_layout_views_move_exact_bytes(
         assert isinstance(views, LayoutViews)
         # plain TCP moves by address wherever libc's calls load; TLS never does
         by_address = tcp_io._CALLS is not None and transport is TcpTransport
-        assert p.link._vec is by_address  # type: ignore[attr-defined]
+        assert p.link._r._vec is by_address  # type: ignore[attr-defined]
         if op == "read":
             await p.link.read(_meta(theirs_b, block, tag=1), views, timeout=20)
             assert _gather(mine, mine_b, block) == _gather(before_peer, theirs_b, block)

@@ -11,9 +11,6 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Final, Protocol, TypeVar, final
 
-import numpy as np
-import numpy.typing as npt
-
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from .. import _wire as wire
@@ -34,28 +31,18 @@ from .._base import (
     grant_reason,
     refusal,
 )
-from ._io import (
-    IOV_MAX,
-    SockIO,
-    advance_rows,
-    consumed,
-    readv,
-    vectored,
-)
-from ._ops import MyOp, PeerOp, RunCursor, State, Stream, cursor_of
+from ._io import SockIO
+from ._ops import MyOp, PeerOp, State, Stream, cursor_of
 from ._plane import DataPlane
 from ._protocol import NOT_DIRECT, LinkProtocol
-from ._writer import BLOCKED, MORE, YIELD_BYTES, Writer
+from ._reader import Reader
+from ._writer import BLOCKED, MORE, Writer
 
 __all__ = ["LinkOwner", "TcpLink"]
 
 _log = logging.getLogger("aiokv.transport.tcp")
 _S = LLMStatusCode
 _F = wire.FrameType
-# What handling one frame counts for against YIELD_BYTES (after which the reader yields
-# to the loop): a flood of small frames (each may start a request) also lets the loop
-# run every 64 frames.
-_FRAME_COST: Final = YIELD_BYTES // 64
 # Requests a peer may have outstanding on one link; more are answered LLM_LINK_BUSY (their
 # meta skipped unread, so a refusal costs O(1)) so a hostile peer cannot pile up handler
 # tasks and grants without bound. aiokv itself has one request per transfer in flight
@@ -116,8 +103,6 @@ class TcpLink(Link):
         self._io = io
         self._sock = io.sock
         self._broken = False
-        #: whether the peer sent any frame since the handshake (see TcpTransport's caps)
-        self.heard = False
         # the protocol's state (request ids, requests, reply backlog): see _protocol
         self._p = LinkProtocol(
             self,
@@ -129,10 +114,11 @@ class TcpLink(Link):
         self._mine = self._p.mine
         self._theirs = self._p.theirs
         self._w = Writer(self._sock, transport, self._p, first_frame)
-        # payload of LayoutViews moves by address (readv / writev): no object per run
-        self._vec = vectored(self._sock)
+        self._r = Reader(
+            io, self, self._p, self._w, scratch=transport._scratch, stall_s=_REPLY_STALL_S
+        )
         self._tasks: set[asyncio.Task[None]] = set()
-        self._reader = self._spawn(self._read_loop(), "reader")
+        self._reader = self._spawn(self._r.run(), "reader")
         self._writer = self._spawn(self._write_loop(), "writer")
         self._plane = plane
         plane.bind(self)
@@ -146,6 +132,11 @@ class TcpLink(Link):
     @property
     def broken(self) -> bool:
         return self._broken
+
+    @property
+    def heard(self) -> bool:
+        """Whether the peer sent any frame since the handshake (see TcpTransport's caps)."""
+        return self._r.heard
 
     def extra(self, capability: Capability[T]) -> T | None:
         return None if self._broken else self._plane.extra(capability)
@@ -378,145 +369,6 @@ class TcpLink(Link):
         except Exception as exc:  # a bug must not kill the loop silently
             _log.exception("writer of %r failed", self)
             self._break(f"writer failed: {exc!r}")
-
-    # ---------------------------------------------------------------------- reader side
-
-    async def _read_loop(self) -> None:
-        hbuf = bytearray(wire.HEADER_SIZE)
-        hview = memoryview(hbuf)
-        recv_exact = self._io.recv_exact
-        unyielded = 0
-        try:
-            while True:
-                await recv_exact(hview)
-                h = wire.decode_header(hview)
-                self.heard = True
-                if h.type is _F.DATA:
-                    await self._on_data(h.req_id, h.size)
-                    unyielded += h.size + _FRAME_COST
-                else:
-                    await self._on_control(h)
-                    unyielded += h.meta_len + _FRAME_COST
-                if unyielded >= YIELD_BYTES:
-                    unyielded = 0
-                    await asyncio.sleep(0)
-                if self._p.reader_must_pause():
-                    await self._until_replies_drain()
-        except TimeoutError:  # an OSError too: first
-            _log.warning("%r: the peer does not read our replies; dropping the link", self)
-            self._break("peer does not read")
-        except (OSError, EOFError) as exc:
-            self._break(f"connection lost: {exc}")
-        except wire.WireError as exc:
-            _log.warning("%r: protocol violation: %s", self, exc)
-            self._break(f"protocol violation: {exc}")
-        except Exception as exc:
-            _log.exception("reader of %r failed", self)
-            self._break(f"reader failed: {exc!r}")
-
-    async def _on_control(self, h: wire.Header) -> None:
-        """Read a control frame's meta and hand the frame to the protocol; the meta of a
-        request it refuses unread (see :meth:`LinkProtocol.skips_meta`) is skipped."""
-        meta: bytearray | None = None
-        if self._p.skips_meta(h):
-            await self._discard(h.meta_len)
-        elif h.meta_len:
-            meta = bytearray(h.meta_len)
-            await self._io.recv_exact(memoryview(meta))
-        else:
-            meta = bytearray()
-        self._p.receive(h, meta)
-
-    async def _until_replies_drain(self) -> None:
-        """Backpressure: read nothing more until our replies to the peer are sent.
-
-        Raises:
-            TimeoutError: the peer read too little of them for ``_REPLY_STALL_S``.
-        """
-        self._w.drained = self._loop.create_future()
-        try:
-            async with asyncio.timeout(_REPLY_STALL_S):
-                await self._w.drained
-        finally:
-            self._w.drained = None
-
-    async def _discard(self, n: int) -> None:
-        scratch, sock = self._t._scratch, self._sock
-        while n:
-            try:
-                k = sock.recv_into(scratch, min(n, len(scratch)))
-            except (BlockingIOError, InterruptedError):
-                await self._io.readable(min(n, len(scratch)))
-                continue
-            if not k:
-                raise ConnectionResetError("connection closed by peer")
-            n -= k
-
-    async def _on_data(self, rid: int, size: int) -> None:
-        sink = self._p.sink(rid)
-        if sink is None or sink.state is not State.RECEIVING or sink.cursor is None:
-            await self._discard(size)  # late data of a finished or cancelled request
-            return
-        if size > sink.cursor.remaining:
-            # More than granted/requested: never written anywhere, the request fails.
-            self._fail_sink(sink, "sent more bytes than granted")
-            await self._discard(size)
-            return
-        if self._vec and type(sink.cursor) is RunCursor:
-            await self._recv_rows(sink, sink.cursor.take_rows(size))
-        else:
-            await self._recv_views(sink, sink.cursor.take(size), size)
-
-    async def _recv_views(self, sink: MyOp | PeerOp, iov: list[memoryview], size: int) -> None:
-        """Receive one DATA chunk of ``size`` bytes into the views ``iov``; the rest of
-        the chunk is dropped once ``sink`` stops receiving (cancelled mid-chunk)."""
-        assert sink.cursor is not None
-        pos, sock, left = 0, self._sock, size
-        while pos < len(iov):
-            if sink.state is not State.RECEIVING:
-                # Cancelled mid-chunk: its owner has returned, so the rest is dropped.
-                await self._discard(sum(len(v) for v in iov[pos:]))
-                return
-            try:
-                if pos + 1 == len(iov):
-                    k = sock.recv_into(iov[pos])
-                else:
-                    k = sock.recvmsg_into(iov[pos : pos + IOV_MAX])[0]
-            except (BlockingIOError, InterruptedError):
-                await self._io.readable(left)
-                continue
-            left -= k
-            if not k:
-                raise ConnectionResetError("connection closed by peer")
-            pos = consumed(iov, pos, k)
-        if not sink.cursor.remaining:
-            self._filled(sink)
-
-    async def _recv_rows(self, sink: MyOp | PeerOp, rows: npt.NDArray[np.uint64]) -> None:
-        """Receive one DATA chunk into the memory of ``rows`` (``readv``), as
-        :meth:`_on_data` does into views; the rest of the chunk is dropped once ``sink``
-        stops receiving (cancelled mid-chunk)."""
-        assert sink.cursor is not None
-        pos, sock, left = 0, self._sock, int(rows[:, 1].sum())
-        while pos < len(rows):
-            if sink.state is not State.RECEIVING:
-                await self._discard(left)
-                return
-            try:
-                k = readv(sock, rows[pos : pos + IOV_MAX])
-            except (BlockingIOError, InterruptedError):
-                await self._io.readable(left)
-                continue
-            if not k:
-                raise ConnectionResetError("connection closed by peer")
-            left -= k
-            pos = advance_rows(rows, pos, k)
-        if not sink.cursor.remaining:
-            self._filled(sink)
-
-    def _fail_sink(self, sink: MyOp | PeerOp, why: str) -> None:
-        _log.warning("%r: request %d failed: peer %s", self, sink.rid, why)
-        self._p.fail_sink(sink, why)
 
     # --------------------------------------------------- actions of the link protocol
 

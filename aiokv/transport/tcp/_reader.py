@@ -1,0 +1,224 @@
+"""The reader of a TCP link: frame headers and meta in, ``DATA`` straight into buffers.
+
+It reads one frame at a time, hands control frames to the link's protocol, receives
+``DATA`` into the buffers of the request it is for (``recvmsg_into``, or with payload
+moved by address ``readv``), drops what nobody wants, and pauses while the protocol
+says too many replies are queued for the peer (reply backpressure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from .. import _wire as wire
+from ._io import IOV_MAX, SockIO, advance_rows, consumed, readv, vectored
+from ._ops import MyOp, PeerOp, RunCursor, State
+from ._writer import YIELD_BYTES
+
+__all__ = ["Reader"]
+
+_log = logging.getLogger("aiokv.transport.tcp")
+_F = wire.FrameType
+# What handling one frame counts for against YIELD_BYTES (after which the reader yields
+# to the loop): a flood of small frames (each may start a request) also lets the loop
+# run every 64 frames.
+_FRAME_COST: Final = YIELD_BYTES // 64
+
+
+class _Frames(Protocol):
+    """What the reader asks of the link's protocol (:class:`LinkProtocol`)."""
+
+    def skips_meta(self, h: wire.Header) -> bool: ...
+
+    def receive(self, h: wire.Header, meta: bytearray | None) -> None: ...
+
+    def sink(self, rid: int) -> MyOp | PeerOp | None: ...
+
+    def filled(self, sink: MyOp | PeerOp) -> None: ...
+
+    def fail_sink(self, sink: MyOp | PeerOp, why: str) -> None: ...
+
+    def reader_must_pause(self) -> bool: ...
+
+
+class _Drain(Protocol):
+    """The link's writer: it wakes ``drained`` once the queued replies are sent."""
+
+    drained: asyncio.Future[None] | None
+
+
+class _Link(Protocol):
+    """The link the reader reads for: it breaks when reading ends."""
+
+    def _break(self, reason: str) -> None: ...
+
+
+class Reader:
+    """Reads a link's socket until it breaks (:meth:`run`, the link's reader task)."""
+
+    def __init__(
+        self,
+        io: SockIO,
+        link: _Link,
+        protocol: _Frames,
+        writer: _Drain,
+        *,
+        scratch: bytearray,
+        stall_s: float,
+    ) -> None:
+        self._io = io
+        self._sock = io.sock
+        self._link = link
+        self._p = protocol
+        self._w = writer
+        self._scratch = scratch  # sink for data nobody wants
+        self._stall_s = stall_s  # how long the peer may leave our replies unread
+        #: whether the peer sent any frame since the handshake
+        self.heard = False
+        # payload of LayoutViews moves by address (readv / writev): no object per run
+        self._vec = vectored(self._sock)
+
+    async def run(self) -> None:
+        """Read frames until the link breaks, then break it with the reason (EOF, an
+        ``OSError``, a protocol violation, the peer leaving our replies unread for
+        ``stall_s``, or a bug); never raises."""
+        hbuf = bytearray(wire.HEADER_SIZE)
+        hview = memoryview(hbuf)
+        recv_exact = self._io.recv_exact
+        unyielded = 0
+        try:
+            while True:
+                await recv_exact(hview)
+                h = wire.decode_header(hview)
+                self.heard = True
+                if h.type is _F.DATA:
+                    await self._on_data(h.req_id, h.size)
+                    unyielded += h.size + _FRAME_COST
+                else:
+                    await self._on_control(h)
+                    unyielded += h.meta_len + _FRAME_COST
+                if unyielded >= YIELD_BYTES:
+                    unyielded = 0
+                    await asyncio.sleep(0)
+                if self._p.reader_must_pause():
+                    await self._until_replies_drain()
+        except TimeoutError:  # an OSError too: first
+            _log.warning("%r: the peer does not read our replies; dropping the link", self._link)
+            self._link._break("peer does not read")
+        except (OSError, EOFError) as exc:
+            self._link._break(f"connection lost: {exc}")
+        except wire.WireError as exc:
+            _log.warning("%r: protocol violation: %s", self._link, exc)
+            self._link._break(f"protocol violation: {exc}")
+        except Exception as exc:
+            _log.exception("reader of %r failed", self._link)
+            self._link._break(f"reader failed: {exc!r}")
+
+    async def _on_control(self, h: wire.Header) -> None:
+        """Read a control frame's meta and hand the frame to the protocol; the meta of a
+        request it refuses unread (see :meth:`LinkProtocol.skips_meta`) is skipped."""
+        meta: bytearray | None = None
+        if self._p.skips_meta(h):
+            await self._discard(h.meta_len)
+        elif h.meta_len:
+            meta = bytearray(h.meta_len)
+            await self._io.recv_exact(memoryview(meta))
+        else:
+            meta = bytearray()
+        self._p.receive(h, meta)
+
+    async def _until_replies_drain(self) -> None:
+        """Backpressure: read nothing more until our replies to the peer are sent.
+
+        Raises:
+            TimeoutError: the peer read too little of them for ``stall_s``.
+        """
+        self._w.drained = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(self._stall_s):
+                await self._w.drained
+        finally:
+            self._w.drained = None
+
+    async def _discard(self, n: int) -> None:
+        scratch, sock = self._scratch, self._sock
+        while n:
+            try:
+                k = sock.recv_into(scratch, min(n, len(scratch)))
+            except (BlockingIOError, InterruptedError):
+                await self._io.readable(min(n, len(scratch)))
+                continue
+            if not k:
+                raise ConnectionResetError("connection closed by peer")
+            n -= k
+
+    async def _on_data(self, rid: int, size: int) -> None:
+        sink = self._p.sink(rid)
+        if sink is None or sink.state is not State.RECEIVING or sink.cursor is None:
+            await self._discard(size)  # late data of a finished or cancelled request
+            return
+        if size > sink.cursor.remaining:
+            # More than granted/requested: never written anywhere, the request fails.
+            self._fail_sink(sink, "sent more bytes than granted")
+            await self._discard(size)
+            return
+        if self._vec and type(sink.cursor) is RunCursor:
+            await self._recv_rows(sink, sink.cursor.take_rows(size))
+        else:
+            await self._recv_views(sink, sink.cursor.take(size), size)
+
+    async def _recv_views(self, sink: MyOp | PeerOp, iov: list[memoryview], size: int) -> None:
+        """Receive one DATA chunk of ``size`` bytes into the views ``iov``; the rest of
+        the chunk is dropped once ``sink`` stops receiving (cancelled mid-chunk)."""
+        assert sink.cursor is not None
+        pos, sock, left = 0, self._sock, size
+        while pos < len(iov):
+            if sink.state is not State.RECEIVING:
+                # Cancelled mid-chunk: its owner has returned, so the rest is dropped.
+                await self._discard(sum(len(v) for v in iov[pos:]))
+                return
+            try:
+                if pos + 1 == len(iov):
+                    k = sock.recv_into(iov[pos])
+                else:
+                    k = sock.recvmsg_into(iov[pos : pos + IOV_MAX])[0]
+            except (BlockingIOError, InterruptedError):
+                await self._io.readable(left)
+                continue
+            left -= k
+            if not k:
+                raise ConnectionResetError("connection closed by peer")
+            pos = consumed(iov, pos, k)
+        if not sink.cursor.remaining:
+            self._p.filled(sink)
+
+    async def _recv_rows(self, sink: MyOp | PeerOp, rows: npt.NDArray[np.uint64]) -> None:
+        """Receive one DATA chunk into the memory of ``rows`` (``readv``), as
+        :meth:`_on_data` does into views; the rest of the chunk is dropped once ``sink``
+        stops receiving (cancelled mid-chunk)."""
+        assert sink.cursor is not None
+        pos, sock, left = 0, self._sock, int(rows[:, 1].sum())
+        while pos < len(rows):
+            if sink.state is not State.RECEIVING:
+                await self._discard(left)
+                return
+            try:
+                k = readv(sock, rows[pos : pos + IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                await self._io.readable(left)
+                continue
+            if not k:
+                raise ConnectionResetError("connection closed by peer")
+            left -= k
+            pos = advance_rows(rows, pos, k)
+        if not sink.cursor.remaining:
+            self._p.filled(sink)
+
+    def _fail_sink(self, sink: MyOp | PeerOp, why: str) -> None:
+        _log.warning("%r: request %d failed: peer %s", self._link, sink.rid, why)
+        self._p.fail_sink(sink, why)
