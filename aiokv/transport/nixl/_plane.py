@@ -54,7 +54,7 @@ POLL_MAX_S: Final = 1e-3
 _OFF_LOOP: Final = 1 << 20
 # Transfers up to this big are posted on the loop, and those the post completes (shared
 # memory / CMA moves a few MiB within it) cost no thread hop: holding the loop for
-# this many bytes is what the TCP link does between yields (tcp/_link._YIELD_BYTES).
+# this many bytes is what the TCP link does between yields (tcp/_writer.YIELD_BYTES).
 _POST_ON_LOOP: Final = 4 << 20
 
 
