@@ -333,20 +333,7 @@ def _per_block(report: Report, rows: list[dict[str, Any]]) -> None:
     """The slope table (per block size, the overhead per added block between
     consecutive counts) and the summary of the per-block goals over the rows of 4-16 KiB
     blocks at 1,024-16,384 blocks: slope, ratio to the raw stream, tail."""
-    slopes: list[dict[str, Any]] = []
-    for a, b in itertools.pairwise(rows):
-        if a["block_kib"] != b["block_kib"] or b["count"] <= a["count"]:
-            continue
-        span = b["count"] - a["count"]
-        slope = {
-            f"{op}_us": (
-                b[f"{op}_us_per_block"] * b["count"] - a[f"{op}_us_per_block"] * a["count"]
-            )
-            / span
-            for op in ("pull", "push", "raw_blocks")
-            if f"{op}_us_per_block" in b
-        }
-        slopes.append({"block_kib": b["block_kib"], "from": a["count"], "to": b["count"]} | slope)
+    slopes = _slopes(rows)
     if slopes:
         report.table(
             "per_block",
@@ -372,6 +359,26 @@ def _per_block(report: Report, rows: list[dict[str, Any]]) -> None:
         pulls=TAIL_PULLS,
         tail=max(r["pull_tail"] for r in picked),
     )
+
+
+def _slopes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per pair of consecutive rows of one block size (more blocks in the second): the
+    overhead each added block costs, ``d(t - t_raw) / dK``, per contender measured."""
+    slopes: list[dict[str, Any]] = []
+    for a, b in itertools.pairwise(rows):
+        if a["block_kib"] != b["block_kib"] or b["count"] <= a["count"]:
+            continue
+        span = b["count"] - a["count"]
+        slope = {
+            f"{op}_us": (
+                b[f"{op}_us_per_block"] * b["count"] - a[f"{op}_us_per_block"] * a["count"]
+            )
+            / span
+            for op in ("pull", "push", "raw_blocks")
+            if f"{op}_us_per_block" in b
+        }
+        slopes.append({"block_kib": b["block_kib"], "from": a["count"], "to": b["count"]} | slope)
+    return slopes
 
 
 @contextlib.asynccontextmanager
