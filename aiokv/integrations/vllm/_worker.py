@@ -579,8 +579,6 @@ class WorkerSide:
         loop = self._loop
         if loop is None:
             return False
-        with self._lock:
-            self._loads += bool(args) and isinstance(args[0], Load)  # until _load ends
         fut = asyncio.run_coroutine_threadsafe(fn(*args), loop)
         with self._lock:
             self._pending.add(fut)
@@ -690,7 +688,11 @@ class WorkerSide:
 
     # ---- loads ----------------------------------------------------------------------------
     def _spawn(self, fn: Callable[[_Item], Coroutine[Any, Any, None]], item: _Item) -> None:
+        with self._lock:
+            self._loads += isinstance(item, Load)  # counted before it can end, until it ends
         if not self._run_soon(fn, item) and isinstance(item, Load):
+            with self._lock:
+                self._loads -= 1
             self._ended(item.request_id, ok=False)
 
     def _forget(self, fut: Any) -> None:
