@@ -72,22 +72,11 @@ class UnreachableGrants(Link):
     async def read(
         self,
         meta: bytes,
-        into: Sequence[memoryview] | DeviceRuns,
+        bufs: Sequence[memoryview] | DeviceRuns,
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        await self._answer(meta, into)
-
-    async def write(
-        self,
-        meta: bytes,
-        src: Sequence[memoryview] | DeviceRuns,
-        *,
-        timeout: float,  # noqa: ASYNC109
-    ) -> None:
-        await self._answer(meta, src)
-
-    async def _answer(self, meta: bytes, bufs: Sequence[memoryview] | DeviceRuns) -> None:
+        """A read or a write alike: refused if by address, else moved."""
         req = decode(meta)
         release = bool(getattr(req, "release", False))
         if isinstance(bufs, DeviceRuns):
@@ -102,6 +91,8 @@ class UnreachableGrants(Link):
                 status_code=LLMStatusCode.LLM_FAILED,
                 context=DIRECT_REFUSED,
             )
+
+    write = read
 
     async def aclose(self) -> None:
         return
