@@ -4,8 +4,8 @@
 * :mod:`._links` — the live links of one ``LLMDataDist``.
 * :mod:`._linker` — opening and closing them: ``link_clusters``, two-sided ``link``.
 * :mod:`._ranktable` — the arguments of a two-sided ``link``.
-* :mod:`._route` — how a transfer's bytes move (host views, by address, staged), for
-  both halves.
+* :mod:`._route` — how a transfer's bytes move (host views, by address, staged; a part
+  also by the peer's grant), for both halves.
 * :mod:`._client` — the local half of pulls and pushes.
 * :mod:`._service` — the serving half: answers peers against the registry.
 * :mod:`._leases` — a blocks cache's memory lent by address over one-sided links.

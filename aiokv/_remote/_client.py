@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from ._leases import LeaseKey, Leases, reply_size
 from ._links import LinkTable
 from ._parts import Part, Transfer
 from ._protocol import BlocksReq, KeyByBlocks, LeaseReq, Request, encode
-from ._route import Route, route
+from ._route import Route, part_route, route
 
 __all__ = ["RemoteClient"]
 
@@ -62,6 +63,11 @@ class RemoteClient:
         self._counters = counters if counters is not None else PeerCounters()
         self.leases = leases
 
+    @property
+    def timeout(self) -> float:
+        """``sync_kv_timeout`` in seconds, as configured now."""
+        return self._config.sync_kv_timeout / 1000
+
     def link(self, op: str, cluster_id: int) -> Link:
         """The live link to ``cluster_id`` (``LLM_NOT_YET_LINK`` when there is none)."""
         return self._links.require(op, cluster_id)
@@ -83,8 +89,10 @@ class RemoteClient:
         the link moves by address (:meth:`~aiokv.transport.Link.addressable`: NIXL with
         the cache registered as VRAM) moves directly, in parts of at most
         :data:`~aiokv._copy.MAX_STAGED_BYTES`, once work queued on the device's current
-        stream is done; a part the peer grants from memory the link cannot reach by
-        address moves through host staging instead. Other device memory moves through
+        stream is done; once the peer grants a part memory the link cannot reach by
+        address (that part moved nothing), the route of the transfer's parts is staged
+        (:func:`~._route.part_route`): that part's and those of every part started
+        later, which are never asked by address. Other device memory moves through
         host staging, in parts (at least :data:`PIPELINE` parts of 1 MiB to
         :data:`~aiokv._copy.PART_BYTES`) pipelined :data:`DEPTH` deep: the device→host
         copy of one part overlaps the send of the previous one (a pull: the host→device
@@ -104,7 +112,7 @@ class RemoteClient:
         lease_key = self._lease_key(link, cache, job, write)
         if lease_key is not None and await self._leased(op, link, cache, job, lease_key, about):
             return
-        await self._move(op, link, cache, job, write=write, about=about)
+        await _Requests(self, op, link, cache, job, write, about).run()
         if lease_key is not None:  # it moved: ask for a lease, so that the next one is quicker
             count = len(job.tensors)
             assert self.leases is not None
@@ -173,124 +181,11 @@ class RemoteClient:
         buf = bytearray(reply_size(count))
         req = LeaseReq(key.key, key.tensors, key.block_bytes, key.write)
         try:
-            await link.read(
-                encode(req), [memoryview(buf)], timeout=self._config.sync_kv_timeout / 1000
-            )
+            await link.read(encode(req), [memoryview(buf)], timeout=self.timeout)
         except LLMException as exc:
             log.debug("no lease from cluster %d: %s", link.peer.cluster_id, exc)
             return None
         return bytes(buf)
-
-    async def _move(
-        self,
-        op: str,
-        link: Link,
-        cache: Cache,
-        job: Transfer,
-        *,
-        write: bool,
-        about: dict[str, Any],
-    ) -> None:
-        """:meth:`move` by request(s) (see there)."""
-        device = cache.tensors[0].device
-        way = route(device, lambda: _addressable(link, [cache.tensors[t] for t in job.tensors]))
-        staged, direct = way is not Route.HOST_VIEWS, way is Route.BY_ADDRESS
-        # staged: at least PIPELINE parts (so copies overlap the wire), of 1 MiB to PART_BYTES
-        limit = (
-            max(min(PART_BYTES, -(-job.nbytes // PIPELINE)), min(PART_BYTES, _MIN_PART))
-            if staged and not direct
-            else MAX_STAGED_BYTES
-        )
-        timeout = self._config.sync_kv_timeout / 1000
-        if not staged and job.nbytes <= limit:  # the common case: one request, no copies
-            views = job.layout.views([tensor_bytes(cache.tensors[t]) for t in job.tensors])
-            await self.transfer(op, link, job.request, views, write=write, about=about)
-            return
-        deadline = asyncio.get_running_loop().time() + timeout
-        parts = list(job.parts(limit))
-        releasing = getattr(job.request, "release", False) and len(parts) > 1
-        flat = [_flat(cache.tensors[t]) for t in job.tensors] if staged else []
-        if direct:  # NIXL reads / writes the memory as it is: settle queued work first
-            with map_errors(op):
-                await self._stager.settle(device)
-
-        def time_left() -> float:
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                raise LLMException(
-                    f"{op}: not done within sync_kv_timeout",
-                    status_code=LLMStatusCode.LLM_TIMEOUT,
-                    op=op,
-                )
-            return left
-
-        committed = False  # a releasing part arrived: the peer released the key
-
-        async def send(part: Part, views: Sequence[memoryview] | DeviceRuns, left: float) -> None:
-            nonlocal committed
-            await self.transfer(
-                op, link, part.request, views, write=write, about=about, timeout=left
-            )
-            committed = committed or getattr(part.request, "release", False)
-
-        async def one(part: Part) -> None:
-            left = time_left()
-            if direct:
-                bases = [flat[t - job.tensors.start].data_ptr() for t in part.tensors]
-                try:
-                    await send(part, DeviceRuns(str(device), part.layout.addresses(bases)), left)
-                    return
-                except _NotDirect:  # the peer granted host memory NIXL cannot reach
-                    left = time_left()
-            if not staged:
-                await send(
-                    part,
-                    part.layout.views([tensor_bytes(cache.tensors[t]) for t in part.tensors]),
-                    left,
-                )
-                return
-            bufs = [flat[t - job.tensors.start] for t in part.tensors]
-            with map_errors(op):
-                if write:
-                    box = await self._stager.gather(bufs, part.layout, left, link.peer)
-                else:
-                    box = await self._stager.reserve(part.nbytes, bufs[0].device, left, link.peer)
-            try:
-                await send(part, [box.view], left)
-                if not write:
-                    scatter = self._stager.scatter(box, bufs, part.layout)
-                    with map_errors(op):
-                        if committed:
-                            # the peer released the key on our READ_DONE: the pull has
-                            # happened, so its bytes land whatever cancels us meanwhile
-                            await completing(scatter)
-                        else:
-                            await scatter
-            finally:
-                box.release()
-
-        body = parts[:-1] if releasing else parts
-        room = asyncio.Semaphore(DEPTH)
-
-        async def slot(part: Part) -> None:
-            try:
-                await one(part)
-            finally:
-                room.release()
-
-        try:
-            async with asyncio.TaskGroup() as group:
-                for part in body:
-                    await room.acquire()
-                    group.create_task(slot(part))
-        except BaseExceptionGroup as eg:
-            raise _first(eg) from None
-        except asyncio.CancelledError as exc:
-            if not committed:  # (a pull in one part: the group held its releasing part)
-                raise
-            redeliver(exc)  # it has happened: done, the cancellation comes again later
-        if releasing:
-            await one(parts[-1])
 
     async def transfer(
         self,
@@ -303,13 +198,18 @@ class RemoteClient:
         about: dict[str, Any],
         timeout: float | None = None,  # noqa: ASYNC109
         at: DeviceRuns | None = None,
-    ) -> None:
+    ) -> bool:
         """Push ``views`` (``write``) or pull into them, as ``request`` names on the peer.
 
         ``timeout``: seconds (default ``sync_kv_timeout``). ``views`` may be device
-        memory by address where the link takes it; a grant it cannot reach that way
-        raises :class:`_NotDirect` (nothing moved). ``at``: the peer's memory under a
+        memory by address where the link takes it. ``at``: the peer's memory under a
         lease: moved one-sidedly (:meth:`~aiokv.transport.Link.move_at`), no request.
+
+        Returns:
+            Whether it moved: False only for a request (no ``at``) on device memory by
+            address that the peer granted memory the link cannot reach so (the
+            transport's ``DIRECT_REFUSED``): nothing moved and the peer let go; where
+            the bytes go then is the route's call (:func:`~._route.part_route`).
 
         Raises:
             LLMException: the peer's refusal code, ``LLM_TIMEOUT`` past the timeout,
@@ -318,7 +218,7 @@ class RemoteClient:
         """
         meta = b"" if at is not None else encode(request)
         if timeout is None:
-            timeout = self._config.sync_kv_timeout / 1000
+            timeout = self.timeout
         cid = link.peer.cluster_id
         nbytes = views.total if isinstance(views, DeviceRuns) else total_bytes(views)
         try:
@@ -334,8 +234,8 @@ class RemoteClient:
                 else:
                     await link.read(meta, views, timeout=timeout)
         except LLMException as exc:
-            if isinstance(views, DeviceRuns) and exc.context.get("direct") is False:
-                raise _NotDirect from exc
+            if at is None and isinstance(views, DeviceRuns) and exc.context.get("direct") is False:
+                return False
             ctx = exc.in_context(op, **about)
             log.debug("%s %s cluster %d failed: %s", op, _dir(write), cid, ctx)
             if ctx is exc:
@@ -343,6 +243,158 @@ class RemoteClient:
             raise ctx from exc
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: %d bytes %s cluster %d", op, nbytes, _dir(write), cid)
+        return True
+
+
+@dataclass(eq=False, slots=True)
+class _Requests:
+    """One transfer of :meth:`RemoteClient.move` by request(s), as its parts run.
+
+    Attributes (after those of ``move``):
+        way: the route of the transfer's memory here (:func:`~._route.route`), decided
+            before it is cut into parts.
+        unreachable: the peer granted a part by address memory the link cannot reach
+            so; each part's route (:func:`~._route.part_route`) is decided from it.
+        committed: a releasing part arrived (the peer released the key).
+    """
+
+    client: RemoteClient
+    op: str
+    link: Link
+    cache: Cache
+    job: Transfer
+    write: bool
+    about: dict[str, Any]
+    way: Route = Route.HOST_VIEWS
+    deadline: float = 0.0
+    flat: list[torch.Tensor] = field(default_factory=list)
+    unreachable: bool = False
+    committed: bool = False
+
+    async def run(self) -> None:
+        """Move the transfer within ``sync_kv_timeout``, as :meth:`RemoteClient.move`
+        tells."""
+        job, cache, link = self.job, self.cache, self.link
+        device = cache.tensors[0].device
+        self.way = route(
+            device, lambda: _addressable(link, [cache.tensors[t] for t in job.tensors])
+        )
+        limit = MAX_STAGED_BYTES
+        if self.way is Route.STAGED:  # at least PIPELINE parts of 1 MiB to PART_BYTES
+            limit = max(min(PART_BYTES, -(-job.nbytes // PIPELINE)), min(PART_BYTES, _MIN_PART))
+        timeout = self.client.timeout
+        if self.way is Route.HOST_VIEWS and job.nbytes <= limit:  # one request, no copies
+            await self._send(job.whole(), timeout)
+            return
+        self.deadline = asyncio.get_running_loop().time() + timeout
+        parts = list(job.parts(limit))
+        releasing = getattr(job.request, "release", False) and len(parts) > 1
+        if self.way is not Route.HOST_VIEWS:
+            self.flat = [_flat(cache.tensors[t]) for t in job.tensors]
+        if self.way is Route.BY_ADDRESS:  # NIXL moves the memory as it is: settle first
+            with map_errors(self.op):
+                await self.client._stager.settle(device)
+        await self._pipelined(parts[:-1] if releasing else parts)
+        if releasing:
+            await self._one(parts[-1])
+
+    async def _pipelined(self, parts: list[Part]) -> None:
+        """Move ``parts``, :data:`DEPTH` at once. Cancelled once a releasing part
+        arrived, it ends as done (the cancellation comes again at the next await)."""
+        room = asyncio.Semaphore(DEPTH)
+
+        async def slot(part: Part) -> None:
+            try:
+                await self._one(part)
+            finally:
+                room.release()
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for part in parts:
+                    await room.acquire()
+                    group.create_task(slot(part))
+        except BaseExceptionGroup as eg:
+            raise _first(eg) from None
+        except asyncio.CancelledError as exc:
+            if not self.committed:  # (a pull in one part: the group held its releasing part)
+                raise
+            redeliver(exc)  # it has happened: done, the cancellation comes again later
+
+    async def _one(self, part: Part) -> None:
+        """Move ``part`` by its route (:func:`~._route.part_route`), decided when it
+        starts; a grant by address of memory the link cannot reach (nothing moved)
+        decides it again, for this part and every later one."""
+        left = self._left()
+        way = part_route(self.way, unreachable_grant=self.unreachable)
+        if way is Route.BY_ADDRESS:
+            bases = [self.flat[t - self.job.tensors.start].data_ptr() for t in part.tensors]
+            runs = DeviceRuns(str(self.flat[0].device), part.layout.addresses(bases))
+            if await self._send(part, left, runs):
+                return
+            self.unreachable = True
+            way = part_route(self.way, unreachable_grant=True)
+            left = self._left()
+        if way is Route.STAGED:
+            await self._staged(part, left)
+        else:
+            await self._send(part, left)
+
+    async def _staged(self, part: Part, left: float) -> None:
+        """Move ``part`` through a host staging buffer (gathered before a push,
+        scattered after a pull)."""
+        stager, write = self.client._stager, self.write
+        bufs = [self.flat[t - self.job.tensors.start] for t in part.tensors]
+        with map_errors(self.op):
+            if write:
+                box = await stager.gather(bufs, part.layout, left, self.link.peer)
+            else:
+                box = await stager.reserve(part.nbytes, bufs[0].device, left, self.link.peer)
+        try:
+            await self._send(part, left, [box.view])
+            if not write:
+                scatter = stager.scatter(box, bufs, part.layout)
+                with map_errors(self.op):
+                    if self.committed:
+                        # the peer released the key on our READ_DONE: the pull has
+                        # happened, so its bytes land whatever cancels us meanwhile
+                        await completing(scatter)
+                    else:
+                        await scatter
+        finally:
+            box.release()
+
+    async def _send(
+        self, part: Part, left: float, views: Sequence[memoryview] | DeviceRuns | None = None
+    ) -> bool:
+        """One request: ``part`` between the peer and ``views`` (default: the host
+        memory of the cache itself) within ``left`` seconds; whether it moved (see
+        :meth:`RemoteClient.transfer`)."""
+        if views is None:
+            cache = self.cache
+            views = part.layout.views([tensor_bytes(cache.tensors[t]) for t in part.tensors])
+        moved = await self.client.transfer(
+            self.op,
+            self.link,
+            part.request,
+            views,
+            write=self.write,
+            about=self.about,
+            timeout=left,
+        )
+        self.committed = self.committed or (moved and getattr(part.request, "release", False))
+        return moved
+
+    def _left(self) -> float:
+        """Seconds left until the deadline (``LLM_TIMEOUT`` when none are)."""
+        left = self.deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise LLMException(
+                f"{self.op}: not done within sync_kv_timeout",
+                status_code=LLMStatusCode.LLM_TIMEOUT,
+                op=self.op,
+            )
+        return left
 
 
 def _dir(write: bool) -> str:
@@ -354,11 +406,6 @@ DEPTH = 3
 #: A staged transfer is cut into at least this many parts (when they stay >= _MIN_PART).
 PIPELINE = 4
 _MIN_PART = 1 << 20
-
-
-class _NotDirect(Exception):
-    """A request on device memory by address was granted memory the link cannot reach
-    by address (``DIRECT_REFUSED``): nothing moved; stage it instead."""
 
 
 def _addressable(link: Link, tensors: list[torch.Tensor]) -> bool:
