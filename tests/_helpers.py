@@ -27,7 +27,16 @@ import numpy as np
 import pytest
 import torch
 
-from aiokv import BlocksCacheKey, Cache, CacheManager, LLMException, LLMStatusCode
+from aiokv import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheManager,
+    DataType,
+    LLMException,
+    LLMStatusCode,
+)
 from aiokv._bench._pki import make_pki
 from aiokv.transport import _wire as wire
 from aiokv.transport._tls import load_tls
@@ -279,6 +288,35 @@ async def pull_and_push_blocks(
     fill_bytes(src, 3)
     await p_cm.push_blocks(BlocksCacheKey(2, 0), src, srcs[:40], dsts[40:])
     await same_rows(dst, dsts[40:], src, srcs[:40])
+
+
+async def pull_every_other_block(
+    p_cm: CacheManager, d_cm: CacheManager, src_desc: CacheDesc, dst_desc: CacheDesc
+) -> None:
+    """``d_cm`` pulls the even blocks of a filled 96-block cache ``src_desc`` of ``p_cm``
+    (``BlocksCacheKey(1, 0)``) into a new blocks cache ``dst_desc``, in reverse order; the
+    pulled rows must match byte for byte."""
+    src = await p_cm.allocate_blocks_cache(src_desc, BlocksCacheKey(1, 0))
+    dst = await d_cm.allocate_blocks_cache(dst_desc)
+    fill_bytes(src, 4)
+    blocks = list(range(0, 96, 2))
+    await d_cm.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks[::-1])
+    await same_rows(dst, blocks[::-1], src, blocks)
+
+
+async def pull_a_slot_by_key(p_cm: CacheManager, d_cm: CacheManager, dst_desc: CacheDesc) -> None:
+    """``d_cm`` pulls, block by block in reverse order, a contiguous cache of ``p_cm`` (4
+    fp16 tensors, one slot of 96 blocks of 8192 elements, ``CacheKey(1, req_id=7)``) into a
+    new blocks cache ``dst_desc`` (96 such blocks): the rows must match byte for byte, and
+    the key must be released with the last part (a second pull finds nothing)."""
+    key = CacheKey(1, req_id=7)
+    src = await p_cm.allocate_cache(CacheDesc(4, [1, 96 * 8192], DataType.DT_FLOAT16), [key])
+    fill_bytes(src, 5)
+    dst = await d_cm.allocate_blocks_cache(dst_desc)
+    chunks = list(range(96))
+    await d_cm.pull_blocks(key, dst, chunks, chunks[::-1])
+    await same_rows(dst, chunks[::-1], [t.view(96, 8192) for t in host(src)], chunks)
+    await raises(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, d_cm.pull_blocks(key, dst, [0], [0]))
 
 
 def fill_randn(cache: Cache, seed: int = 0) -> None:
