@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -27,10 +29,20 @@ import numpy as np
 import pytest
 import torch
 
-from aiokv import BlocksCacheKey, Cache, CacheManager, LLMException, LLMStatusCode
+from aiokv import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheManager,
+    DataType,
+    LLMException,
+    LLMStatusCode,
+)
 from aiokv._bench._pki import make_pki
 from aiokv.transport import _wire as wire
 from aiokv.transport._tls import load_tls
+from aiokv.transport._wire import FrameType
 from aiokv.transport.tcp import TcpTransport
 
 #: the repository root (this checkout)
@@ -98,11 +110,30 @@ def run_python(
     )
 
 
+def run_code(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` run as :func:`run_python` runs it; it must exit 0 (else the test
+    fails with the end of its stderr). Returns the finished process, to read its output."""
+    out = run_python("-c", code, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on (free when asked)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def logged_errors(caplog: pytest.LogCaptureFixture, logger: str) -> Callable[[], list[str]]:
+    """Capture ERROR records of ``logger`` and its children from now on; returns a
+    function that lists their messages so far."""
+    caplog.set_level(logging.ERROR, logger=logger)
+
+    def errors() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name.startswith(logger)]
+
+    return errors
 
 
 def hide_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,6 +205,54 @@ async def serving_once(serve: Callable[[socket.socket], Awaitable[None]]) -> Asy
         with contextlib.suppress(asyncio.CancelledError):
             await task
         listener.close()
+
+
+Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def fake_peer(serve: Serve) -> AsyncIterator[int]:
+    """A raw-frame TCP peer on 127.0.0.1 (port 0; the port is yielded): each connection is
+    handed to ``serve`` (a connection error or early EOF there ends it quietly), then closed;
+    on exit every connection is cancelled, closed and awaited."""
+    handlers: list[asyncio.Task[None]] = []
+
+    async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                await serve(reader, writer)
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    def spawn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.ensure_future(run(reader, writer)))
+
+    server = await asyncio.start_server(spawn, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        await server.wait_closed()
+
+
+async def fake_peer_hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """The accepting side of a link's handshake (as cluster 9, no secret) from raw frames,
+    and the connecting side's greeting PING after it."""
+    h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+    await reader.readexactly(h.meta_len)
+    meta = wire.encode_meta({"cluster_id": 9, "nonce": secrets.token_hex(32), "mac": None}, 4096)
+    writer.write(wire.encode_frame(FrameType.HELLO, meta=meta))
+    h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+    await reader.readexactly(h.meta_len)
+    writer.write(wire.encode_frame(FrameType.AUTH, status=0))
+    # the connecting side greets with one PING as soon as it linked (its PONG is optional)
+    h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+    assert h.type is FrameType.PING and not h.meta_len
 
 
 async def cancel_after(
@@ -279,6 +358,35 @@ async def pull_and_push_blocks(
     fill_bytes(src, 3)
     await p_cm.push_blocks(BlocksCacheKey(2, 0), src, srcs[:40], dsts[40:])
     await same_rows(dst, dsts[40:], src, srcs[:40])
+
+
+async def pull_every_other_block(
+    p_cm: CacheManager, d_cm: CacheManager, src_desc: CacheDesc, dst_desc: CacheDesc
+) -> None:
+    """``d_cm`` pulls the even blocks of a filled 96-block cache ``src_desc`` of ``p_cm``
+    (``BlocksCacheKey(1, 0)``) into a new blocks cache ``dst_desc``, in reverse order; the
+    pulled rows must match byte for byte."""
+    src = await p_cm.allocate_blocks_cache(src_desc, BlocksCacheKey(1, 0))
+    dst = await d_cm.allocate_blocks_cache(dst_desc)
+    fill_bytes(src, 4)
+    blocks = list(range(0, 96, 2))
+    await d_cm.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks[::-1])
+    await same_rows(dst, blocks[::-1], src, blocks)
+
+
+async def pull_a_slot_by_key(p_cm: CacheManager, d_cm: CacheManager, dst_desc: CacheDesc) -> None:
+    """``d_cm`` pulls, block by block in reverse order, a contiguous cache of ``p_cm`` (4
+    fp16 tensors, one slot of 96 blocks of 8192 elements, ``CacheKey(1, req_id=7)``) into a
+    new blocks cache ``dst_desc`` (96 such blocks): the rows must match byte for byte, and
+    the key must be released with the last part (a second pull finds nothing)."""
+    key = CacheKey(1, req_id=7)
+    src = await p_cm.allocate_cache(CacheDesc(4, [1, 96 * 8192], DataType.DT_FLOAT16), [key])
+    fill_bytes(src, 5)
+    dst = await d_cm.allocate_blocks_cache(dst_desc)
+    chunks = list(range(96))
+    await d_cm.pull_blocks(key, dst, chunks, chunks[::-1])
+    await same_rows(dst, chunks[::-1], [t.view(96, 8192) for t in host(src)], chunks)
+    await raises(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, d_cm.pull_blocks(key, dst, [0], [0]))
 
 
 def fill_randn(cache: Cache, seed: int = 0) -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+from _helpers import fake_peer, fake_peer_hello
 
 from aiokv import (
     BlocksCacheKey,
@@ -94,42 +94,22 @@ def test_reason_is_capped_and_sanitized() -> None:
 async def raw_peer(reason: bytes) -> AsyncIterator[int]:
     """A TCP peer that completes the handshake, then refuses the first request with
     ``reason`` as the refusal's meta."""
-    tasks: list[asyncio.Task[None]] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
-            await reader.readexactly(h.meta_len)
-            meta = wire.encode_meta({"cluster_id": 9, "nonce": secrets.token_hex(32)}, 4096)
-            writer.write(wire.encode_frame(FrameType.HELLO, meta=meta))
-            h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
-            await reader.readexactly(h.meta_len)
-            writer.write(wire.encode_frame(FrameType.AUTH, status=0))
-            h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
-            assert h.type is FrameType.PING  # the requester's greeting, right after linking
-            h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
-            await reader.readexactly(h.meta_len)
-            code = int(CODE.LLM_KV_CACHE_NOT_EXIST)
-            # built by hand: the peer may send anything, even over the cap
-            head = wire.HEADER.pack(
-                wire.MAGIC, wire.VERSION, FrameType.READ_RESP, code, len(reason), h.req_id, 0
-            )
-            writer.write(head + reason)
-            await writer.drain()
-            await reader.read()  # until the requester closes
-        writer.close()
+        await fake_peer_hello(reader, writer)
+        h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
+        await reader.readexactly(h.meta_len)
+        code = int(CODE.LLM_KV_CACHE_NOT_EXIST)
+        # built by hand: the peer may send anything, even over the cap
+        head = wire.HEADER.pack(
+            wire.MAGIC, wire.VERSION, FrameType.READ_RESP, code, len(reason), h.req_id, 0
+        )
+        writer.write(head + reason)
+        await writer.drain()
+        await reader.read()  # until the requester closes
 
-    server = await asyncio.start_server(
-        lambda r, w: tasks.append(asyncio.ensure_future(serve(r, w))), HOST, 0
-    )
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        server.close()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await server.wait_closed()
+    async with fake_peer(serve) as port:
+        yield port
 
 
 class _NoHandler:

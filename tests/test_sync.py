@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 import textwrap
 
-from _helpers import run_python
+from _helpers import run_code
 
 import aiokv
 import aiokv.sync as llm_datadist
@@ -86,8 +86,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_a_purely_synchronous_program() -> None:
-    out = run_python("-c", SCRIPT, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_code(SCRIPT, timeout=120)
     assert out.stdout.strip().endswith("OK")
 
 
@@ -121,6 +120,5 @@ def test_a_forgotten_instance_is_finalized_at_exit() -> None:
         print(dd.listen_address[1])
         """  # exits without finalize: the atexit hook must stop it (and not hang)
     )
-    out = run_python("-c", script, timeout=60)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = run_code(script)
     assert "finalized" not in out.stderr or "failed" not in out.stderr

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 import torch
-from _helpers import run_python
+from _helpers import run_code
 from copy_helpers import CPU, Gate
 
 from aiokv._copy import CopyScheduler, SchedulerConfig
@@ -166,14 +166,12 @@ async def test_threads_start_on_demand() -> None:
 
 
 def test_unclosed_scheduler_does_not_hang_exit() -> None:
-    code = (
+    out = run_code(
         "import asyncio, torch\n"
         "from aiokv._copy import CopyScheduler\n"
         "s = CopyScheduler(torch.device('cpu'))\n"
         "print(asyncio.run(s.call(lambda: 'ran')))\n"
     )
-    out = run_python("-c", code, timeout=60)
-    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ran"
 
 

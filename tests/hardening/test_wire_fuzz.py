@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +40,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from _helpers import logged_errors
 from fuzzing import fuzz_seed
 
 from aiokv import (
@@ -727,12 +727,8 @@ async def serving(cid: int, enable: bool, rng: random.Random) -> AsyncIterator[S
 
 @pytest.fixture
 def aiokv_errors(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
-    caplog.set_level(logging.ERROR, logger="aiokv")
-
-    def errors() -> list[str]:
-        return [r.getMessage() for r in caplog.records if r.name.startswith("aiokv")]
-
-    return errors
+    """The ERROR messages logged by ``aiokv`` so far in the test."""
+    return logged_errors(caplog, "aiokv")
 
 
 @dataclass

@@ -47,36 +47,36 @@ def run_parties(
     timeout: float,
     party_env: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, Result]:
-    """:func:`_run_parties`, once more on fresh ports if a port picked free was taken
-    meanwhile (another process's ephemeral port: ``EADDRINUSE``) — a race of the
-    harness, not of the client."""
-    results = _run_parties(parties, env, timeout, party_env)
-    if any("EADDRINUSE" in r.output for r in results.values()):
-        keys = [k for k in env if k.startswith("PORTS_") and k.endswith("_PORT")]
-        env = {**env, **dict(zip(keys, map(str, free_ports(len(keys))), strict=True))}
-        results = _run_parties(parties, env, timeout, party_env)
-    return results
-
-
-def _run_parties(
-    parties: dict[str, list[str]],
-    env: dict[str, str],
-    timeout: float,
-    party_env: dict[str, dict[str, str]] | None = None,
-) -> dict[str, Result]:
     """Run ``python CLIENTS/<argv...>`` per party at once; all must end within ``timeout`` s.
 
     ``env`` is added to every party's environment, ``party_env[name]`` to that party's.
+    If a port picked free was taken meanwhile (another process's ephemeral port: a party
+    says ``EADDRINUSE``) -- a race of the harness, not of the client -- all run once more
+    on fresh ports (the ``PORTS_*_PORT`` keys of ``env``).
+    """
+    base = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    base["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    keys = [k for k in env if k.startswith("PORTS_") and k.endswith("_PORT")]
+    for fresh_ports in (False, True):
+        if fresh_ports:
+            env = {**env, **dict(zip(keys, map(str, free_ports(len(keys))), strict=True))}
+        envs = {name: {**base, **env, **(party_env or {}).get(name, {})} for name in parties}
+        results = _run_once(parties, envs, timeout)
+        if not any("EADDRINUSE" in r.output for r in results.values()):
+            break
+    return results
+
+
+def _run_once(
+    parties: dict[str, list[str]], envs: dict[str, dict[str, str]], timeout: float
+) -> dict[str, Result]:
+    """Run ``python CLIENTS/<argv...>`` per party at once, each with its environment
+    ``envs[name]``; all must end within ``timeout`` s.
 
     A party that fails makes the others pointless (they would wait at a barrier until
     gloo's own 30 s timeout), so the first non-zero exit stops the rest. Every process
     started here is killed and reaped before this returns.
     """
-    full_env = {**os.environ, **env}
-    full_env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
-    full_env["PYTHONUNBUFFERED"] = "1"
     procs: dict[str, tuple[subprocess.Popen[bytes], tempfile._TemporaryFileWrapper[bytes]]] = {}
     try:
         for name, argv in parties.items():
@@ -84,7 +84,7 @@ def _run_parties(
             proc = subprocess.Popen(
                 [sys.executable, *argv],
                 cwd=CLIENTS,
-                env={**full_env, **(party_env or {}).get(name, {})},
+                env=envs[name],
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )

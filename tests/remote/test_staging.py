@@ -19,7 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _helpers import fill_bytes, host, pull_and_push_blocks, same_rows
+from _helpers import (
+    fill_bytes,
+    pull_a_slot_by_key,
+    pull_and_push_blocks,
+    pull_every_other_block,
+    same_rows,
+)
 
 from aiokv import (
     BlocksCacheKey,
@@ -110,30 +116,14 @@ async def test_mixed_placements(route: str, placements: tuple[str, str]) -> None
     """A device cache on one side, a host cache on the other (llm_datadist allows it)."""
     place = {"device": Placement.DEVICE, "host": Placement.HOST}
     async with linked(route, "tcp") as (p, d):
-        src = await p.cache_manager.allocate_blocks_cache(
-            paged(placement=place[placements[0]]), BlocksCacheKey(1, 0)
-        )
-        dst = await d.cache_manager.allocate_blocks_cache(paged(placement=place[placements[1]]))
-        fill_bytes(src, 4)
-        blocks = list(range(0, 96, 2))
-        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks[::-1])
-        await same_rows(dst, blocks[::-1], src, blocks)
+        src, dst = (paged(placement=place[name]) for name in placements)
+        await pull_every_other_block(p.cache_manager, d.cache_manager, src, dst)
 
 
 async def test_pull_by_cache_key_releases_after_the_last_part(route: str) -> None:
     """A contiguous source pulled in parts: the key goes only with the last part."""
     async with linked(route, "tcp") as (p, d):
-        desc = CacheDesc(4, [1, 96 * 8192], DataType.DT_FLOAT16)  # one slot = 96 blocks
-        key = CacheKey(1, req_id=7)
-        src = await p.cache_manager.allocate_cache(desc, [key])
-        fill_bytes(src, 5)
-        dst = await d.cache_manager.allocate_blocks_cache(paged())
-        chunks = list(range(96))
-        await d.cache_manager.pull_blocks(key, dst, chunks, chunks[::-1])
-        await same_rows(dst, chunks[::-1], [t.view(96, 8192) for t in host(src)], chunks)
-        with pytest.raises(LLMException) as ei:  # released: a second pull finds nothing
-            await d.cache_manager.pull_blocks(key, dst, [0], [0])
-        assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+        await pull_a_slot_by_key(p.cache_manager, d.cache_manager, paged())
 
 
 async def test_slot_transfers_split_by_layer(route: str) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import random
 import secrets
 import struct
@@ -23,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from _helpers import logged_errors
 from fuzzing import fuzz_seed
 
 from aiokv._enums import LLMStatusCode as Code
@@ -336,12 +336,8 @@ async def fuzz_one(port: int, rng: random.Random) -> int:
 
 @pytest.fixture
 def transport_errors(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
-    caplog.set_level(logging.ERROR, logger="aiokv.transport")
-
-    def errors() -> list[str]:
-        return [r.getMessage() for r in caplog.records if r.name.startswith("aiokv.transport")]
-
-    return errors
+    """The ERROR messages logged by ``aiokv.transport`` so far in the test."""
+    return logged_errors(caplog, "aiokv.transport")
 
 
 async def test_hostile_frames_never_break_the_server(

@@ -124,6 +124,20 @@ def feed(proto: LinkProtocol, kind: F, rid: int = 0, **fields: Any) -> None:
     )
 
 
+def served(driver: Driver, proto: LinkProtocol, kind: F, state: State) -> tuple[PeerOp, list[bool]]:
+    """The peer's request ``kind`` (id 1, 4 bytes) fed to ``proto`` and moved to ``state``
+    (one being sent carries its 4-byte stream); returns it and the list of the outcomes it
+    reports."""
+    feed(proto, kind, 1, size=4)
+    op = driver.serving[0][0]
+    outcomes: list[bool] = []
+    op.bind(outcomes.append)
+    op.state = state
+    if state is State.SENDING:
+        op.stream = Stream(1, [memoryview(b"abcd")], 4)
+    return op, outcomes
+
+
 def mine(proto: LinkProtocol, *, is_read: bool, total: int = 10) -> MyOp:
     op = proto.start(lambda rid: MyOp(cast(Any, None), rid, is_read))
     op.total = total
@@ -318,24 +332,14 @@ def test_a_peer_cancel_stops_serving_and_is_acknowledged() -> None:
 
 def test_a_cancel_mid_send_withdraws_the_stream() -> None:
     proto, driver = make()
-    feed(proto, F.READ_REQ, 1, size=4)
-    op = driver.serving[0][0]
-    outcomes: list[bool] = []
-    op.bind(outcomes.append)
-    op.state = State.SENDING
-    op.stream = Stream(1, [memoryview(b"abcd")], 4)
+    op, outcomes = served(driver, proto, F.READ_REQ, State.SENDING)
     feed(proto, F.CANCEL, 1)
     assert driver.aborted == [op.stream] and outcomes == [False]
 
 
 def test_read_done_releases_a_sent_grant() -> None:
     proto, driver = make()
-    feed(proto, F.READ_REQ, 1, size=4)
-    op = driver.serving[0][0]
-    outcomes: list[bool] = []
-    op.bind(outcomes.append)
-    op.state = State.SENDING
-    op.stream = Stream(1, [memoryview(b"abcd")], 4)
+    op, outcomes = served(driver, proto, F.READ_REQ, State.SENDING)
     op.stream.sent = True
     feed(proto, F.READ_DONE, 1)
     assert outcomes == [True] and proto.theirs == {}
@@ -356,11 +360,7 @@ def test_cancel_ack_wakes_the_cancelled_write() -> None:
 
 def test_revoking_a_grant_tells_the_peer_once() -> None:
     proto, driver = make()
-    feed(proto, F.WRITE_REQ, 1, size=4)
-    op = driver.serving[0][0]
-    outcomes: list[bool] = []
-    op.bind(outcomes.append)
-    op.state = State.RECEIVING
+    op, outcomes = served(driver, proto, F.WRITE_REQ, State.RECEIVING)
     proto.revoke(op, Code.LLM_FAILED)
     proto.revoke(op, Code.LLM_FAILED)
     [(h, meta)] = driver.posted
@@ -371,12 +371,9 @@ def test_revoking_a_grant_tells_the_peer_once() -> None:
 
 def test_a_revoked_read_withdraws_its_stream() -> None:
     proto, driver = make()
-    feed(proto, F.READ_REQ, 1, size=4)
-    op = driver.serving[0][0]
-    op.state = State.SENDING
-    op.stream = Stream(1, [memoryview(b"abcd")], 4)
+    op, outcomes = served(driver, proto, F.READ_REQ, State.SENDING)
     proto.revoke(op, Code.LLM_KV_CACHE_NOT_EXIST)
-    assert driver.aborted == [op.stream]
+    assert driver.aborted == [op.stream] and outcomes == [False]
     assert driver.sent() == [(F.READ_RESP, 1, Code.LLM_KV_CACHE_NOT_EXIST)]
 
 

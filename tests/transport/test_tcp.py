@@ -9,15 +9,14 @@ import asyncio
 import contextlib
 import json
 import random
-import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from _helpers import cancel_after, serving_once
+from _helpers import cancel_after, fake_peer, fake_peer_hello, serving_once
 from fake_handler import FakeHandler
 from spans import (
     KIB,
@@ -391,58 +390,12 @@ async def test_peer_close_fails_pending_ops_promptly(pair: Pair) -> None:
     assert pair.hb.hung_cancelled.is_set()
 
 
-Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@contextlib.asynccontextmanager
-async def fake_peer(serve: Serve) -> AsyncIterator[int]:
-    """A raw-frame peer on a free port; every connection is closed and awaited on exit."""
-    handlers: list[asyncio.Task[None]] = []
-
-    async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-                await serve(reader, writer)
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-
-    def spawn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        handlers.append(asyncio.ensure_future(run(reader, writer)))
-
-    server = await asyncio.start_server(spawn, HOST, 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        server.close()
-        for task in handlers:
-            task.cancel()
-        await asyncio.gather(*handlers, return_exceptions=True)
-        await server.wait_closed()
-
-
-async def _fake_peer_hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Server side of the handshake, without a secret, from raw frames, and the
-    client's greeting PING after it."""
-    h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
-    await reader.readexactly(h.meta_len)
-    meta = wire.encode_meta({"cluster_id": 9, "nonce": secrets.token_hex(32), "mac": None}, 4096)
-    writer.write(wire.encode_frame(FrameType.HELLO, meta=meta))
-    h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
-    await reader.readexactly(h.meta_len)
-    writer.write(wire.encode_frame(FrameType.AUTH, status=0))
-    # the connecting side greets with one PING as soon as it linked (its PONG is optional)
-    h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
-    assert h.type is FrameType.PING and not h.meta_len
-
-
 async def test_peer_dies_mid_transfer() -> None:
     """A peer sends half a payload and vanishes: LLM_LINK_FAILED at once, link broken."""
     finished = asyncio.Event()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _fake_peer_hello(reader, writer)
+        await fake_peer_hello(reader, writer)
         h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
         await reader.readexactly(h.meta_len)
         writer.write(wire.encode_frame(FrameType.READ_RESP, h.req_id, size=h.size))
@@ -476,7 +429,7 @@ async def test_slow_peer_mid_chunk(stall: bool) -> None:
     payload = random.Random(7).randbytes(size)
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _fake_peer_hello(reader, writer)
+        await fake_peer_hello(reader, writer)
         h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
         await reader.readexactly(h.meta_len)
         writer.write(wire.encode_frame(FrameType.READ_RESP, h.req_id, size=size))
@@ -529,7 +482,7 @@ async def test_misbehaving_peer_cannot_fool_the_requester(kind: str, code: Code)
     """Replies that contradict the request fail it; nothing lands in our buffers."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _fake_peer_hello(reader, writer)
+        await fake_peer_hello(reader, writer)
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
             while True:
                 h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
@@ -588,7 +541,7 @@ async def test_broken_grants_are_refused(grant: Any) -> None:
 
 async def test_oversized_chunk_breaks_the_link() -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _fake_peer_hello(reader, writer)
+        await fake_peer_hello(reader, writer)
         h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
         writer.write(
             wire.HEADER.pack(wire.MAGIC, wire.VERSION, FrameType.DATA, 0, 0, 0, h.req_id, 2**40)
@@ -615,7 +568,7 @@ async def test_a_plane_grant_to_a_plain_request_fails_only_that_request() -> Non
     request fails LLM_PARAM_INVALID, nothing lands, the link stays up."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _fake_peer_hello(reader, writer)
+        await fake_peer_hello(reader, writer)
         h = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
         await reader.readexactly(h.meta_len)
         # a greeting of some plane, then its grant of our plain READ_REQ

@@ -34,6 +34,7 @@ from vllm_harness import (
     EngineProcess,
     Output,
     Request,
+    assert_freed,
     kv_config,
     prompts,
     start_engines,
@@ -175,9 +176,7 @@ def check_disaggregated(
             assert loaded[key] != held[key][: len(loaded[key])], (loaded[key], held[key])
 
     # the decode side told the prefill side it has its blocks: all freed, on both sides
-    assert pre.start_blocks is not None and dec.start_blocks is not None
-    assert pre.wait_free(pre.start_blocks[0], FREE_TIMEOUT_S) == pre.start_blocks
-    assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
+    assert_freed(pre, dec)
 
 
 def test_prefill_then_decode_gives_the_single_instance_tokens(
@@ -208,8 +207,7 @@ def test_decode_pointed_at_the_wrong_blocks_gives_other_tokens(
     (out_b,) = decode(dec, [b], [first_b])
     assert out_b.token_ids == baseline[tuple(b)]
     # A's done notice names A's request: the prefill frees A's blocks and B's
-    assert pre.start_blocks is not None
-    assert pre.wait_free(pre.start_blocks[0], FREE_TIMEOUT_S) == pre.start_blocks
+    assert_freed(pre)
 
 
 def test_unclaimed_blocks_are_freed_by_the_lease(engines: dict[str, EngineProcess]) -> None:
@@ -220,7 +218,7 @@ def test_unclaimed_blocks_are_freed_by_the_lease(engines: dict[str, EngineProces
     (first,) = prefill(pre, prompts([150], seed=3))
     assert first.kv_transfer_params is not None
     assert pre.free_blocks()[0] < pre.start_blocks[0]
-    assert pre.wait_free(pre.start_blocks[0], LEASE_S + FREE_TIMEOUT_S) == pre.start_blocks
+    assert_freed(pre, timeout=LEASE_S + FREE_TIMEOUT_S)
     assert time.monotonic() - start >= LEASE_S * 0.9
 
 
@@ -237,9 +235,7 @@ def test_malformed_params_fail_that_request_and_the_engine_serves_on(
     )
     assert [o.finish_reason for o in out] == ["error", "error"], out
     assert [o.token_ids for o in decode(dec, [a], [first])] == [baseline[tuple(a)]]
-    assert pre.start_blocks is not None and dec.start_blocks is not None
-    assert pre.wait_free(pre.start_blocks[0], FREE_TIMEOUT_S) == pre.start_blocks
-    assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
+    assert_freed(pre, dec)
 
 
 def test_decode_aborted_while_it_waits_frees_its_blocks_and_serves_on(
@@ -259,14 +255,11 @@ def test_decode_aborted_while_it_waits_frees_its_blocks_and_serves_on(
             "remote_ranks": [["127.0.0.1", port, r[2]] for r in params["remote_ranks"]],
         }
         assert dec.abort_waiting(Request(a, MAX_TOKENS, stalled), 60.0) == "WAITING_FOR_REMOTE_KVS"
-        assert dec.start_blocks is not None
-        assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
+        assert_freed(dec)
     # the same engine then loads the prompt from the live prefill, which still holds it
     assert [o.token_ids for o in decode(dec, [a], [first])] == [baseline[tuple(a)]]
     pre = engines["prefill"]
-    assert pre.start_blocks is not None
-    assert pre.wait_free(pre.start_blocks[0], FREE_TIMEOUT_S) == pre.start_blocks
-    assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
+    assert_freed(pre, dec)
 
 
 @pytest.fixture(scope="module")
@@ -294,8 +287,7 @@ def test_dead_prefill_fails_the_request_and_the_engine_serves_on(
     assert [o.token_ids for o in decode(dec, live, prefill(engines["prefill"], live))] == [
         baseline[tuple(p)] for p in live
     ]
-    assert dec.start_blocks is not None
-    assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
+    assert_freed(dec)
 
 
 def test_dead_prefill_with_recompute_gives_the_single_instance_tokens(
@@ -309,8 +301,7 @@ def test_dead_prefill_with_recompute_gives_the_single_instance_tokens(
     out = decode(dec, batch, first)
     assert time.monotonic() - start < DEAD_BOUND_S
     assert [o.token_ids for o in out] == [baseline[tuple(p)] for p in batch]
-    assert dec.start_blocks is not None
-    assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
+    assert_freed(dec)
 
 
 def test_the_offline_example_gives_the_single_instance_tokens(

@@ -22,12 +22,12 @@ from tiny_model import make_tiny_llama
 from vllm_harness import (
     BLOCK_SIZE,
     CONNECTOR,
-    FREE_TIMEOUT_S,
     LENGTHS,
     MAX_TOKENS,
     EngineProcess,
     Output,
     Request,
+    assert_freed,
     kv_config,
     prompts,
     start_engines,
@@ -100,8 +100,7 @@ def shuffle_free_blocks(engine: EngineProcess) -> None:
 
 def all_freed(*engines: EngineProcess) -> None:
     for engine in engines:
-        assert engine.start_blocks is not None
-        assert engine.wait_free(engine.start_blocks[0], FREE_TIMEOUT_S) == engine.start_blocks
+        assert_freed(engine)
 
 
 @pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "prefill-first"])

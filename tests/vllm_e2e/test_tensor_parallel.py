@@ -14,11 +14,11 @@ from test_disaggregated import check_disaggregated, prefill, remote
 from tiny_model import make_tiny_llama
 from vllm_harness import (
     CONNECTOR,
-    FREE_TIMEOUT_S,
     LENGTHS,
     MAX_TOKENS,
     EngineProcess,
     Request,
+    assert_freed,
     kv_config,
     prompts,
     start_engines,
@@ -85,6 +85,4 @@ def test_params_of_another_tensor_parallel_size_fail_that_request(
     # the engine serves on, and the same blocks are still the prefill's to give
     (out,) = dec.generate([Request(p, MAX_TOKENS, params)])
     assert out.token_ids == baseline[tuple(p)]
-    assert pre.start_blocks is not None and dec.start_blocks is not None
-    assert pre.wait_free(pre.start_blocks[0], FREE_TIMEOUT_S) == pre.start_blocks
-    assert dec.wait_free(dec.start_blocks[0], FREE_TIMEOUT_S) == dec.start_blocks
+    assert_freed(pre, dec)

@@ -335,6 +335,14 @@ class EngineProcess:
         self._conn.close()
 
 
+def assert_freed(*engines: EngineProcess, timeout: float = FREE_TIMEOUT_S) -> None:
+    """Each of ``engines``, in turn, has every block it had free at start free again
+    within ``timeout`` s (its own wait): nothing a request held is left held."""
+    for engine in engines:
+        assert engine.start_blocks is not None, f"{engine.name} has not started"
+        assert engine.wait_free(engine.start_blocks[0], timeout) == engine.start_blocks
+
+
 def stop_engines(engines: Iterable[EngineProcess]) -> None:
     """Stop several engines at once (they shut down in parallel)."""
     engines = list(engines)

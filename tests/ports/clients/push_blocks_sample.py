@@ -23,12 +23,11 @@ bytes the prompt received, where the sample only logs them.
 """
 
 import argparse
-import datetime
 import logging
-import os
 
 import torch
 import torch.distributed as dist
+from by_role import DECODER, LISTEN_PORT, PROMPT, join_group, run_by_role  # port: set-up
 
 from aiokv.sync import (
     BlocksCacheKey,  # port: was `from llm_datadist import (`
@@ -43,23 +42,9 @@ from aiokv.sync import (
     Placement,  # port: was `from llm_datadist import (`
 )
 
-PROMPT, DECODER = 0, 1  # cluster ids, also the gloo ranks
 BLOCKS, WIDTH = 3, 10  # each registered tensor: BLOCKS blocks of WIDTH floats
-GLOO_PORT = os.environ["PORTS_MASTER_PORT"]  # port: harness port, was 29500
-LISTEN_PORT = {
-    PROMPT: int(os.environ["PORTS_PROMPT_PORT"]),  # port: harness port, was 26000
-    DECODER: int(os.environ["PORTS_DECODER_PORT"]),  # port: harness port, was 26001
-}
 
 log = logging.getLogger("push_blocks")
-
-
-def join_group(rank: int, args: argparse.Namespace) -> None:
-    os.environ["MASTER_ADDR"] = min(args.local_host_ip, args.remote_host_ip)
-    os.environ["MASTER_PORT"] = GLOO_PORT  # port: harness port
-    dist.init_process_group(
-        backend="gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
-    )
 
 
 def start(role: LLMRole, me: int, args: argparse.Namespace) -> LLMDataDist:
@@ -140,22 +125,10 @@ def decoder(datadist: LLMDataDist, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(format="%(asctime)s %(message)s", level=logging.INFO)
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device_id", type=int, default=0, choices=range(8))
-    parser.add_argument("--role", choices=["p", "d"], required=True)
-    parser.add_argument("--local_host_ip", required=True)
-    parser.add_argument("--remote_host_ip", required=True)
-    parser.add_argument("--local_comm_res")
-    parser.add_argument("--transfer_backend", default="", help="'hixl', or empty for adxl")
-    args = parser.parse_args()
-    log.info("Sample start, role %s, device %d", args.role, args.device_id)
-    # port: CPU, no torch.npu.set_device(args.device_id)
-    if args.role == "p":
-        prompt(start(LLMRole.PROMPT, PROMPT, args), args)
-    else:
-        decoder(start(LLMRole.DECODER, DECODER, args), args)
-    log.info("Sample end")
+    run_by_role(
+        lambda args: prompt(start(LLMRole.PROMPT, PROMPT, args), args),
+        lambda args: decoder(start(LLMRole.DECODER, DECODER, args), args),
+    )
 
 
 if __name__ == "__main__":

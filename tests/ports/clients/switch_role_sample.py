@@ -32,12 +32,11 @@ the bytes received, where the sample only logs them.
 
 import argparse
 import asyncio  # port: async API
-import datetime
 import logging
-import os
 
 import torch
 import torch.distributed as dist
+from by_role import DECODER, LISTEN_PORT, PROMPT, join_group, run_by_role  # port: set-up
 
 from aiokv import (
     BlocksCacheKey,  # port: was `from llm_datadist import (`
@@ -52,13 +51,7 @@ from aiokv import (
     Placement,  # port: was `from llm_datadist import (`
 )
 
-PROMPT, DECODER = 0, 1  # cluster ids, also the gloo ranks
 BLOCKS, WIDTH = 3, 10  # each registered tensor: BLOCKS blocks of WIDTH floats
-GLOO_PORT = os.environ["PORTS_MASTER_PORT"]  # port: harness port, was 29500
-LISTEN_PORT = {
-    PROMPT: int(os.environ["PORTS_PROMPT_PORT"]),  # port: harness port, was 26000
-    DECODER: int(os.environ["PORTS_DECODER_PORT"]),  # port: harness port, was 26000
-}
 
 log = logging.getLogger("switch_role")
 
@@ -66,14 +59,6 @@ log = logging.getLogger("switch_role")
 def blocks_of(*values: float) -> torch.Tensor:
     """A tensor whose block ``i`` is filled with ``values[i]``."""
     return torch.tensor([[v] * WIDTH for v in values])
-
-
-def join_group(rank: int, args: argparse.Namespace) -> None:
-    os.environ["MASTER_ADDR"] = min(args.local_host_ip, args.remote_host_ip)
-    os.environ["MASTER_PORT"] = GLOO_PORT  # port: harness port
-    dist.init_process_group(
-        backend="gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30)
-    )
 
 
 async def start(role: LLMRole, me: int, args: argparse.Namespace) -> LLMDataDist:  # port: async
@@ -188,23 +173,18 @@ async def decoder(datadist: LLMDataDist, args: argparse.Namespace) -> None:  # p
     await close(datadist, cache, PROMPT)  # port: await
 
 
+def run_prompt(args: argparse.Namespace) -> None:
+    datadist = asyncio.run(start(LLMRole.PROMPT, PROMPT, args))  # port: asyncio.run
+    asyncio.run(prompt(datadist, args))  # port: asyncio.run
+
+
+def run_decoder(args: argparse.Namespace) -> None:
+    datadist = asyncio.run(start(LLMRole.DECODER, DECODER, args))  # port: asyncio.run
+    asyncio.run(decoder(datadist, args))  # port: asyncio.run
+
+
 def main() -> None:
-    logging.basicConfig(format="%(asctime)s %(message)s", level=logging.INFO)
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device_id", type=int, default=0, choices=range(8))
-    parser.add_argument("--role", choices=["p", "d"], required=True)
-    parser.add_argument("--local_host_ip", required=True)
-    parser.add_argument("--remote_host_ip", required=True)
-    args = parser.parse_args()
-    log.info("Sample start, role %s, device %d", args.role, args.device_id)
-    # port: CPU, no torch.npu.set_device(args.device_id)
-    if args.role == "p":
-        datadist = asyncio.run(start(LLMRole.PROMPT, PROMPT, args))  # port: asyncio.run
-        asyncio.run(prompt(datadist, args))  # port: asyncio.run
-    else:
-        datadist = asyncio.run(start(LLMRole.DECODER, DECODER, args))  # port: asyncio.run
-        asyncio.run(decoder(datadist, args))  # port: asyncio.run
-    log.info("Sample end")
+    run_by_role(run_prompt, run_decoder, backend_options=False)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _helpers import fill_bytes, pull_and_push_blocks, same_rows
+from _helpers import (
+    fill_bytes,
+    pull_a_slot_by_key,
+    pull_and_push_blocks,
+    pull_every_other_block,
+    same_rows,
+)
 
 from aiokv import (
     BlocksCacheKey,
     CacheDesc,
-    CacheKey,
     DataType,
     LLMConfig,
     LLMDataDist,
@@ -197,31 +202,15 @@ async def test_device_and_host_caches_mix(staging: list[str], placements: tuple[
     """One side's VRAM with the other side's DRAM, in one NIXL transfer."""
     place = {"device": Placement.DEVICE, "host": Placement.HOST}
     async with linked() as (p, d):
-        src = await p.cache_manager.allocate_blocks_cache(
-            paged(place[placements[0]]), BlocksCacheKey(1, 0)
-        )
-        dst = await d.cache_manager.allocate_blocks_cache(paged(place[placements[1]]))
-        fill_bytes(src, 4)
-        blocks = list(range(0, 96, 2))
-        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks[::-1])
-        await same_rows(dst, blocks[::-1], src, blocks)
+        src, dst = (paged(place[name]) for name in placements)
+        await pull_every_other_block(p.cache_manager, d.cache_manager, src, dst)
     assert staging == []
 
 
 @needs_cuda_nixl
 async def test_a_contiguous_device_cache_is_pulled_by_key_directly(staging: list[str]) -> None:
     async with linked() as (p, d):
-        desc = CacheDesc(4, [1, 96 * 8192], DataType.DT_FLOAT16)
-        key = CacheKey(1, req_id=7)
-        src = await p.cache_manager.allocate_cache(desc, [key])
-        fill_bytes(src, 5)
-        dst = await d.cache_manager.allocate_blocks_cache(paged())
-        chunks = list(range(96))
-        await d.cache_manager.pull_blocks(key, dst, chunks, chunks[::-1])
-        await same_rows(dst, chunks[::-1], [t.cpu().view(96, 8192) for t in src.tensors], chunks)
-        with pytest.raises(LLMException) as ei:  # released with the (last) part
-            await d.cache_manager.pull_blocks(key, dst, [0], [0])
-        assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+        await pull_a_slot_by_key(p.cache_manager, d.cache_manager, paged())
     assert staging == []
 
 
