@@ -16,18 +16,20 @@ exit. An instance never finalized is finalized at interpreter exit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
-from . import _manager
+from ._blocking import blocking, wrapping
 from ._cache import Cache, KvCache
 from ._config import LLMConfig, LlmConfig, MemPoolConfig
 from ._datadist import LLMDataDist as _AsyncDataDist
 from ._engine import Engine
 from ._enums import DataType, LLMRole, LLMStatusCode, Memtype, Placement, RegisterMemStatus
 from ._errors import LLMException, NoneArgumentError, Status
+from ._layerwise import CacheTask as _AsyncCacheTask
 from ._layerwise import LayerSynchronizer
+from ._manager import CacheManager as _AsyncCacheManager
 from ._models import (
     BlocksCacheKey,
     CacheDesc,
@@ -49,7 +51,6 @@ from ._stats import (
     OpStats,
     ServedStats,
 )
-from ._sync_gen import CacheManagerOps, CacheTaskOps, LLMDataDistOps
 
 __all__ = [
     "BlocksCacheKey",
@@ -89,19 +90,25 @@ __all__ = [
     "TransferWithCacheKeyConfig",
 ]
 
-T = TypeVar("T")
-
 
 class _Blocking:
+    """A blocking face of the async object ``wrapped``, whose operations run on ``engine``."""
+
     __slots__ = ("_async", "_engine")
 
     def __init__(self, engine: Engine, wrapped: Any) -> None:
         self._engine = engine
         self._async = wrapped
 
+    def _engine_for(self, op: str) -> Engine:
+        return self._engine
 
-class CacheTask(_Blocking, CacheTaskOps):
+
+class CacheTask(_Blocking):
     """A running layer-wise transfer; ``synchronize`` / ``get_results`` block."""
+
+    synchronize = blocking(_AsyncCacheTask.synchronize)
+    get_results = blocking(_AsyncCacheTask.get_results)
 
     def cancel(self) -> None:
         """Stop the transfer (returns at once; ``synchronize`` waits for the end)."""
@@ -112,11 +119,30 @@ class CacheTask(_Blocking, CacheTaskOps):
         return bool(self._async.done())
 
 
-class CacheManager(_Blocking, CacheManagerOps):
-    """The blocking ``CacheManager`` (``LLMDataDist.cache_manager``); its blocking
-    methods are generated from the async ones (:mod:`aiokv._sync_gen`)."""
+class CacheManager(_Blocking):
+    """The blocking ``CacheManager`` (``LLMDataDist.cache_manager``); each blocking method
+    has the async one's signature and contract (:mod:`aiokv._blocking`)."""
 
-    check_cache_key = staticmethod(_manager.CacheManager.check_cache_key)
+    check_cache_key = staticmethod(_AsyncCacheManager.check_cache_key)
+    allocate_cache = blocking(_AsyncCacheManager.allocate_cache)
+    allocate_blocks_cache = blocking(_AsyncCacheManager.allocate_blocks_cache)
+    register_cache = blocking(_AsyncCacheManager.register_cache)
+    register_blocks_cache = blocking(_AsyncCacheManager.register_blocks_cache)
+    deallocate_cache = blocking(_AsyncCacheManager.deallocate_cache)
+    deallocate_blocks_cache = blocking(_AsyncCacheManager.deallocate_blocks_cache)
+    remove_cache_key = blocking(_AsyncCacheManager.remove_cache_key)
+    unregister_cache = blocking(_AsyncCacheManager.unregister_cache)
+    copy_cache = blocking(_AsyncCacheManager.copy_cache)
+    copy_blocks = blocking(_AsyncCacheManager.copy_blocks)
+    copy_kv_blocks = blocking(_AsyncCacheManager.copy_kv_blocks)
+    swap_blocks = blocking(_AsyncCacheManager.swap_blocks)
+    pull_cache = blocking(_AsyncCacheManager.pull_cache)
+    pull_blocks = blocking(_AsyncCacheManager.pull_blocks)
+    push_cache = blocking(_AsyncCacheManager.push_cache)
+    push_blocks = blocking(_AsyncCacheManager.push_blocks)
+    remap_registered_memory = blocking(_AsyncCacheManager.remap_registered_memory)
+    #: returns at once, as the async one does: the blocking face of the started task
+    transfer_cache_async = wrapping(_AsyncCacheManager.transfer_cache_async, CacheTask)
 
     @property
     def device(self) -> Any:
@@ -133,27 +159,6 @@ class CacheManager(_Blocking, CacheManagerOps):
         stats: RegistryStats = self._async.statistics()
         return stats
 
-    def transfer_cache_async(
-        self,
-        src_cache: Cache,
-        layer_synchronizer: LayerSynchronizer,
-        transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
-        src_block_indices: Sequence[int] | None = None,
-        dst_block_indices: Sequence[int] | None = None,
-        dst_block_memory_size: int | None = None,
-    ) -> CacheTask:
-        """Start a layer-wise transfer (see the async ``transfer_cache_async``, whose
-        signature this is); returns a :class:`CacheTask` whose ``synchronize()`` blocks."""
-        task = self._async.transfer_cache_async(
-            src_cache,
-            layer_synchronizer,
-            transfer_configs,
-            src_block_indices,
-            dst_block_indices,
-            dst_block_memory_size,
-        )
-        return CacheTask(self._engine, task)
-
 
 class KvCacheManager(CacheManager):
     """The blocking legacy ``KvCacheManager`` (``LLMDataDist.kv_cache_manager``)."""
@@ -168,7 +173,7 @@ class KvCacheManager(CacheManager):
         return tensors
 
 
-class LLMDataDist(LLMDataDistOps):
+class LLMDataDist:
     """The blocking ``LLMDataDist``: ``LLMDataDist(role, cluster_id).init(options)``.
 
     Args:
@@ -211,7 +216,16 @@ class LLMDataDist(LLMDataDistOps):
         """The configuration ``init`` was given."""
         return self._async.config
 
-    def _engine(self, op: str = "LLMDataDist") -> Engine:
+    link_clusters = blocking(_AsyncDataDist.link_clusters)
+    unlink_clusters = blocking(_AsyncDataDist.unlink_clusters)
+    check_link_status = blocking(_AsyncDataDist.check_link_status)
+    send_notification = blocking(_AsyncDataDist.send_notification)
+    link = blocking(_AsyncDataDist.link)
+    query_register_mem_status = blocking(_AsyncDataDist.query_register_mem_status)
+    unlink = blocking(_AsyncDataDist.unlink)
+    switch_role = blocking(_AsyncDataDist.switch_role)
+
+    def _engine_for(self, op: str = "LLMDataDist") -> Engine:
         self._async._require(op)  # not initialized, finalized, being finalized: say which
         engine = self._async._engine
         assert engine is not None
@@ -220,7 +234,7 @@ class LLMDataDist(LLMDataDistOps):
     def _face(self, manager: Any, cls: type[CacheManager]) -> Any:
         face = self._managers.get(id(manager))
         if face is None or face._async is not manager:
-            face = self._managers[id(manager)] = cls(self._engine(), manager)
+            face = self._managers[id(manager)] = cls(self._engine_for(), manager)
         return face
 
     @property
@@ -259,7 +273,7 @@ class LLMDataDist(LLMDataDistOps):
     def notifications(self) -> Iterator[tuple[int, bytes]]:
         """Every notification received, ``(cluster_id, payload)``, blocking until the
         next arrives; ends at ``finalize`` (see the async ``notifications``)."""
-        engine = self._engine()
+        engine = self._engine_for()
         inbox = self._async._inbox
         while True:
             item = inbox.pop()

@@ -268,7 +268,7 @@ def test_after_finalize_the_error_says_finalized_and_never_await() -> None:
 
 def test_a_blocking_call_on_the_engine_thread_does_not_say_await() -> None:
     with llm_datadist.LLMDataDist(llm_datadist.LLMRole.PROMPT, 1, config()) as d:
-        engine = d._engine()
+        engine = d._engine_for()
 
         async def inside() -> str:
             try:

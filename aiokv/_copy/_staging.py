@@ -419,42 +419,63 @@ def _runs(
 def _gather(
     buffers: Sequence[torch.Tensor], layout: ByteLayout, device: torch.device
 ) -> torch.Tensor:
-    per = layout.per_buffer
-    host = _host(per * len(buffers), device)
-    ctx = worker_context(device)
-    with ctx.stream():
-        rows = _rows(layout)
-        if rows is None:
-            for dev, part in _runs(host, buffers, layout):
-                part.copy_(dev, non_blocking=True)
-        else:
-            unit, idx = rows
-            index = torch.from_numpy(idx).to(device)
-            out = host if device.type == "cpu" else torch.empty_like(host, device=device)
-            for i, buf in enumerate(buffers):
-                dst = out[i * per : (i + 1) * per].view(-1, unit)
-                torch.index_select(_as_rows(buf, unit), 0, index, out=dst)
-            if out is not host:
-                host.copy_(out, non_blocking=True)
-    ctx.synchronize()
+    host = _host(layout.per_buffer * len(buffers), device)
+    _copy(host, buffers, layout, device, to_host=True)
     return host
 
 
 def _scatter(
     host: torch.Tensor, buffers: Sequence[torch.Tensor], layout: ByteLayout, device: torch.device
 ) -> None:
-    per = layout.per_buffer
+    _copy(host, buffers, layout, device, to_host=False)
+
+
+def _copy(
+    host: torch.Tensor,
+    buffers: Sequence[torch.Tensor],
+    layout: ByteLayout,
+    device: torch.device,
+    *,
+    to_host: bool,
+) -> None:
+    """Copy the layout's bytes of ``buffers`` into ``host`` (``to_host``, in wire order)
+    or back, on the device's worker stream, and wait for it: run by run, or (many runs
+    of one row length, see :func:`_rows`) one indexed copy per buffer."""
     ctx = worker_context(device)
     with ctx.stream():
         rows = _rows(layout)
         if rows is None:
             for dev, part in _runs(host, buffers, layout):
-                dev.copy_(part, non_blocking=True)
+                dst, src = (part, dev) if to_host else (dev, part)
+                dst.copy_(src, non_blocking=True)
         else:
             unit, idx = rows
             index = torch.from_numpy(idx).to(device)
-            src = host.to(device, non_blocking=True)
-            for i, buf in enumerate(buffers):
-                part = src[i * per : (i + 1) * per].view(-1, unit)
-                _as_rows(buf, unit).index_copy_(0, index, part)
+            rows_copy = _gather_rows if to_host else _scatter_rows
+            rows_copy(host, buffers, layout.per_buffer, unit, index)
     ctx.synchronize()
+
+
+def _gather_rows(
+    host: torch.Tensor, buffers: Sequence[torch.Tensor], per: int, unit: int, index: torch.Tensor
+) -> None:
+    """Rows ``index`` of each buffer into its ``per`` bytes of ``host`` (on a device,
+    through a device buffer: one device-to-host copy)."""
+    device = index.device  # the copy's
+    out = host if device.type == "cpu" else torch.empty_like(host, device=device)
+    for i, buf in enumerate(buffers):
+        dst = out[i * per : (i + 1) * per].view(-1, unit)
+        torch.index_select(_as_rows(buf, unit), 0, index, out=dst)
+    if out is not host:
+        host.copy_(out, non_blocking=True)
+
+
+def _scatter_rows(
+    host: torch.Tensor, buffers: Sequence[torch.Tensor], per: int, unit: int, index: torch.Tensor
+) -> None:
+    """Each buffer's ``per`` bytes of ``host`` into its rows ``index`` (one host-to-device
+    copy first)."""
+    src = host.to(index.device, non_blocking=True)
+    for i, buf in enumerate(buffers):
+        part = src[i * per : (i + 1) * per].view(-1, unit)
+        _as_rows(buf, unit).index_copy_(0, index, part)

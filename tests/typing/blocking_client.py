@@ -1,4 +1,4 @@
-"""A blocking llm_datadist-style program, type-checked by tests/test_sync_generated.py
+"""A blocking llm_datadist-style program, type-checked by tests/test_sync_signatures.py
 with ``mypy --strict`` (never run): what an llm_datadist client writes must check."""
 
 from __future__ import annotations

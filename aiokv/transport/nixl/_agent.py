@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Final
 
@@ -117,19 +118,11 @@ class Agent:
 
     def post(self, xfer: Xfer) -> str:
         """Start ``xfer``: "DONE", "PROC" or "ERR" (a NIXL error raised is "ERR")."""
-        try:
-            return str(self._a.transfer(xfer))
-        except Exception as exc:
-            _log.warning("NIXL refused to post a transfer: %s", exc)
-            return "ERR"
+        return _status(self._a.transfer, xfer, "NIXL refused to post a transfer")
 
     def state(self, xfer: Xfer) -> str:
         """ "DONE", "PROC" or "ERR" (a NIXL error raised is "ERR")."""
-        try:
-            return str(self._a.check_xfer_state(xfer))
-        except Exception as exc:
-            _log.warning("NIXL transfer failed: %s", exc)
-            return "ERR"
+        return _status(self._a.check_xfer_state, xfer, "NIXL transfer failed")
 
     def release(self, xfer: Xfer) -> bool:
         """Free ``xfer``, aborting it if still in flight; False if NIXL cannot abort it
@@ -144,3 +137,13 @@ class Agent:
         """Notifications received since the last call, by sending agent (progresses UCX)."""
         got = self._a.get_new_notifs()
         return {(k.decode() if isinstance(k, bytes) else str(k)): list(v) for k, v in got.items()}
+
+
+def _status(call: Callable[[Xfer], object], xfer: Xfer, failed: str) -> str:
+    """``call(xfer)``'s transfer state as text ("DONE", "PROC", "ERR"); a NIXL error it
+    raises is logged (``failed: error``) and is "ERR"."""
+    try:
+        return str(call(xfer))
+    except Exception as exc:
+        _log.warning("%s: %s", failed, exc)
+        return "ERR"

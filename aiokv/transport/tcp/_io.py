@@ -9,7 +9,7 @@ import itertools
 import os
 import socket
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, MutableSequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import numpy as np
@@ -227,16 +227,18 @@ class SockIO:
         self.sock.close()
 
 
-def consumed(iov: list[memoryview], pos: int, n: int) -> int:
-    """Past ``n`` bytes moved from ``iov[pos:]``: the first view not fully moved (cut
-    down to what of it was not)."""
+def consumed(
+    iov: MutableSequence[memoryview] | MutableSequence[bytes | memoryview], pos: int, n: int
+) -> int:
+    """Past ``n`` bytes moved from ``iov[pos:]`` (by ``recvmsg_into`` or ``sendmsg``): the
+    first buffer not fully moved, cut down (to a view) to what of it was not."""
     while n:
         m = len(iov[pos])
         if n >= m:
             n -= m
             pos += 1
         else:
-            iov[pos] = iov[pos][n:]
+            iov[pos] = memoryview(iov[pos])[n:]
             n = 0
     return pos
 

@@ -150,11 +150,8 @@ class TcpLink(Link):
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        views, total, plan = self._buffers("Link.read", into, writable=True)
-        frame_meta = self._prepare("Link.read", meta, timeout)
-        op = self._start(is_read=True, total=total)
-        op.device = isinstance(into, DeviceRuns)
-        op.plan = plan
+        op, views, frame_meta = self._open("Link.read", meta, into, timeout, is_read=True)
+        total, plan = op.total, op.plan
         if not op.device:  # a plane request may be answered with DATA too
             op.cursor = cursor_of(views, total)
         acked = False
@@ -186,11 +183,8 @@ class TcpLink(Link):
         *,
         timeout: float,  # noqa: ASYNC109
     ) -> None:
-        views, total, plan = self._buffers("Link.write", src, writable=False)
-        frame_meta = self._prepare("Link.write", meta, timeout)
-        op = self._start(is_read=False, total=total)
-        op.device = isinstance(src, DeviceRuns)
-        op.plan = plan
+        op, views, frame_meta = self._open("Link.write", meta, src, timeout, is_read=False)
+        total, plan = op.total, op.plan
         deadline = self._loop.time() + timeout
         ok = False
         try:
@@ -277,10 +271,24 @@ class TcpLink(Link):
             )
         return meta
 
-    def _start(self, *, is_read: bool, total: int) -> MyOp:
+    def _open(
+        self,
+        name: str,
+        meta: bytes,
+        bufs: Sequence[memoryview] | DeviceRuns,
+        timeout: float,
+        *,
+        is_read: bool,
+    ) -> tuple[MyOp, Sequence[memoryview], bytes]:
+        """Check a ``read`` / ``write`` request and start its op (its total, plan and
+        device set): ``(op, the flat views, the frame's meta)``; the caller ends it."""
+        views, total, plan = self._buffers(name, bufs, writable=is_read)
+        frame_meta = self._prepare(name, meta, timeout)
         op = self._p.start(lambda rid: MyOp(self._loop, rid, is_read))
         op.total = total
-        return op
+        op.device = isinstance(bufs, DeviceRuns)
+        op.plan = plan
+        return op, views, frame_meta
 
     def _timed_out(self, op: MyOp, name: str, seconds: float) -> None:
         """The deadline passed: raise ``LLM_TIMEOUT``, unless the answer landed just now."""

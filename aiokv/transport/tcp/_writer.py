@@ -17,7 +17,17 @@ import numpy as np
 import numpy.typing as npt
 
 from .. import _wire as wire
-from ._io import IOV_MAX, RawSock, advance_rows, as_rows, privatize, vectored, wake, writev
+from ._io import (
+    IOV_MAX,
+    RawSock,
+    advance_rows,
+    as_rows,
+    consumed,
+    privatize,
+    vectored,
+    wake,
+    writev,
+)
 from ._ops import Bufs, RunCursor, Stream
 
 __all__ = ["BLOCKED", "DONE", "MORE", "YIELD_BYTES", "Writer"]
@@ -193,14 +203,7 @@ class Writer:
                     n = sock.sendmsg(iov[pos : pos + IOV_MAX])
                 except (BlockingIOError, InterruptedError):
                     return BLOCKED
-                while n:
-                    k = len(iov[pos])
-                    if n >= k:
-                        n -= k
-                        pos += 1
-                    else:
-                        iov[pos] = memoryview(iov[pos])[n:]
-                        n = 0
+                pos = consumed(iov, pos, n)
             self.pos = pos
             finishing = self._finishing
             while finishing and finishing[0][0] <= pos:
