@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokv import BlocksCacheKey, CacheDesc, DataType
+from aiokv import BlocksCacheKey, CacheDesc, DataType, LLMDataDist
 from aiokv._copy import _staging
 from aiokv.testing import linked_pair, make_config, skip_unless_transport
 
@@ -42,7 +42,7 @@ SLACK = (MANY - FEW) // 8
 
 @contextlib.contextmanager
 def tracked_growth() -> Iterator[Callable[[], int]]:
-    """Count, from a fresh collection on, how many tracked objects were allocated and kept
+    """Count, from a fresh young collection on, how many tracked objects were allocated and kept
     (to the nearest ``STEP`` below): yields a function that answers so far. The
     collector's thresholds and state are restored on exit."""
     collections: list[int] = []
@@ -52,7 +52,7 @@ def tracked_growth() -> Iterator[Callable[[], int]]:
             collections.append(0)
 
     enabled, thresholds = gc.isenabled(), gc.get_threshold()
-    gc.collect()
+    gc.collect(0)  # the count starts at zero (a young collection: quick, unlike a full one)
     gc.set_threshold(STEP, 10**9, 10**9)  # only generation 0, every STEP objects
     gc.enable()
     gc.callbacks.append(on_gc)
@@ -109,20 +109,28 @@ async def test_many_blocks_keep_no_more_objects_than_few(
     if transport == "nixl":
         skip_unless_transport("nixl")
     monkeypatch.setattr(_staging, "_STAGE_HOST", staged)
-    desc = CacheDesc(2, [BLOCKS, row], DataType.DT_UINT8)
     async with linked_pair(make_config(transport)) as (p, d):
-        src = await p.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
-        dst = await d.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
-        rng = np.random.default_rng(0)
-        counts: dict[tuple[str, int], int] = {}
-        for n in (FEW, MANY):
-            # scattered blocks: nearly every block is a run of its own on both sides
-            srcs = rng.permutation(BLOCKS)[:n].tolist()
-            dsts = rng.permutation(BLOCKS)[:n].tolist()
-            pull = d.cache_manager.pull_blocks
-            counts["pull", n] = await kept(pull, BlocksCacheKey(1, 0), dst, srcs, dsts)
-            push = p.cache_manager.push_blocks
-            counts["push", n] = await kept(push, BlocksCacheKey(2, 0), src, srcs, dsts)
+        counts = await kept_by_size(p, d, CacheDesc(2, [BLOCKS, row], DataType.DT_UINT8))
     for op in ("pull", "push"):
         few, many = counts[op, FEW], counts[op, MANY]
         assert many <= few + SLACK, f"{op}: {few} objects kept for {FEW} blocks, {many} for {MANY}"
+
+
+async def kept_by_size(
+    p: LLMDataDist, d: LLMDataDist, desc: CacheDesc
+) -> dict[tuple[str, int], int]:
+    """Objects kept by a pull (``d`` from ``p``) and a push (``p`` to ``d``) of FEW and of
+    MANY scattered blocks of caches ``desc`` on each side, by ``(op, blocks)``."""
+    src = await p.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+    dst = await d.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
+    rng = np.random.default_rng(0)
+    counts: dict[tuple[str, int], int] = {}
+    for n in (FEW, MANY):
+        # scattered blocks: nearly every block is a run of its own on both sides
+        srcs = rng.permutation(BLOCKS)[:n].tolist()
+        dsts = rng.permutation(BLOCKS)[:n].tolist()
+        pull = d.cache_manager.pull_blocks
+        counts["pull", n] = await kept(pull, BlocksCacheKey(1, 0), dst, srcs, dsts)
+        push = p.cache_manager.push_blocks
+        counts["push", n] = await kept(push, BlocksCacheKey(2, 0), src, srcs, dsts)
+    return counts
