@@ -184,6 +184,7 @@ def test_per_block_slopes_cancel_the_per_call_cost() -> None:
             "push_us_per_block": 2 * over / count,
             "raw_blocks_us_per_block": 1.0,
             "pull_tail": 1.1,
+            "raw_tail": 1.05,
         }
 
     rows = [
@@ -195,6 +196,7 @@ def test_per_block_slopes_cancel_the_per_call_cost() -> None:
         row(64, 1024, 100, 9.0),
     ]
     rows[1]["pull_tail"] = 1.7
+    rows[3]["raw_tail"] = 1.4
     report = Report("transfer")
     transfer._per_block(report, rows)
     got = report.as_dict()
@@ -208,6 +210,7 @@ def test_per_block_slopes_cancel_the_per_call_cost() -> None:
     assert (goals["slope_pull"], goals["slope_push"]) == pytest.approx((0.25, 0.5))
     assert goals["pull_ratio"] == pytest.approx(0.5 + 1024 / 65536)
     assert goals["tail"] == pytest.approx(1.7)
+    assert goals["raw_tail"] == pytest.approx(1.4)
 
 
 def test_raw_blocks_moves_every_block_into_place() -> None:
