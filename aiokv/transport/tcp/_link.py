@@ -113,7 +113,7 @@ class TcpLink(Link):
         )
         self._mine = self._p.mine
         self._theirs = self._p.theirs
-        self._w = Writer(self._sock, transport, self._p, first_frame)
+        self._w = Writer(self._loop, self._sock, transport, self._p, first_frame)
         self._r = Reader(
             io, self, self._p, self._w, scratch=transport._scratch, stall_s=_REPLY_STALL_S
         )
@@ -170,8 +170,9 @@ class TcpLink(Link):
             status = op.outcome()
             if status is not _S.LLM_SUCCESS:
                 raise self._refused("Link.read", op)
-            # The ack lets the peer release what it granted (e.g. drop a pulled key).
-            self._post(wire.encode_frame(_F.READ_DONE, op.rid))
+            # The ack lets the peer release what it granted (e.g. drop a pulled key);
+            # nobody waits on it, so it leaves on the writer's next turn, not on our way.
+            self._post(wire.encode_frame(_F.READ_DONE, op.rid), soon=True)
             acked = True
         finally:
             self._end(op, cancel=not acked)
@@ -356,11 +357,12 @@ class TcpLink(Link):
         """Withdraw a stream; afterwards its memory is never read again."""
         self._w.abort_stream(stream)
 
-    def _post(self, frame: bytes) -> None:
-        """Queue an owned control frame; the writer sends it before any further payload."""
+    def _post(self, frame: bytes, *, soon: bool = False) -> None:
+        """Queue an owned control frame; the writer sends it before any further payload
+        (at once where it can; ``soon``: on its next turn, see :meth:`Writer.post`)."""
         if self._broken:
             return
-        self._w.post(frame)
+        self._w.post(frame, soon=soon)
 
     async def _write_loop(self) -> None:
         try:
@@ -481,9 +483,11 @@ class TcpLink(Link):
             return
         if op.is_read:
             op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL
-            self._post(wire.encode_frame(_F.READ_RESP, op.rid, size=total))
-            if total:
-                op.stream = self._w.add_stream(op.rid, views, total)
+            resp = wire.encode_frame(_F.READ_RESP, op.rid, size=total)
+            if total:  # the reply and its DATA leave in one batch
+                op.stream = self._w.add_stream(op.rid, views, total, lead=resp)
+            else:
+                self._post(resp)
         else:
             op.state = State.RECEIVING
             op.cursor = cursor_of(views, total)

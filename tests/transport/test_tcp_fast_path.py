@@ -1,0 +1,121 @@
+"""A TCP link's short ways: a lone frame leaves in the call that posts it.
+
+It keeps the order of what a link sends, its batching and its backpressure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+from aiokv.transport.tcp._io import SockIO
+from aiokv.transport.tcp._writer import BLOCKED, MORE, Writer
+
+
+class _Owner:
+    chunk_bytes = 1 << 16
+
+
+class _Backlog:
+    """No reply accounting (what the writer tells the link's protocol)."""
+
+    def queued(self, frame: bytes) -> None: ...
+
+    def batch_taken(self) -> None: ...
+
+    def batch_sent(self) -> None: ...
+
+    def replies_drained(self) -> bool:
+        return True
+
+
+@contextlib.asynccontextmanager
+async def _writer(sndbuf: int = 0) -> AsyncIterator[tuple[Writer, socket.socket]]:
+    """A writer on one end of a socket pair, driven as a link drives it; the other end."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    if sndbuf:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    loop = asyncio.get_running_loop()
+    io = SockIO(loop, a)
+    w = Writer(loop, a, _Owner(), _Backlog(), None)
+
+    async def drive() -> None:
+        while True:
+            state = w.pump()
+            if state == BLOCKED:
+                await io.writable()
+            elif state == MORE:
+                await asyncio.sleep(0)
+            else:
+                await w.until_work(loop)
+
+    task = asyncio.create_task(drive())
+    try:
+        await asyncio.sleep(0)  # the writer sent nothing and parked
+        yield w, b
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        io.close()
+        b.close()
+
+
+def _pending(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(1 << 20)
+    except BlockingIOError:
+        return b""
+
+
+async def test_a_lone_frame_leaves_at_once_then_frames_are_batched() -> None:
+    async with _writer() as (w, peer):
+        w.post(b"one")
+        assert _pending(peer) == b"one"  # no loop turn: sent by post itself
+        w.post(b"two")
+        w.post(b"three")
+        assert _pending(peer) == b""  # the same loop iteration: left to the writer...
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert _pending(peer) == b"twothree"  # ... which sends them together, in order
+        await asyncio.sleep(0)
+        w.post(b"four")  # a later iteration: at once again
+        assert _pending(peer) == b"four"
+
+
+async def test_an_acknowledgement_waits_for_the_writers_turn() -> None:
+    async with _writer() as (w, peer):
+        w.post(b"ack", soon=True)
+        assert _pending(peer) == b""
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert _pending(peer) == b"ack"
+
+
+async def test_a_reply_and_its_data_leave_in_one_batch() -> None:
+    async with _writer() as (w, peer):
+        payload = bytes(range(256)) * 4
+        stream = w.add_stream(7, [memoryview(payload)], len(payload), lead=b"REPLY")
+        got = _pending(peer)
+        assert got.startswith(b"REPLY")  # the reply first, then the DATA frame, at once
+        assert got.endswith(payload)
+        assert stream.sent
+
+
+async def test_a_full_socket_keeps_order_and_backpressure() -> None:
+    async with _writer(sndbuf=4096) as (w, peer):
+        big = bytes(range(251)) * 4000  # ~1 MB: far more than the socket buffer takes
+        w.post(big)  # at once, but only part of it fits: the writer waits for room
+        w_sent = len(big) - sum(len(p) for p in w.iov[w.pos :])  # type: ignore[arg-type]
+        assert 0 < w_sent < len(big)
+        await asyncio.sleep(0)
+        w.post(b"after")  # the batch in flight goes first, whole
+        got = bytearray()
+        while len(got) < len(big) + 5:
+            got += _pending(peer)
+            await asyncio.sleep(0.001)
+        assert bytes(got) == big + b"after"
