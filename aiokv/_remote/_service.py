@@ -28,7 +28,7 @@ from .._copy import MAX_STAGED_BYTES, Stager, is_staged
 from .._enums import DataType, LLMStatusCode
 from .._errors import LLMException
 from .._layout import ByteLayout, tensor_bytes, total_bytes
-from .._models import BlocksCacheKey, CacheKey
+from .._models import CacheKey
 from .._registry import CacheRegistry, Entry
 from .._stats import PeerCounters
 from ..transport import DeviceRuns, DirectCheck, Grant, PeerInfo
@@ -70,6 +70,10 @@ class _Refused(Exception):
 
 def _invalid(why: str) -> _Refused:
     return _Refused(Code.LLM_PARAM_INVALID, why)
+
+
+def _missing(key: Key) -> _Refused:
+    return _Refused(Code.LLM_KV_CACHE_NOT_EXIST, f"no cache for {key}")
 
 
 def _blocks(raw: bytes, limit: int, what: str, *, unique: bool, most: int | None = None) -> Blocks:
@@ -451,23 +455,22 @@ class PeerService:
 
     def _lookup(self, key: Key) -> tuple[Entry, int | None, CacheKey | None]:
         """``(entry, batch slot or None, the CacheKey a successful read may release)``."""
-        missing = _Refused(Code.LLM_KV_CACHE_NOT_EXIST, f"no cache for {key}")
         if key.cluster_id != self._cluster_id:
-            raise missing
+            raise _missing(key)
         if isinstance(key, KeyByBlocks):
-            e = self._registry.by_blocks_key(BlocksCacheKey(key.cluster_id, key.model_id))
+            e = self._registry.by_model_id(key.model_id)
             if e is None:
-                raise missing
+                raise _missing(key)
             return e, None, None
         if isinstance(key, KeyByReq):
             ck = CacheKey(key.cluster_id, key.req_id, key.model_id, key.prefix_id)
             hit = self._registry.by_key(ck)
             if hit is None:
-                raise missing
+                raise _missing(key)
             return hit[0], hit[1], ck
         e = self._registry.by_id(key.cache_id)
         if e is None:
-            raise missing
+            raise _missing(key)
         if key.batch_index >= e.cache.cache_desc.batch_size:
             raise _invalid(f"batch_index {key.batch_index} out of range")
         return e, key.batch_index, None
