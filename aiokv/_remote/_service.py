@@ -192,6 +192,19 @@ class PeerService:
         """
         return await self._grant(peer, meta, write=True, direct=direct)
 
+    def grant_now(
+        self, peer: PeerInfo, meta: bytes, nbytes: int, *, write: bool, direct: DirectCheck | None
+    ) -> Grant | None:
+        """The answer of :meth:`grant_write` (``write``) or :meth:`grant_read` when it
+        needs no waiting: host memory, a refusal, a lease, a notification (the
+        transport asks this first: see :class:`~aiokv.transport._base.ImmediateHandler`).
+        None for device memory and a lease's revocation, which wait (staging, the
+        lease's users): checked, but nothing pinned, counted or logged; the transport
+        then awaits the method, which checks the request again."""
+        with self._registry.lock:  # look up and pin as one step (callers free concurrently)
+            answer = self._grant_locked(peer, meta, write=write, direct=direct, pin_device=False)
+        return answer if isinstance(answer, Grant) else None
+
     # ---- requests -----------------------------------------------------------------------
     async def _grant(
         self, peer: PeerInfo, meta: bytes, *, write: bool, direct: DirectCheck | None
@@ -207,8 +220,16 @@ class PeerService:
         return await self._staged(peer, answer, write=write)
 
     def _grant_locked(
-        self, peer: PeerInfo, meta: bytes, *, write: bool, direct: DirectCheck | None
+        self,
+        peer: PeerInfo,
+        meta: bytes,
+        *,
+        write: bool,
+        direct: DirectCheck | None,
+        pin_device: bool = True,
     ) -> Grant | _Device | RevokeReq:
+        """The answer to a request: a grant (or refusal), a device plan (pinned unless
+        not ``pin_device``) or a lease's revocation, both still to serve."""
         try:
             try:
                 req = decode(meta)
@@ -241,7 +262,8 @@ class PeerService:
         served = self._counters.served(peer.cluster_id)
         try:
             if device is not None:
-                self._registry.pin(*entries)  # refuses memory being unregistered
+                if pin_device:
+                    self._registry.pin(*entries)  # refuses memory being unregistered
                 return device
             assert views is not None
             grant = self._issue(entries, views, release)

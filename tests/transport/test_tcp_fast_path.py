@@ -1,15 +1,26 @@
-"""A TCP link's short ways: a lone frame leaves in the call that posts it.
+"""A TCP link's short ways: a lone frame leaves in the call that posts it, and a request
+the handler answers without waiting is served in the link's reader.
 
-It keeps the order of what a link sends, its batching and its backpressure.
+Both keep the order of what a link sends, its batching and its backpressure; the
+contract suite runs over handlers that answer at once too (``tcp+now``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
+import pytest
+from test_tcp import HOST
+
+from aiokv._enums import LLMStatusCode as Code
+from aiokv._errors import LLMException
+from aiokv.transport import Grant, Link, PeerInfo
+from aiokv.transport.tcp import TcpTransport
 from aiokv.transport.tcp._io import SockIO
 from aiokv.transport.tcp._writer import BLOCKED, MORE, Writer
 
@@ -119,3 +130,72 @@ async def test_a_full_socket_keeps_order_and_backpressure() -> None:
             got += _pending(peer)
             await asyncio.sleep(0.001)
         assert bytes(got) == big + b"after"
+
+
+# ------------------------------------------------------------------ serving at once
+
+
+class _NowHandler:
+    """Answers reads of ``region`` from ``grant_now``; ``{"wait": true}``: not at once
+    (awaited ``grant_read``)."""
+
+    def __init__(self) -> None:
+        self.region = bytearray(range(256)) * 2048
+        self.now = 0
+        self.awaited = 0
+
+    def grant_now(
+        self, peer: PeerInfo, meta: bytes, nbytes: int, *, write: bool, direct: object
+    ) -> Grant | None:
+        m = json.loads(meta)
+        if m.get("wait"):
+            return None
+        if "raise" in m:
+            raise LLMException("refused at once", status_code=Code(m["raise"]))
+        self.now += 1
+        return Grant(Code.LLM_SUCCESS, [memoryview(self.region)[: m["n"]]])
+
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Any:
+        self.awaited += 1
+        await asyncio.sleep(0)
+        return Grant(Code.LLM_SUCCESS, [memoryview(self.region)[: json.loads(meta)["n"]]])
+
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Any:
+        return Grant(Code.LLM_FEATURE_NOT_ENABLED)
+
+
+@contextlib.asynccontextmanager
+async def _linked(handler: Any) -> AsyncIterator[Link]:
+    """A link to a transport serving with ``handler``."""
+    a = TcpTransport(1, _NowHandler())
+    b = TcpTransport(2, handler)
+    try:
+        host, port = await b.listen(HOST, 0)
+        yield await a.connect(host, port, timeout=5)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_a_request_answered_at_once_is_served_without_awaiting_the_handler() -> None:
+    handler = _NowHandler()
+    async with _linked(handler) as link:
+        for n in (1, 4096, 500_000):
+            buf = bytearray(n)
+            await link.read(json.dumps({"n": n}).encode(), [memoryview(buf)], timeout=5)
+            assert buf == handler.region[:n]
+        assert (handler.now, handler.awaited) == (3, 0)
+        buf = bytearray(10)  # not at once: awaited, as any handler's answer
+        await link.read(json.dumps({"n": 10, "wait": True}).encode(), [memoryview(buf)], timeout=5)
+        assert buf == handler.region[:10]
+        assert handler.awaited == 1
+
+
+async def test_a_refusal_at_once_reaches_the_requester() -> None:
+    async with _linked(_NowHandler()) as link:
+        meta = json.dumps({"n": 1, "raise": int(Code.LLM_KV_CACHE_NOT_EXIST)}).encode()
+        with pytest.raises(LLMException) as got:
+            await link.read(meta, [memoryview(bytearray(1))], timeout=5)
+        assert got.value.status_code is Code.LLM_KV_CACHE_NOT_EXIST
+        buf = bytearray(8)  # the link is still good
+        await link.read(json.dumps({"n": 8}).encode(), [memoryview(buf)], timeout=5)

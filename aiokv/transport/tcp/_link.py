@@ -422,15 +422,26 @@ class TcpLink(Link):
             self._filled(op)
 
     def _start_serving(self, op: PeerOp, meta: bytes, size: int) -> None:
-        op.task = self._spawn(self._serve(op, meta, size), f"serve-{op.rid}")
+        """Answer the peer's request ``op``: right here (in the reader, no task) when the
+        handler answers without waiting (:class:`ImmediateHandler`), else in a task
+        that awaits the handler (``op.task``)."""
+        direct = self._plane.direct(op) if op.plane else None
+        grant = self._ask_now(op, meta, size, direct)
+        if grant is not None:
+            self._granted(op, size, direct, grant)
+        else:
+            op.task = self._spawn(self._serve(op, meta, size, direct), f"serve-{op.rid}")
 
     def _start_commit(self, op: PeerOp, commit: Callable[[], Awaitable[LLMStatusCode]]) -> None:
         self._spawn(self._committed(op, commit), f"commit-{op.rid}")
 
-    async def _serve(self, op: PeerOp, meta: bytes, size: int) -> None:
-        """Ask the handler, then answer the peer and start the transfer."""
-        direct = self._plane.direct(op) if op.plane else None
-        grant = await self._ask(op, meta, size, direct)
+    async def _serve(self, op: PeerOp, meta: bytes, size: int, direct: DirectCheck | None) -> None:
+        """Await the handler's answer, then answer the peer and start the transfer."""
+        self._granted(op, size, direct, await self._ask(op, meta, size, direct))
+
+    def _granted(self, op: PeerOp, size: int, direct: DirectCheck | None, grant: Any) -> None:
+        """Answer the peer's request ``op`` with the handler's ``grant`` (checked here)
+        and start the transfer."""
         status, views, total = check_grant(
             grant, _grant_name(op), writable=not op.is_read, device_ok=direct is not None
         )
@@ -450,6 +461,23 @@ class TcpLink(Link):
         grant.bind_abort(lambda code: self._p.revoke(op, code))
         if op.state is not State.OVER:  # else revoked before it was even answered
             self._answer(op, grant, views, total)
+
+    def _ask_now(
+        self, op: PeerOp, meta: bytes, size: int, direct: DirectCheck | None
+    ) -> Grant | None:
+        """The handler's answer to ``op`` if it gives one without waiting (its
+        ``grant_now``, where it has one; a failure: a refusal), else None."""
+        now = getattr(self._t.handler, "grant_now", None)
+        if now is None:
+            return None
+        try:
+            grant: Grant | None = now(self.peer, meta, size, write=not op.is_read, direct=direct)
+        except LLMException as exc:
+            return Grant(exc.status_code, reason=str(exc))
+        except Exception:
+            _log.exception("%r: handler grant_now failed", self)
+            return Grant(_S.LLM_FAILED, reason="the peer's handler failed")
+        return grant
 
     async def _ask(self, op: PeerOp, meta: bytes, size: int, direct: DirectCheck | None) -> Any:
         """The handler's answer to the peer's request ``op`` (a failure: a refusal)."""
