@@ -199,3 +199,41 @@ async def test_a_refusal_at_once_reaches_the_requester() -> None:
         assert got.value.status_code is Code.LLM_KV_CACHE_NOT_EXIST
         buf = bytearray(8)  # the link is still good
         await link.read(json.dumps({"n": 8}).encode(), [memoryview(buf)], timeout=5)
+
+
+# ------------------------------------------------------------------ reader readiness
+
+
+async def _read_one(io: SockIO, sock: socket.socket) -> bytes:
+    """One byte, as a link's reader reads: non-blocking, waiting again on ``EAGAIN``
+    (a wake-up may be stale); in this task (``wait_for`` would read in another)."""
+    async with asyncio.timeout(5):
+        while True:
+            with contextlib.suppress(BlockingIOError):
+                return sock.recv(1)
+            await io.readable()
+
+
+async def test_a_socket_stays_watched_between_waits_and_is_dropped_when_nobody_waits() -> None:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    io = SockIO(asyncio.get_running_loop(), a)
+    try:
+        for byte in (b"1", b"2"):  # wait, read, wait again: no add/remove_reader per wait
+            asyncio.get_running_loop().call_later(0.01, b.send, byte)
+            assert await _read_one(io, a) == byte and io._watching
+        b.send(b"3")  # nobody waits: level-triggered readiness must not keep calling
+        for _ in range(100):
+            if not io._watching:
+                break
+            await asyncio.sleep(0.001)
+        assert not io._watching
+        assert await _read_one(io, a) == b"3"  # watched again for the next wait
+        waiter = asyncio.create_task(io.readable())
+        await asyncio.sleep(0.01)
+        io.close()  # unwatched before the close (no fd reuse), the waiter woken
+        await asyncio.wait_for(waiter, 5)
+        assert not io._watching
+    finally:
+        io.close()
+        b.close()
