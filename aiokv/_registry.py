@@ -227,10 +227,15 @@ class CacheRegistry:
         hit = self.keys.get(key_id(key))
         return None if hit is None else (self.entries[hit[0]], hit[1])
 
-    @_locked
     def by_blocks_key(self, key: BlocksCacheKey) -> Entry | None:
         """The entry registered under ``key.model_id``, or ``None``."""
-        cid = self.blocks_keys.get(key.model_id)
+        return self.by_model_id(key.model_id)
+
+    @_locked
+    def by_model_id(self, model_id: int) -> Entry | None:
+        """The entry registered under the ``BlocksCacheKey`` of ``model_id``, or ``None``
+        (what a peer's key names, without building a ``BlocksCacheKey`` for it)."""
+        cid = self.blocks_keys.get(model_id)
         return None if cid is None else self.entries[cid]
 
     @_locked

@@ -37,6 +37,17 @@ def test_check_blocks_names_the_entry_beyond_the_cache() -> None:
     assert "entry 9" in str(err.value)
 
 
+@pytest.mark.parametrize("pad", [0, 100])  # short lists in Python, long ones in numpy
+@pytest.mark.parametrize("bad", [[-1], [2**63], [2**64, 3], [-(2**70), 2**70], [5, 8]])
+def test_short_and_long_block_lists_are_refused_alike(pad: int, bad: list[int]) -> None:
+    with pytest.raises(LLMException) as err:
+        check_blocks("op", "blocks", [0] * pad + bad, 8)
+    worst = min(bad) if min(bad) < 0 else max(bad)
+    assert f"entry {worst} is out of range [0, 8)" in str(err.value)
+    ok = check_blocks("op", "blocks", [0] * pad + [7, 1], 8)
+    assert ok.dtype == np.int64 and ok.tolist()[-2:] == [7, 1] and not ok.flags.writeable
+
+
 @pytest.mark.parametrize("top", [10, 100_000, 2**62])  # counting and sorting branches
 def test_duplicated_agrees_with_unique(top: int) -> None:
     rng = np.random.default_rng(top % 1000)

@@ -152,6 +152,7 @@ def test_later_blocks_key_wins(reg: CacheRegistry, caplog: pytest.LogCaptureFixt
         b = register(reg, blocks_key=key)
     assert "now cache" in caplog.text
     assert reg.by_blocks_key(key) is b and reg.by_blocks_key(key) is reg.by_id(b.cache.cache_id)
+    assert reg.by_model_id(0) is b and reg.by_model_id(1) is None  # what a peer names
     assert a.blocks_key is None and b.blocks_key == key
     reg.release_id(a)  # the loser's release leaves the winner's binding alone
     assert reg.by_blocks_key(key) is b

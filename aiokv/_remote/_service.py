@@ -28,7 +28,7 @@ from .._copy import MAX_STAGED_BYTES, Stager, is_staged
 from .._enums import DataType, LLMStatusCode
 from .._errors import LLMException
 from .._layout import ByteLayout, tensor_bytes, total_bytes
-from .._models import BlocksCacheKey, CacheKey
+from .._models import CacheKey
 from .._registry import CacheRegistry, Entry
 from .._stats import PeerCounters
 from ..transport import DeviceRuns, DirectCheck, Grant, PeerInfo
@@ -70,6 +70,10 @@ class _Refused(Exception):
 
 def _invalid(why: str) -> _Refused:
     return _Refused(Code.LLM_PARAM_INVALID, why)
+
+
+def _missing(key: Key) -> _Refused:
+    return _Refused(Code.LLM_KV_CACHE_NOT_EXIST, f"no cache for {key}")
 
 
 def _blocks(raw: bytes, limit: int, what: str, *, unique: bool, most: int | None = None) -> Blocks:
@@ -188,6 +192,19 @@ class PeerService:
         """
         return await self._grant(peer, meta, write=True, direct=direct)
 
+    def grant_now(
+        self, peer: PeerInfo, meta: bytes, nbytes: int, *, write: bool, direct: DirectCheck | None
+    ) -> Grant | None:
+        """The answer of :meth:`grant_write` (``write``) or :meth:`grant_read` when it
+        needs no waiting: host memory, a refusal, a lease, a notification (the
+        transport asks this first: see :class:`~aiokv.transport._base.ImmediateHandler`).
+        None for device memory and a lease's revocation, which wait (staging, the
+        lease's users): checked, but nothing pinned, counted or logged; the transport
+        then awaits the method, which checks the request again."""
+        with self._registry.lock:  # look up and pin as one step (callers free concurrently)
+            answer = self._grant_locked(peer, meta, write=write, direct=direct, pin_device=False)
+        return answer if isinstance(answer, Grant) else None
+
     # ---- requests -----------------------------------------------------------------------
     async def _grant(
         self, peer: PeerInfo, meta: bytes, *, write: bool, direct: DirectCheck | None
@@ -203,8 +220,16 @@ class PeerService:
         return await self._staged(peer, answer, write=write)
 
     def _grant_locked(
-        self, peer: PeerInfo, meta: bytes, *, write: bool, direct: DirectCheck | None
+        self,
+        peer: PeerInfo,
+        meta: bytes,
+        *,
+        write: bool,
+        direct: DirectCheck | None,
+        pin_device: bool = True,
     ) -> Grant | _Device | RevokeReq:
+        """The answer to a request: a grant (or refusal), a device plan (pinned unless
+        not ``pin_device``) or a lease's revocation, both still to serve."""
         try:
             try:
                 req = decode(meta)
@@ -237,7 +262,8 @@ class PeerService:
         served = self._counters.served(peer.cluster_id)
         try:
             if device is not None:
-                self._registry.pin(*entries)  # refuses memory being unregistered
+                if pin_device:
+                    self._registry.pin(*entries)  # refuses memory being unregistered
                 return device
             assert views is not None
             grant = self._issue(entries, views, release)
@@ -451,23 +477,22 @@ class PeerService:
 
     def _lookup(self, key: Key) -> tuple[Entry, int | None, CacheKey | None]:
         """``(entry, batch slot or None, the CacheKey a successful read may release)``."""
-        missing = _Refused(Code.LLM_KV_CACHE_NOT_EXIST, f"no cache for {key}")
         if key.cluster_id != self._cluster_id:
-            raise missing
+            raise _missing(key)
         if isinstance(key, KeyByBlocks):
-            e = self._registry.by_blocks_key(BlocksCacheKey(key.cluster_id, key.model_id))
+            e = self._registry.by_model_id(key.model_id)
             if e is None:
-                raise missing
+                raise _missing(key)
             return e, None, None
         if isinstance(key, KeyByReq):
             ck = CacheKey(key.cluster_id, key.req_id, key.model_id, key.prefix_id)
             hit = self._registry.by_key(ck)
             if hit is None:
-                raise missing
+                raise _missing(key)
             return hit[0], hit[1], ck
         e = self._registry.by_id(key.cache_id)
         if e is None:
-            raise missing
+            raise _missing(key)
         if key.batch_index >= e.cache.cache_desc.batch_size:
             raise _invalid(f"batch_index {key.batch_index} out of range")
         return e, key.batch_index, None

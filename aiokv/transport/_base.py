@@ -284,6 +284,23 @@ class RequestHandler(Protocol):
         ...
 
 
+class ImmediateHandler(RequestHandler, Protocol):
+    """A :class:`RequestHandler` that can often answer without waiting (the cache
+    layer: a grant of host memory is lookups and checks only). A TCP link asks
+    :meth:`grant_now` first, right where it reads the request, and awaits
+    ``grant_read`` / ``grant_write`` in a task of its own only when it returns None:
+    no task and no wake-up per request served at once."""
+
+    def grant_now(
+        self, peer: PeerInfo, meta: bytes, nbytes: int, *, write: bool, direct: DirectCheck | None
+    ) -> Grant | None:
+        """The answer ``grant_write`` (``write``; ``nbytes`` to push) or ``grant_read``
+        would give, when it needs no waiting; else None, having done nothing (no pin, no
+        count, no side effect), and the link awaits that method instead. Raises as they
+        do."""
+        ...
+
+
 #: ``on_link`` / ``on_link_lost`` callback: called on the event loop with the link.
 LinkCallback = Callable[["Link"], None]
 

@@ -842,13 +842,23 @@ def observed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Record every grant a ``PeerService`` answers: its status and the address ranges of
     its buffers (what the service decided, before the transport checks sizes)."""
 
+    def record(service: PeerService, grant: Grant) -> None:
+        spans = [(a := np.frombuffer(v, np.uint8).ctypes.data, a + v.nbytes) for v in grant.buffers]
+        GRANTS.append((service._cluster_id, grant.status, spans))
+
     def spy(orig: Any) -> Any:
         async def granting(self: PeerService, peer: PeerInfo, meta: bytes, *args: Any) -> Grant:
             grant: Grant = await orig(self, peer, meta, *args)
-            spans = [
-                (a := np.frombuffer(v, np.uint8).ctypes.data, a + v.nbytes) for v in grant.buffers
-            ]
-            GRANTS.append((self._cluster_id, grant.status, spans))
+            record(self, grant)
+            return grant
+
+        return granting
+
+    def spy_now(orig: Any) -> Any:  # what the transport serves without awaiting
+        def granting(self: PeerService, *args: Any, **kwargs: Any) -> Grant | None:
+            grant: Grant | None = orig(self, *args, **kwargs)
+            if grant is not None:
+                record(self, grant)
             return grant
 
         return granting
@@ -856,6 +866,7 @@ def observed(monkeypatch: pytest.MonkeyPatch) -> None:
     GRANTS.clear()
     monkeypatch.setattr(PeerService, "grant_read", spy(PeerService.grant_read))
     monkeypatch.setattr(PeerService, "grant_write", spy(PeerService.grant_write))
+    monkeypatch.setattr(PeerService, "grant_now", spy_now(PeerService.grant_now))
 
 
 async def settle(srv: Server) -> None:

@@ -25,6 +25,9 @@ class FakeHandler:
     raises ``LLMException(code)``, ``{"crash": true}`` raises a foreign error,
     ``{"hang": true}`` never answers, ``{"stubborn": s}`` ignores cancellation, then grants
     after ``s`` seconds, ``{"bad": kind}`` answers with a broken grant.
+
+    With ``now``, it answers what needs no waiting (all but ``hang`` and ``stubborn``)
+    from ``grant_now`` (an ``ImmediateHandler``: a TCP link serves those in its reader).
     """
 
     regions: dict[str, bytearray] = field(default_factory=dict)
@@ -35,6 +38,7 @@ class FakeHandler:
     hanging: asyncio.Event = field(default_factory=asyncio.Event)
     hung_cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     granted: dict[Any, Grant] = field(default_factory=dict)  # tag -> the Grant handed out
+    now: bool = False  # answer from grant_now what needs no waiting
 
     def _done(self, tag: Any) -> Callable[[bool], None]:
         fut = self.first.setdefault(tag, asyncio.get_running_loop().create_future())
@@ -51,7 +55,6 @@ class FakeHandler:
         self.grants += 1
         self.peers.append(peer)
         meta = json.loads(raw)
-        tag = meta.get("tag", object())
         if meta.get("hang"):
             self.hanging.set()
             try:
@@ -64,6 +67,20 @@ class FakeHandler:
             while (left := end - time.monotonic()) > 0:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.sleep(left)
+        return self._answer(meta)
+
+    def grant_now(
+        self, peer: PeerInfo, raw: bytes, nbytes: int, *, write: bool, direct: object
+    ) -> Any:
+        meta = json.loads(raw)
+        if not self.now or meta.get("hang") or "stubborn" in meta:
+            return None
+        self.grants += 1
+        self.peers.append(peer)
+        return self._answer(meta)
+
+    def _answer(self, meta: dict[str, Any]) -> Any:
+        tag = meta.get("tag", object())
         if "refuse" in meta:
             return Grant(Code(meta["refuse"]), [], self._done(tag) if "tag" in meta else None)
         if "raise" in meta:

@@ -2,7 +2,9 @@
 
 One suite, parametrised over :func:`aiokv.transport.transport_names`: a new backend is
 covered by adding it to the registry. ``tcp+tls`` runs it once more over TCP with TLS
-(throwaway certificates made by the ``openssl`` command). Only the public interface is
+(throwaway certificates made by the ``openssl`` command); ``tcp+now`` over TCP with
+handlers that answer what needs no waiting from ``grant_now`` (served in the link's
+reader, no task per request). Only the public interface is
 used, with default constructor arguments, binding 127.0.0.1 with port 0. A fake cache
 layer serves named bytearrays and records every ``Grant.done`` call. Every async test
 runs on asyncio and on uvloop (``tests/conftest.py``).
@@ -73,10 +75,12 @@ def _nixl_or_skip(name: str) -> None:
         _VARIANTS[name] = registering_nixl()
 
 
-@pytest.fixture(params=[*transport_names(), "tcp+tls", "nixl+reg", "tcp+memmove"])
+@pytest.fixture(params=[*transport_names(), "tcp+tls", "nixl+reg", "tcp+memmove", "tcp+now"])
 def name(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     if str(request.param).startswith("nixl"):
         _nixl_or_skip(request.param)
+    if request.param == "tcp+now":  # handlers answering from grant_now: served in the reader
+        _VARIANTS[request.param] = get_transport("tcp")
     if request.param == "tcp+memmove":
         from memmove_plane import MemmoveTransport
 
@@ -112,7 +116,8 @@ async def make_pair(
     meta_b: int = 1 << 20,
 ) -> AsyncIterator[Pair]:
     cls = transport_class(name)
-    ha, hb = FakeHandler(), FakeHandler()
+    now = name == "tcp+now"
+    ha, hb = FakeHandler(now=now), FakeHandler(now=now)
     linked_a: list[Link] = []
     linked_b: list[Link] = []
     lost_a: list[Link] = []

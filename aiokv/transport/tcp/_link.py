@@ -113,7 +113,7 @@ class TcpLink(Link):
         )
         self._mine = self._p.mine
         self._theirs = self._p.theirs
-        self._w = Writer(self._sock, transport, self._p, first_frame)
+        self._w = Writer(self._loop, self._sock, transport, self._p, first_frame)
         self._r = Reader(
             io, self, self._p, self._w, scratch=transport._scratch, stall_s=_REPLY_STALL_S
         )
@@ -170,8 +170,9 @@ class TcpLink(Link):
             status = op.outcome()
             if status is not _S.LLM_SUCCESS:
                 raise self._refused("Link.read", op)
-            # The ack lets the peer release what it granted (e.g. drop a pulled key).
-            self._post(wire.encode_frame(_F.READ_DONE, op.rid))
+            # The ack lets the peer release what it granted (e.g. drop a pulled key);
+            # nobody waits on it, so it leaves on the writer's next turn, not on our way.
+            self._post(wire.encode_frame(_F.READ_DONE, op.rid), soon=True)
             acked = True
         finally:
             self._end(op, cancel=not acked)
@@ -356,11 +357,12 @@ class TcpLink(Link):
         """Withdraw a stream; afterwards its memory is never read again."""
         self._w.abort_stream(stream)
 
-    def _post(self, frame: bytes) -> None:
-        """Queue an owned control frame; the writer sends it before any further payload."""
+    def _post(self, frame: bytes, *, soon: bool = False) -> None:
+        """Queue an owned control frame; the writer sends it before any further payload
+        (at once where it can; ``soon``: on its next turn, see :meth:`Writer.post`)."""
         if self._broken:
             return
-        self._w.post(frame)
+        self._w.post(frame, soon=soon)
 
     async def _write_loop(self) -> None:
         try:
@@ -420,15 +422,26 @@ class TcpLink(Link):
             self._filled(op)
 
     def _start_serving(self, op: PeerOp, meta: bytes, size: int) -> None:
-        op.task = self._spawn(self._serve(op, meta, size), f"serve-{op.rid}")
+        """Answer the peer's request ``op``: right here (in the reader, no task) when the
+        handler answers without waiting (:class:`ImmediateHandler`), else in a task
+        that awaits the handler (``op.task``)."""
+        direct = self._plane.direct(op) if op.plane else None
+        grant = self._ask_now(op, meta, size, direct)
+        if grant is not None:
+            self._granted(op, size, direct, grant)
+        else:
+            op.task = self._spawn(self._serve(op, meta, size, direct), f"serve-{op.rid}")
 
     def _start_commit(self, op: PeerOp, commit: Callable[[], Awaitable[LLMStatusCode]]) -> None:
         self._spawn(self._committed(op, commit), f"commit-{op.rid}")
 
-    async def _serve(self, op: PeerOp, meta: bytes, size: int) -> None:
-        """Ask the handler, then answer the peer and start the transfer."""
-        direct = self._plane.direct(op) if op.plane else None
-        grant = await self._ask(op, meta, size, direct)
+    async def _serve(self, op: PeerOp, meta: bytes, size: int, direct: DirectCheck | None) -> None:
+        """Await the handler's answer, then answer the peer and start the transfer."""
+        self._granted(op, size, direct, await self._ask(op, meta, size, direct))
+
+    def _granted(self, op: PeerOp, size: int, direct: DirectCheck | None, grant: Any) -> None:
+        """Answer the peer's request ``op`` with the handler's ``grant`` (checked here)
+        and start the transfer."""
         status, views, total = check_grant(
             grant, _grant_name(op), writable=not op.is_read, device_ok=direct is not None
         )
@@ -448,6 +461,23 @@ class TcpLink(Link):
         grant.bind_abort(lambda code: self._p.revoke(op, code))
         if op.state is not State.OVER:  # else revoked before it was even answered
             self._answer(op, grant, views, total)
+
+    def _ask_now(
+        self, op: PeerOp, meta: bytes, size: int, direct: DirectCheck | None
+    ) -> Grant | None:
+        """The handler's answer to ``op`` if it gives one without waiting (its
+        ``grant_now``, where it has one; a failure: a refusal), else None."""
+        now = getattr(self._t.handler, "grant_now", None)
+        if now is None:
+            return None
+        try:
+            grant: Grant | None = now(self.peer, meta, size, write=not op.is_read, direct=direct)
+        except LLMException as exc:
+            return Grant(exc.status_code, reason=str(exc))
+        except Exception:
+            _log.exception("%r: handler grant_now failed", self)
+            return Grant(_S.LLM_FAILED, reason="the peer's handler failed")
+        return grant
 
     async def _ask(self, op: PeerOp, meta: bytes, size: int, direct: DirectCheck | None) -> Any:
         """The handler's answer to the peer's request ``op`` (a failure: a refusal)."""
@@ -481,9 +511,11 @@ class TcpLink(Link):
             return
         if op.is_read:
             op.state = State.SENDING  # held until the reader's READ_DONE or CANCEL
-            self._post(wire.encode_frame(_F.READ_RESP, op.rid, size=total))
-            if total:
-                op.stream = self._w.add_stream(op.rid, views, total)
+            resp = wire.encode_frame(_F.READ_RESP, op.rid, size=total)
+            if total:  # the reply and its DATA leave in one batch
+                op.stream = self._w.add_stream(op.rid, views, total, lead=resp)
+            else:
+                self._post(resp)
         else:
             op.state = State.RECEIVING
             op.cursor = cursor_of(views, total)

@@ -1,8 +1,11 @@
 """The writer of a TCP link: control frames first, then payload streams in turns.
 
-It batches what was posted during one loop iteration into one ``sendmsg`` (or, with
-payload moved by address, one ``writev``), and tells the link's protocol when replies
-it accounted leave (reply backpressure).
+A frame posted while the writer is parked leaves at once, in the call that posts it (as
+asyncio's own transports write when nothing is queued): no writer wake-up on a lone
+request's or reply's way. What is posted after that during the same loop iteration is
+batched into one ``sendmsg`` (or, with payload moved by address, one ``writev``) by the
+writer's next turn. It tells the link's protocol when replies it accounted leave
+(reply backpressure).
 """
 
 from __future__ import annotations
@@ -67,8 +70,14 @@ class Writer:
     """
 
     def __init__(
-        self, sock: RawSock, owner: _Chunks, backlog: _Backlog, first_frame: bytes | None
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: RawSock,
+        owner: _Chunks,
+        backlog: _Backlog,
+        first_frame: bytes | None,
     ) -> None:
+        self._loop = loop
         self._sock = sock
         self._owner = owner
         self._backlog = backlog
@@ -88,12 +97,23 @@ class Writer:
         self._batch_data = 0  # payload bytes in the batch
         self.drained: asyncio.Future[None] | None = None  # the paused reader waits here
         self._idle: asyncio.Future[None] | None = None
+        # whether kick() may send at once: not again in a loop iteration that already did
+        self._at_once = True
 
-    def post(self, frame: bytes) -> None:
-        """Queue an owned control frame; it is sent before any further payload."""
+    def post(self, frame: bytes, *, soon: bool = False) -> None:
+        """Queue an owned control frame; it is sent before any further payload.
+
+        ``soon``: not at once (see :meth:`kick`) but on the writer's next turn, for a
+        frame nobody waits on (an acknowledgement), so that its send is not paid on the
+        way of the operation that posts it.
+        """
         self.ctrl.append(frame)
         self._backlog.queued(frame)
-        self.kick()
+        if soon:
+            if self._idle is not None:
+                wake(self._idle)
+        else:
+            self.kick()
 
     def between_frames(self) -> bool:
         """Whether no frame is half-sent."""
@@ -104,7 +124,15 @@ class Writer:
         self.streams.clear()
         self.ctrl.clear()
 
-    def add_stream(self, rid: int, views: Sequence[memoryview], total: int) -> Stream:
+    def add_stream(
+        self, rid: int, views: Sequence[memoryview], total: int, *, lead: bytes | None = None
+    ) -> Stream:
+        """Queue a payload stream of ``total`` bytes from ``views`` as ``DATA`` of ``rid``;
+        ``lead``: an owned control frame queued just before it (a ``READ_RESP``), so
+        that both leave in one batch."""
+        if lead is not None:
+            self.ctrl.append(lead)
+            self._backlog.queued(lead)
         stream = Stream(rid, views, total)
         self.streams.append(stream)
         self.kick()
@@ -210,14 +238,31 @@ class Writer:
                 finishing.popleft()[1].sent = True
 
     def kick(self) -> None:
-        """Wake the writer if it is parked.
+        """Send what is queued, now or on the writer's next turn.
 
-        It sends on its next turn rather than right here, so that all the frames posted
-        during one loop iteration leave in one ``sendmsg`` (sending at once measured no
-        faster for a lone request, and much slower for many concurrent ones).
+        At once (``pump`` right here) when the writer is parked, so no batch is in
+        flight, and nothing was sent so in this loop iteration yet: a lone frame costs
+        no writer wake-up. Otherwise the parked writer is woken, and its next turn sends
+        everything posted meanwhile in one ``sendmsg`` (sending each of many concurrent
+        frames at once measured much slower). What a send at once leaves (a full
+        socket, :data:`YIELD_BYTES` sent) and a send that failed are the writer's: it
+        is woken, retries, and breaks the link on an ``OSError``.
         """
-        if self._idle is not None:
-            wake(self._idle)
+        idle = self._idle
+        if idle is None or idle.done():
+            return  # the writer is running or about to run: it will send it
+        if self._at_once:
+            self._at_once = False
+            self._loop.call_soon(self._rearm)
+            try:
+                if self.pump() == DONE:
+                    return
+            except OSError:
+                pass  # the writer's own pump meets it again and breaks the link
+        wake(idle)
+
+    def _rearm(self) -> None:
+        self._at_once = True
 
     async def until_work(self, loop: asyncio.AbstractEventLoop) -> None:
         """Park until :meth:`kick`."""
