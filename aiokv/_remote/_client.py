@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._cache import Cache
@@ -131,6 +132,7 @@ class RemoteClient:
             or not isinstance(req.key, KeyByBlocks)
             or req.release
             or job.remote is None
+            or job.local is None
             or link.extra(ONE_SIDED) is None
         ):
             return None
@@ -150,17 +152,20 @@ class RemoteClient:
     ) -> bool:
         """Move ``job`` one-sidedly under a lease held for ``key``; False (nothing moved)
         when no lease covers it, or this side's memory is not registered with the link."""
-        assert self.leases is not None and job.remote is not None
+        assert self.leases is not None and job.remote is not None and job.local is not None
         held = self.leases.held(link, key)
-        remote = None if held is None else held.remote(job.remote, write=key.write)
-        if held is None or remote is None:
+        if held is None:
             return False
-        tensors = [_flat(cache.tensors[t]) for t in job.tensors]
+        tensors = [cache.tensors[t] for t in job.tensors]  # contiguous, as every cache's
+        bases = np.fromiter((t.data_ptr() for t in tensors), np.uint64, len(tensors))
+        rows = held.rows(job.remote, job.local, bases, write=key.write)
+        if rows is None:
+            return False
         device = tensors[0].device
         if device.type != "cpu":  # routed BY_ADDRESS (a lease is never STAGED): settle first
             with map_errors(op):
                 await self._stager.settle(device)
-        local = DeviceRuns(str(device), job.layout.addresses([t.data_ptr() for t in tensors]))
+        local, remote = DeviceRuns(str(device), rows[0]), DeviceRuns(held.device, rows[1])
         try:
             with held.using():
                 await self.transfer(

@@ -58,12 +58,19 @@ from .._config import LLMConfig
 from .._engine import completing
 from .._enums import LLMStatusCode
 from .._errors import LLMException
-from .._layout import ByteLayout
 from .._registry import CacheRegistry, Entry
-from ..transport import BY_ADDRESS, ONE_SIDED, DeviceRuns, Link, PeerInfo
+from ..transport import BY_ADDRESS, ONE_SIDED, Link, PeerInfo
 from ._protocol import KeyByBlocks, RevokeReq, Tensors, encode
 
-__all__ = ["MAX_LEASES", "Held", "LeaseKey", "Leases", "decode_reply", "encode_reply"]
+__all__ = [
+    "MAX_LEASES",
+    "Held",
+    "LeaseKey",
+    "Leases",
+    "decode_reply",
+    "encode_reply",
+    "paired_rows",
+]
 
 log = logging.getLogger("aiokv.remote")
 
@@ -111,17 +118,25 @@ class Held:
     dead: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def remote(self, blocks: npt.NDArray[np.int64], *, write: bool) -> DeviceRuns | None:
-        """The granter's memory of ``blocks`` (validated here: in range, distinct for a
-        write) in wire order, or None when the lease does not cover them."""
+    def rows(
+        self,
+        blocks: npt.NDArray[np.int64],
+        local: npt.NDArray[np.int64],
+        local_bases: npt.NDArray[np.uint64],
+        *,
+        write: bool,
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None:
+        """``(local rows, granter's rows)`` of a transfer between blocks ``local`` of the
+        holder's buffers at ``local_bases`` (``block_bytes`` each, validated by the
+        caller) and ``blocks`` of the lease (validated here: as many, in range, distinct
+        for a write): :func:`paired_rows`; None when the lease does not cover them."""
         if self.dead or (write and not self.writable) or not blocks.size:
             return None
-        if int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks:
+        if blocks.size != local.size or int(blocks.min()) < 0:
             return None
-        if write and duplicated(blocks):
+        if int(blocks.max()) >= self.num_blocks or (write and duplicated(blocks)):
             return None
-        layout = ByteLayout.of_blocks(blocks, self.block_bytes)
-        return DeviceRuns(self.device, layout.addresses(self.bases))
+        return paired_rows(local_bases, local, self.bases, blocks, self.block_bytes)
 
     @contextlib.contextmanager
     def using(self) -> Iterator[None]:
@@ -133,6 +148,41 @@ class Held:
             self.busy -= 1
             if not self.busy and self.dead:
                 self.idle.set()
+
+
+def paired_rows(
+    a_bases: npt.NDArray[np.uint64],
+    a_blocks: npt.NDArray[np.int64],
+    b_bases: npt.NDArray[np.uint64],
+    b_blocks: npt.NDArray[np.int64],
+    block_bytes: int,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """Block ``a_blocks[i]`` of each buffer at ``a_bases`` and block ``b_blocks[i]`` of the
+    same buffer's counterpart at ``b_bases`` (block ``k`` at byte ``k * block_bytes``) as
+    ``(address, length)`` rows, buffer by buffer, in list order: row ``j`` of both the
+    same length (already paired, as NIXL descriptors must be). Blocks that follow each
+    other on *both* sides share a row. A few numpy operations whatever the block count:
+    the descriptors of a leased transfer without a layout, run list or re-pairing."""
+    lens: npt.NDArray[np.uint64] | int = block_bytes
+    if a_blocks.size > 1:
+        joined = (np.diff(a_blocks) == 1) & (np.diff(b_blocks) == 1)
+        if joined.any():
+            first = np.concatenate(([0], np.flatnonzero(~joined) + 1))
+            lens = np.diff(np.append(first, a_blocks.size)).astype(np.uint64) * block_bytes
+            a_blocks, b_blocks = a_blocks[first], b_blocks[first]
+    return _rows(a_bases, a_blocks, lens, block_bytes), _rows(b_bases, b_blocks, lens, block_bytes)
+
+
+def _rows(
+    bases: npt.NDArray[np.uint64],
+    blocks: npt.NDArray[np.int64],
+    lens: npt.NDArray[np.uint64] | int,
+    block_bytes: int,
+) -> npt.NDArray[np.uint64]:
+    out = np.empty((bases.size, blocks.size, 2), dtype=np.uint64)
+    out[:, :, 0] = bases[:, None] + (blocks * block_bytes).astype(np.uint64)
+    out[:, :, 1] = lens
+    return out.reshape(-1, 2)
 
 
 def reply_size(count: int) -> int:

@@ -34,7 +34,7 @@ from aiokv import (
     LLMStatusCode,
 )
 from aiokv._remote import _protocol as protocol
-from aiokv._remote._leases import Held, decode_reply, encode_reply, reply_size
+from aiokv._remote._leases import Held, decode_reply, encode_reply, paired_rows, reply_size
 from aiokv.testing import cluster_info, linked_pair, make_config, requires_transport
 from aiokv.transport import Grant, PeerInfo, get_transport
 
@@ -70,17 +70,44 @@ def test_the_reply_round_trips_and_malformed_ones_are_refused() -> None:
 
 def test_the_holder_checks_every_transfer_against_the_lease() -> None:
     held = Held(1, None, "cpu", np.array([1 << 20, 1 << 30], dtype=np.uint64), 8, 64, False)  # type: ignore[arg-type]
-    runs = held.remote(np.array([3, 1], dtype=np.int64), write=False)
-    assert runs is not None and runs.device == "cpu"
+    mine = np.array([5 << 20, 6 << 20], dtype=np.uint64)
+
+    def rows(blocks: list[int], write: bool, local: list[int] | None = None) -> object:
+        theirs = np.array(blocks, dtype=np.int64)
+        here = theirs if local is None else np.array(local, dtype=np.int64)
+        return held.rows(theirs, here, mine, write=write)
+
+    got = held.rows(np.array([3, 1]), np.array([0, 7]), mine, write=False)
+    assert got is not None
     base = [1 << 20, 1 << 30]
-    assert runs.runs.tolist() == [[b + off, 64] for b in base for off in (192, 64)]
-    for blocks, write in (([8], False), ([0, 9], False), ([], False), ([1], True)):
-        assert held.remote(np.array(blocks, dtype=np.int64), write=write) is None
+    assert got[1].tolist() == [[b + off, 64] for b in base for off in (192, 64)]
+    assert got[0].tolist() == [[b + off, 64] for b in (5 << 20, 6 << 20) for off in (0, 448)]
+    for blocks, write in (([8], False), ([0, 9], False), ([-1], False), ([], False), ([1], True)):
+        assert rows(blocks, write) is None
+    assert rows([1, 2], False, [1]) is None  # not as many blocks on both sides
     held.writable = True
-    assert held.remote(np.array([1, 2], dtype=np.int64), write=True) is not None
-    assert held.remote(np.array([2, 2], dtype=np.int64), write=True) is None  # a block twice
+    assert rows([1, 2], True) is not None
+    assert rows([2, 2], True) is None  # a block twice
     held.dead = True
-    assert held.remote(np.array([1], dtype=np.int64), write=False) is None
+    assert rows([1], False) is None
+
+
+def test_leased_descriptors_merge_blocks_consecutive_on_both_sides() -> None:
+    """One row per run of blocks that follow each other here *and* there, the same
+    length on both sides, buffer by buffer: what NIXL pairs descriptor by descriptor."""
+    a_bases = np.array([1000, 9000], dtype=np.uint64)
+    b_bases = np.array([50000], dtype=np.uint64).repeat(2) + np.array([0, 4000], dtype=np.uint64)
+    a = np.array([0, 1, 2, 5, 6, 9], dtype=np.int64)  # runs here: 0-2, 5-6, 9
+    b = np.array([4, 5, 7, 8, 9, 1], dtype=np.int64)  # runs there: 4-5, 7-9, 1
+    mine, theirs = paired_rows(a_bases, a, b_bases, b, 10)
+    cut = [(0, 2), (2, 1), (5, 2), (9, 1)]  # (first block here, count): both sides' runs
+    there = [4, 7, 8, 1]
+    assert mine.tolist() == [[ab + 10 * f, 10 * n] for ab in (1000, 9000) for f, n in cut]
+    assert theirs.tolist() == [
+        [bb + 10 * t, 10 * n] for bb in (50000, 54000) for t, (_, n) in zip(there, cut, strict=True)
+    ]
+    one, other = paired_rows(a_bases[:1], a[:1], b_bases[:1], b[:1], 10)
+    assert one.tolist() == [[1000, 10]] and other.tolist() == [[50040, 10]]
 
 
 class _FakeLink:
