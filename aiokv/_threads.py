@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
-__all__ = ["Lane"]
+__all__ = ["Lane", "on_loop"]
 
 T = TypeVar("T")
 
@@ -161,3 +162,18 @@ class Lane:
                     del self._running[me]
                     self._idle += 1
             del job  # drop what the job referenced before blocking again
+
+
+def on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., object], *args: Any) -> None:
+    """``fn(*args)`` on ``loop``, the owner of what it changes (None: the caller's own):
+    at once when called there, else scheduled thread-safely; dropped once ``loop`` has
+    closed (what it owned is gone with it)."""
+    try:
+        here = loop is None or asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here:
+        fn(*args)
+    elif loop is not None:
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(fn, *args)

@@ -21,6 +21,7 @@ from .._checks import (
     param_invalid,
     tensor_range,
 )
+from .._engine import on_asyncio
 from .._enums import LLMStatusCode, Memtype
 from .._errors import LLMException
 from .._models import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, MemInfo
@@ -72,11 +73,20 @@ class RemoteTransfers(ManagerBase):
         *,
         write: bool,
     ) -> None:
-        """Move the bytes ``job`` names of ``cache`` to/from the peer."""
+        """Move the bytes ``job`` names of ``cache`` to/from the peer: under a lease
+        held, from an asyncio caller, on the caller's own loop (no engine hop:
+        :meth:`~aiokv._remote._client.RemoteClient.move_here`); else on the engine."""
         link = self._client.link(op, key.cluster_id)
+        about = {"key": key}
         with self._pinned(entry):
+            if (
+                on_asyncio()
+                and not self._engine.on_engine()
+                and await self._client.move_here(op, link, cache, job, write=write, about=about)
+            ):
+                return
             await self._engine.run(
-                self._client.move, op, link, cache, job, write=write, about={"key": key}
+                self._client.move, op, link, cache, job, write=write, about=about
             )
 
     def _slot(

@@ -10,11 +10,13 @@ was about: context added here, once. Pinning the local cache is the caller's bus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._cache import Cache
@@ -110,13 +112,52 @@ class RemoteClient:
             LLMException: as :meth:`transfer`; ``LLM_TIMEOUT`` covers the whole transfer.
         """
         lease_key = self._lease_key(link, cache, job, write)
-        if lease_key is not None and await self._leased(op, link, cache, job, lease_key, about):
+        if lease_key is not None and await self._leased(
+            op, link, cache, job, lease_key, about, here=False
+        ):
             return
         await _Requests(self, op, link, cache, job, write, about).run()
         if lease_key is not None:  # it moved: ask for a lease, so that the next one is quicker
             count = len(job.tensors)
             assert self.leases is not None
             self.leases.want(link, lease_key, self._ask(link, lease_key, count), count)
+
+    async def move_here(
+        self,
+        op: str,
+        link: Link,
+        cache: Cache,
+        job: Transfer,
+        *,
+        write: bool,
+        about: dict[str, Any],
+    ) -> bool:
+        """:meth:`move` of ``job`` on the caller's own asyncio loop, with no hop to the
+        engine, where a lease held covers it and its memory here is host memory: one
+        one-sided transfer, bounded by ``sync_kv_timeout``, after one yield to the loop;
+        a cancellation aborts (or settles) it before it is raised. False when nothing
+        moved and the transfer goes through the engine (:meth:`move`): no lease, device
+        memory, or the lease failed as :meth:`move` would then go by request.
+
+        What it touches off the engine (docs/design.md, "Threads"): the lease tables by
+        single dict reads, the lease's ``using`` / ``forget`` (thread-safe), the link's
+        one-sided transfer (its counters under the transport's lock; the link's state
+        changes are sent to the engine loop) and the statistics counters (locked). It
+        is not counted among the link table's requests in flight (engine-owned): an
+        unlink waits for it through the lease instead (``Leases.end_link``).
+
+        Raises:
+            LLMException: as :meth:`move`.
+        """
+        if cache.tensors[job.tensors[0]].device.type != "cpu":
+            return False
+        key = self._lease_key(link, cache, job, write)
+        if key is None or self.leases is None or self.leases.held(link, key) is None:
+            return False
+        # a scheduling and cancellation point (nothing moved yet): a transfer NIXL
+        # completes within its post would otherwise never yield to the caller's loop
+        await asyncio.sleep(0)
+        return await self._leased(op, link, cache, job, key, about, here=True)
 
     def _lease_key(self, link: Link, cache: Cache, job: Transfer, write: bool) -> LeaseKey | None:
         """What a lease for ``job`` would cover, when one could serve it: blocks of a
@@ -131,6 +172,7 @@ class RemoteClient:
             or not isinstance(req.key, KeyByBlocks)
             or req.release
             or job.remote is None
+            or job.local is None
             or link.extra(ONE_SIDED) is None
         ):
             return None
@@ -147,24 +189,39 @@ class RemoteClient:
         job: Transfer,
         key: LeaseKey,
         about: dict[str, Any],
+        *,
+        here: bool,
     ) -> bool:
         """Move ``job`` one-sidedly under a lease held for ``key``; False (nothing moved)
-        when no lease covers it, or this side's memory is not registered with the link."""
-        assert self.leases is not None and job.remote is not None
+        when no lease covers it, or this side's memory is not registered with the link.
+        ``here``: on the caller's loop (:meth:`move_here`), not the engine's."""
+        assert self.leases is not None and job.remote is not None and job.local is not None
         held = self.leases.held(link, key)
-        remote = None if held is None else held.remote(job.remote, write=key.write)
-        if held is None or remote is None:
+        if held is None:
             return False
-        tensors = [_flat(cache.tensors[t]) for t in job.tensors]
+        tensors = [cache.tensors[t] for t in job.tensors]  # contiguous, as every cache's
+        bases = np.fromiter((t.data_ptr() for t in tensors), np.uint64, len(tensors))
+        rows = held.rows(job.remote, job.local, bases, write=key.write)
+        if rows is None:
+            return False
         device = tensors[0].device
         if device.type != "cpu":  # routed BY_ADDRESS (a lease is never STAGED): settle first
             with map_errors(op):
                 await self._stager.settle(device)
-        local = DeviceRuns(str(device), job.layout.addresses([t.data_ptr() for t in tensors]))
+        local, remote = DeviceRuns(str(device), rows[0]), DeviceRuns(held.device, rows[1])
         try:
-            with held.using():
+            with held.using() as ok:
+                if not ok:  # ended meanwhile (revoked): the transfer goes by request
+                    return False
                 await self.transfer(
-                    op, link, job.request, local, write=key.write, about=about, at=remote
+                    op,
+                    link,
+                    job.request,
+                    local,
+                    write=key.write,
+                    about=about,
+                    at=remote,
+                    counted=not here,
                 )
         except LLMException as exc:
             if exc.status_code is LLMStatusCode.LLM_FEATURE_NOT_ENABLED:
@@ -198,12 +255,15 @@ class RemoteClient:
         about: dict[str, Any],
         timeout: float | None = None,  # noqa: ASYNC109
         at: DeviceRuns | None = None,
+        counted: bool = True,
     ) -> bool:
         """Push ``views`` (``write``) or pull into them, as ``request`` names on the peer.
 
         ``timeout``: seconds (default ``sync_kv_timeout``). ``views`` may be device
         memory by address where the link takes it. ``at``: the peer's memory under a
         lease: moved one-sidedly (:meth:`~aiokv.transport.Link.move_at`), no request.
+        ``counted``: counted among the link table's requests in flight (engine only;
+        not a leased move on the caller's loop).
 
         Returns:
             Whether it moved: False only for a request (no ``at``) on device memory by
@@ -223,7 +283,7 @@ class RemoteClient:
         nbytes = views.total if isinstance(views, DeviceRuns) else total_bytes(views)
         try:
             with (
-                self._links.request(cid),
+                self._links.request(cid) if counted else contextlib.nullcontext(),
                 self._counters.requests(cid).measure(nbytes),
                 map_errors(op),
             ):

@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import threading
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -58,12 +59,20 @@ from .._config import LLMConfig
 from .._engine import completing
 from .._enums import LLMStatusCode
 from .._errors import LLMException
-from .._layout import ByteLayout
 from .._registry import CacheRegistry, Entry
-from ..transport import BY_ADDRESS, ONE_SIDED, DeviceRuns, Link, PeerInfo
+from .._threads import on_loop
+from ..transport import BY_ADDRESS, ONE_SIDED, Link, PeerInfo
 from ._protocol import KeyByBlocks, RevokeReq, Tensors, encode
 
-__all__ = ["MAX_LEASES", "Held", "LeaseKey", "Leases", "decode_reply", "encode_reply"]
+__all__ = [
+    "MAX_LEASES",
+    "Held",
+    "LeaseKey",
+    "Leases",
+    "decode_reply",
+    "encode_reply",
+    "paired_rows",
+]
 
 log = logging.getLogger("aiokv.remote")
 
@@ -88,7 +97,9 @@ class LeaseKey:
 
 @dataclass(eq=False, slots=True)
 class Held:
-    """A lease this side holds.
+    """A lease this side holds. Made on the engine loop; its transfers may run on any
+    thread (a leased move on the caller's own loop), so ``busy`` and ``dead`` change
+    under ``lock`` and ``idle`` is set on the engine loop (``loop``).
 
     Attributes:
         lease: the granter's id of it.
@@ -98,6 +109,10 @@ class Held:
         num_blocks: blocks in each tensor.
         block_bytes: bytes of one block.
         writable: whether it was lent for writes.
+        busy: transfers on it now.
+        dead: no transfer may start on it any more (revoked, dropped, link lost).
+        idle: set on ``loop`` once it is dead and no transfer on it is left.
+        loop: the engine loop, which owns ``idle`` (None: the loop it is set from).
     """
 
     lease: int
@@ -110,29 +125,97 @@ class Held:
     busy: int = 0
     dead: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    loop: asyncio.AbstractEventLoop | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def remote(self, blocks: npt.NDArray[np.int64], *, write: bool) -> DeviceRuns | None:
-        """The granter's memory of ``blocks`` (validated here: in range, distinct for a
-        write) in wire order, or None when the lease does not cover them."""
+    def rows(
+        self,
+        blocks: npt.NDArray[np.int64],
+        local: npt.NDArray[np.int64],
+        local_bases: npt.NDArray[np.uint64],
+        *,
+        write: bool,
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None:
+        """``(local rows, granter's rows)`` of a transfer between blocks ``local`` of the
+        holder's buffers at ``local_bases`` (``block_bytes`` each, validated by the
+        caller) and ``blocks`` of the lease (validated here: as many, in range, distinct
+        for a write): :func:`paired_rows`; None when the lease does not cover them."""
         if self.dead or (write and not self.writable) or not blocks.size:
             return None
-        if int(blocks.min()) < 0 or int(blocks.max()) >= self.num_blocks:
+        if blocks.size != local.size or int(blocks.min()) < 0:
             return None
-        if write and duplicated(blocks):
+        if int(blocks.max()) >= self.num_blocks or (write and duplicated(blocks)):
             return None
-        layout = ByteLayout.of_blocks(blocks, self.block_bytes)
-        return DeviceRuns(self.device, layout.addresses(self.bases))
+        return paired_rows(local_bases, local, self.bases, blocks, self.block_bytes)
 
     @contextlib.contextmanager
-    def using(self) -> Iterator[None]:
-        """A transfer on the lease: a revocation waits until it is over."""
-        self.busy += 1
+    def using(self) -> Iterator[bool]:
+        """A transfer on the lease, from any thread: yields whether it may go on (False:
+        the lease ended before it started, use nothing of it). A revocation waits until
+        every transfer that was told True is over (:meth:`end`)."""
+        with self.lock:
+            ok = not self.dead
+            self.busy += ok
         try:
-            yield
+            yield ok
         finally:
-            self.busy -= 1
-            if not self.busy and self.dead:
-                self.idle.set()
+            if ok:
+                with self.lock:
+                    self.busy -= 1
+                    idle = not self.busy and self.dead
+                if idle:
+                    self._set_idle()
+
+    def end(self) -> bool:
+        """No transfer starts on the lease from now on (any thread); returns whether some
+        are still running (``idle`` is set once the last one is over)."""
+        with self.lock:
+            self.dead = True
+            busy = self.busy > 0
+        if not busy:
+            self._set_idle()
+        return busy
+
+    def _set_idle(self) -> None:
+        on_loop(self.loop, self.idle.set)
+
+
+def paired_rows(
+    a_bases: npt.NDArray[np.uint64],
+    a_blocks: npt.NDArray[np.int64],
+    b_bases: npt.NDArray[np.uint64],
+    b_blocks: npt.NDArray[np.int64],
+    block_bytes: int,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
+    """Block ``a_blocks[i]`` of each buffer at ``a_bases`` and block ``b_blocks[i]`` of the
+    same buffer's counterpart at ``b_bases`` (block ``k`` at byte ``k * block_bytes``;
+    indices validated, non-negative) as ``(address, length)`` rows, buffer by buffer, in
+    list order: row ``j`` of both the same length (already paired, as NIXL descriptors
+    must be). Blocks that follow each other on *both* sides share a row. A few numpy
+    operations whatever the block count: a leased transfer's descriptors without a
+    layout, run list or re-pairing."""
+    lens: npt.NDArray[np.uint64] | int = block_bytes
+    joined = np.diff(a_blocks) == 1
+    if joined.any():
+        joined &= np.diff(b_blocks) == 1
+        if joined.any():
+            first = np.concatenate(([0], np.flatnonzero(~joined) + 1))
+            lens = np.diff(np.append(first, a_blocks.size)).astype(np.uint64) * block_bytes
+            a_blocks, b_blocks = a_blocks[first], b_blocks[first]
+    return _rows(a_bases, a_blocks, lens, block_bytes), _rows(b_bases, b_blocks, lens, block_bytes)
+
+
+def _rows(
+    bases: npt.NDArray[np.uint64],
+    blocks: npt.NDArray[np.int64],
+    lens: npt.NDArray[np.uint64] | int,
+    block_bytes: int,
+) -> npt.NDArray[np.uint64]:
+    out = np.empty((bases.size, blocks.size, 2), dtype=np.uint64)
+    # non-negative offsets: their int64 bits are their uint64 value
+    np.add(bases[:, None], (blocks * block_bytes).view(np.uint64), out=out[:, :, 0])
+    out[:, :, 1] = lens
+    return out.reshape(-1, 2)
 
 
 def reply_size(count: int) -> int:
@@ -188,7 +271,10 @@ class _Lent:
 
 class Leases:
     """Both halves of one ``LLMDataDist``'s leases: those it lent (granter) and those it
-    holds (holder). Used on the engine loop only; the registry lock guards lending.
+    holds (holder). The tables change on the engine loop only; :meth:`held` (single
+    dict reads), :meth:`forget` and a :class:`Held`'s ``using`` / ``end`` may be called
+    from any thread (a leased move on the caller's loop). The registry lock guards
+    lending.
 
     Args:
         registry: the caches (a lease pins its cache).
@@ -221,8 +307,8 @@ class Leases:
         for lid in [i for i, lent in self._lent.items() if lent.link is link]:
             self._end_lent(lid)
         for held in self._held_ids.pop(link, {}).values():
-            held.dead = True
-            held.idle.set()
+            held.end()
+            held.idle.set()  # the link is gone: its transfers end with it
         self._held.pop(link, None)
         self._revoked_unknown.pop(link, None)
         self._closing.discard(link)
@@ -239,9 +325,7 @@ class Leases:
         self._closing.add(link)  # lent no more: it closes next
         lent = [lid for lid, x in self._lent.items() if x.link is link]
         held = list(self._held_ids.get(link, {}).values())
-        for h in held:
-            self._drop(h)
-        busy = [h.idle.wait() for h in held if h.busy]
+        busy = [h.idle.wait() for h in held if self._drop(h)]
         await completing(asyncio.gather(*(self._revoke_one(lid) for lid in lent), *busy))
 
     # ---- granter ----------------------------------------------------------------------
@@ -399,23 +483,27 @@ class Leases:
             else:
                 lease, num_blocks, device, writable, bases = parsed
                 held = Held(lease, link, device, bases, num_blocks, key.block_bytes, writable)
+                held.loop = asyncio.get_running_loop()
                 self._held.setdefault(link, {})[key] = held
                 self._held_ids.setdefault(link, {})[lease] = held
                 del self._asked[(link, key)]
 
     def forget(self, held: Held) -> None:
-        """Stop using ``held`` (a transfer under it failed); the granter keeps it lent
-        until it revokes it or the link ends."""
-        self._drop(held)
+        """Stop using ``held`` (a transfer under it failed), from any thread: no transfer
+        starts on it from now on, and it leaves the tables on the engine loop. The
+        granter keeps it lent until it revokes it or the link ends."""
+        held.end()
+        on_loop(held.loop, self._drop, held)
 
-    def _drop(self, held: Held) -> None:
-        held.dead = True
+    def _drop(self, held: Held) -> bool:
+        """End ``held`` and remove it from the tables (engine loop); whether transfers
+        on it are still running."""
+        busy = held.end()
         self._held_ids.get(held.link, {}).pop(held.lease, None)
         leases = self._held.get(held.link, {})
         for k in [k for k, h in leases.items() if h is held]:
             del leases[k]
-        if not held.busy:
-            held.idle.set()
+        return busy
 
     async def release(self, peer: PeerInfo, lid: int) -> None:
         """The granter ``peer`` revokes lease ``lid``: stop using it; returns once no
@@ -427,8 +515,7 @@ class Leases:
         if held is None:  # not adopted yet (its reply still on the way) or unknown
             self._revoked_unknown[link] = self._revoked_unknown.get(link, 0) + 1
             return
-        self._drop(held)
-        if held.busy:
+        if self._drop(held):
             await held.idle.wait()
 
     async def aclose(self) -> None:

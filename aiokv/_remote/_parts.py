@@ -49,7 +49,8 @@ class Transfer:
     Attributes:
         request: the whole request (its block list, if any, is ``remote``).
         tensors: local tensor indices, in wire order.
-        layout: the local runs of each tensor.
+        built: the local runs of each tensor if already built (:attr:`layout` builds
+            them when first asked: a transfer under a lease never needs them).
         local: local blocks of ``block_bytes`` (a paged transfer; pairs with ``remote``),
             or None for a span.
         remote: the request's block list as an array (None when it has none).
@@ -59,7 +60,7 @@ class Transfer:
 
     request: Request
     tensors: range
-    layout: ByteLayout
+    built: ByteLayout | None
     local: Blocks | None
     remote: Blocks | None
     block_bytes: int
@@ -77,9 +78,17 @@ class Transfer:
     ) -> Transfer:
         """Blocks ``local`` here, ``remote`` (the request's list, same length) there;
         ``layout`` is ``ByteLayout.of_blocks(local, block_bytes)`` if already built."""
-        if layout is None:
-            layout = ByteLayout.of_blocks(local, block_bytes)
         return cls(request, tensors, layout, local, remote, block_bytes)
+
+    @property
+    def layout(self) -> ByteLayout:
+        """The local runs of each tensor (built on first use, then kept)."""
+        built = self.built
+        if built is None:
+            assert self.local is not None  # a span's layout is always built
+            built = ByteLayout.of_blocks(self.local, self.block_bytes)
+            object.__setattr__(self, "built", built)
+        return built
 
     @classmethod
     def of_span(cls, request: Request, tensors: range, offset: int, nbytes: int) -> Transfer:

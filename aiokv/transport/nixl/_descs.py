@@ -86,17 +86,25 @@ def pair(
     """Two run lists of the same total, split at their common boundaries: NIXL
     descriptor rows ``(address, length, device)`` (``dev_a`` / ``dev_b``; 0 for host
     memory), row i of both of the same length."""
-    if a.shape == b.shape and np.array_equal(a[:, 1], b[:, 1]):
-        cuts, da, db = a[:, 1], a[:, 0], b[:, 0]  # already paired
-    else:
-        ea, eb = np.cumsum(a[:, 1]), np.cumsum(b[:, 1])  # run ends, as byte offsets
-        ends = np.union1d(ea, eb)
-        starts = np.concatenate((np.zeros(1, np.uint64), ends[:-1]))
-        cuts = ends - starts
-        ia = np.searchsorted(ea, starts, side="right")  # the run holding each piece
-        ib = np.searchsorted(eb, starts, side="right")
-        da = a[ia, 0] + (starts - (ea[ia] - a[ia, 1]))
-        db = b[ib, 0] + (starts - (eb[ib] - b[ib, 1]))
-    ia_dev = np.full_like(cuts, dev_a)
-    ib_dev = np.full_like(cuts, dev_b)
-    return np.stack((da, cuts, ia_dev), axis=1), np.stack((db, cuts, ib_dev), axis=1)
+    if a.shape == b.shape and np.array_equal(a[:, 1], b[:, 1]):  # already paired
+        return _descs(a[:, 0], a[:, 1], dev_a), _descs(b[:, 0], b[:, 1], dev_b)
+    ea, eb = np.cumsum(a[:, 1]), np.cumsum(b[:, 1])  # run ends, as byte offsets
+    ends = np.union1d(ea, eb)
+    starts = np.concatenate((np.zeros(1, np.uint64), ends[:-1]))
+    cuts = ends - starts
+    ia = np.searchsorted(ea, starts, side="right")  # the run holding each piece
+    ib = np.searchsorted(eb, starts, side="right")
+    da = a[ia, 0] + (starts - (ea[ia] - a[ia, 1]))
+    db = b[ib, 0] + (starts - (eb[ib] - b[ib, 1]))
+    return _descs(da, cuts, dev_a), _descs(db, cuts, dev_b)
+
+
+def _descs(
+    addr: npt.NDArray[np.uint64], lens: npt.NDArray[np.uint64], dev: int
+) -> npt.NDArray[np.uint64]:
+    """NIXL descriptor rows ``(address, length, dev)``."""
+    out = np.empty((addr.size, 3), dtype=np.uint64)
+    out[:, 0] = addr
+    out[:, 1] = lens
+    out[:, 2] = dev
+    return out

@@ -19,6 +19,7 @@ Buffers are off limits once an operation returns: a transfer still in flight is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Final, Protocol, TypeVar, cast
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from ..._layout import LayoutViews
-from ..._threads import Lane
+from ..._threads import Lane, on_loop
 from .._base import BY_ADDRESS, ONE_SIDED, Capability, DeviceRuns, DirectCheck
 from ..tcp._ops import MyOp, PeerOp, Stream
 from ..tcp._plane import PlaneHost
@@ -75,6 +76,7 @@ class NixlOwner(Protocol):
     regions: Regions
     vram: dict[int, Regions]
     wait_lane: Lane
+    xfer_lock: threading.Lock
     xfers: int
     moved: int
     moved_bytes: int
@@ -113,8 +115,12 @@ class NixlPlane:
         self.peer_agent: str | None = None  # the peer's NIXL agent, once loaded
         self._peer_cap = 0  # the largest meta the peer accepts
         self._md_gen = -1  # generation of the metadata we sent last
-        self._xfers = 0  # our NIXL transfers not yet released
-        self._retired = False  # the peer agent was released (link over, no transfer left)
+        # our NIXL transfers not yet released, and whether the peer agent was released
+        # (link over, no transfer left): both changed under the owner's xfer_lock, as a
+        # one-sided transfer may start on a caller's thread (docs/design.md, "Threads")
+        self._xfers = 0
+        self._retired = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the link's (the engine's)
 
     def __repr__(self) -> str:
         return f"<NixlPlane of {self._link!r}>"
@@ -126,7 +132,36 @@ class NixlPlane:
 
     def bind(self, link: PlaneHost) -> None:
         self._link = link
+        with contextlib.suppress(RuntimeError):  # made on its loop; a test's fake may not be
+            self._loop = asyncio.get_running_loop()
         self._send_md()
+
+    def _begin(self) -> Agent | None:
+        """Count a transfer of ours (any thread): the agent to make it with, or None once
+        the transport closed or the peer agent was released (nothing may start)."""
+        n = self._n
+        with n.xfer_lock:
+            if n.agent is None or self._retired:
+                return None
+            self._xfers += 1
+            n.xfers += 1
+            return n.agent
+
+    def _end(self, moved: int | None) -> None:
+        """A transfer counted by :meth:`_begin` is released (any thread); ``moved``: its
+        bytes if it completed. The peer agent is released on the link's loop if the link
+        is over and it was the last."""
+        n = self._n
+        with n.xfer_lock:
+            self._xfers -= 1
+            n.xfers -= 1
+            if moved is not None:
+                n.moved += 1
+                n.moved_bytes += moved
+        # a link that breaks after this check retires through closed() (it sees no
+        # transfer left), so only a broken one costs a hop to its loop
+        if self.link.broken:
+            on_loop(self._loop, self._retire)
 
     def extra(self, capability: Capability[T]) -> T | None:
         if (capability is BY_ADDRESS or capability is ONE_SIDED) and self._usable():
@@ -175,11 +210,14 @@ class NixlPlane:
         self._retire()
 
     def _retire(self) -> None:
-        """Release the peer agent once the link is over and no transfer uses it."""
-        if self.link.broken and not self._xfers and not self._retired:
+        """Release the peer agent once the link is over and no transfer uses it (on the
+        link's loop; :meth:`_begin` starts none after)."""
+        with self._n.xfer_lock:
+            if not self.link.broken or self._xfers or self._retired:
+                return
             self._retired = True
-            if self.peer_agent is not None:
-                self._n.unref_remote(self.peer_agent)
+        if self.peer_agent is not None:
+            self._n.unref_remote(self.peer_agent)
 
     # ------------------------------------------------------------------ granter side
 
@@ -278,86 +316,81 @@ class NixlPlane:
                 f"one-sided NIXL transfer of {total} bytes into {remote.total}",
                 status_code=_S.LLM_PARAM_INVALID,
             )
-        agent = self._n.agent
-        assert agent is not None
         mem, dev, runs = plan
         far_mem, far_dev, far_runs = far
         kind = "WRITE" if write else "READ"
         local_rows, far_rows = pair(runs, far_runs, dev, far_dev)
+        agent = self._begin()
+        if agent is None:
+            raise LLMException("the NIXL link is over", status_code=_S.LLM_LINK_FAILED)
         try:
             xfer = agent.xfer(kind, local_rows, far_rows, self.peer_agent, b"", (mem, far_mem))
         except Exception as exc:  # e.g. memory the peer has not registered (any more)
+            self._end(None)
             raise LLMException(
                 f"NIXL refused a one-sided {kind}: {exc}", status_code=_S.LLM_FAILED
             ) from None
-        self._xfers += 1
-        self._n.xfers += 1
         state = "PROC"
         try:
             async with asyncio.timeout(timeout):
-                state = await self._run(xfer, total, lambda: self.link.broken)
+                state = await self._run(agent, xfer, total, lambda: self.link.broken)
         except TimeoutError:
             raise LLMException(
                 f"one-sided NIXL {kind} not done within {timeout:.3g} s",
                 status_code=_S.LLM_TIMEOUT,
             ) from None
         finally:
-            await self._settle(xfer)
+            await self._settle(agent, xfer, total if state == "DONE" else None)
         if state == "DONE":
-            self._n.moved += 1
-            self._n.moved_bytes += total
             return
         if state == "ERR":
-            self.link._break("NIXL transfer failed")
+            on_loop(self._loop, self.link._break, "NIXL transfer failed")
         raise LLMException(f"one-sided NIXL {kind} failed", status_code=_S.LLM_LINK_FAILED)
 
     async def move(self, op: MyOp, plan: Place) -> None:
         """Move ``op``'s payload with one NIXL transfer; when this returns or raises the
         transfer is over (done, aborted or, at worst, the link broken)."""
         assert op.remote is not None and self.peer_agent is not None
-        agent = self._n.agent
-        assert agent is not None
         tag, (far_mem, far_dev, remote) = op.remote
         mem, dev, runs = plan
         local, far = pair(runs, remote, dev, far_dev)
         kind = "READ" if op.is_read else "WRITE"
+        agent = self._begin()
+        if agent is None:  # the link is over: its operations fail with it
+            op.finish(_S.LLM_LINK_FAILED)
+            return
         try:
             notif = b"" if op.is_read else tag
             xfer = agent.xfer(kind, local, far, self.peer_agent, notif, (mem, far_mem))
         except Exception as exc:  # e.g. a grant outside the peer's registered memory
+            self._end(None)
             _log.warning("%r: NIXL refused a %s of request %d: %s", self.link, kind, op.rid, exc)
             op.finish(_S.LLM_FAILED)
             return
-        self._xfers += 1
-        self._n.xfers += 1
+        state = "PROC"
         try:
             if not op.is_read:
                 # every byte handed to NIXL, which may land it within the post call: the
                 # peer's WRITE_DONE counts from now on
                 op.stream = Stream(op.rid, [], 0)
                 op.stream.sent = True
-            state = await self._run(xfer, op.total, lambda: _failed(op))
+            state = await self._run(agent, xfer, op.total, lambda: _failed(op))
             if state == "ERR":
                 self.link._break("NIXL transfer failed")
-            elif state == "DONE":
-                self._n.moved += 1
-                self._n.moved_bytes += op.total
-                if op.is_read:
-                    op.finish(_S.LLM_SUCCESS)
+            elif state == "DONE" and op.is_read:
+                op.finish(_S.LLM_SUCCESS)
         finally:
-            await self._settle(xfer)
+            await self._settle(agent, xfer, op.total if state == "DONE" else None)
 
-    async def _run(self, xfer: object, total: int, stop: Callable[[], bool]) -> str:
+    async def _run(self, agent: Agent, xfer: object, total: int, stop: Callable[[], bool]) -> str:
         """Post ``xfer`` (``total`` bytes) and poll it until it ends or ``stop()``: posted
-        on the loop up to :data:`_POST_ON_LOOP` bytes and polled there below
+        on the running loop up to :data:`_POST_ON_LOOP` bytes and polled there below
         :data:`_OFF_LOOP` (``asyncio.sleep`` back-off), else from a worker thread."""
-        agent = self._n.agent
-        assert agent is not None
         if total > _POST_ON_LOOP:
-            return await self._wait_off_loop(xfer, stop, posted=None)
+            return await self._wait_off_loop(agent, xfer, stop, posted=None)
         state = agent.post(xfer)
         if state == "PROC" and total >= _OFF_LOOP:
-            return await self._wait_off_loop(xfer, stop, posted=state)
+            return await self._wait_off_loop(agent, xfer, stop, posted=state)
         delay = POLL_MIN_S
         while state == "PROC" and not stop():
             await asyncio.sleep(delay)
@@ -366,14 +399,12 @@ class NixlPlane:
         return state
 
     async def _wait_off_loop(
-        self, xfer: object, stop: Callable[[], bool], *, posted: str | None
+        self, agent: Agent, xfer: object, stop: Callable[[], bool], *, posted: str | None
     ) -> str:
         """Post ``xfer`` (unless ``posted``: its state after the post) and poll it from a
         thread of the transport's wait lane (``time.sleep`` back-off) until it ends,
         ``stop()`` or we are cancelled. A job no thread took yet when we are cancelled
         never runs; one that started is always seen out."""
-        agent = self._n.agent
-        assert agent is not None
         stopped = threading.Event()
 
         def work() -> str:
@@ -402,13 +433,13 @@ class NixlPlane:
             raise asyncio.CancelledError
         return fut.result()
 
-    async def _settle(self, xfer: object) -> None:
+    async def _settle(self, agent: Agent, xfer: object, moved: int | None) -> None:
         """Release ``xfer``, aborting it; if NIXL cannot, wait (shielded, bounded) until
-        it ends. A cancellation meanwhile is re-raised afterwards."""
-        agent = self._n.agent
+        it ends; then :meth:`_end` it (``moved``: its bytes if it completed). A
+        cancellation meanwhile is re-raised afterwards."""
         cancelled = False
         try:
-            if agent is None or agent.release(xfer):
+            if agent.release(xfer):
                 return
             loop = asyncio.get_running_loop()
             end = loop.time() + _SETTLE_S
@@ -421,11 +452,9 @@ class NixlPlane:
                 delay = min(delay * 2, POLL_MAX_S)
             if not agent.release(xfer):
                 _log.error("%r: a NIXL transfer does not end; dropping the link", self.link)
-                self.link._break("NIXL transfer could not be stopped")
+                on_loop(self._loop, self.link._break, "NIXL transfer could not be stopped")
         finally:
-            self._xfers -= 1
-            self._n.xfers -= 1
-            self._retire()
+            self._end(moved)
         if cancelled:
             raise asyncio.CancelledError
 

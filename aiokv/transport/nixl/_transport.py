@@ -31,6 +31,7 @@ import contextlib
 import itertools
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
@@ -82,6 +83,9 @@ class NixlTransport(TcpTransport):
         self._expect: dict[bytes, tuple[NixlPlane, PeerOp]] = {}
         self._pump_task: asyncio.Task[None] | None = None
         self._lent = 0  # memory lent for one-sided transfers (progress while any is)
+        #: guards the three counters below, the planes' transfer counts and the agent's
+        #: end: a one-sided transfer may start and end on a caller's thread
+        self.xfer_lock = threading.Lock()
         self.xfers = 0  # NIXL transfers not yet released (all links)
         self.moved = 0  # transfers this side made over NIXL (requests' and one-sided)
         self.moved_bytes = 0  # their bytes
@@ -289,8 +293,10 @@ class NixlTransport(TcpTransport):
         while self.xfers and loop.time() < end:  # noqa: ASYNC110
             await asyncio.sleep(0.001)
         self.wait_lane.close(0)  # no transfer is waited for now (or it is leaked below)
-        agent, self.agent = self.agent, None
-        if agent is None or self.xfers:
+        with self.xfer_lock:  # no transfer starts after this (NixlPlane._begin)
+            agent, self.agent = self.agent, None
+            left = self.xfers
+        if agent is None or left:
             return  # leaked transfers keep the agent alive; NIXL frees it with them
         for name in list(self._remote_refs):
             with contextlib.suppress(Exception):

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
@@ -34,7 +35,7 @@ from aiokv import (
     LLMStatusCode,
 )
 from aiokv._remote import _protocol as protocol
-from aiokv._remote._leases import Held, decode_reply, encode_reply, reply_size
+from aiokv._remote._leases import Held, decode_reply, encode_reply, paired_rows, reply_size
 from aiokv.testing import cluster_info, linked_pair, make_config, requires_transport
 from aiokv.transport import Grant, PeerInfo, get_transport
 
@@ -70,17 +71,44 @@ def test_the_reply_round_trips_and_malformed_ones_are_refused() -> None:
 
 def test_the_holder_checks_every_transfer_against_the_lease() -> None:
     held = Held(1, None, "cpu", np.array([1 << 20, 1 << 30], dtype=np.uint64), 8, 64, False)  # type: ignore[arg-type]
-    runs = held.remote(np.array([3, 1], dtype=np.int64), write=False)
-    assert runs is not None and runs.device == "cpu"
+    mine = np.array([5 << 20, 6 << 20], dtype=np.uint64)
+
+    def rows(blocks: list[int], write: bool, local: list[int] | None = None) -> object:
+        theirs = np.array(blocks, dtype=np.int64)
+        here = theirs if local is None else np.array(local, dtype=np.int64)
+        return held.rows(theirs, here, mine, write=write)
+
+    got = held.rows(np.array([3, 1]), np.array([0, 7]), mine, write=False)
+    assert got is not None
     base = [1 << 20, 1 << 30]
-    assert runs.runs.tolist() == [[b + off, 64] for b in base for off in (192, 64)]
-    for blocks, write in (([8], False), ([0, 9], False), ([], False), ([1], True)):
-        assert held.remote(np.array(blocks, dtype=np.int64), write=write) is None
+    assert got[1].tolist() == [[b + off, 64] for b in base for off in (192, 64)]
+    assert got[0].tolist() == [[b + off, 64] for b in (5 << 20, 6 << 20) for off in (0, 448)]
+    for blocks, write in (([8], False), ([0, 9], False), ([-1], False), ([], False), ([1], True)):
+        assert rows(blocks, write) is None
+    assert rows([1, 2], False, [1]) is None  # not as many blocks on both sides
     held.writable = True
-    assert held.remote(np.array([1, 2], dtype=np.int64), write=True) is not None
-    assert held.remote(np.array([2, 2], dtype=np.int64), write=True) is None  # a block twice
+    assert rows([1, 2], True) is not None
+    assert rows([2, 2], True) is None  # a block twice
     held.dead = True
-    assert held.remote(np.array([1], dtype=np.int64), write=False) is None
+    assert rows([1], False) is None
+
+
+def test_leased_descriptors_merge_blocks_consecutive_on_both_sides() -> None:
+    """One row per run of blocks that follow each other here *and* there, the same
+    length on both sides, buffer by buffer: what NIXL pairs descriptor by descriptor."""
+    a_bases = np.array([1000, 9000], dtype=np.uint64)
+    b_bases = np.array([50000], dtype=np.uint64).repeat(2) + np.array([0, 4000], dtype=np.uint64)
+    a = np.array([0, 1, 2, 5, 6, 9], dtype=np.int64)  # runs here: 0-2, 5-6, 9
+    b = np.array([4, 5, 7, 8, 9, 1], dtype=np.int64)  # runs there: 4-5, 7-9, 1
+    mine, theirs = paired_rows(a_bases, a, b_bases, b, 10)
+    cut = [(0, 2), (2, 1), (5, 2), (9, 1)]  # (first block here, count): both sides' runs
+    there = [4, 7, 8, 1]
+    assert mine.tolist() == [[ab + 10 * f, 10 * n] for ab in (1000, 9000) for f, n in cut]
+    assert theirs.tolist() == [
+        [bb + 10 * t, 10 * n] for bb in (50000, 54000) for t, (_, n) in zip(there, cut, strict=True)
+    ]
+    one, other = paired_rows(a_bases[:1], a[:1], b_bases[:1], b[:1], 10)
+    assert one.tolist() == [[1000, 10]] and other.tolist() == [[50040, 10]]
 
 
 class _FakeLink:
@@ -613,3 +641,172 @@ async def test_finalize_ends_the_leases_before_the_memory_goes() -> None:
         d._engine.loop.call_soon_threadsafe(time.sleep, 0.3)  # type: ignore[union-attr]
         await p.finalize()
         assert holding(d) == 0  # told, and answered, before the granter's memory went
+
+
+# ------------------------------------------------------- leased moves on the caller's loop
+
+
+class _Stall:
+    """The decoder's NIXL agent made to leave its transfers in flight: each post reports
+    "PROC" (nothing moves) and each poll reports :attr:`state` until a test changes it."""
+
+    def __init__(self, d: LLMDataDist) -> None:
+        self.agent: Any = d._transport.agent  # type: ignore[attr-defined]
+        self.state = "PROC"
+        self.posted = 0
+
+    def __enter__(self) -> _Stall:
+        def post(_xfer: object) -> str:
+            self.posted += 1
+            return "PROC"
+
+        self.agent.post = post
+        self.agent.state = lambda _xfer: self.state
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.agent.post, self.agent.state
+
+
+def xfers(d: LLMDataDist) -> int:
+    return int(d._transport.xfers)  # type: ignore[attr-defined]
+
+
+def the_lease(d: LLMDataDist) -> Any:
+    leases = d.cache_manager._client.leases  # type: ignore[attr-defined]
+    (held,) = [h for m in leases._held.values() for h in m.values()]
+    return held
+
+
+@contextlib.contextmanager
+def engine_hops(dd: LLMDataDist) -> Iterator[list[str]]:
+    """The names of the functions ``dd``'s callers hand to its engine meanwhile."""
+    engine: Any = dd._engine
+    hops: list[str] = []
+    run = engine.run
+
+    async def counting(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        hops.append(getattr(fn, "__name__", repr(fn)))
+        return await run(fn, *args, **kwargs)
+
+    engine.run = counting
+    try:
+        yield hops
+    finally:
+        del engine.run
+
+
+@needs_nixl
+async def test_a_leased_transfer_from_an_asyncio_caller_runs_on_its_loop() -> None:
+    """Under a lease, pulls and pushes from an asyncio task move on the caller's own loop:
+    no hand-off to the engine thread and back (the bytes are today's, no request)."""
+    async with keyed_caches() as (p, d, key, src, dst):
+        await _lease_both_ways(p, d, key, dst)
+        asked = served(p)
+        with engine_hops(d) as hops:
+            fill_randn(src, 2)
+            await d.cache_manager.pull_blocks(key, dst, [7, 1, 30], [3, 4, 5])
+            assert same_blocks(src, [7, 1, 30], dst, [3, 4, 5])
+            fill_randn(dst, 3)
+            await d.cache_manager.push_blocks(key, dst, [3, 4], [12, 20])
+            assert same_blocks(dst, [3, 4], src, [12, 20])
+        assert hops == [] and served(p) == asked
+
+
+@needs_nixl
+async def test_a_leased_pull_cancelled_mid_transfer_is_over_when_the_caller_sees_it() -> None:
+    """Cancelled while its NIXL transfer is in flight, a leased pull on the caller's loop
+    releases (aborts) the transfer before the cancellation reaches the caller; the lease
+    is kept and the next pull moves under it."""
+    async with keyed_caches() as (p, d, key, src, dst):
+        await d.cache_manager.pull_blocks(key, dst, [1], [1])
+        await until(lambda: holding(d) == 1)
+        held = the_lease(d)
+        with _Stall(d) as stall:
+            task = asyncio.create_task(d.cache_manager.pull_blocks(key, dst, [5], [5]))
+            await until(lambda: stall.posted == 1)
+            await asyncio.sleep(0.05)  # polled a few times, still in flight
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert xfers(d) == 0  # released before the caller saw the cancellation
+        assert holding(d) == 1 and held.busy == 0 and not held.dead
+        asked = served(p)
+        fill_randn(src, 4)
+        await d.cache_manager.pull_blocks(key, dst, [5, 6], [5, 6])
+        assert same_blocks(src, [5, 6], dst, [5, 6]) and served(p) == asked
+
+
+@needs_nixl
+async def test_a_leased_pull_on_the_callers_loop_is_bounded_by_sync_kv_timeout() -> None:
+    async with linked(decoder={"sync_kv_timeout": 300}) as (p, d):
+        key = BlocksCacheKey(1, 0)
+        src = await p.cache_manager.allocate_blocks_cache(desc(), key)
+        dst = await d.cache_manager.allocate_blocks_cache(desc())
+        await d.cache_manager.pull_blocks(key, dst, [1], [1])
+        await until(lambda: holding(d) == 1)
+        with _Stall(d), engine_hops(d) as hops:
+            t0 = time.monotonic()
+            with pytest.raises(LLMException) as ei:
+                await d.cache_manager.pull_blocks(key, dst, [2], [2])
+            assert ei.value.status_code == CODE.LLM_TIMEOUT and time.monotonic() - t0 < 3
+            assert xfers(d) == 0 and hops == []
+        assert holding(d) == 0  # a lease whose transfer failed is not used again
+        fill_randn(src, 5)
+        await d.cache_manager.pull_blocks(key, dst, [2], [2])  # by request
+        assert same_blocks(src, [2], dst, [2])
+
+
+@needs_nixl
+async def test_a_revocation_waits_for_a_leased_move_on_the_callers_loop() -> None:
+    """The granter deallocates while the holder's leased pull (on the holder's caller
+    loop, another thread than the holder's engine, which answers the revocation) is in
+    flight: the deallocation returns only once that transfer is over, and the next pull
+    gets the granter's error."""
+    async with keyed_caches() as (p, d, key, src, dst):
+        await d.cache_manager.pull_blocks(key, dst, [1], [1])
+        await until(lambda: holding(d) == 1)
+        with _Stall(d) as stall:
+            pull = asyncio.create_task(d.cache_manager.pull_blocks(key, dst, [3], [3]))
+            await until(lambda: stall.posted == 1)
+            gone = asyncio.create_task(p.cache_manager.deallocate_blocks_cache(src))
+            await asyncio.sleep(0.3)
+            assert not gone.done() and not pull.done()  # the revocation waits for the pull
+            stall.state = "DONE"
+            await pull
+            await asyncio.wait_for(gone, 5)
+        assert (lent(p), holding(d), xfers(d)) == (0, 0, 0)
+        with pytest.raises(LLMException) as ei:
+            await d.cache_manager.pull_blocks(key, dst, [1], [1])
+        assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+
+
+@needs_nixl
+async def test_a_failed_leased_move_changes_engine_state_on_the_engine_only() -> None:
+    """A leased transfer on the caller's loop that NIXL fails breaks the link and drops
+    the lease: both are the holder's engine's state, changed on its thread."""
+    async with keyed_caches() as (_p, d, key, _src, dst):
+        await d.cache_manager.pull_blocks(key, dst, [1], [1])
+        await until(lambda: holding(d) == 1)
+        engine: Any = d._engine
+        leases: Any = d.cache_manager._client.leases  # type: ignore[attr-defined]
+        threads: dict[str, threading.Thread] = {}
+
+        def on(name: str, fn: Any) -> Any:
+            def wrapper(*args: Any) -> Any:
+                threads[name] = threading.current_thread()
+                return fn(*args)
+
+            return wrapper
+
+        (link,) = d._transport.links()  # type: ignore[attr-defined]
+        link._break = on("break", link._break)
+        leases._drop = on("drop", leases._drop)
+        with _Stall(d) as stall, engine_hops(d) as hops:
+            stall.state = "ERR"
+            with pytest.raises(LLMException) as ei:
+                await d.cache_manager.pull_blocks(key, dst, [2], [2])
+            assert ei.value.status_code == CODE.LLM_LINK_FAILED and hops == []
+        await until(lambda: len(threads) == 2)
+        assert threads == {"break": engine.thread, "drop": engine.thread}
+        assert xfers(d) == 0 and holding(d) == 0
