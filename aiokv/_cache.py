@@ -16,6 +16,7 @@ import numpy.typing as npt
 import torch
 
 from ._checks import UINT64_MAX, check_instance, param_invalid, renamed
+from ._cuda_memory import cuda_memory
 from ._enums import Placement
 from ._models import CacheDesc
 
@@ -184,7 +185,9 @@ def wrap_memory(
 ) -> list[torch.Tensor]:
     """Validate user memory against ``desc`` and return tensors viewing it (no copy).
 
-    Integer addresses are host addresses (wrapped with ctypes); tensors must be contiguous,
+    Integer addresses are host addresses (wrapped with ctypes), or on a CUDA device
+    device addresses, each checked with the driver (:func:`.cuda_memory`); a bad one
+    raises before anything is kept. Tensors must be contiguous,
     on ``device``'s type (or CPU for HOST placement), of ``desc``'s shape and dtype.
     """
     if tensors_or_addrs is None:
@@ -197,14 +200,21 @@ def wrap_memory(
     if len(items) != desc.num_tensors:
         param_invalid(op, f"got {len(items)} tensors/addresses, cache_desc has {desc.num_tensors}")
     if all(isinstance(a, int) and not isinstance(a, bool) for a in items):
-        if desc.placement != Placement.HOST and device.type != "cpu":
-            param_invalid(op, "integer addresses are only supported for host memory")
+        on_device = desc.placement != Placement.HOST and device.type != "cpu"
+        if on_device and device.type != "cuda":
+            param_invalid(
+                op, f"integer addresses name host or CUDA memory; on {device.type}, pass tensors"
+            )
         out = []
         for a in items:
             if not 0 < a <= UINT64_MAX:
                 raise ValueError(f"{op}: address {a} out of range")
-            buf = (ctypes.c_uint8 * desc.size).from_address(a)
-            t = torch.frombuffer(buf, dtype=torch.uint8)
+            if on_device:
+                t = cuda_memory(op, a, desc.size, device)
+            else:
+                t = torch.frombuffer(
+                    (ctypes.c_uint8 * desc.size).from_address(a), dtype=torch.uint8
+                )
             out.append(t.view(desc.torch_dtype).view(desc.shape))
         return out
     want_type = "cpu" if desc.placement == Placement.HOST else device.type

@@ -37,6 +37,8 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any, Final, Literal
 
+import torch
+
 from .. import (
     BlocksCacheKey,
     CacheDesc,
@@ -61,17 +63,38 @@ from ._harness import (
     spawned_all,
 )
 
-__all__ = ["SETTINGS", "MemKind", "NixlContenders", "NixlDecoder", "RawNixl", "nixl_contenders"]
+__all__ = [
+    "SETTINGS",
+    "MemKind",
+    "NixlContenders",
+    "NixlDecoder",
+    "RawNixl",
+    "nixl_contenders",
+    "ucx_over_tcp",
+]
 
 #: What the raw NIXL buffers are: host memory, or CUDA memory on ``cuda:0``.
 MemKind = Literal["DRAM", "VRAM"]
+
+
+def ucx_over_tcp() -> dict[str, str]:
+    """The UCX environment that keeps NIXL's host-memory transfers on loopback TCP.
+
+    On a host with a CUDA device NIXL's UCX backend refuses a ``UCX_TLS`` that names no
+    CUDA transport ("NVIDIA GPU(s) are present, but this setting does not enable CUDA
+    memory support"; seen on an H200 with nixl 1.5.1), so ``cuda_copy`` is added there:
+    it serves only device memory, so host buffers still move over TCP.
+    """
+    tls = "tcp,self,cuda_copy" if torch.cuda.is_available() else "tcp,self"
+    return {"UCX_TLS": tls, "UCX_NET_DEVICES": "lo"}
+
 
 #: UCX settings by short name: the environment each side's processes start with
 #: (``None``: the variable is removed, so UCX picks its default transports).
 #: ``NIXL_LOG_LEVEL=WARN`` too: NIXL logs INFO lines to stdout, which ``--json`` owns.
 SETTINGS: Final[dict[str, dict[str, str | None]]] = {
     "shm": {"UCX_TLS": None, "UCX_NET_DEVICES": None, "NIXL_LOG_LEVEL": "WARN"},
-    "utcp": {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"},
+    "utcp": {**ucx_over_tcp(), "NIXL_LOG_LEVEL": "WARN"},
 }
 
 

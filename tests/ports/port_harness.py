@@ -54,7 +54,9 @@ def run_parties(
     says ``EADDRINUSE``) -- a race of the harness, not of the client -- all run once more
     on fresh ports (the ``PORTS_*_PORT`` keys of ``env``).
     """
-    base = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # the ported clients put their caches in host memory (where llm_datadist's samples use
+    # the NPU): on a host with an accelerator, device_type "auto" would pick it
+    base = {**os.environ, "PYTHONUNBUFFERED": "1", "AIOKV_DEVICE_TYPE": "cpu"}
     base["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     keys = [k for k in env if k.startswith("PORTS_") and k.endswith("_PORT")]
     for fresh_ports in (False, True):

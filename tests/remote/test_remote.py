@@ -39,6 +39,7 @@ from aiokv import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aiokv._bench.nixl import ucx_over_tcp
 from aiokv._layout import ByteLayout, tensor_bytes
 from aiokv._remote import _protocol as protocol
 from aiokv.testing import cluster_info as info
@@ -49,7 +50,6 @@ CODE = LLMStatusCode
 BACKENDS = ["local", "nixl", "tcp"]  # every registered transport
 # the transports that link separate processes; "nixl-tcp": nixl with UCX over TCP only
 CROSS_PROCESS = ["tcp", "nixl", "nixl-tcp"]
-UCX_OVER_TCP = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 
 
 def config(backend: str, **kw: Any) -> LLMConfig:
@@ -591,7 +591,7 @@ def over(backend: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """The config backend of a CROSS_PROCESS name; "nixl-tcp" sets UCX to TCP only, here
     and in the peer processes started from here (spawn copies the environment)."""
     if backend == "nixl-tcp":
-        for k, v in UCX_OVER_TCP.items():
+        for k, v in ucx_over_tcp().items():
             monkeypatch.setenv(k, v)
     config(backend)  # skips where the backend is missing
     return backend.partition("-")[0]
