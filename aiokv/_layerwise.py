@@ -36,7 +36,7 @@ from ._models import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
-from ._remote import RemoteClient, Transfer
+from ._remote import Move, RemoteClient, Transfer
 from ._remote._protocol import (
     AddrsReq,
     BlocksReq,
@@ -187,7 +187,7 @@ def plan(
 
     async def send(layer: int) -> None:
         job = transfer(request(layer), range(2 * layer, 2 * layer + 2))
-        await client.move(op, link, src, job, write=True, about=about)
+        await client.move(Move(op, link, src, job, write=True, about=about))
 
     return LayerPlan(layers, send)
 

@@ -3,7 +3,8 @@
 its own thread, a raw-socket peer that asks and never reads, a fresh interpreter run from
 the repository root, a TLS-only TCP transport, a raw listener that serves one connection,
 an operation cancelled after so many loop steps, a mixed load of pulls and pushes, caches
-filled and compared row by row, a round trip of scattered blocks."""
+filled and compared row by row, a round trip of scattered blocks, a peer handler that
+refuses everything."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from aiokv import (
     LLMStatusCode,
 )
 from aiokv._bench._pki import make_pki
+from aiokv.transport import Grant, PeerInfo
 from aiokv.transport import _wire as wire
 from aiokv.transport._tls import load_tls
 from aiokv.transport._wire import FrameType
@@ -387,6 +389,20 @@ async def pull_a_slot_by_key(p_cm: CacheManager, d_cm: CacheManager, dst_desc: C
     await d_cm.pull_blocks(key, dst, chunks, chunks[::-1])
     await same_rows(dst, chunks[::-1], [t.view(96, 8192) for t in host(src)], chunks)
     await raises(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, d_cm.pull_blocks(key, dst, [0], [0]))
+
+
+class Refusing:
+    """A transport ``RequestHandler`` that serves nothing: every read and write a peer
+    asks for is refused with ``code`` (the requesting end of a raw link, a fuzzer)."""
+
+    def __init__(self, code: LLMStatusCode = LLMStatusCode.LLM_FEATURE_NOT_ENABLED) -> None:
+        self.code = code
+
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+        return Grant(self.code)
+
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+        return Grant(self.code)
 
 
 def fill_randn(cache: Cache, seed: int = 0) -> None:

@@ -9,7 +9,7 @@ import logging
 import pytest
 from pydantic import SecretStr
 
-from aiokv import LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from aiokv import LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
 from aiokv.sync import LLMConfig as SyncLLMConfig
 from aiokv.testing import cluster_info
 
@@ -111,7 +111,6 @@ async def test_environment_secret_authenticates_links_and_is_never_logged(
         await good.init(LLMConfig(listen_ip_info="127.0.0.1:0"))
         bad = LLMDataDist(LLMRole.DECODER, 3)
         await bad.init(LLMConfig(link_secret="another-secret"))
-        assert p.listen_address is not None
         peer = [cluster_info(1, p.listen_address)]
         assert (await bad.link_clusters(peer))[1] == [LLMStatusCode.LLM_LINK_FAILED]
         assert (await good.link_clusters(peer))[1] == [LLMStatusCode.LLM_SUCCESS]
@@ -243,13 +242,7 @@ async def test_a_secret_given_in_ge_options_authenticates_links() -> None:
         await good.init({"aiokv.linkSecret": SECRET, "aiokv.deviceType": "cpu"})
         await bad.init(LLMConfig(device_type="cpu"))
         assert p.listen_address is not None
-        peer = [
-            LLMClusterInfo(
-                remote_cluster_id=1,
-                remote_ip_info=[p.listen_address],
-                local_ip_info=[("127.0.0.1", 0)],
-            )
-        ]
+        peer = [cluster_info(1, p.listen_address)]
         assert (await bad.link_clusters(peer))[1] == [LLMStatusCode.LLM_LINK_FAILED]
         assert (await good.link_clusters(peer))[1] == [LLMStatusCode.LLM_SUCCESS]
     finally:

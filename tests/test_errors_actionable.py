@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from _helpers import fake_peer, fake_peer_hello
+from _helpers import Refusing, fake_peer, fake_peer_hello
 
 from aiokv import (
     BlocksCacheKey,
@@ -26,8 +26,8 @@ from aiokv import (
 )
 from aiokv.testing import cluster_info as info
 from aiokv.testing import linked_pair, make_config
-from aiokv.transport import Grant, PeerInfo, get_transport
 from aiokv.transport import _wire as wire
+from aiokv.transport import get_transport
 from aiokv.transport._base import REASON_CAP, decode_reason, encode_reason
 from aiokv.transport._wire import FrameType
 from aiokv.transport.tcp import TcpTransport
@@ -112,18 +112,10 @@ async def raw_peer(reason: bytes) -> AsyncIterator[int]:
         yield port
 
 
-class _NoHandler:
-    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
-        return Grant(CODE.LLM_FAILED)
-
-    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
-        return Grant(CODE.LLM_FAILED)
-
-
 async def test_hostile_reason_is_sanitized_by_the_requester() -> None:
     reason = b"gone\r\n\x1b[2J" + "ü".encode() + b"\xff" * 3
     async with raw_peer(reason) as port:
-        t = TcpTransport(1, _NoHandler())
+        t = TcpTransport(1, Refusing(CODE.LLM_FAILED))
         try:
             link = await t.connect(HOST, port, timeout=5)
             with pytest.raises(LLMException) as ei:
@@ -138,7 +130,7 @@ async def test_hostile_reason_is_sanitized_by_the_requester() -> None:
 
 async def test_reason_over_the_cap_is_a_protocol_violation() -> None:
     async with raw_peer(b"x" * (REASON_CAP + 1)) as port:
-        t = TcpTransport(1, _NoHandler())
+        t = TcpTransport(1, Refusing(CODE.LLM_FAILED))
         try:
             link = await t.connect(HOST, port, timeout=5)
             with pytest.raises(LLMException) as ei:
@@ -169,7 +161,8 @@ async def test_wrong_link_secret_says_so_on_both_sides(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     cls = get_transport(backend)
-    srv, cli = cls(2, _NoHandler(), secret=server), cls(1, _NoHandler(), secret=client)
+    refusing = Refusing(CODE.LLM_FAILED)
+    srv, cli = cls(2, refusing, secret=server), cls(1, refusing, secret=client)
     try:
         with caplog.at_level(logging.WARNING, logger="aiokv"):
             host, port = await srv.listen(HOST, 0)

@@ -26,7 +26,7 @@ from .._enums import LLMStatusCode, Memtype
 from .._errors import LLMException
 from .._models import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, MemInfo
 from .._registry import Entry
-from .._remote import Transfer
+from .._remote import Move, Transfer
 from .._remote._protocol import (
     MAX_TENSORS,
     BlocksReq,
@@ -77,17 +77,11 @@ class RemoteTransfers(ManagerBase):
         held, from an asyncio caller, on the caller's own loop (no engine hop:
         :meth:`~aiokv._remote._client.RemoteClient.move_here`); else on the engine."""
         link = self._client.link(op, key.cluster_id)
-        about = {"key": key}
+        move = Move(op, link, cache, job, write=write, about={"key": key})
         with self._pinned(entry):
-            if (
-                on_asyncio()
-                and not self._engine.on_engine()
-                and await self._client.move_here(op, link, cache, job, write=write, about=about)
-            ):
+            if on_asyncio() and not self._engine.on_engine() and await self._client.move_here(move):
                 return
-            await self._engine.run(
-                self._client.move, op, link, cache, job, write=write, about=about
-            )
+            await self._engine.run(self._client.move, move)
 
     def _slot(
         self,

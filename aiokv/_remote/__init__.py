@@ -12,7 +12,7 @@
 * :mod:`._inbox` — notifications received from peers, bounded.
 """
 
-from ._client import RemoteClient
+from ._client import Move, RemoteClient
 from ._inbox import MAX_NOTIFICATION_BYTES, NOTIFICATION_QUEUE, Inbox
 from ._leases import Leases
 from ._linker import Linker
@@ -28,6 +28,7 @@ __all__ = [
     "Leases",
     "LinkTable",
     "Linker",
+    "Move",
     "Part",
     "Party",
     "PeerService",

@@ -35,9 +35,24 @@ from ._parts import Part, Transfer
 from ._protocol import BlocksReq, KeyByBlocks, LeaseReq, Request, encode
 from ._route import Route, part_route, route
 
-__all__ = ["RemoteClient"]
+__all__ = ["Move", "RemoteClient"]
 
 log = logging.getLogger("aiokv.remote")
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One transfer for :meth:`RemoteClient.move` / :meth:`RemoteClient.move_here`: push
+    (``write``) or pull the bytes ``job`` names of the local ``cache`` over ``link``, for
+    the public operation ``op``; ``about`` is the context a failure's ``LLMException``
+    carries (the key, the cluster)."""
+
+    op: str
+    link: Link
+    cache: Cache
+    job: Transfer
+    write: bool
+    about: dict[str, Any]
 
 
 class RemoteClient:
@@ -74,17 +89,8 @@ class RemoteClient:
         """The live link to ``cluster_id`` (``LLM_NOT_YET_LINK`` when there is none)."""
         return self._links.require(op, cluster_id)
 
-    async def move(
-        self,
-        op: str,
-        link: Link,
-        cache: Cache,
-        job: Transfer,
-        *,
-        write: bool,
-        about: dict[str, Any],
-    ) -> None:
-        """Push (``write``) or pull the bytes ``job`` names of ``cache``, within
+    async def move(self, m: Move) -> None:
+        """Push (``m.write``) or pull the bytes ``m.job`` names of ``m.cache``, within
         ``sync_kv_timeout``.
 
         Host memory moves straight between the cache and the socket. Device memory that
@@ -111,28 +117,17 @@ class RemoteClient:
         Raises:
             LLMException: as :meth:`transfer`; ``LLM_TIMEOUT`` covers the whole transfer.
         """
-        lease_key = self._lease_key(link, cache, job, write)
-        if lease_key is not None and await self._leased(
-            op, link, cache, job, lease_key, about, here=False
-        ):
+        lease_key = self._lease_key(m)
+        if lease_key is not None and await self._leased(m, lease_key, here=False):
             return
-        await _Requests(self, op, link, cache, job, write, about).run()
+        await _Requests(self, m).run()
         if lease_key is not None:  # it moved: ask for a lease, so that the next one is quicker
-            count = len(job.tensors)
+            count = len(m.job.tensors)
             assert self.leases is not None
-            self.leases.want(link, lease_key, self._ask(link, lease_key, count), count)
+            self.leases.want(m.link, lease_key, self._ask(m.link, lease_key, count), count)
 
-    async def move_here(
-        self,
-        op: str,
-        link: Link,
-        cache: Cache,
-        job: Transfer,
-        *,
-        write: bool,
-        about: dict[str, Any],
-    ) -> bool:
-        """:meth:`move` of ``job`` on the caller's own asyncio loop, with no hop to the
+    async def move_here(self, m: Move) -> bool:
+        """:meth:`move` of ``m`` on the caller's own asyncio loop, with no hop to the
         engine, where a lease held covers it and its memory here is host memory: one
         one-sided transfer, bounded by ``sync_kv_timeout``, after one yield to the loop;
         a cancellation aborts (or settles) it before it is raised. False when nothing
@@ -149,64 +144,55 @@ class RemoteClient:
         Raises:
             LLMException: as :meth:`move`.
         """
-        if cache.tensors[job.tensors[0]].device.type != "cpu":
+        if m.cache.tensors[m.job.tensors[0]].device.type != "cpu":
             return False
-        key = self._lease_key(link, cache, job, write)
-        if key is None or self.leases is None or self.leases.held(link, key) is None:
+        key = self._lease_key(m)
+        if key is None or self.leases is None or self.leases.held(m.link, key) is None:
             return False
         # a scheduling and cancellation point (nothing moved yet): a transfer NIXL
         # completes within its post would otherwise never yield to the caller's loop
         await asyncio.sleep(0)
-        return await self._leased(op, link, cache, job, key, about, here=True)
+        return await self._leased(m, key, here=True)
 
-    def _lease_key(self, link: Link, cache: Cache, job: Transfer, write: bool) -> LeaseKey | None:
-        """What a lease for ``job`` would cover, when one could serve it: blocks of a
+    def _lease_key(self, m: Move) -> LeaseKey | None:
+        """What a lease for ``m`` would cover, when one could serve it: blocks of a
         blocks cache named by ``BlocksCacheKey``, over a
         link with the ``ONE_SIDED`` capability, from host memory or device memory the
         link moves by address (whether host memory is registered is up to
         :meth:`~aiokv.transport.OneSided.move_at`)."""
-        req = job.request
+        req, link = m.job.request, m.link
         if (
             self.leases is None
             or not isinstance(req, BlocksReq)
             or not isinstance(req.key, KeyByBlocks)
             or req.release
-            or job.remote is None
-            or job.local is None
+            or m.job.remote is None
+            or m.job.local is None
             or link.extra(ONE_SIDED) is None
         ):
             return None
-        tensors = [cache.tensors[t] for t in job.tensors]
+        tensors = [m.cache.tensors[t] for t in m.job.tensors]
         if route(tensors[0].device, lambda: _addressable(link, tensors)) is Route.STAGED:
             return None
-        return LeaseKey(req.key, req.tensors, req.block_bytes, write)
+        return LeaseKey(req.key, req.tensors, req.block_bytes, m.write)
 
-    async def _leased(
-        self,
-        op: str,
-        link: Link,
-        cache: Cache,
-        job: Transfer,
-        key: LeaseKey,
-        about: dict[str, Any],
-        *,
-        here: bool,
-    ) -> bool:
-        """Move ``job`` one-sidedly under a lease held for ``key``; False (nothing moved)
+    async def _leased(self, m: Move, key: LeaseKey, *, here: bool) -> bool:
+        """Move ``m`` one-sidedly under a lease held for ``key``; False (nothing moved)
         when no lease covers it, or this side's memory is not registered with the link.
         ``here``: on the caller's loop (:meth:`move_here`), not the engine's."""
+        job = m.job
         assert self.leases is not None and job.remote is not None and job.local is not None
-        held = self.leases.held(link, key)
+        held = self.leases.held(m.link, key)
         if held is None:
             return False
-        tensors = [cache.tensors[t] for t in job.tensors]  # contiguous, as every cache's
+        tensors = [m.cache.tensors[t] for t in job.tensors]  # contiguous, as every cache's
         bases = np.fromiter((t.data_ptr() for t in tensors), np.uint64, len(tensors))
         rows = held.rows(job.remote, job.local, bases, write=key.write)
         if rows is None:
             return False
         device = tensors[0].device
         if device.type != "cpu":  # routed BY_ADDRESS (a lease is never STAGED): settle first
-            with map_errors(op):
+            with map_errors(m.op):
                 await self._stager.settle(device)
         local, remote = DeviceRuns(str(device), rows[0]), DeviceRuns(held.device, rows[1])
         try:
@@ -214,12 +200,12 @@ class RemoteClient:
                 if not ok:  # ended meanwhile (revoked): the transfer goes by request
                     return False
                 await self.transfer(
-                    op,
-                    link,
+                    m.op,
+                    m.link,
                     job.request,
                     local,
                     write=key.write,
-                    about=about,
+                    about=m.about,
                     at=remote,
                     counted=not here,
                 )
@@ -310,7 +296,7 @@ class RemoteClient:
 class _Requests:
     """One transfer of :meth:`RemoteClient.move` by request(s), as its parts run.
 
-    Attributes (after those of ``move``):
+    Attributes (after the client and the :class:`Move`):
         way: the route of the transfer's memory here (:func:`~._route.route`), decided
             before it is cut into parts.
         unreachable: the peer granted a part by address memory the link cannot reach
@@ -319,12 +305,7 @@ class _Requests:
     """
 
     client: RemoteClient
-    op: str
-    link: Link
-    cache: Cache
-    job: Transfer
-    write: bool
-    about: dict[str, Any]
+    m: Move
     way: Route = Route.HOST_VIEWS
     deadline: float = 0.0
     flat: list[torch.Tensor] = field(default_factory=list)
@@ -334,7 +315,7 @@ class _Requests:
     async def run(self) -> None:
         """Move the transfer within ``sync_kv_timeout``, as :meth:`RemoteClient.move`
         tells."""
-        job, cache, link = self.job, self.cache, self.link
+        job, cache, link = self.m.job, self.m.cache, self.m.link
         device = cache.tensors[0].device
         self.way = route(
             device, lambda: _addressable(link, [cache.tensors[t] for t in job.tensors])
@@ -352,7 +333,7 @@ class _Requests:
         if self.way is not Route.HOST_VIEWS:
             self.flat = [_flat(cache.tensors[t]) for t in job.tensors]
         if self.way is Route.BY_ADDRESS:  # NIXL moves the memory as it is: settle first
-            with map_errors(self.op):
+            with map_errors(self.m.op):
                 await self.client._stager.settle(device)
         await self._pipelined(parts[:-1] if releasing else parts)
         if releasing:
@@ -388,7 +369,7 @@ class _Requests:
         left = self._left()
         way = part_route(self.way, unreachable_grant=self.unreachable)
         if way is Route.BY_ADDRESS:
-            bases = [self.flat[t - self.job.tensors.start].data_ptr() for t in part.tensors]
+            bases = [self.flat[t - self.m.job.tensors.start].data_ptr() for t in part.tensors]
             runs = DeviceRuns(str(self.flat[0].device), part.layout.addresses(bases))
             if await self._send(part, left, runs):
                 return
@@ -403,18 +384,18 @@ class _Requests:
     async def _staged(self, part: Part, left: float) -> None:
         """Move ``part`` through a host staging buffer (gathered before a push,
         scattered after a pull)."""
-        stager, write = self.client._stager, self.write
-        bufs = [self.flat[t - self.job.tensors.start] for t in part.tensors]
-        with map_errors(self.op):
+        stager, write = self.client._stager, self.m.write
+        bufs = [self.flat[t - self.m.job.tensors.start] for t in part.tensors]
+        with map_errors(self.m.op):
             if write:
-                box = await stager.gather(bufs, part.layout, left, self.link.peer)
+                box = await stager.gather(bufs, part.layout, left, self.m.link.peer)
             else:
-                box = await stager.reserve(part.nbytes, bufs[0].device, left, self.link.peer)
+                box = await stager.reserve(part.nbytes, bufs[0].device, left, self.m.link.peer)
         try:
             await self._send(part, left, [box.view])
             if not write:
                 scatter = stager.scatter(box, bufs, part.layout)
-                with map_errors(self.op):
+                with map_errors(self.m.op):
                     if self.committed:
                         # the peer released the key on our READ_DONE: the pull has
                         # happened, so its bytes land whatever cancels us meanwhile
@@ -431,15 +412,15 @@ class _Requests:
         memory of the cache itself) within ``left`` seconds; whether it moved (see
         :meth:`RemoteClient.transfer`)."""
         if views is None:
-            cache = self.cache
+            cache = self.m.cache
             views = part.layout.views([tensor_bytes(cache.tensors[t]) for t in part.tensors])
         moved = await self.client.transfer(
-            self.op,
-            self.link,
+            self.m.op,
+            self.m.link,
             part.request,
             views,
-            write=self.write,
-            about=self.about,
+            write=self.m.write,
+            about=self.m.about,
             timeout=left,
         )
         self.committed = self.committed or (moved and getattr(part.request, "release", False))
@@ -450,9 +431,9 @@ class _Requests:
         left = self.deadline - asyncio.get_running_loop().time()
         if left <= 0:
             raise LLMException(
-                f"{self.op}: not done within sync_kv_timeout",
+                f"{self.m.op}: not done within sync_kv_timeout",
                 status_code=LLMStatusCode.LLM_TIMEOUT,
-                op=self.op,
+                op=self.m.op,
             )
         return left
 

@@ -268,11 +268,12 @@ def test_cli_bench_transfer_nixl_times_every_path_on_checked_bytes() -> None:
     assert "shm_read" in got["nixl_summary"]
 
 
-def test_cli_bench_transfer_nixl_without_nixl_names_the_extra(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("command", ["transfer", "device"])
+def test_cli_bench_nixl_without_nixl_names_the_extra(
+    command: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hide_nixl(monkeypatch)
-    result = CliRunner().invoke(app, ["bench", "transfer", "--backend", "nixl"])
+    result = CliRunner().invoke(app, ["bench", command, "--backend", "nixl"])
     assert result.exit_code == 1
     assert "pip install 'aiokv[nixl]'" in result.output
     assert "Traceback" not in result.output

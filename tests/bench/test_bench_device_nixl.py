@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import hide_nixl
 from typer.testing import CliRunner
 
 from aiokv._bench._harness import run_loop, scattered
@@ -37,14 +36,6 @@ def test_without_cuda_the_nixl_mode_fails_as_the_tcp_mode_does() -> None:
     assert nixl.output == tcp.output
     assert nixl.output.strip().startswith("aiokv bench device: aiokv bench device needs an")
     assert "Traceback" not in nixl.output
-
-
-def test_without_nixl_the_nixl_mode_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    hide_nixl(monkeypatch)
-    result = CliRunner().invoke(app, ["bench", "device", "--backend", "nixl"])
-    assert result.exit_code == 1
-    assert "pip install 'aiokv[nixl]'" in result.output
-    assert "Traceback" not in result.output
 
 
 @needs_nixl

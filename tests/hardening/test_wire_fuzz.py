@@ -40,7 +40,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from _helpers import logged_errors
+from _helpers import Refusing, logged_errors
 from fuzzing import fuzz_seed
 
 from aiokv import (
@@ -701,16 +701,6 @@ def encode(rng: random.Random, req: dict[str, Any]) -> tuple[bytes, str]:
 
 
 # ---- the run ---------------------------------------------------------------------------------
-class RefuseAll:
-    """The fuzzer's own handler: it serves nothing."""
-
-    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
-        return Grant(CODE.LLM_PARAM_INVALID)
-
-    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
-        return Grant(CODE.LLM_PARAM_INVALID)
-
-
 def config(enable: bool) -> LLMConfig:
     options = {"enable_remote_cache_accessible": enable, "link_secret": SECRET}
     return make_config("tcp", pool=None, host_pool=1 << 20, sync_kv_timeout=10000, **options)
@@ -884,7 +874,7 @@ async def test_mutated_peer_requests_get_exactly_what_the_model_grants(
     seed = fuzz_seed()
     # each event loop (the test's parameter) runs its own stream of the seed
     rng = random.Random(f"{seed}/{type(asyncio.get_running_loop()).__module__}")
-    fuzzer = TcpTransport(FUZZER, RefuseAll(), secret=SECRET.encode())
+    fuzzer = TcpTransport(FUZZER, Refusing(CODE.LLM_PARAM_INVALID), secret=SECRET.encode())
     async with serving(SA, True, rng) as a, serving(SB, False, rng) as b:
         try:
             for srv in (a, b):

@@ -20,7 +20,7 @@ import numpy as np
 import peer_process
 import pytest
 import torch
-from _helpers import fill_randn, mixed_block_ops, raises, snapshot
+from _helpers import Refusing, fill_randn, mixed_block_ops, raises, snapshot
 
 from aiokv import (
     BlocksCacheKey,
@@ -337,16 +337,6 @@ class StalledPeer:
         return Grant(CODE.LLM_FEATURE_NOT_ENABLED)
 
 
-class NoHandler:
-    """Serves nothing (the requesting end of a raw link)."""
-
-    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
-        return Grant(CODE.LLM_FEATURE_NOT_ENABLED)
-
-    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
-        return Grant(CODE.LLM_FEATURE_NOT_ENABLED)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_timeout_and_cancel_leave_link_usable(backend: str) -> None:
     src = [torch.randn(paged().shape).bfloat16() for _ in range(6)]
@@ -419,7 +409,7 @@ async def test_hostile_requests_never_touch_unregistered_memory(
         *[[a + off] for a in addrs for off in (-1, 0, 8)],
     ]  # fmt: skip
     refused = 0
-    async with get_transport(p.config.transfer_backend)(3, NoHandler()) as raw:
+    async with get_transport(p.config.transfer_backend)(3, Refusing()) as raw:
         assert p.listen_address is not None
         link = await raw.connect(*p.listen_address, timeout=5)
         for _ in range(600):

@@ -14,7 +14,7 @@ import torch
 from aiokv import CacheDesc, DataType, LLMConfig, LLMException, LLMStatusCode, Placement
 from aiokv._cache import Cache
 from aiokv._layout import ByteLayout
-from aiokv._remote import LinkTable, RemoteClient, Transfer
+from aiokv._remote import LinkTable, Move, RemoteClient, Transfer
 from aiokv._remote import _client as client_mod
 from aiokv._remote._protocol import BlocksReq, KeyByBlocks, Tensors, decode
 from aiokv._remote._route import Route, part_route, route
@@ -148,7 +148,7 @@ async def test_parts_after_an_unreachable_grant_go_staged_on_their_first_try(
     link, stager = UnreachableGrants(), FakeStager()
     client = RemoteClient(LinkTable(), LLMConfig(), stager)  # type: ignore[arg-type]
 
-    await client.move("op", link, cache, job, write=write, about={})
+    await client.move(Move("op", link, cache, job, write=write, about={}))
 
     staged = [e for e in link.events if e[0] == "staged"]
     assert len(staged) == 8 and sum(n for _, n, _ in staged) == job.nbytes

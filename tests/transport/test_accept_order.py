@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from aiokv import LLMClusterInfo, LLMConfig, LLMDataDist, LLMRole
+from aiokv import LLMConfig, LLMDataDist, LLMRole
+from aiokv.testing import cluster_info
 from aiokv.transport.tcp import _transport
 
 
@@ -41,11 +42,7 @@ async def test_a_returned_link_is_registered_on_the_accepting_side() -> None:
         LLMDataDist(LLMRole.PROMPT, 1, config()) as prefill,
         LLMDataDist(LLMRole.DECODER, 2, config()) as decode,
     ):
-        peer = LLMClusterInfo(
-            remote_cluster_id=1,
-            remote_ip_info=[prefill.listen_address],
-            local_ip_info=[("127.0.0.1", 0)],
-        )
+        peer = cluster_info(1, prefill.listen_address)
         code, _ = await decode.link_clusters([peer], timeout=10_000)
         assert code.name == "LLM_SUCCESS"
         assert 2 in prefill.linked_clusters()  # at once: no wait, no retry

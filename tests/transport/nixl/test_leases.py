@@ -27,7 +27,6 @@ from aiokv import (
     Cache,
     CacheDesc,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -303,7 +302,6 @@ async def test_a_lost_link_ends_the_leases_on_both_sides() -> None:
     async with keyed_caches() as (p, d, key, src, dst):
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
         await until(lambda: lent(p) == 1 and holding(d) == 1)
-        assert p.listen_address is not None
         info = cluster_info(1, p.listen_address)
         await d.unlink_clusters([info])
         await until(lambda: lent(p) == 0)
@@ -540,24 +538,14 @@ async def test_unlink_ends_the_leases_on_the_link_before_it_returns(side: str) -
     async with keyed_caches() as (p, d, key, src, dst):
         await _lease_both_ways(p, d, key, dst)
         if side == "granter":
-            assert d.listen_address is not None
-            peer = LLMClusterInfo(
-                remote_cluster_id=2,
-                remote_ip_info=[d.listen_address],
-                local_ip_info=[("127.0.0.1", 0)],
-            )
+            peer = cluster_info(2, d.listen_address)
             # the holder is slow to notice the link end (its loop busy for 0.3 s): only
             # being told, before the link closes, makes it drop its leases in time
             d._engine.loop.call_soon_threadsafe(time.sleep, 0.3)  # type: ignore[union-attr]
             assert (await p.unlink_clusters([peer]))[0] == CODE.LLM_SUCCESS
             assert (lent(p), holding(d)) == (0, 0)  # the holder was told, and answered
         else:
-            assert p.listen_address is not None
-            peer = LLMClusterInfo(
-                remote_cluster_id=1,
-                remote_ip_info=[p.listen_address],
-                local_ip_info=[("127.0.0.1", 0)],
-            )
+            peer = cluster_info(1, p.listen_address)
             assert (await d.unlink_clusters([peer]))[0] == CODE.LLM_SUCCESS
             assert holding(d) == 0
             await until(lambda: lent(p) == 0)
@@ -629,10 +617,7 @@ async def test_finalize_ends_the_leases_before_the_memory_goes() -> None:
     async with LLMDataDist(LLMRole.DECODER, 2, config()) as d:
         p = LLMDataDist(LLMRole.PROMPT, 1, config())
         await p.init(config())
-        assert p.listen_address is not None
-        info = LLMClusterInfo(
-            remote_cluster_id=1, remote_ip_info=[p.listen_address], local_ip_info=[("127.0.0.1", 0)]
-        )
+        info = cluster_info(1, p.listen_address)
         assert (await d.link_clusters([info]))[0] == CODE.LLM_SUCCESS
         key = BlocksCacheKey(1, 0)
         await p.cache_manager.allocate_blocks_cache(desc(), key)
