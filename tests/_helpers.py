@@ -95,6 +95,14 @@ def raw_link(port: int, cluster_id: int = 7) -> socket.socket:
     return s
 
 
+def checkout_env(**extra: str) -> dict[str, str]:
+    """This environment with this checkout first on ``PYTHONPATH`` (what was there stays
+    after it: where the dependencies come from ``PYTHONPATH``, a child still finds them),
+    plus ``extra``: the environment of a subprocess that runs this checkout."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def run_python(
     *args: str, timeout: float, env: Mapping[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -104,7 +112,7 @@ def run_python(
     return subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
-        env=dict(env) if env is not None else {**os.environ, "PYTHONPATH": str(ROOT)},
+        env=dict(env) if env is not None else checkout_env(),
         capture_output=True,
         text=True,
         timeout=timeout,

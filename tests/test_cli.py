@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import checkout_env
 from typer.testing import CliRunner
 
 import aiokv
@@ -27,7 +28,7 @@ from aiokv._errors import LLMException
 from aiokv.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+ENV = checkout_env()
 
 
 def test_version_prints_the_package_version() -> None:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _helpers import run_python
+from _helpers import checkout_env, run_python
 from typer.testing import CliRunner
 
 from aiokv import cli
@@ -19,7 +19,7 @@ from aiokv._bench import _plot, transfer
 from aiokv.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+ENV = checkout_env(COLUMNS="100")
 SCRIPT = "import sys; sys.argv[0] = 'aiokv'; from aiokv._console import main; main()"
 
 

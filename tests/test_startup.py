@@ -14,9 +14,10 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from _helpers import checkout_env
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+ENV = checkout_env(COLUMNS="100")
 #: what a fast start must not import
 HEAVY = ("torch", "numpy")
 #: seconds a command may cost above its baseline (the best of TRIES runs of each)

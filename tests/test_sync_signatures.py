@@ -6,13 +6,13 @@ wrong argument or result type fails."""
 from __future__ import annotations
 
 import inspect
-import os
 import pydoc
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _helpers import checkout_env
 
 import aiokv
 import aiokv.sync
@@ -60,7 +60,7 @@ def test_a_blocking_program_passes_mypy_strict_and_wrong_types_fail() -> None:
     (``cfg.mem_pool_cfg = '{"memory_size": ...}'``, a digit-string timeout) check; mypy
     reports an error on each line of blocking_mistakes.py marked ``# error:``, no other."""
     mistakes = "tests/typing/blocking_mistakes.py"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = checkout_env()
     proc = subprocess.run(
         [
             sys.executable,

@@ -7,14 +7,13 @@ and the migration guide lists every option key."""
 from __future__ import annotations
 
 import inspect
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _helpers import run_python
+from _helpers import checkout_env, run_python
 
 import aiokv
 import aiokv.metrics
@@ -39,7 +38,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings_handlers.python")
     site = tmp_path_factory.mktemp("docs") / "site"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NO_MKDOCS_2_WARNING": "1"}
+    env = checkout_env(NO_MKDOCS_2_WARNING="1")
     proc = run_python(
         "-m", "mkdocs", "build", "--strict", "--site-dir", str(site), env=env, timeout=300
     )
@@ -172,7 +171,7 @@ def test_home_page_is_a_front_door(site: Path) -> None:
 
 def test_home_page_program_runs_as_written(tmp_path: Path) -> None:
     program = re.findall(r"```python\n(.*?)```", (DOCS / "index.md").read_text(), re.S)[0]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = checkout_env()
     proc = subprocess.run(
         [sys.executable, "-c", program],
         cwd=tmp_path,

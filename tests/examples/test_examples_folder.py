@@ -5,16 +5,15 @@ checks its own bytes and exits non-zero when they differ."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
-from _helpers import run_python
+from _helpers import checkout_env, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+ENV = checkout_env()
 
 #: program -> lines its output must contain (each a check the program made)
 PROGRAMS = {
