@@ -4,7 +4,7 @@ Every frame starts with one 30-byte little-endian header::
 
     offset  size  field
     0       4     magic      b"AIKV"
-    4       1     version    6
+    4       1     version    7
     5       1     type       FrameType
     6       4     status     LLMStatusCode of a reply (0 elsewhere)
     10      4     meta_len   bytes of meta that follow the header
@@ -18,10 +18,10 @@ A reply that refuses (``READ_RESP``, ``WRITE_GRANT``, ``WRITE_DONE`` and
 ``PLANE_GRANT`` with a status other than ``LLM_SUCCESS``) may carry the refuser's
 reason as meta: UTF-8 text of at most :data:`REASON_CAP` bytes (version 4; a longer
 one is a framing violation), which the receiver sanitizes and shows, never parses.
-``size`` is the payload length of a ``DATA`` frame, the total number of bytes
-of a transfer in ``READ_REQ`` (bytes the reader expects), ``READ_RESP`` (bytes granted)
-and ``WRITE_REQ`` (bytes to push), their plane variants and ``PLANE_GRANT``, the meta
-cap in ``PLANE_HELLO``, and 0 elsewhere.
+``size`` is the payload length of a ``DATA`` frame, the total number of bytes of a
+transfer in ``READ_REQ`` (bytes the reader expects), ``READ_RESP`` (bytes granted; 0
+when it confirms a plane read) and ``WRITE_REQ`` (bytes to push), their plane variants
+and ``PLANE_GRANT``, the meta cap in ``PLANE_HELLO``, and 0 elsewhere.
 
 Every ``CANCEL`` is answered with a ``CANCEL_ACK`` for the same id. Frames of one link
 are read in order, so when the granter reads ``CANCEL`` every ``DATA`` byte the
@@ -44,9 +44,15 @@ plane frames. ``PLANE_READ_REQ`` / ``PLANE_WRITE_REQ`` are ``READ_REQ`` /
 either as for the plain request (``READ_RESP`` / ``WRITE_GRANT``, the bytes then move
 as ``DATA``) or with ``PLANE_GRANT``: status, ``size`` granted bytes, and meta = the
 granter plane's opaque grant (e.g. the granted memory as address runs).
-The requester's plane then moves the bytes itself: a read is acknowledged with
-``READ_DONE``, a write's landing is confirmed by the granter's ``WRITE_DONE`` as over
-``DATA``. A ``PLANE_GRANT`` answering a request that was not a plane request fails
+The requester's plane then moves the bytes itself. A write's landing is confirmed by
+the granter's ``WRITE_DONE`` as over ``DATA``. A read (version 7) is confirmed too,
+since the granter cannot stop a one-sided READ it did not post: once its plane has
+read every byte, the requester sends ``PLANE_READ_CHECK`` and succeeds only on the
+granter's ``READ_RESP`` with ``LLM_SUCCESS`` and ``size`` 0, which the granter sends
+only while it still serves the grant. A revoked grant's ``READ_RESP`` left before
+that, and frames of one link are read in order, so a read that raced a revocation
+fails with its code. Then, as over ``DATA``, the requester acknowledges the read with
+``READ_DONE``. A ``PLANE_GRANT`` answering a request that was not a plane request fails
 that request (``LLM_PARAM_INVALID``).
 
 Request ids name the side that started the request: the connecting side numbers its
@@ -91,8 +97,9 @@ __all__ = [
 ]
 
 MAGIC = b"AIKV"
-#: 6: generic data-plane frames (``PLANE_*``) with an opaque plane payload
-VERSION = 6
+#: 6: generic data-plane frames (``PLANE_*``) with an opaque plane payload;
+#: 7: a plane read succeeds only once the granter confirmed its grant (``PLANE_READ_CHECK``)
+VERSION = 7
 HEADER = struct.Struct("<4sBBIIQQ")
 HEADER_SIZE = HEADER.size
 #: Protocol cap on one DATA frame's payload. Big transfers are cut into chunks no larger,
@@ -128,6 +135,7 @@ class FrameType(enum.IntEnum):
     PLANE_READ_REQ = 17  # READ_REQ from a requester whose data plane can move the bytes
     PLANE_WRITE_REQ = 18  # WRITE_REQ from a requester whose data plane can move the bytes
     PLANE_GRANT = 19  # status; on success meta = the plane's opaque grant, else the reason
+    PLANE_READ_CHECK = 20  # the requester's plane read it all: still granted? (READ_RESP)
 
 
 # Frame types allowed to carry meta, with the cap that applies (None: the owner's cap).

@@ -6,7 +6,8 @@ no change to the link: the grant travels as an opaque ``PLANE_GRANT`` (a tag and
 granted memory as ``(address, length)`` rows), the requester's plane copies the bytes
 itself, a chunk per loop step, and stops before the next chunk once either side's
 operation is over (a revoked grant, a cancelled request, a link lost); a write's
-landing is reported to the granter's plane, which tells its link.
+landing is reported to the granter's plane, which tells its link, and a read read
+whole is left to the granter's confirmation (the link's ``PLANE_READ_CHECK``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from aiokv import LLMStatusCode as Code
 from aiokv.transport import Capability, DeviceRuns, Link
 from aiokv.transport.tcp import TcpTransport
 from aiokv.transport.tcp._ops import MyOp, PeerOp, State, Stream
@@ -114,10 +114,10 @@ class MemmovePlane:
                 await asyncio.sleep(0)
         _SERVED.pop(tag, None)
         self._t.moved += 1
-        if op.is_read:
-            op.finish(Code.LLM_SUCCESS)
-        else:
-            op.stream.sent = True
+        if op.is_read:  # read whole: the granter's confirmation ends it
+            op.stream = Stream(op.rid, [], 0)
+        op.stream.sent = True
+        if not op.is_read:
             assert granter._link is not None
             granter._link._plane_landed(peer_op)
 

@@ -346,6 +346,81 @@ def test_read_done_releases_a_sent_grant() -> None:
     assert driver.posted == []  # READ_DONE is not answered
 
 
+def plane_read(proto: LinkProtocol) -> MyOp:
+    """Our plane read (4 bytes), granted by the peer's plane, its bytes moving."""
+    op = mine(proto, is_read=True, total=4)
+    op.remote, op.state = object(), State.RECEIVING
+    return op
+
+
+def read_whole(op: MyOp) -> None:
+    """``op``'s plane read every byte (as a plane marks it)."""
+    op.stream = Stream(op.rid, [], 0)
+    op.stream.sent = True
+
+
+def test_a_plane_read_ends_only_when_the_granter_confirms_it() -> None:
+    proto, driver = make()
+    op = plane_read(proto)
+    proto.check_read(op)  # not read whole yet: nothing to ask
+    read_whole(op)
+    proto.check_read(op)
+    assert driver.sent() == [(F.PLANE_READ_CHECK, op.rid, Code.LLM_SUCCESS)]
+    assert op.result is None
+    feed(proto, F.READ_RESP, op.rid)
+    assert op.result is Code.LLM_SUCCESS
+
+
+def test_a_plane_read_revoked_before_the_confirmation_fails() -> None:
+    proto, _ = make()
+    op = plane_read(proto)
+    read_whole(op)
+    proto.check_read(op)
+    feed(proto, F.READ_RESP, op.rid, status=Code.LLM_TIMEOUT, meta=b"revoked")
+    feed(proto, F.READ_RESP, op.rid)  # too late: the first word stands
+    assert (op.result, op.reason) == (Code.LLM_TIMEOUT, "revoked")
+
+
+def test_a_plane_read_confirmed_before_it_was_done_fails() -> None:
+    proto, _ = make()
+    op = plane_read(proto)
+    feed(proto, F.READ_RESP, op.rid)
+    assert (op.result, op.reason) == (Code.LLM_FAILED, "it confirmed a read not yet done")
+
+
+def test_the_granter_confirms_a_plane_read_only_while_it_serves_it() -> None:
+    proto, driver = make()
+    feed(proto, F.PLANE_READ_REQ, 1, size=4)
+    feed(proto, F.PLANE_READ_REQ, 3, size=4)
+    plane_op, revoked = (op for op, _, _ in driver.serving)
+    outcomes: list[bool] = []
+    plane_op.bind(outcomes.append)
+    plane_op.state = revoked.state = State.SENDING  # granted by the plane (no stream)
+    proto.revoke(revoked, Code.LLM_TIMEOUT)
+    feed(proto, F.PLANE_READ_CHECK, 1)
+    feed(proto, F.PLANE_READ_CHECK, 3)  # revoked: its READ_RESP already went out
+    feed(proto, F.PLANE_READ_CHECK, 5)  # never granted
+    assert driver.sent() == [
+        (F.READ_RESP, 3, Code.LLM_TIMEOUT),
+        (F.READ_RESP, 1, Code.LLM_SUCCESS),
+    ]
+    assert outcomes == [] and 1 in proto.theirs  # held until READ_DONE
+    feed(proto, F.READ_DONE, 1)
+    assert outcomes == [True] and proto.theirs == {}
+
+
+def test_a_data_read_is_not_confirmed() -> None:
+    """Over DATA the granter sends the bytes itself: no check, no extra frame."""
+    proto, driver = make()
+    op, outcomes = served(driver, proto, F.PLANE_READ_REQ, State.SENDING)
+    feed(proto, F.PLANE_READ_CHECK, 1)
+    assert driver.posted == [] and outcomes == [] and proto.theirs == {1: op}
+    ours = mine(proto, is_read=True, total=4)
+    feed(proto, F.READ_RESP, ours.rid, size=4)
+    feed(proto, F.READ_RESP, ours.rid)  # a stray second grant changes nothing
+    assert ours.result is None and ours.state is State.RECEIVING
+
+
 def test_cancel_ack_wakes_the_cancelled_write() -> None:
     proto, _ = make()
     waiter = FakeWaiter()

@@ -76,8 +76,9 @@ def test_malformed_header_rejected(fields: dict[str, int | bytes], match: str) -
         wire.decode_header(raw_header(**fields))  # type: ignore[arg-type]
 
 
-def test_version_is_6_since_data_planes_have_generic_frames() -> None:
-    assert wire.VERSION == 6  # 4: refusals carry reasons; 5: memory kinds in grants
+def test_version_is_7_since_plane_reads_are_confirmed() -> None:
+    # 4: refusals carry reasons; 5: memory kinds in grants; 6: generic plane frames
+    assert wire.VERSION == 7
     assert wire.REASON_CAP == 512
 
 

@@ -349,7 +349,9 @@ class NixlPlane:
 
     async def move(self, op: MyOp, plan: Place) -> None:
         """Move ``op``'s payload with one NIXL transfer; when this returns or raises the
-        transfer is over (done, aborted or, at worst, the link broken)."""
+        transfer is over (done, aborted or, at worst, the link broken). A READ that
+        completed is marked read whole (``op.stream`` sent) for the link to have the
+        granter confirm it: the granter cannot stop a READ it did not post."""
         assert op.remote is not None and self.peer_agent is not None
         tag, (far_mem, far_dev, remote) = op.remote
         mem, dev, runs = plan
@@ -378,7 +380,10 @@ class NixlPlane:
             if state == "ERR":
                 self.link._break("NIXL transfer failed")
             elif state == "DONE" and op.is_read:
-                op.finish(_S.LLM_SUCCESS)
+                # every byte read, but the granter may have revoked the grant (and
+                # reused the memory) meanwhile: its confirmation ends the read
+                op.stream = Stream(op.rid, [], 0)
+                op.stream.sent = True
         finally:
             await self._settle(agent, xfer, op.total if state == "DONE" else None)
 

@@ -8,7 +8,9 @@ plane's greeting); the peer loads it
 (``add_remote_agent``) and unloads it when the last link to that agent ends. No etcd,
 no NIXL listener. A request whose buffers all lie in registered memory asks for a
 NIXL grant; the granter answers with the validated grant's memory as descriptors and the
-requester moves the bytes itself with one NIXL READ (pull) or WRITE (push, whose
+requester moves the bytes itself with one NIXL READ (pull, which succeeds only once
+the granter confirmed that it still served the grant after the READ ended: a READ is
+one-sided, the granter cannot stop it when it revokes) or WRITE (push, whose
 notification tells the granter it landed). Anything else moves as TCP ``DATA``.
 
 Memory is registered by kind: host memory as ``DRAM``, ``cuda:N`` memory as ``VRAM``

@@ -164,6 +164,7 @@ class TcpLink(Link):
                         await op.until_granted_or_over()
                         if op.remote is not None and op.result is None:
                             await self._plane.move(op, plan)
+                            self._p.check_read(op)  # the granter's answer ends it
                     await op.until_over()
             except TimeoutError:
                 self._timed_out(op, "Link.read", timeout)

@@ -88,10 +88,12 @@ class DataPlane(Protocol):
         fails ``LLM_PARAM_INVALID``)."""
 
     async def move(self, op: MyOp, plan: Any) -> None:
-        """Move granted ``op``'s payload per ``plan`` (``op.remote``: the grant); a read
-        that moved whole is finished ``LLM_SUCCESS`` here, a write marks its payload
-        handed over (``op.stream``) and ends by the peer's ``WRITE_DONE``. When this
-        returns or raises, nothing touches the buffers any more."""
+        """Move granted ``op``'s payload per ``plan`` (``op.remote``: the grant). Once the
+        payload moved whole the plane marks ``op.stream`` sent (a write: handed over);
+        the op then ends by the peer's word: a write's ``WRITE_DONE``, a read's
+        ``READ_RESP`` answering the link's ``PLANE_READ_CHECK`` (the granter may have
+        revoked the grant while the bytes moved). A plane that fails the op finishes
+        it. When this returns or raises, nothing touches the buffers any more."""
 
     # ---- granter side
 

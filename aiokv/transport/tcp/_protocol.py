@@ -121,6 +121,7 @@ class LinkProtocol:
             _F.WRITE_GRANT: self._on_write_grant,
             _F.WRITE_DONE: self._on_write_done,
             _F.READ_DONE: self._on_read_done,
+            _F.PLANE_READ_CHECK: self._on_read_check,
             _F.CANCEL: self._on_cancel,
             _F.CANCEL_ACK: self._on_cancel_ack,
             _F.ERROR: self._on_close,
@@ -147,6 +148,15 @@ class LinkProtocol:
         op.finish(_S.LLM_FAILED)  # no-op if already finished; makes the reader drop its data
         if cancel:
             self._out._post(wire.encode_frame(_F.CANCEL, op.rid))
+
+    def check_read(self, op: MyOp) -> None:
+        """Our plane read ``op`` moved: if its plane read every byte (``op.stream``
+        sent), ask the granter whether it still serves the grant (``PLANE_READ_CHECK``);
+        its ``READ_RESP`` ends the read. A one-sided read that ran while the granter
+        revoked and reused the memory may hold torn bytes: the revocation, read first,
+        fails it."""
+        if op.result is None and op.stream is not None and op.stream.sent:
+            self._out._post(wire.encode_frame(_F.PLANE_READ_CHECK, op.rid))
 
     def new_probe(self, waiter: Waiter | None) -> tuple[int, bytes]:
         """The id and PING frame of a new probe; ``waiter`` (if any, until the prober
@@ -245,6 +255,14 @@ class LinkProtocol:
         if op is not None and op.is_read:
             self.peer_ended(op, acked=True)
 
+    def _on_read_check(self, h: wire.Header, meta: bytearray | None) -> None:
+        """The peer's plane read every byte of the grant: confirm it while we still serve
+        it (a revoked one was answered when it was revoked; the grant is released by the
+        READ_DONE that follows, or a CANCEL)."""
+        op = self._theirs_of(h.req_id)
+        if op is not None and op.plane and op.state is State.SENDING and op.stream is None:
+            self.reply(_F.READ_RESP, op.rid, _S.LLM_SUCCESS)
+
     def _on_cancel(self, h: wire.Header, meta: bytearray | None) -> None:
         rid = h.req_id
         if rid % 2 != self.peer_parity:
@@ -320,6 +338,8 @@ class LinkProtocol:
         status = code_of(h.status)
         if op.state is State.RECEIVING and status is not _S.LLM_SUCCESS:
             op.finish(status, why)  # the granter revoked its grant mid-transfer
+        elif op.state is State.RECEIVING and op.remote is not None:
+            _confirm_read(op)
         elif op.state is State.WAIT_REPLY:
             _answer_read(op, status, h.size, why)
 
@@ -401,6 +421,14 @@ def _answer_read(op: MyOp, status: LLMStatusCode, size: int, why: str) -> None:
         op.finish(_S.LLM_FAILED, NOT_DIRECT)
     else:
         op.state = State.RECEIVING
+
+
+def _confirm_read(op: MyOp) -> None:
+    """The peer confirmed our plane read ``op`` (its grant was live at our check)."""
+    if op.stream is not None and op.stream.sent:
+        op.finish(_S.LLM_SUCCESS)
+    else:  # a broken peer: never trust it
+        op.finish(_S.LLM_FAILED, "it confirmed a read not yet done")
 
 
 def _unexpected(h: wire.Header, meta: bytearray | None) -> None:

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import pytest
-from _helpers import hide_nixl
+from _helpers import hide_nixl, until
 
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
@@ -89,3 +90,56 @@ async def test_registered_memory_moves_over_nixl_the_rest_over_tcp() -> None:
         await me.aclose()
         await owner.aclose()
     assert me.xfers == 0 and owner.agent is None  # type: ignore[attr-defined]
+
+
+class Revocable(Regions):
+    """:class:`Regions` that keeps the grants it gives, to revoke them."""
+
+    def __init__(self, buf: bytearray) -> None:
+        super().__init__(buf)
+        self.grants: list[Grant] = []
+
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+        grant = await super().grant_read(peer, meta)
+        self.grants.append(grant)
+        return grant
+
+
+@needs_nixl
+async def test_a_read_revoked_as_it_completes_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner revokes its grant and reuses the memory after the requester's NIXL READ
+    completed but before the requester heard of it: the read must not report success
+    (its bytes may be torn), it fails with the revocation's code."""
+    from aiokv.transport.nixl._descs import address_of
+    from aiokv.transport.nixl._plane import NixlPlane
+
+    cls = get_transport("nixl")
+    owner_buf, mine = bytearray(b"\x11") * 4096, bytearray(4096)
+    handler = Revocable(owner_buf)
+    owner, me = cls(2, handler), cls(1, Regions(bytearray(1)))
+    run = NixlPlane._run
+
+    async def revoked_as_it_completes(plane: NixlPlane, *args: Any) -> str:
+        state = await run(plane, *args)
+        if state == "DONE":  # the bytes are read; nothing of it reached our reader yet
+            handler.grants[-1].abort(Code.LLM_TIMEOUT)
+            owner_buf[:] = b"\x5a" * len(owner_buf)  # the owner's memory again
+        return state
+
+    monkeypatch.setattr(NixlPlane, "_run", revoked_as_it_completes)
+    try:
+        owner.register_memory(address_of(memoryview(owner_buf)), len(owner_buf))
+        me.register_memory(address_of(memoryview(mine)), len(mine))
+        link = await me.connect(*await owner.listen("127.0.0.1", 0), timeout=5)
+        with pytest.raises(LLMException) as info:
+            await link.read(b"4096", [memoryview(mine)], timeout=5)
+        assert info.value.status_code == Code.LLM_TIMEOUT
+        assert handler.done == [False]
+        monkeypatch.undo()  # the link stays usable
+        await link.read(b"4096", [memoryview(mine)], timeout=5)
+        assert mine == owner_buf
+        await until(lambda: handler.done == [False, True])  # released on our READ_DONE
+        assert me.moved == 2  # type: ignore[attr-defined]  # both over NIXL
+    finally:
+        await me.aclose()
+        await owner.aclose()
