@@ -200,23 +200,7 @@ def wrap_memory(
     if len(items) != desc.num_tensors:
         param_invalid(op, f"got {len(items)} tensors/addresses, cache_desc has {desc.num_tensors}")
     if all(isinstance(a, int) and not isinstance(a, bool) for a in items):
-        on_device = desc.placement != Placement.HOST and device.type != "cpu"
-        if on_device and device.type != "cuda":
-            param_invalid(
-                op, f"integer addresses name host or CUDA memory; on {device.type}, pass tensors"
-            )
-        out = []
-        for a in items:
-            if not 0 < a <= UINT64_MAX:
-                raise ValueError(f"{op}: address {a} out of range")
-            if on_device:
-                t = cuda_memory(op, a, desc.size, device)
-            else:
-                t = torch.frombuffer(
-                    (ctypes.c_uint8 * desc.size).from_address(a), dtype=torch.uint8
-                )
-            out.append(t.view(desc.torch_dtype).view(desc.shape))
-        return out
+        return _wrap_addresses(op, desc, items, device)
     want_type = "cpu" if desc.placement == Placement.HOST else device.type
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
@@ -232,3 +216,25 @@ def wrap_memory(
         if t.device.type != want_type:
             param_invalid(op, f"tensor {i} is on {t.device}, expected {want_type}")
     return [t.detach() for t in items]
+
+
+def _wrap_addresses(
+    op: str, desc: CacheDesc, addrs: list[int], device: torch.device
+) -> list[torch.Tensor]:
+    """Tensors of ``desc``'s shape over the memory at ``addrs``: host memory (ctypes) for
+    a HOST placement or a cpu device, else CUDA memory checked with the driver."""
+    on_device = desc.placement != Placement.HOST and device.type != "cpu"
+    if on_device and device.type != "cuda":
+        param_invalid(
+            op, f"integer addresses name host or CUDA memory; on {device.type}, pass tensors"
+        )
+    out = []
+    for a in addrs:
+        if not 0 < a <= UINT64_MAX:
+            raise ValueError(f"{op}: address {a} out of range")
+        if on_device:
+            t = cuda_memory(op, a, desc.size, device)
+        else:
+            t = torch.frombuffer((ctypes.c_uint8 * desc.size).from_address(a), dtype=torch.uint8)
+        out.append(t.view(desc.torch_dtype).view(desc.shape))
+    return out
