@@ -40,6 +40,8 @@ class Pump:
         self._loop: asyncio.AbstractEventLoop | None = asyncio.new_event_loop()
         self._lock = threading.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._ended = False  # a task ended during this run
+        self._timer: asyncio.TimerHandle | None = None  # this run's wait, if it waits
 
     def __bool__(self) -> bool:
         """Whether tasks started on it have not ended."""
@@ -54,25 +56,44 @@ class Pump:
             return False
         task = loop.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
         return True
 
     def run(self, wait_s: float = 0.0) -> None:
         """Run the loop on the calling thread: the work that is ready (:data:`TURNS`
-        turns), then, for ``wait_s`` > 0, until a task ends or ``wait_s`` passed, blocked
-        in the loop's selector (the GIL released). Nothing to do without tasks, or on a
-        thread that runs an asyncio loop."""
+        turns), then, for ``wait_s`` > 0 unless a task ended meanwhile, until one ends
+        or ``wait_s`` passed, blocked in the loop's selector (the GIL released).
+        Nothing to do without tasks, or on a thread that runs an asyncio loop."""
         if not self._tasks or loop_running():
             return
         with self._lock:
-            if self._loop is not None:
-                self._loop.run_until_complete(self._turns(wait_s))
+            loop = self._loop
+            if loop is None:
+                return
+            self._ended = False
+            loop.call_soon(self._turn, loop, TURNS, wait_s)
+            try:
+                loop.run_forever()
+            finally:
+                if self._timer is not None:
+                    self._timer.cancel()
+                    self._timer = None
 
-    async def _turns(self, wait_s: float) -> None:
-        for _ in range(TURNS):
-            await asyncio.sleep(0)
-        if wait_s > 0 and self._tasks:
-            await asyncio.wait(self._tasks, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+    def _turn(self, loop: asyncio.AbstractEventLoop, left: int, wait_s: float) -> None:
+        """One turn of :meth:`run` (a callback, so ``left`` turns take ``left`` loop
+        iterations); the last stops the loop, or starts the wait."""
+        if left > 1:
+            loop.call_soon(self._turn, loop, left - 1, wait_s)
+        elif wait_s > 0 and self._tasks and not self._ended:
+            self._timer = loop.call_later(wait_s, loop.stop)
+        else:
+            loop.stop()
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._ended = True
+        if self._timer is not None:  # waiting: a task ended, the run is over
+            task.get_loop().stop()
 
     def close(self) -> None:
         """Cancel the tasks, run the loop until they ended, close it. Idempotent."""
