@@ -28,15 +28,17 @@ Push mode (``mode="push"``; docs/vllm.md):
 released (``finished_sending``), loads ended (``finished_recving``) and, among those,
 loads that failed (``failed_recving``).
 
-Threads: an anyio blocking portal starts and finalizes aiokv; pushes, notices, releases,
-reservations and links are tasks on aiokv's own engine loop (their calls into aiokv need
-no thread hop). Loads run on the *pump*: an asyncio loop of the worker's own that vLLM's
-thread runs a few turns in :meth:`WorkerSide.step` and :meth:`WorkerSide.results` (an
-aiokv caller on its own loop). A pull under a NIXL lease is then posted and polled from
+Threads: an anyio blocking portal starts and finalizes aiokv; loads, pushes, notices,
+releases, reservations and links are tasks on aiokv's own engine loop (their calls into
+aiokv need no thread hop). Over NIXL with the KV in host memory, loads run on the
+*pump* instead (:mod:`._pump`): an asyncio loop of the worker's own that vLLM's thread
+runs a few turns in :meth:`WorkerSide.step` and :meth:`WorkerSide.results` (an aiokv
+caller on its own loop). A pull under a NIXL lease is then posted and polled from
 vLLM's thread, as vLLM's ``NixlConnector`` does it, and its end is seen there, with no
-hop to another thread and back; other pulls are awaited on the engine. vLLM's step
-never waits for the network (except an idle step, up to ``idle_wait_ms``); vLLM steps
-while a request waits for its KV, which keeps the pump turning.
+hop to another thread and back; a pull without a lease (the first on a link) is awaited
+on the engine. vLLM's step never waits for the network (except an idle step, up to
+``idle_wait_ms``); vLLM steps while a request waits for its KV, which keeps the pump
+turning.
 """
 
 from __future__ import annotations
@@ -263,7 +265,8 @@ class WorkerSide:
             self.close()
             raise
         assert self._dd is not None and self._dd.listen_address is not None
-        self._pump = Pump()
+        if opts.transfer_backend == "nixl" and device.type == "cpu":
+            self._pump = Pump()  # its leased pulls move on vLLM's thread (others: no gain)
         self.endpoint = Endpoint(opts.public_host, self._dd.listen_address[1], self.cluster_id)
         log.info(
             "aiokv worker rank %d: cluster %d at %s:%d, %d layers of %d blocks",
@@ -726,7 +729,7 @@ class WorkerSide:
 
     def _start_load(self, load: Load) -> bool:
         """Start ``load`` on the pump (False: none, or this thread runs an asyncio loop,
-        which the pump cannot run on: the engine loop runs it)."""
+        which the pump cannot run on: the engine loop runs it instead)."""
         if self._pump is None or loop_running():
             return False
         with self._lock:
