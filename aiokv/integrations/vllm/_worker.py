@@ -331,8 +331,8 @@ class WorkerSide:
         for load in plan.loads:
             if load.error is not None:
                 self._ended(load.request_id, ok=False)
-            elif not self._start_load(load):
-                self._spawn(self._load, load)
+            else:  # on the pump, unless this thread runs an asyncio loop (it cannot)
+                self._spawn(self._load, load, None if loop_running() else self._pump)
         if self._pump is not None:
             self._pump.run()
         for release in plan.releases:
@@ -708,10 +708,18 @@ class WorkerSide:
             )
 
     # ---- loads ----------------------------------------------------------------------------
-    def _spawn(self, fn: Callable[[_Item], Coroutine[Any, Any, None]], item: _Item) -> None:
+    def _spawn(
+        self,
+        fn: Callable[[_Item], Coroutine[Any, Any, None]],
+        item: _Item,
+        pump: Pump | None = None,
+    ) -> None:
+        """Run ``fn(item)`` on ``pump``, else on the engine loop; a load that cannot start
+        (closed) ends failed."""
         with self._lock:
             self._loads += isinstance(item, Load)  # counted before it can end, until it ends
-        if not self._run_soon(fn, item) and isinstance(item, Load):
+        started = pump.start(fn(item)) if pump is not None else self._run_soon(fn, item)
+        if not started and isinstance(item, Load):
             with self._lock:
                 self._loads -= 1
             self._ended(item.request_id, ok=False)
@@ -726,19 +734,6 @@ class WorkerSide:
             if not ok:
                 self._done.failed_recving.add(request_id)
         self._wake.set()
-
-    def _start_load(self, load: Load) -> bool:
-        """Start ``load`` on the pump (False: none, or this thread runs an asyncio loop,
-        which the pump cannot run on: the engine loop runs it instead)."""
-        if self._pump is None or loop_running():
-            return False
-        with self._lock:
-            self._loads += 1
-        if not self._pump.start(self._load(load)):
-            with self._lock:
-                self._loads -= 1
-            return False
-        return True
 
     async def _load(self, load: Load) -> None:
         """Pull the load's blocks within the link and transfer bounds; report it ended
