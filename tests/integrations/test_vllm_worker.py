@@ -254,16 +254,19 @@ def test_flash_attention_layout_gives_k_and_v_halves_per_layer() -> None:
 
 
 # ---- idle steps: the GIL goes to the transfer ----------------------------------------------
-def idle_pair(wait_ms: float) -> Any:
+def idle_pair(wait_ms: float, backend: str = "tcp") -> Any:
     return worker_pair(
-        ConnectorOptions.parse({"transfer_timeout_ms": 3000, "idle_wait_ms": wait_ms})
+        ConnectorOptions.parse(
+            {"transfer_timeout_ms": 3000, "idle_wait_ms": wait_ms, "transfer_backend": backend}
+        )
     )
 
 
-def test_an_idle_step_waits_for_the_load_in_flight() -> None:
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])  # nixl: the load runs on the pump
+def test_an_idle_step_waits_for_the_load_in_flight(backend: str) -> None:
     """In a step that ran no model, results() blocks until the load ends (woken by it,
     long before ``idle_wait_ms``), so vLLM's empty steps stop competing for the GIL."""
-    with idle_pair(1000) as (p, pkv, d, dkv):
+    with idle_pair(1000, backend) as (p, pkv, d, dkv):
         d.step(StepPlan(loads=(load(p, "i0", [0], [0], "-"),)))  # links the pair
         wait_for(d, lambda a: "i0" in a.finished_recving)
         untouched = {n: t.clone() for n, t in dkv.items()}
