@@ -162,6 +162,34 @@ def test_close_is_idempotent_and_stops_loads() -> None:
     assert d.results().finished_recving <= {"r10"}
 
 
+def test_a_leased_nixl_load_ends_on_vllms_thread() -> None:
+    """Over NIXL, once the decode holds a lease on the prefill's blocks, its loads are
+    posted and seen done from vLLM's own thread (step / results), as NixlConnector's
+    READs are: a load ends while aiokv's engine loop is busy (here: blocked for 1 s)."""
+    opts = ConnectorOptions.parse({"transfer_backend": "nixl", "transfer_timeout_ms": 3000})
+    with worker_pair(opts) as (p, pkv, d, dkv):
+        d.step(StepPlan(loads=(load(p, "n0", [0], [0], "-"),)))  # links, asks for a lease
+        wait_for(d, lambda a: "n0" in a.finished_recving)
+        assert d._dd is not None and d._loop is not None
+        leases = d._dd.cache_manager._client.leases  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        while leases.holding() != 1:
+            assert time.monotonic() < deadline, "no lease within 10 s"
+            time.sleep(0.01)
+        untouched = {n: t.clone() for n, t in dkv.items()}
+        p.step(StepPlan(holds=(Hold("p-n1", "tok", 60.0),)))
+        busy = threading.Event()
+        d._loop.call_soon_threadsafe(lambda: (busy.set(), time.sleep(1.0)))
+        assert busy.wait(5)
+        start = time.monotonic()
+        d.step(StepPlan(loads=(load(p, "n1", [4, 6], [1, 2], "tok"),)))
+        done = wait_for(d, lambda a: "n1" in a.finished_recving, timeout=5)
+        assert time.monotonic() - start < 0.5  # not after the engine loop's 1 s
+        assert done.failed_recving == set()
+        assert_copied(pkv, [1, 2], dkv, [4, 6], untouched)
+        wait_for(p, lambda a: "p-n1" in a.finished_sending)  # its done notice, later
+
+
 def test_done_notice_is_small_json() -> None:
     raw = msgspec.json.encode(DoneNotice("req-1", "abc"))
     assert raw == b'{"request":"req-1","token":"abc"}'
@@ -226,16 +254,19 @@ def test_flash_attention_layout_gives_k_and_v_halves_per_layer() -> None:
 
 
 # ---- idle steps: the GIL goes to the transfer ----------------------------------------------
-def idle_pair(wait_ms: float) -> Any:
+def idle_pair(wait_ms: float, backend: str = "tcp") -> Any:
     return worker_pair(
-        ConnectorOptions.parse({"transfer_timeout_ms": 3000, "idle_wait_ms": wait_ms})
+        ConnectorOptions.parse(
+            {"transfer_timeout_ms": 3000, "idle_wait_ms": wait_ms, "transfer_backend": backend}
+        )
     )
 
 
-def test_an_idle_step_waits_for_the_load_in_flight() -> None:
+@pytest.mark.parametrize("backend", ["tcp", "nixl"])  # nixl: the load runs on the pump
+def test_an_idle_step_waits_for_the_load_in_flight(backend: str) -> None:
     """In a step that ran no model, results() blocks until the load ends (woken by it,
     long before ``idle_wait_ms``), so vLLM's empty steps stop competing for the GIL."""
-    with idle_pair(1000) as (p, pkv, d, dkv):
+    with idle_pair(1000, backend) as (p, pkv, d, dkv):
         d.step(StepPlan(loads=(load(p, "i0", [0], [0], "-"),)))  # links the pair
         wait_for(d, lambda a: "i0" in a.finished_recving)
         untouched = {n: t.clone() for n, t in dkv.items()}

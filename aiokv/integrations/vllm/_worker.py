@@ -26,10 +26,19 @@ Push mode (``mode="push"``; docs/vllm.md):
 
 :meth:`WorkerSide.results` reports what finished since the last call: held requests
 released (``finished_sending``), loads ended (``finished_recving``) and, among those,
-loads that failed (``failed_recving``). The aiokv work runs on aiokv's own engine
-loop thread (an anyio blocking portal starts and finalizes aiokv; loads, pushes and
-notices are tasks on the engine loop, so their calls into aiokv need no thread hop), so
-vLLM's step never waits for the network.
+loads that failed (``failed_recving``).
+
+Threads: an anyio blocking portal starts and finalizes aiokv; loads, pushes, notices,
+releases, reservations and links are tasks on aiokv's own engine loop (their calls into
+aiokv need no thread hop). Over NIXL with the KV in host memory, loads run on the
+*pump* instead (:mod:`._pump`): an asyncio loop of the worker's own that vLLM's thread
+runs a few turns in :meth:`WorkerSide.step` and :meth:`WorkerSide.results` (an aiokv
+caller on its own loop). A pull under a NIXL lease is then posted and polled from
+vLLM's thread, as vLLM's ``NixlConnector`` does it, and its end is seen there, with no
+hop to another thread and back; a pull without a lease (the first on a link) is awaited
+on the engine. vLLM's step never waits for the network (except an idle step, up to
+``idle_wait_ms``); vLLM steps while a request waits for its KV, which keeps the pump
+turning.
 """
 
 from __future__ import annotations
@@ -64,6 +73,7 @@ from ._layout import blocks_desc, logical_blocks, split_kv
 from ._options import ConnectorOptions
 from ._params import Endpoint
 from ._plan import Cancel, Load, Push, Release, Reserve, StepPlan
+from ._pump import Pump, loop_running
 
 __all__ = [
     "CancelNotice",
@@ -199,6 +209,7 @@ class WorkerSide:
         self._early: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
         self._linking: dict[int, asyncio.Lock] = {}  # cluster -> lock (engine loop only)
         self._pending: set[Any] = set()  # futures of loads and notices in flight
+        self._pump: Pump | None = None  # decode side: the loads (see the module docstring)
         self._loads = 0  # loads started and not ended
         self._wake = threading.Event()  # set when a load ends
         # push mode
@@ -254,6 +265,8 @@ class WorkerSide:
             self.close()
             raise
         assert self._dd is not None and self._dd.listen_address is not None
+        if opts.transfer_backend == "nixl" and device.type == "cpu":
+            self._pump = Pump()  # its leased pulls move on vLLM's thread (others: no gain)
         self.endpoint = Endpoint(opts.public_host, self._dd.listen_address[1], self.cluster_id)
         log.info(
             "aiokv worker rank %d: cluster %d at %s:%d, %d layers of %d blocks",
@@ -287,6 +300,8 @@ class WorkerSide:
         portal, self._portal = self._portal, None
         if portal is None:
             return
+        if self._pump is not None:
+            self._pump.close()
         self._loop = None
         dd, self._dd = self._dd, None
         for fut in list(self._pending):
@@ -316,8 +331,10 @@ class WorkerSide:
         for load in plan.loads:
             if load.error is not None:
                 self._ended(load.request_id, ok=False)
-            else:
-                self._spawn(self._load, load)
+            else:  # on the pump, unless this thread runs an asyncio loop (it cannot)
+                self._spawn(self._load, load, None if loop_running() else self._pump)
+        if self._pump is not None:
+            self._pump.run()
         for release in plan.releases:
             self._spawn(self._release, release)
         for reserve in plan.reserves:
@@ -346,12 +363,16 @@ class WorkerSide:
         Args:
             idle: vLLM's step ran no model. Then, while this worker has transfers in
                 flight or blocks held for a peer, it first waits up to ``idle_wait_ms``
-                for a load to end, releasing the GIL: vLLM steps again at once when a
-                step is empty, and that loop would otherwise starve the threads that
-                move the bytes. Otherwise it never blocks.
+                for a load to end (running the pump meanwhile), releasing the GIL: vLLM
+                steps again at once when a step is empty, and that loop would otherwise
+                starve the threads that move the bytes. Otherwise it never blocks (it
+                runs the pump's ready work).
         """
-        if idle and self._options.idle_wait_ms and self._busy():
-            self._wake.wait(self._options.idle_wait_ms / 1000)
+        wait_s = self._options.idle_wait_ms / 1000 if idle and self._busy() else 0.0
+        if self._pump:
+            self._pump.run(wait_s)  # a load ending wakes it
+        elif wait_s:
+            self._wake.wait(wait_s)
         self._wake.clear()  # a load ending from here on is in this call's results or wakes the next
         notices = self._dd.get_notifications() if self._dd is not None else []
         now = time.monotonic()
@@ -687,10 +708,18 @@ class WorkerSide:
             )
 
     # ---- loads ----------------------------------------------------------------------------
-    def _spawn(self, fn: Callable[[_Item], Coroutine[Any, Any, None]], item: _Item) -> None:
+    def _spawn(
+        self,
+        fn: Callable[[_Item], Coroutine[Any, Any, None]],
+        item: _Item,
+        pump: Pump | None = None,
+    ) -> None:
+        """Run ``fn(item)`` on ``pump``, else on the engine loop; a load that cannot start
+        (closed) ends failed."""
         with self._lock:
             self._loads += isinstance(item, Load)  # counted before it can end, until it ends
-        if not self._run_soon(fn, item) and isinstance(item, Load):
+        started = pump.start(fn(item)) if pump is not None else self._run_soon(fn, item)
+        if not started and isinstance(item, Load):
             with self._lock:
                 self._loads -= 1
             self._ended(item.request_id, ok=False)
@@ -708,13 +737,14 @@ class WorkerSide:
 
     async def _load(self, load: Load) -> None:
         """Pull the load's blocks within the link and transfer bounds; report it ended
-        (failed on any error), then send the prefill its done notice."""
+        (failed on any error), then have the engine loop send the prefill its done
+        notice. Runs on the pump, or on the engine loop where there is none."""
         source = load.ranks[self._rank]
         ok = False
         try:
             budget = (self._options.link_timeout_ms + self._options.transfer_timeout_ms) / 1000
             with anyio.fail_after(budget):
-                await self._link(source)
+                await self._linked(source)
                 assert self._dd is not None and self._cache is not None
                 await self._dd.cache_manager.pull_blocks(
                     BlocksCacheKey(source.cluster_id, _MODEL_ID),
@@ -736,7 +766,19 @@ class WorkerSide:
             with self._lock:
                 self._loads -= 1
             self._ended(load.request_id, ok=ok)
-        await self._notify(source, load.remote_request_id, load.token)
+        self._run_soon(self._notify, source, load.remote_request_id, load.token)
+
+    async def _linked(self, source: Endpoint) -> None:
+        """:meth:`_link`, run on the engine loop (where its locks live) unless linked."""
+        assert self._dd is not None and self._loop is not None
+        if source.cluster_id in self._dd.linked_clusters():
+            return
+        if asyncio.get_running_loop() is self._loop:
+            await self._link(source)
+        else:
+            await asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(self._link(source), self._loop)
+            )
 
     async def _release(self, release: Release) -> None:
         source = release.ranks[self._rank]
