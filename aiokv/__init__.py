@@ -13,33 +13,41 @@ import logging as _logging
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from ._cache import Cache, KvCache
-    from ._config import LLMConfig, LlmConfig, MemPoolConfig
+    from ._cache import Cache
+    from ._cache import KvCache
+    from ._config import LLMConfig
+    from ._config import LlmConfig
+    from ._config import MemPoolConfig
     from ._datadist import LLMDataDist
-    from ._enums import DataType, LLMRole, LLMStatusCode, Memtype, Placement, RegisterMemStatus
-    from ._errors import LLMException, NoneArgumentError, Status
-    from ._layerwise import CacheTask, LayerSynchronizer
-    from ._manager import CacheManager, KvCacheManager
-    from ._models import (
-        BlocksCacheKey,
-        CacheDesc,
-        CacheKey,
-        CacheKeyByIdAndIndex,
-        LLMClusterInfo,
-        MemInfo,
-        TransferConfig,
-        TransferWithCacheKeyConfig,
-    )
+    from ._enums import DataType
+    from ._enums import LLMRole
+    from ._enums import LLMStatusCode
+    from ._enums import Memtype
+    from ._enums import Placement
+    from ._enums import RegisterMemStatus
+    from ._errors import LLMException
+    from ._errors import NoneArgumentError
+    from ._errors import Status
+    from ._layerwise import CacheTask
+    from ._layerwise import LayerSynchronizer
+    from ._manager import CacheManager
+    from ._manager import KvCacheManager
+    from ._models import BlocksCacheKey
+    from ._models import CacheDesc
+    from ._models import CacheKey
+    from ._models import CacheKeyByIdAndIndex
+    from ._models import LLMClusterInfo
+    from ._models import MemInfo
+    from ._models import TransferConfig
+    from ._models import TransferWithCacheKeyConfig
     from ._pool import PoolStats
-    from ._stats import (
-        CopyStats,
-        DataDistStats,
-        Histogram,
-        LinkStats,
-        NotificationStats,
-        OpStats,
-        ServedStats,
-    )
+    from ._stats import CopyStats
+    from ._stats import DataDistStats
+    from ._stats import Histogram
+    from ._stats import LinkStats
+    from ._stats import NotificationStats
+    from ._stats import OpStats
+    from ._stats import ServedStats
 
 __version__ = "0.1.0"
 

@@ -17,8 +17,14 @@ from __future__ import annotations
 
 import functools
 import textwrap
-from collections.abc import Awaitable, Callable
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from collections.abc import Awaitable
+from collections.abc import Callable
+from typing import Any
+from typing import Concatenate
+from typing import Generic
+from typing import ParamSpec
+from typing import TypeVar
+from typing import overload
 
 __all__ = ["FaceMethod", "blocking", "wrapping"]
 

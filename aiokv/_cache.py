@@ -15,7 +15,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ._checks import UINT64_MAX, check_instance, param_invalid, renamed
+from ._checks import UINT64_MAX
+from ._checks import check_instance
+from ._checks import param_invalid
+from ._checks import renamed
 from ._cuda_memory import cuda_memory
 from ._enums import Placement
 from ._models import CacheDesc

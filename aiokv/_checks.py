@@ -13,13 +13,18 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Final, NoReturn, TypeVar, cast
+from typing import Any
+from typing import Final
+from typing import NoReturn
+from typing import TypeVar
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
 from ._enums import LLMStatusCode
-from ._errors import LLMException, NoneArgumentError
+from ._errors import LLMException
+from ._errors import NoneArgumentError
 
 __all__ = [
     "MAX_BLOCK_INDEX",
@@ -149,6 +154,10 @@ def check_blocks(op: str, name: str, value: Any, nblocks: int) -> Blocks:
             lo, hi = min(value), max(value)
             bad = lo if lo < 0 else hi
             param_invalid(op, f"{name} entry {bad} is out of range [0, {bound})")
+        # one reduction: a negative entry's bits as uint64 are >= 2**63 >= nblocks
+        if int(arr.view(np.uint64).max()) < nblocks:
+            arr.flags.writeable = False
+            return arr
         lo, hi = int(arr.min()), int(arr.max())
     if lo < 0:
         param_invalid(op, f"{name} entry {lo} is out of range [0, {bound})")

@@ -19,22 +19,30 @@ import math
 import os
 import re
 import types
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, Union, get_args, get_origin
+from collections.abc import Iterable
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Generic
+from typing import Literal
+from typing import TypeVar
+from typing import Union
+from typing import get_args
+from typing import get_origin
 
-from pydantic import (
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    SecretStr,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import PrivateAttr
+from pydantic import SecretStr
+from pydantic import ValidationInfo
+from pydantic import field_validator
+from pydantic import model_validator
+from pydantic_settings import BaseSettings
+from pydantic_settings import SettingsConfigDict
 
 from ._enums import LLMStatusCode
-from ._errors import LLMException, NoneArgumentError
+from ._errors import LLMException
+from ._errors import NoneArgumentError
 from ._models import Model
 
 __all__ = [

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 import torch
 

@@ -14,42 +14,57 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
-from ._checks import check_instance, check_int, param_invalid
-from ._config import LLMConfig, MemPoolConfig
-from ._copy import (
-    CopyScheduler,
-    SchedulerConfig,
-    Stager,
-    device_empty,
-    host_empty,
-    pre_touch,
-    resolve_device,
-    supports_pinning,
-)
+from ._checks import check_instance
+from ._checks import check_int
+from ._checks import param_invalid
+from ._config import LLMConfig
+from ._config import MemPoolConfig
+from ._copy import CopyScheduler
+from ._copy import SchedulerConfig
+from ._copy import Stager
+from ._copy import device_empty
+from ._copy import host_empty
+from ._copy import pre_touch
+from ._copy import resolve_device
+from ._copy import supports_pinning
 from ._engine import Engine
-from ._enums import LLMRole, LLMStatusCode, Placement, RegisterMemStatus
-from ._errors import LLMException, map_errors
-from ._manager import CacheManager, KvCacheManager
+from ._enums import LLMRole
+from ._enums import LLMStatusCode
+from ._enums import Placement
+from ._enums import RegisterMemStatus
+from ._errors import LLMException
+from ._errors import map_errors
+from ._manager import CacheManager
+from ._manager import KvCacheManager
 from ._models import LLMClusterInfo
-from ._pool import MemPool, PoolStats
-from ._registry import CacheRegistry, RegistryStats
-from ._remote import (
-    MAX_NOTIFICATION_BYTES,
-    Inbox,
-    Leases,
-    Linker,
-    LinkTable,
-    PeerService,
-    RemoteClient,
-    parse_link,
-)
-from ._remote._protocol import NotifyReq, encode
-from ._stats import CopyStats, DataDistStats, OpCounter, PeerCounters
-from .transport import Link, LinkCallback, Transport, get_transport, load_tls
+from ._pool import MemPool
+from ._pool import PoolStats
+from ._registry import CacheRegistry
+from ._registry import RegistryStats
+from ._remote import MAX_NOTIFICATION_BYTES
+from ._remote import Inbox
+from ._remote import Leases
+from ._remote import Linker
+from ._remote import LinkTable
+from ._remote import PeerService
+from ._remote import RemoteClient
+from ._remote import parse_link
+from ._remote._protocol import NotifyReq
+from ._remote._protocol import encode
+from ._stats import CopyStats
+from ._stats import DataDistStats
+from ._stats import OpCounter
+from ._stats import PeerCounters
+from .transport import Link
+from .transport import LinkCallback
+from .transport import Transport
+from .transport import get_transport
+from .transport import load_tls
 
 __all__ = ["LEGACY_POOL", "LLMDataDist"]
 

@@ -34,8 +34,14 @@ import contextlib
 import logging
 import threading
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Final, Generic, ParamSpec, TypeVar
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Coroutine
+from typing import Any
+from typing import Final
+from typing import Generic
+from typing import ParamSpec
+from typing import TypeVar
 
 import anyio
 import sniffio

@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import Any
 
 from ._enums import LLMStatusCode

@@ -20,34 +20,42 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine, Generator
+from collections.abc import AsyncGenerator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Coroutine
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
+from typing import Protocol
+from typing import runtime_checkable
 
 from ._cache import Cache
-from ._checks import Blocks, check_index, param_invalid
-from ._engine import Engine, Portal
+from ._checks import Blocks
+from ._checks import check_index
+from ._checks import param_invalid
+from ._engine import Engine
+from ._engine import Portal
 from ._enums import LLMStatusCode
-from ._errors import LLMException, status_of
+from ._errors import LLMException
+from ._errors import status_of
 from ._layout import ByteLayout
-from ._models import (
-    BlocksCacheKey,
-    CacheKeyByIdAndIndex,
-    TransferConfig,
-    TransferWithCacheKeyConfig,
-)
-from ._remote import Move, RemoteClient, Transfer
-from ._remote._protocol import (
-    AddrsReq,
-    BlocksReq,
-    KeyByBlocks,
-    KeyById,
-    Request,
-    SlotReq,
-    Tensors,
-    pack_blocks,
-    wire_key,
-)
+from ._models import BlocksCacheKey
+from ._models import CacheKeyByIdAndIndex
+from ._models import TransferConfig
+from ._models import TransferWithCacheKeyConfig
+from ._remote import Move
+from ._remote import RemoteClient
+from ._remote import Transfer
+from ._remote._protocol import AddrsReq
+from ._remote._protocol import BlocksReq
+from ._remote._protocol import KeyByBlocks
+from ._remote._protocol import KeyById
+from ._remote._protocol import Request
+from ._remote._protocol import SlotReq
+from ._remote._protocol import Tensors
+from ._remote._protocol import pack_blocks
+from ._remote._protocol import wire_key
 from ._threads import Lane
 
 __all__ = ["CacheTask", "LayerPlan", "LayerSynchronizer", "plan", "run_layers"]

@@ -19,7 +19,8 @@ to transports that move bytes by address, and makes a view (one memoryview slice
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+from collections.abc import Sequence
 from typing import overload
 
 import numpy as np

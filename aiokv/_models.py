@@ -11,23 +11,33 @@ from __future__ import annotations
 import ipaddress
 import math
 import socket
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import ClassVar
+from typing import NoReturn
 
 import torch
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import PrivateAttr
+from pydantic import ValidationError
+from pydantic import field_validator
+from pydantic import model_validator
 
-from ._checks import UINT64_MAX, check_int, param_invalid
-from ._enums import DataType, LLMRole, LLMStatusCode, Memtype, Placement
-from ._errors import LLMException, NoneArgumentError
+from ._checks import UINT64_MAX
+from ._checks import check_int
+from ._checks import param_invalid
+from ._enums import DataType
+from ._enums import LLMRole
+from ._enums import LLMStatusCode
+from ._enums import Memtype
+from ._enums import Placement
+from ._errors import LLMException
+from ._errors import NoneArgumentError
 
 __all__ = [
     "BlocksCacheKey",

@@ -12,10 +12,12 @@ thread keep them atomic.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 import torch
-from sortedcontainers import SortedDict, SortedList
+from sortedcontainers import SortedDict
+from sortedcontainers import SortedList
 
 from ._enums import LLMStatusCode
 from ._errors import LLMException

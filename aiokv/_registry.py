@@ -20,18 +20,27 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import Concatenate
+from typing import ParamSpec
+from typing import TypeVar
 
 from sortedcontainers import SortedDict
 
 from ._cache import Cache
-from ._checks import UINT64_MAX, check_instance, param_invalid
+from ._checks import UINT64_MAX
+from ._checks import check_instance
+from ._checks import param_invalid
 from ._enums import LLMStatusCode
 from ._errors import LLMException
-from ._models import BlocksCacheKey, CacheKey
-from ._pool import MemPool, Span
+from ._models import BlocksCacheKey
+from ._models import CacheKey
+from ._pool import MemPool
+from ._pool import Span
 
 __all__ = ["CacheRegistry", "Entry", "KeyId", "RegistryStats", "is_placeholder", "key_id"]
 
@@ -116,6 +125,10 @@ class Entry:
     revokers: dict[object, Callable[[LLMStatusCode], None]] = field(default_factory=dict)
     #: called (from whichever thread unpins) once ``pins`` drops to 0
     unpinned: list[Callable[[], None]] = field(default_factory=list)
+    #: flat ``'B'`` views of its host tensors' bytes, made at the first grant served
+    #: from them and kept with the entry (the tensors never change; the views are used
+    #: only while a grant pins the memory)
+    host_bytes: list[memoryview] | None = None
 
     @property
     def owned(self) -> bool:
@@ -299,6 +312,9 @@ class CacheRegistry:
             LLMException: ``LLM_KV_CACHE_NOT_EXIST`` if one was freed meanwhile (another
                 thread dropped its last reference after it was looked up); none is pinned.
         """
+        self._pin(entries, lease)
+
+    def _pin(self, entries: Sequence[Entry], lease: bool) -> None:
         for e in entries:
             # registered user memory is the user's again once unregister_cache started
             if e.freed or not (e.owned or e.id_held):
@@ -314,6 +330,26 @@ class CacheRegistry:
     def unpin(self, *entries: Entry, lease: bool = False) -> None:
         """End a :meth:`pin` (of the same ``lease``); frees memory whose last reference
         went meanwhile."""
+        self._unpin(entries, lease)
+
+    @_locked
+    def hold(self, token: object, revoke: Callable[[LLMStatusCode], None], *entries: Entry) -> None:
+        """:meth:`pin` ``entries`` and :meth:`add_revoker` ``revoke`` as ``token`` on
+        them, as one step (a served grant; :meth:`let_go` ends it).
+
+        Raises:
+            LLMException: as :meth:`pin`; nothing is pinned or recorded then.
+        """
+        self._pin(entries, False)
+        self.add_revoker(token, revoke, *entries)
+
+    @_locked
+    def let_go(self, token: object, *entries: Entry) -> None:
+        """End a :meth:`hold`: :meth:`drop_revoker` ``token``, then :meth:`unpin`."""
+        self.drop_revoker(token, *entries)
+        self._unpin(entries, False)
+
+    def _unpin(self, entries: Sequence[Entry], lease: bool) -> None:
         for e in entries:
             e.pins -= 1
             e.leases -= lease

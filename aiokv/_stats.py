@@ -17,9 +17,12 @@ import collections
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Final
+from dataclasses import dataclass
+from dataclasses import field
+from types import MappingProxyType
+from types import TracebackType
+from typing import TYPE_CHECKING
+from typing import Final
 
 from ._enums import LLMStatusCode
 

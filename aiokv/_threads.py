@@ -28,7 +28,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Final, TypeVar
+from typing import Any
+from typing import Final
+from typing import TypeVar
 
 __all__ = ["Lane", "on_loop"]
 

@@ -17,7 +17,9 @@ import sys
 from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING
+from typing import Annotated
+from typing import NoReturn
 
 import typer
 
@@ -169,7 +171,10 @@ def demo(
     """Serve a tiny transformer disaggregated: a prefill process sends each layer's KV
     blocks (transfer_cache_async) to decode processes, whose tokens must be identical to
     a colocated run. Exits 1 if they are not."""
-    from ._demo import DemoError, DemoOptions, reap_tracker, run_demo
+    from ._demo import DemoError
+    from ._demo import DemoOptions
+    from ._demo import reap_tracker
+    from ._demo import run_demo
 
     opts = DemoOptions(
         prompts=prompts,
@@ -234,7 +239,8 @@ def _root(
 def info(as_json: Json = False) -> None:
     """Devices (cpu, cuda, npu), transports (tcp, tls, nixl: available or why not,
     NIXL/UCX versions), versions and the event loop."""
-    from ._info import collect, render
+    from ._info import collect
+    from ._info import render
 
     found = collect()
     if as_json:
@@ -470,7 +476,8 @@ def bench_vllm(
 def main() -> None:
     """Entry point of the ``aiokv`` console script: ``app`` with Ctrl-C handled
     (:mod:`aiokv._bench._interrupt`): exit status 130 within a second, children reaped."""
-    from ._bench._interrupt import EXIT_INTERRUPTED, interruptible
+    from ._bench._interrupt import EXIT_INTERRUPTED
+    from ._bench._interrupt import interruptible
 
     with interruptible() as interrupt:
         try:

@@ -50,9 +50,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Protocol
 
-from ._stats import OTHER_PEERS, DataDistStats, Histogram, OpStats
+from ._stats import OTHER_PEERS
+from ._stats import DataDistStats
+from ._stats import Histogram
+from ._stats import OpStats
 
 if TYPE_CHECKING:
     from ._pool import PoolStats
@@ -274,7 +279,8 @@ def start_metrics_server(
         OSError: the address cannot be bound.
     """
     _prom()
-    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import start_http_server
 
     collector = Collector(*instances)
     registry = CollectorRegistry(auto_describe=False)

@@ -20,75 +20,50 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
-from ._blocking import blocking, wrapping
-from ._cache import Cache, KvCache
-from ._config import LLMConfig, LlmConfig, MemPoolConfig
+# aiokv's public names are this module's: type checkers read them from this import, and
+# each name is imported here as itself (``X as X``), an explicit re-export
+from . import __all__ as __all__
+from ._blocking import blocking
+from ._blocking import wrapping
+from ._cache import Cache as Cache
+from ._cache import KvCache as KvCache
+from ._config import LLMConfig as LLMConfig
+from ._config import LlmConfig as LlmConfig
+from ._config import MemPoolConfig as MemPoolConfig
 from ._datadist import LLMDataDist as _AsyncDataDist
 from ._engine import Engine
-from ._enums import DataType, LLMRole, LLMStatusCode, Memtype, Placement, RegisterMemStatus
-from ._errors import LLMException, NoneArgumentError, Status
+from ._enums import DataType as DataType
+from ._enums import LLMRole as LLMRole
+from ._enums import LLMStatusCode as LLMStatusCode
+from ._enums import Memtype as Memtype
+from ._enums import Placement as Placement
+from ._enums import RegisterMemStatus as RegisterMemStatus
+from ._errors import LLMException as LLMException
+from ._errors import NoneArgumentError as NoneArgumentError
+from ._errors import Status as Status
 from ._layerwise import CacheTask as _AsyncCacheTask
-from ._layerwise import LayerSynchronizer
+from ._layerwise import LayerSynchronizer as LayerSynchronizer
 from ._manager import CacheManager as _AsyncCacheManager
-from ._models import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    LLMClusterInfo,
-    MemInfo,
-    TransferConfig,
-    TransferWithCacheKeyConfig,
-)
-from ._pool import PoolStats
+from ._models import BlocksCacheKey as BlocksCacheKey
+from ._models import CacheDesc as CacheDesc
+from ._models import CacheKey as CacheKey
+from ._models import CacheKeyByIdAndIndex as CacheKeyByIdAndIndex
+from ._models import LLMClusterInfo as LLMClusterInfo
+from ._models import MemInfo as MemInfo
+from ._models import TransferConfig as TransferConfig
+from ._models import TransferWithCacheKeyConfig as TransferWithCacheKeyConfig
+from ._pool import PoolStats as PoolStats
 from ._registry import RegistryStats
-from ._stats import (
-    CopyStats,
-    DataDistStats,
-    Histogram,
-    LinkStats,
-    NotificationStats,
-    OpStats,
-    ServedStats,
-)
+from ._stats import CopyStats as CopyStats
+from ._stats import DataDistStats as DataDistStats
+from ._stats import Histogram as Histogram
+from ._stats import LinkStats as LinkStats
+from ._stats import NotificationStats as NotificationStats
+from ._stats import OpStats as OpStats
+from ._stats import ServedStats as ServedStats
 
-__all__ = [
-    "BlocksCacheKey",
-    "Cache",
-    "CacheDesc",
-    "CacheKey",
-    "CacheKeyByIdAndIndex",
-    "CacheManager",
-    "CacheTask",
-    "CopyStats",
-    "DataDistStats",
-    "DataType",
-    "Histogram",
-    "KvCache",
-    "KvCacheManager",
-    "LLMClusterInfo",
-    "LLMConfig",
-    "LLMDataDist",
-    "LLMException",
-    "LLMRole",
-    "LLMStatusCode",
-    "LayerSynchronizer",
-    "LinkStats",
-    "LlmConfig",
-    "MemInfo",
-    "MemPoolConfig",
-    "Memtype",
-    "NoneArgumentError",
-    "NotificationStats",
-    "OpStats",
-    "Placement",
-    "PoolStats",
-    "RegisterMemStatus",
-    "ServedStats",
-    "Status",
-    "TransferConfig",
-    "TransferWithCacheKeyConfig",
-]
+__all__ = list(__all__)  # every public name of aiokv (a copy: aiokv's stays as it is) ...
+__all__.remove("__version__")  # ... but its version
 
 
 class _Blocking:

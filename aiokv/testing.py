@@ -37,13 +37,17 @@ function-scoped test loops).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from typing import Any
 
 import pytest
 
 if TYPE_CHECKING:
-    from . import LLMClusterInfo, LLMConfig, LLMDataDist
+    from . import LLMClusterInfo
+    from . import LLMConfig
+    from . import LLMDataDist
 
 # aiokv proper (and torch with it) is imported inside the fixtures that use it: pytest
 # registers this plugin in every run of an environment that has aiokv installed, and that
@@ -154,7 +158,9 @@ async def linked_pair(
         RuntimeError: linking failed (the per-cluster codes in the message).
         ValueError: the prompt does not listen.
     """
-    from . import LLMDataDist, LLMRole, LLMStatusCode
+    from . import LLMDataDist
+    from . import LLMRole
+    from . import LLMStatusCode
 
     async with (
         LLMDataDist(LLMRole.PROMPT, 1, prompt_config) as prompt,
@@ -171,7 +177,8 @@ async def linked_pair(
 
 def _unavailable(transport: str) -> str | None:
     """Why ``transport`` cannot be used here, or ``None`` when it can."""
-    from . import LLMException, LLMStatusCode
+    from . import LLMException
+    from . import LLMStatusCode
     from .transport import get_transport
 
     try:
@@ -246,7 +253,8 @@ def aiokv_config(aiokv_transport: str) -> LLMConfig:
 @_async_fixture
 async def aiokv_datadist(aiokv_config: LLMConfig) -> AsyncIterator[LLMDataDist]:
     """An initialised ``LLMDataDist`` (prompt, cluster 1), finalised after the test."""
-    from . import LLMDataDist, LLMRole
+    from . import LLMDataDist
+    from . import LLMRole
 
     datadist = LLMDataDist(LLMRole.PROMPT, 1)
     await datadist.init(aiokv_config)

@@ -29,16 +29,14 @@ from typing import Any
 
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMClusterInfo
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
 
 PREFILL, DECODE = 1, 2  # cluster ids
 LAYERS, BLOCKS, BLOCK_TOKENS = 4, 256, 16

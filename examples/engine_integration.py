@@ -19,20 +19,18 @@ from typing import Any
 import torch
 
 import aiokv.sync
-from aiokv import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    DataType,
-    LayerSynchronizer,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    TransferWithCacheKeyConfig,
-)
+from aiokv import BlocksCacheKey
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LayerSynchronizer
+from aiokv import LLMClusterInfo
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import TransferWithCacheKeyConfig
 
 LAYERS, BLOCKS, BLOCK_TOKENS, HEADS, HEAD_DIM = 4, 64, 16, 4, 32
 

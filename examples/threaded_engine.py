@@ -26,16 +26,14 @@ from typing import Any
 import torch
 
 import aiokv.sync as aiokv_sync
-from aiokv.sync import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
+from aiokv.sync import BlocksCacheKey
+from aiokv.sync import CacheDesc
+from aiokv.sync import DataType
+from aiokv.sync import LLMClusterInfo
+from aiokv.sync import LLMConfig
+from aiokv.sync import LLMException
+from aiokv.sync import LLMRole
+from aiokv.sync import LLMStatusCode
 
 PREFILL, DECODE = 1, 2
 LAYERS, BLOCKS = 4, 128

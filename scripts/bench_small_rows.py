@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from aiokv._bench import transfer
-from aiokv._bench._harness import Report, run_remote
+from aiokv._bench._harness import Report
+from aiokv._bench._harness import run_remote
 
 KIB = 1 << 10
 ROWS = [(16 * KIB, 256), (64 * KIB, 64)] * 2

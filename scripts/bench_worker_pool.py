@@ -32,14 +32,18 @@ import gc
 import statistics
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 import torch
 
-from aiokv._copy._kernels import DEFAULT_STAGING_BYTES, copy_blocks_job
-from aiokv._copy._workers import WorkerPool, _resolve_threadsafe
+from aiokv._copy._kernels import DEFAULT_STAGING_BYTES
+from aiokv._copy._kernels import copy_blocks_job
+from aiokv._copy._workers import WorkerPool
+from aiokv._copy._workers import _resolve_threadsafe
 
 T = TypeVar("T")
 THREADS = 4

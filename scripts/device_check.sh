@@ -7,7 +7,9 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
 #     pydantic pydantic_core pydantic-settings python-dotenv annotated-types \
 #     typing-inspection msgspec pytest-asyncio sniffio trio outcome nixl==1.5.1 nixl-cu13==1.5.1
-# then there: pip install --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD
+# and aiokv's own wheel (`pip wheel --no-deps -w .whl .`: its pytest plugin's entry point,
+# for the suite's plugin tests), then there: pip install --target /tmp/site .whl/*.whl;
+# PYTHONPATH=$PWD:/tmp/site (the checkout first: its aiokv is the one tested)
 # Writes tests.log and the benches' JSON into $OUT (default: ./device-check).
 
 export PYTHONUNBUFFERED=1
@@ -32,7 +34,7 @@ echo "rc $? at $(( $(date +%s) - T0 )) s"; tail -c 1500 $OUT/device_tcp.json; ta
 echo "== bench device nixl"
 timeout $(left 420) python3 -m aiokv.cli bench device --backend nixl --json > $OUT/device_nixl.json 2>$OUT/device_nixl.err
 echo "rc $? at $(( $(date +%s) - T0 )) s"; tail -c 1500 $OUT/device_nixl.json; tail -5 $OUT/device_nixl.err
-echo "== whole suite, -n 12"
-timeout $(left $BUDGET) python3 -m pytest -q -p no:cacheprovider -n 12 --timeout 120 tests \
+echo "== whole suite, -n 8"
+OMP_NUM_THREADS=2 timeout $(left $BUDGET) python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 120 tests \
   --ignore=tests/integrations > $OUT/suite.log 2>&1
 echo "suite rc $? at $(( $(date +%s) - T0 )) s"; grep -E "^(FAILED|ERROR)" $OUT/suite.log | head -20; tail -3 $OUT/suite.log

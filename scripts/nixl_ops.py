@@ -15,8 +15,12 @@ import asyncio
 import statistics
 import sys
 
-from aiokv._bench._harness import PromptPeer, scattered, spawned
-from aiokv._bench.nixl import SETTINGS, NixlDecoder, _desc
+from aiokv._bench._harness import PromptPeer
+from aiokv._bench._harness import scattered
+from aiokv._bench._harness import spawned
+from aiokv._bench.nixl import SETTINGS
+from aiokv._bench.nixl import NixlDecoder
+from aiokv._bench.nixl import _desc
 
 
 async def main(block: int, count: int, setting: str) -> None:

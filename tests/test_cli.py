@@ -22,8 +22,11 @@ from _helpers import checkout_env
 from typer.testing import CliRunner
 
 import aiokv
-from aiokv import LLMStatusCode, _info
-from aiokv._bench import _plot, transfer
+from aiokv import LLMStatusCode
+from aiokv import _info
+from aiokv._bench import _harness
+from aiokv._bench import _plot
+from aiokv._bench import transfer
 from aiokv._errors import LLMException
 from aiokv.cli import app
 
@@ -139,8 +142,10 @@ def _listener(*args: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
 def test_transfer_runs_across_two_processes_listen_and_connect(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # one small row, a small concurrency round; the other parts run as in loopback
+    # one small row, a small concurrency round, a small pool on this (the decoder's) side;
+    # the other parts run as in loopback
     monkeypatch.setattr(transfer, "QUICK", [(16 << 10, 64)])
+    monkeypatch.setattr(_harness, "POOL_BYTES", 32 << 20)
     concurrent = transfer._concurrent
 
     async def small(report: Any, peer: Any, links: int, transfers: int) -> None:

@@ -8,14 +8,17 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from _helpers import checkout_env, run_python
+from _helpers import checkout_env
+from _helpers import run_python
 from typer.testing import CliRunner
 
 from aiokv import cli
-from aiokv._bench import _plot, transfer
+from aiokv._bench import _plot
+from aiokv._bench import transfer
 from aiokv.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,13 +136,15 @@ BOOM = (
 
 
 def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback() -> None:
-    done, _ = _aiokv("info", code=BOOM)
+    with ThreadPoolExecutor(2) as both:  # the two runs at once
+        (done, _), (debug, _) = both.map(
+            lambda argv: _aiokv(*argv, code=BOOM), [("info",), ("--debug", "info")]
+        )
     assert done.returncode == 1
     line = _one_line(done.stderr)
     assert line == (
         "aiokv: RuntimeError: the probe broke second line (aiokv --debug shows the traceback)"
     )
-    debug, _ = _aiokv("--debug", "info", code=BOOM)
     assert debug.returncode == 1
     assert "Traceback" in debug.stderr and "the probe broke" in debug.stderr
 
@@ -165,7 +170,8 @@ def test_demo_over_nixl_without_nixl_names_the_extra_before_any_process(
 ) -> None:
     import multiprocessing
 
-    from aiokv import LLMException, LLMStatusCode
+    from aiokv import LLMException
+    from aiokv import LLMStatusCode
     from aiokv._demo import _run
 
     def missing(name: str) -> None:

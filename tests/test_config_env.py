@@ -9,7 +9,11 @@ import logging
 import pytest
 from pydantic import SecretStr
 
-from aiokv import LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
 from aiokv.sync import LLMConfig as SyncLLMConfig
 from aiokv.testing import cluster_info
 
@@ -94,6 +98,14 @@ def test_secret_is_masked_unless_asked() -> None:
         LLMConfig(link_secret="")
 
 
+async def only_the_secret_links(p: LLMDataDist, good: LLMDataDist, bad: LLMDataDist) -> None:
+    """``bad`` (another secret, or none) fails to link to ``p``; ``good`` (the secret of
+    ``p``) links."""
+    peer = [cluster_info(1, p.listen_address)]
+    assert (await bad.link_clusters(peer))[1] == [LLMStatusCode.LLM_LINK_FAILED]
+    assert (await good.link_clusters(peer))[1] == [LLMStatusCode.LLM_SUCCESS]
+
+
 async def test_environment_secret_authenticates_links_and_is_never_logged(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -111,9 +123,7 @@ async def test_environment_secret_authenticates_links_and_is_never_logged(
         await good.init(LLMConfig(listen_ip_info="127.0.0.1:0"))
         bad = LLMDataDist(LLMRole.DECODER, 3)
         await bad.init(LLMConfig(link_secret="another-secret"))
-        peer = [cluster_info(1, p.listen_address)]
-        assert (await bad.link_clusters(peer))[1] == [LLMStatusCode.LLM_LINK_FAILED]
-        assert (await good.link_clusters(peer))[1] == [LLMStatusCode.LLM_SUCCESS]
+        await only_the_secret_links(p, good, bad)
     finally:
         for d in (bad, good, p):
             if d is not None:
@@ -242,9 +252,7 @@ async def test_a_secret_given_in_ge_options_authenticates_links() -> None:
         await good.init({"aiokv.linkSecret": SECRET, "aiokv.deviceType": "cpu"})
         await bad.init(LLMConfig(device_type="cpu"))
         assert p.listen_address is not None
-        peer = [cluster_info(1, p.listen_address)]
-        assert (await bad.link_clusters(peer))[1] == [LLMStatusCode.LLM_LINK_FAILED]
-        assert (await good.link_clusters(peer))[1] == [LLMStatusCode.LLM_SUCCESS]
+        await only_the_secret_links(p, good, bad)
     finally:
         for d in (bad, good, p):
             await d.finalize()

@@ -14,7 +14,10 @@ import warnings
 
 import pytest
 
-from aiokv import LLMConfig, LLMDataDist, LLMRole, sync
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMRole
+from aiokv import sync
 from aiokv.testing import make_config
 
 WARNING = "finalize the old one"

@@ -23,21 +23,19 @@ import anyio
 import pytest
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    CacheManager,
-    CacheTask,
-    DataType,
-    LayerSynchronizer,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-    TransferWithCacheKeyConfig,
-)
+from aiokv import BlocksCacheKey
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import CacheManager
+from aiokv import CacheTask
+from aiokv import DataType
+from aiokv import LayerSynchronizer
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
+from aiokv import TransferWithCacheKeyConfig
 from aiokv._engine import Engine
 from aiokv.testing import cluster_info as info
 from aiokv.testing import make_config
@@ -152,7 +150,8 @@ def test_trio_caller_and_its_cancellation(engine: Engine) -> None:
 
 
 def _sleepy_prompt(conn: Any) -> None:
-    """A prompt process whose loop thread blocks in time.sleep while a peer pulls."""
+    """A prompt process whose loop thread is blocked (a model forward...) from the peer's
+    link until the peer says it has pulled: the whole pull happens while it is."""
 
     async def main() -> None:
         async with LLMDataDist(LLMRole.PROMPT, 1, config()) as p:
@@ -161,7 +160,7 @@ def _sleepy_prompt(conn: Any) -> None:
                 t.copy_(want)
             conn.send(p.listen_address)
             conn.recv()  # the decoder has linked
-            time.sleep(5)  # noqa: ASYNC251  # the loop thread is busy: a model forward...
+            conn.recv()  # the loop thread is blocked until the decoder has pulled
             conn.send("woke")
             conn.recv()
 
@@ -180,16 +179,17 @@ async def test_blocked_caller_thread_keeps_serving_peers() -> None:
             code, _ = await d.link_clusters([info(1, address)])
             assert code == CODE.LLM_SUCCESS
             here.send("linked")
-            await asyncio.sleep(0.2)  # the prompt's loop is now asleep
+            await asyncio.sleep(0.2)  # the prompt's loop is now blocked
             dst = await d.cache_manager.allocate_blocks_cache(DESC)
             blocks = list(range(BLOCKS))
             start = time.perf_counter()
             await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, blocks, blocks)
             took = time.perf_counter() - start
-            assert not here.poll()  # it is still asleep
+            assert not here.poll()  # it is still blocked
             assert took < 1.0, f"the pull took {took:.2f} s"
             for got, want in zip(dst.tensors, pattern(1), strict=True):
                 assert torch.equal(got, want)
+            here.send("pulled")
         assert await asyncio.to_thread(here.poll, 10)
         here.send("done")
         await asyncio.to_thread(proc.join, 30)

@@ -7,28 +7,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from _helpers import Refusing, fake_peer, fake_peer_hello
+from _helpers import Refusing
+from _helpers import fake_peer
+from _helpers import fake_peer_hello
+from _helpers import raises
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv.testing import cluster_info as info
-from aiokv.testing import linked_pair, make_config
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
 from aiokv.transport import _wire as wire
 from aiokv.transport import get_transport
-from aiokv.transport._base import REASON_CAP, decode_reason, encode_reason
+from aiokv.transport._base import REASON_CAP
+from aiokv.transport._base import decode_reason
+from aiokv.transport._base import encode_reason
 from aiokv.transport._wire import FrameType
 from aiokv.transport.tcp import TcpTransport
 
@@ -39,6 +42,11 @@ pytestmark = pytest.mark.timeout(60)
 
 def config(backend: str, **kw: Any) -> LLMConfig:
     return make_config(backend, pool=4 << 20, **({"sync_kv_timeout": 3000} | kw))
+
+
+def blocks(width: int = 32) -> CacheDesc:
+    """Two bf16 tensors of 8 blocks of ``[4, 2, width]`` (``width`` 32: 512 bytes a block)."""
+    return CacheDesc(2, [8, 4, 2, width], DataType.DT_BF16)
 
 
 @pytest.fixture(params=["local", "tcp"])
@@ -53,27 +61,26 @@ async def test_peer_reason_reaches_the_requester(
     """A pull whose block size differs from the owner's: the requester's error carries
     the owner's reason, and the owner logs the refusal at WARNING."""
     p, d = pair
-    await p.cache_manager.allocate_blocks_cache(
-        CacheDesc(2, [8, 4, 2, 64], DataType.DT_BF16), BlocksCacheKey(1, 0)
-    )
-    dst = await d.cache_manager.allocate_blocks_cache(CacheDesc(2, [8, 4, 2, 32], DataType.DT_BF16))
-    with caplog.at_level(logging.WARNING, logger="aiokv"), pytest.raises(LLMException) as ei:
-        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
-    assert ei.value.status_code == CODE.LLM_PARAM_INVALID
-    assert "block sizes differ: the requester's cache has 512 bytes per block" in str(ei.value)
-    assert "has 1024" in str(ei.value)
-    assert "pull_blocks" in str(ei.value)  # the public operation, once
+    await p.cache_manager.allocate_blocks_cache(blocks(64), BlocksCacheKey(1, 0))
+    dst = await d.cache_manager.allocate_blocks_cache(blocks())
+    with caplog.at_level(logging.WARNING, logger="aiokv"):
+        await raises(
+            CODE.LLM_PARAM_INVALID,
+            d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0]),
+            "block sizes differ: the requester's cache has 512 bytes per block",
+            "has 1024",
+            "pull_blocks",  # the public operation, once
+        )
     refusals = [r for r in caplog.records if r.name == "aiokv.remote" and "refused" in r.message]
     assert refusals and refusals[0].levelno == logging.WARNING
     assert "block sizes differ" in refusals[0].getMessage()
 
-    missing = await d.cache_manager.allocate_blocks_cache(
-        CacheDesc(2, [8, 4, 2, 32], DataType.DT_BF16)
+    missing = await d.cache_manager.allocate_blocks_cache(blocks())
+    await raises(
+        CODE.LLM_KV_CACHE_NOT_EXIST,
+        d.cache_manager.pull_blocks(BlocksCacheKey(1, 9), missing, [0], [0]),
+        "no cache for",
     )
-    with pytest.raises(LLMException) as ei:
-        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 9), missing, [0], [0])
-    assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
-    assert "no cache for" in str(ei.value)
 
 
 def test_reason_is_capped_and_sanitized() -> None:
@@ -112,33 +119,29 @@ async def raw_peer(reason: bytes) -> AsyncIterator[int]:
         yield port
 
 
-async def test_hostile_reason_is_sanitized_by_the_requester() -> None:
-    reason = b"gone\r\n\x1b[2J" + "ü".encode() + b"\xff" * 3
+async def read_refused_by_raw_peer(reason: bytes, code: LLMStatusCode) -> tuple[str, bool]:
+    """A read over TCP from a :func:`raw_peer` refusing with ``reason``: it must fail
+    with ``code``; returns the error's message and whether the link is broken after."""
     async with raw_peer(reason) as port:
         t = TcpTransport(1, Refusing(CODE.LLM_FAILED))
         try:
             link = await t.connect(HOST, port, timeout=5)
-            with pytest.raises(LLMException) as ei:
-                await link.read(b"{}", [memoryview(bytearray(16))], timeout=5)
+            exc = await raises(code, link.read(b"{}", [memoryview(bytearray(16))], timeout=5))
+            return str(exc), link.broken
         finally:
             await t.aclose()
-    assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
-    msg = str(ei.value)
+
+
+async def test_hostile_reason_is_sanitized_by_the_requester() -> None:
+    reason = b"gone\r\n\x1b[2J" + "ü".encode() + b"\xff" * 3
+    msg, _ = await read_refused_by_raw_peer(reason, CODE.LLM_KV_CACHE_NOT_EXIST)
     assert "cluster 9 refused (LLM_KV_CACHE_NOT_EXIST): gone???[2Jü\ufffd\ufffd\ufffd" in msg
     assert "\n" not in msg and "\x1b" not in msg
 
 
 async def test_reason_over_the_cap_is_a_protocol_violation() -> None:
-    async with raw_peer(b"x" * (REASON_CAP + 1)) as port:
-        t = TcpTransport(1, Refusing(CODE.LLM_FAILED))
-        try:
-            link = await t.connect(HOST, port, timeout=5)
-            with pytest.raises(LLMException) as ei:
-                await link.read(b"{}", [memoryview(bytearray(16))], timeout=5)
-            assert link.broken
-        finally:
-            await t.aclose()
-    assert ei.value.status_code == CODE.LLM_LINK_FAILED
+    _, broken = await read_refused_by_raw_peer(b"x" * (REASON_CAP + 1), CODE.LLM_LINK_FAILED)
+    assert broken
 
 
 # ------------------------------------------------------------------------ link_secret
@@ -166,8 +169,12 @@ async def test_wrong_link_secret_says_so_on_both_sides(
     try:
         with caplog.at_level(logging.WARNING, logger="aiokv"):
             host, port = await srv.listen(HOST, 0)
-            with pytest.raises(LLMException) as ei:
-                await cli.connect(host, port, timeout=5)
+            exc = await raises(
+                CODE.LLM_LINK_FAILED,
+                cli.connect(host, port, timeout=5),
+                "authentication failed",
+                says,
+            )
             for _ in range(100):  # the acceptor logs once its handshake task ends
                 if any("refused a link" in r.getMessage() for r in caplog.records):
                     break
@@ -175,9 +182,7 @@ async def test_wrong_link_secret_says_so_on_both_sides(
     finally:
         await cli.aclose()
         await srv.aclose()
-    assert ei.value.status_code == CODE.LLM_LINK_FAILED
-    assert "authentication failed" in str(ei.value) and says in str(ei.value)
-    assert ei.value.context.get("authenticated") is False
+    assert exc.context.get("authenticated") is False
     accepted = [r for r in caplog.records if "refused a link" in r.getMessage()]
     assert accepted and accepted[0].levelno == logging.WARNING
     assert "link_secret" in accepted[0].getMessage()
@@ -199,26 +204,16 @@ async def test_link_clusters_with_a_wrong_secret_warns(caplog: pytest.LogCapture
 # ---------------------------------------------------------------- misuses name the fix
 
 
-async def _raises(code: LLMStatusCode, call: Callable[[], Awaitable[Any]], *needles: str) -> None:
-    with pytest.raises(LLMException) as ei:
-        await call()
-    assert ei.value.status_code == code
-    for needle in needles:
-        assert needle in str(ei.value), str(ei.value)
-
-
 async def test_unlinked_cluster_says_link_clusters_first() -> None:
     async with LLMDataDist(LLMRole.DECODER, 2, config("tcp")) as d:
-        dst = await d.cache_manager.allocate_blocks_cache(
-            CacheDesc(2, [8, 4, 2, 32], DataType.DT_BF16)
-        )
-        await _raises(
+        dst = await d.cache_manager.allocate_blocks_cache(blocks())
+        await raises(
             CODE.LLM_NOT_YET_LINK,
-            lambda: d.cache_manager.pull_blocks(BlocksCacheKey(7, 0), dst, [0], [0]),
+            d.cache_manager.pull_blocks(BlocksCacheKey(7, 0), dst, [0], [0]),
             "cluster 7 is not linked",
             "call link_clusters first",
         )
-        await _raises(CODE.LLM_NOT_YET_LINK, lambda: d.check_link_status(7), "link_clusters")
+        await raises(CODE.LLM_NOT_YET_LINK, d.check_link_status(7), "link_clusters")
 
 
 async def test_pool_too_small_says_how_big_and_which_option() -> None:
@@ -229,18 +224,16 @@ async def test_pool_too_small_says_how_big_and_which_option() -> None:
     )
     async with LLMDataDist(LLMRole.DECODER, 2, cfg) as d:
         cm = d.cache_manager
-        await _raises(
+        await raises(
             CODE.LLM_OUT_OF_MEMORY,
-            lambda: cm.allocate_cache(CacheDesc(5, [1024, 1024], DataType.DT_UINT8)),
+            cm.allocate_cache(CacheDesc(5, [1024, 1024], DataType.DT_UINT8)),
             "5 tensor(s) of 1048576 bytes need 5242880 bytes",
             "4194304 of 4194304 bytes are free",
             "mem_pool_cfg.memory_size",
         )
-        await _raises(
+        await raises(
             CODE.LLM_OUT_OF_MEMORY,
-            lambda: cm.allocate_cache(
-                CacheDesc(2, [1024, 1024], DataType.DT_UINT8, Placement.HOST)
-            ),
+            cm.allocate_cache(CacheDesc(2, [1024, 1024], DataType.DT_UINT8, Placement.HOST)),
             "host pool",
             "host_mem_pool_cfg.memory_size",
         )

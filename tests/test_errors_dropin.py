@@ -5,25 +5,26 @@ both sides, config errors list the valid choices, lifecycle words fit the caller
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from typing import Any
 
 import pytest
+from _helpers import free_port
+from _helpers import not_listening
+from _helpers import raises
 
 import aiokv.sync as llm_datadist
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
 from aiokv._config import InvalidOptionError
-from aiokv.testing import cluster_info, linked_pair, make_config
+from aiokv.testing import cluster_info
+from aiokv.testing import linked_pair
 
 CODE = LLMStatusCode
 pytestmark = pytest.mark.timeout(60)
@@ -31,15 +32,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def config(**kw: Any) -> LLMConfig:
     """A participant that does not listen unless told to (over TCP)."""
-    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
-    return make_config("tcp", pool=4 << 20, **(options | {"sync_kv_timeout": 3000} | kw))
-
-
-def dead_port() -> int:
-    """A port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return not_listening(**({"pool": 4 << 20, "sync_kv_timeout": 3000} | kw))
 
 
 # ---------------------------------------------------------------- link failures
@@ -48,7 +41,7 @@ def dead_port() -> int:
 async def test_link_failure_logs_once_and_keeps_its_reason(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    port = dead_port()
+    port = free_port()
     async with LLMDataDist(LLMRole.DECODER, 2, config(link_retry_count=3)) as d:
         peer = cluster_info(7, ("127.0.0.1", port))
         with caplog.at_level(logging.DEBUG, logger="aiokv"):
@@ -64,18 +57,19 @@ async def test_link_failure_logs_once_and_keeps_its_reason(
         assert reason in warnings[0].getMessage()
         assert d.link_failure(8) is None
         dst = await d.cache_manager.allocate_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8))
-        with pytest.raises(LLMException) as ei:
-            await d.cache_manager.pull_blocks(BlocksCacheKey(7, 0), dst, [0], [0])
-        assert ei.value.status_code == CODE.LLM_NOT_YET_LINK
-        msg = str(ei.value)
-        assert "cluster 7 is not linked" in msg and reason in msg  # the cause
-        assert "call link_clusters again" in msg  # the remedy
-        assert "call link_clusters first" not in msg
+        exc = await raises(
+            CODE.LLM_NOT_YET_LINK,
+            d.cache_manager.pull_blocks(BlocksCacheKey(7, 0), dst, [0], [0]),
+            "cluster 7 is not linked",  # the cause
+            reason,
+            "call link_clusters again",  # the remedy
+        )
+        assert "call link_clusters first" not in str(exc)
 
 
 async def test_link_failure_clears_once_linked() -> None:
     async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config(), link=False) as (p, d):
-        wrong = cluster_info(1, ("127.0.0.1", dead_port()))
+        wrong = cluster_info(1, ("127.0.0.1", free_port()))
         assert (await d.link_clusters([wrong], timeout=300))[0] == CODE.LLM_LINK_FAILED
         assert d.link_failure(1) is not None
         right = cluster_info(1, p.listen_address)
@@ -96,7 +90,7 @@ async def test_wrong_cluster_at_the_address_names_both(caplog: pytest.LogCapture
 def test_two_sided_link_retries_quietly_and_fails_once(caplog: pytest.LogCaptureFixture) -> None:
     """``link`` toward a party that never comes: a DEBUG line per retry (no
     tracebacks), one WARNING with the reason, the reason kept per cluster."""
-    port = dead_port()
+    port = free_port()
     table = (
         '{"server_count": "1", "status": "completed", "version": "1.0", "server_list": '
         '[{"server_id": "127.0.0.1", "device": ['
@@ -180,13 +174,13 @@ async def test_remote_mismatch_names_requester_and_owner() -> None:
             CacheDesc(1, [4, 64], DataType.DT_BF16), BlocksCacheKey(1, 0)
         )
         dst = await d.cache_manager.allocate_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8))
-        with pytest.raises(LLMException) as ei:
-            await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0])
-        msg = str(ei.value)
-        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
-        assert "the requester's cache is DT_INT8" in msg
-        assert f"cache {src.cache_id} here (the owner's) is DT_BF16" in msg
-        assert "CacheDesc.data_type must be equal" in msg
+        await raises(
+            CODE.LLM_PARAM_INVALID,
+            d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0]),
+            "the requester's cache is DT_INT8",
+            f"cache {src.cache_id} here (the owner's) is DT_BF16",
+            "CacheDesc.data_type must be equal",
+        )
 
 
 # ---------------------------------------------------------------- config errors
@@ -309,7 +303,7 @@ def test_link_clusters_without_local_ip_info_is_refused_as_llm_datadist() -> Non
     do not ask for it."""
     peer = llm_datadist.LLMClusterInfo()
     peer.remote_cluster_id = 1
-    peer.append_remote_ip_info("127.0.0.1", dead_port())
+    peer.append_remote_ip_info("127.0.0.1", free_port())
     with llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, 2, config()) as d:
         with pytest.raises(LLMException) as ei:
             d.link_clusters([peer], 300)

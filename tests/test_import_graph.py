@@ -5,7 +5,9 @@ keep the layers; this keeps every module out of a loop, layered or not."""
 
 from __future__ import annotations
 
-import grimp
+import pytest
+
+grimp = pytest.importorskip("grimp", reason="a development tool: pip install -e '.[dev]'")
 
 
 def test_aiokv_has_no_import_circle() -> None:

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from aiokv._layout import ByteLayout, tensor_bytes
+from aiokv._layout import ByteLayout
+from aiokv._layout import tensor_bytes
 
 
 def _gather(layout: ByteLayout, buffers: list[bytes]) -> bytes:

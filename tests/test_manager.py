@@ -5,30 +5,30 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from _helpers import fill_randn, snapshot
+from _helpers import fill_randn
+from _helpers import not_listening
+from _helpers import snapshot
 
-from aiokv import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    CacheKey,
-    CacheManager,
-    DataType,
-    KvCache,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    NoneArgumentError,
-    Placement,
-)
-from aiokv.testing import make_config
+from aiokv import BlocksCacheKey
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheManager
+from aiokv import DataType
+from aiokv import KvCache
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import NoneArgumentError
+from aiokv import Placement
 
 POOL = 64 << 20
 CODE = LLMStatusCode
@@ -36,10 +36,7 @@ CODE = LLMStatusCode
 
 def config(**kw: Any) -> LLMConfig:
     """Not listening, over TCP, a device and a host pool of ``POOL`` bytes."""
-    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
-    return make_config(
-        "tcp", pool=POOL, host_pool=POOL, **({"sync_kv_timeout": 1000} | options | kw)
-    )
+    return not_listening(**({"pool": POOL, "host_pool": POOL, "sync_kv_timeout": 1000} | kw))
 
 
 @pytest.fixture

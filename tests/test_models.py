@@ -7,21 +7,19 @@ from typing import Any
 import pytest
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMException,
-    MemPoolConfig,
-    NoneArgumentError,
-    Placement,
-    TransferConfig,
-    TransferWithCacheKeyConfig,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheKeyByIdAndIndex
+from aiokv import DataType
+from aiokv import LLMClusterInfo
+from aiokv import LLMConfig
+from aiokv import LLMException
+from aiokv import MemPoolConfig
+from aiokv import NoneArgumentError
+from aiokv import Placement
+from aiokv import TransferConfig
+from aiokv import TransferWithCacheKeyConfig
 
 
 def test_datatype_values_and_torch_mapping() -> None:

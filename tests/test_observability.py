@@ -16,20 +16,20 @@ import torch
 from _helpers import run_code
 
 import aiokv.sync
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataDistStats,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataDistStats
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._copy import CopyScheduler
-from aiokv.testing import cluster_info, linked_pair, make_config
+from aiokv.testing import cluster_info
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
 
 CODE = LLMStatusCode
 pytestmark = pytest.mark.timeout(60)
@@ -273,7 +273,8 @@ async def test_metrics_endpoint_serves_the_documented_series(
 def test_peer_counters_fold_old_idle_peers_and_keep_totals() -> None:
     """Beyond the recent set, idle unlinked peers fold into OTHER_PEERS; linked and busy
     ones never fold; every total stays exact."""
-    from aiokv._stats import OTHER_PEERS, PeerCounters
+    from aiokv._stats import OTHER_PEERS
+    from aiokv._stats import PeerCounters
 
     pc = PeerCounters(recent=4)
     pc.up(1000)  # linked: kept however old
@@ -304,7 +305,8 @@ def test_peer_counters_fold_old_idle_peers_and_keep_totals() -> None:
 async def test_many_short_peers_keep_statistics_and_scrape_bounded() -> None:
     """Peers under ever new cluster ids, each linking once and being refused once: the
     entries and the Prometheus scrape stay bounded; the refusal total stays exact."""
-    from aiokv._stats import OTHER_PEERS, RECENT_PEERS
+    from aiokv._stats import OTHER_PEERS
+    from aiokv._stats import RECENT_PEERS
     from aiokv.transport import get_transport
 
     class Nothing:
@@ -334,7 +336,8 @@ async def test_many_short_peers_keep_statistics_and_scrape_bounded() -> None:
             refused = sum(sum(s.served.refused.values()) for s in stats.links.values())
             assert refused == 100 * (rnd + 1)
             if pytest.importorskip("prometheus_client"):
-                from prometheus_client import CollectorRegistry, generate_latest
+                from prometheus_client import CollectorRegistry
+                from prometheus_client import generate_latest
 
                 from aiokv.metrics import Collector
 

@@ -16,21 +16,29 @@ import random
 import socket
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import numpy as np
 import pytest
-from _helpers import cancel_after, tls_tcp_transport
+from _helpers import cancel_after
+from _helpers import tls_tcp_transport
 
 from aiokv._enums import LLMStatusCode as Code
-from aiokv._layout import ByteLayout, LayoutViews
-from aiokv.transport import Grant, Link, PeerInfo
+from aiokv._layout import ByteLayout
+from aiokv._layout import LayoutViews
+from aiokv.transport import Grant
+from aiokv.transport import Link
+from aiokv.transport import PeerInfo
 from aiokv.transport.tcp import TcpTransport
 from aiokv.transport.tcp import _io as tcp_io
 from aiokv.transport.tcp import _writer as tcp_writer
-from aiokv.transport.tcp._ops import RunCursor, cursor_of
+from aiokv.transport.tcp._ops import RunCursor
+from aiokv.transport.tcp._ops import cursor_of
 
 HOST = "127.0.0.1"
 KIB, MIB = 1 << 10, 1 << 20

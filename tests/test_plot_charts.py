@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from aiokv._bench._plot import UNITS, charts, plot_report
+from aiokv._bench._plot import UNITS
+from aiokv._bench._plot import charts
+from aiokv._bench._plot import plot_report
 
 REPORT = {
     "bench": "transfer",

@@ -6,12 +6,23 @@ import pytest
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import Bundle
+from hypothesis.stateful import RuleBasedStateMachine
+from hypothesis.stateful import invariant
+from hypothesis.stateful import precondition
+from hypothesis.stateful import rule
 
-from aiokv import CacheDesc, CacheKey, DataType, LLMException, LLMStatusCode, Placement
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import DataType
+from aiokv import LLMException
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._cache import Cache
-from aiokv._pool import MemPool, Span
-from aiokv._registry import CacheRegistry, key_id
+from aiokv._pool import MemPool
+from aiokv._pool import Span
+from aiokv._registry import CacheRegistry
+from aiokv._registry import key_id
 
 PAGE_SHIFT = 10
 PAGES = 64

@@ -12,18 +12,19 @@ import logging
 import pytest
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    DataType,
-    LLMException,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import DataType
+from aiokv import LLMException
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._cache import Cache
-from aiokv._pool import MemPool, Span
-from aiokv._registry import CacheRegistry, Entry, key_id
+from aiokv._pool import MemPool
+from aiokv._pool import Span
+from aiokv._registry import CacheRegistry
+from aiokv._registry import Entry
+from aiokv._registry import key_id
 
 PAGE_SHIFT = 10
 PAGE = 1 << PAGE_SHIFT
@@ -180,6 +181,29 @@ def test_pin_of_a_live_cache_frees_nothing(reg: CacheRegistry, pool: MemPool) ->
     reg.pin(e)
     reg.unpin(e)
     assert reg.by_id(e.cache.cache_id) is e and not e.freed and pool.stats().used == PAGE
+
+
+def test_hold_pins_and_makes_revocable_until_let_go(reg: CacheRegistry, pool: MemPool) -> None:
+    """A served grant's hold: memory kept and the grant revocable as one step, both
+    ended by let_go (the memory freed then if its last reference went meanwhile); a
+    hold of released memory records nothing."""
+    e = allocate(reg, pool)
+    revoked: list[LLMStatusCode] = []
+    token = object()
+    reg.hold(token, revoked.append, e)
+    reg.release_id(e)
+    assert not e.freed and stats(reg)["pins"] == 1
+    assert reg.revoke(e, LLMStatusCode.LLM_TIMEOUT) == 1 and revoked == [LLMStatusCode.LLM_TIMEOUT]
+    reg.hold(token, revoked.append, e)  # a second grant, on memory still held
+    reg.let_go(token, e)
+    assert reg.revoke(e, LLMStatusCode.LLM_TIMEOUT) == 0  # no longer revocable
+    assert not e.freed  # the first hold still pins it
+    reg.let_go(object(), e)
+    assert e.freed and pool.stats().used == 0 and stats(reg) == NOTHING
+    with pytest.raises(LLMException) as caught:
+        reg.hold(token, revoked.append, e)
+    assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert e.pins == 0 and e.revokers == {}
 
 
 # ---- lookups -----------------------------------------------------------------------------------

@@ -68,14 +68,26 @@ def test_cli_imports_no_heavy_module(argv: list[str]) -> None:
     assert "heavy: []" in done.stderr, done.stderr
 
 
-def test_plugin_registration_imports_no_heavy_module(tmp_path: Path) -> None:
+def _heavy_in_a_pytest_run(tmp_path: Path, fixture: str, *plugin: str) -> list[str]:
+    """The HEAVY modules imported by the time a one-test pytest run in ``tmp_path`` runs
+    its test (which asks for ``fixture``, if any), with ``plugin``'s arguments."""
     (tmp_path / "test_nothing.py").write_text(
-        "import sys\n\ndef test_light(aiokv_transport):  # a fixture of the plugin\n"
-        f"    assert not [m for m in {HEAVY!r} if m in sys.modules]\n"
+        f"import sys\n\ndef test_light({fixture}):\n"
+        f"    print('heavy:', [m for m in {HEAVY!r} if m in sys.modules])\n"
     )
-    done = _run("-m", "pytest", "-q", *_plugin(), str(tmp_path), cwd=tmp_path)
+    done = _run("-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *plugin, ".", cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 passed" in done.stdout
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("heavy:")]
+    return [m for m in HEAVY if repr(m) in line]
+
+
+def test_plugin_registration_imports_no_heavy_module(tmp_path: Path) -> None:
+    """With the plugin (one of its fixtures in use) no HEAVY module is imported that the
+    same run without it does not import (another installed pytest plugin may import one)."""
+    without = _heavy_in_a_pytest_run(tmp_path, "", "-p", "no:aiokv")
+    with_it = _heavy_in_a_pytest_run(tmp_path, "aiokv_transport", *_plugin())
+    assert set(with_it) <= set(without), f"the plugin imports {set(with_it) - set(without)}"
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"]])

@@ -59,6 +59,7 @@ def test_a_blocking_program_passes_mypy_strict_and_wrong_types_fail() -> None:
     """Signatures, return types, and what llm_datadist programs assign
     (``cfg.mem_pool_cfg = '{"memory_size": ...}'``, a digit-string timeout) check; mypy
     reports an error on each line of blocking_mistakes.py marked ``# error:``, no other."""
+    pytest.importorskip("mypy", reason="a development tool: pip install -e '.[dev]'")
     mistakes = "tests/typing/blocking_mistakes.py"
     env = checkout_env()
     proc = subprocess.run(

@@ -11,20 +11,16 @@ from pathlib import Path
 import pytest
 
 import aiokv
-from aiokv import (
-    LLMDataDist,  # imports what an instance runs on
-    LLMException,  # imports what an instance runs on
-    LLMStatusCode,  # imports what an instance runs on
-)
+from aiokv import LLMDataDist  # imports what an instance runs on
+from aiokv import LLMException  # imports what an instance runs on
+from aiokv import LLMStatusCode  # imports what an instance runs on
 from aiokv._config import MemPoolConfig
-from aiokv.testing import (
-    cluster_info,
-    linked_pair,
-    make_config,
-    pool_option,
-    requires_transport,
-    skip_unless_transport,
-)
+from aiokv.testing import cluster_info
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
+from aiokv.testing import pool_option
+from aiokv.testing import requires_transport
+from aiokv.testing import skip_unless_transport
 
 pytest_plugins = ["pytester"]
 

@@ -21,25 +21,32 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Coroutine
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from multiprocessing.connection import Connection
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any
+from typing import Literal
+from typing import Protocol
+from typing import TypeVar
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from .. import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
-)
+from .. import BlocksCacheKey
+from .. import Cache
+from .. import CacheDesc
+from .. import LLMClusterInfo
+from .. import LLMConfig
+from .. import LLMDataDist
+from .. import LLMRole
+from .. import LLMStatusCode
 from ._interrupt import sigint_blocked
 from ._pki import TlsFiles
 from ._progress import steps
@@ -443,18 +450,20 @@ async def linked(
 
 def run_remote(
     main: Callable[[PromptPeer, LLMDataDist], Awaitable[None]],
-    pool_bytes: int = POOL_BYTES,
+    pool_bytes: int | None = None,
     start: Callable[[], PromptPeer] | None = None,
 ) -> None:
     """Run ``main(peer, decoder)`` on a new loop (uvloop where installed): a
     :class:`PromptPeer` (``start()``'s, by default a new one with a ``pool_bytes`` pool)
-    and a decoder linked to it with a ``pool_bytes`` pool, stopped afterwards whatever
-    happens."""
+    and a decoder linked to it with a ``pool_bytes`` pool (by default this module's
+    ``POOL_BYTES`` as it is at the call: the tests make it small), stopped afterwards
+    whatever happens."""
+    size = POOL_BYTES if pool_bytes is None else pool_bytes
 
     async def run() -> None:
         async with (
-            spawned(start or (lambda: PromptPeer(pool_bytes))) as peer,
-            linked(peer, DECODER_ID, pool_bytes) as decoder,
+            spawned(start or (lambda: PromptPeer(size))) as peer,
+            linked(peer, DECODER_ID, size) as decoder,
         ):
             await main(peer, decoder)
 

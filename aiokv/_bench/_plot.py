@@ -19,7 +19,8 @@ from __future__ import annotations
 import importlib.util
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 

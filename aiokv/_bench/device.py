@@ -30,27 +30,29 @@ from typing import Any
 
 import torch
 
-from .. import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode
+from .. import BlocksCacheKey
+from .. import CacheDesc
+from .. import DataType
+from .. import LLMException
+from .. import LLMStatusCode
 from .._copy import resolve_device
 from ..transport import get_transport
-from ._harness import (
-    DECODER_ID,
-    KIB,
-    MIB,
-    PEER_ID,
-    Backend,
-    DeviceKind,
-    PromptPeer,
-    Report,
-    digest,
-    gbps,
-    interleave,
-    linked,
-    median,
-    run_loop,
-    scattered,
-    spawned,
-)
+from ._harness import DECODER_ID
+from ._harness import KIB
+from ._harness import MIB
+from ._harness import PEER_ID
+from ._harness import Backend
+from ._harness import DeviceKind
+from ._harness import PromptPeer
+from ._harness import Report
+from ._harness import digest
+from ._harness import gbps
+from ._harness import interleave
+from ._harness import linked
+from ._harness import median
+from ._harness import run_loop
+from ._harness import scattered
+from ._harness import spawned
 from .raw import RawStream
 
 __all__ = ["run_device_bench"]

@@ -29,20 +29,21 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from .. import CacheDesc, DataType
-from ._harness import (
-    KIB,
-    MIB,
-    PromptPeer,
-    Report,
-    gbps,
-    interleave,
-    median,
-    run_loop,
-    scattered,
-    spawned_all,
-)
-from .nixl import SETTINGS, NixlDecoder, RawNixl
+from .. import CacheDesc
+from .. import DataType
+from ._harness import KIB
+from ._harness import MIB
+from ._harness import PromptPeer
+from ._harness import Report
+from ._harness import gbps
+from ._harness import interleave
+from ._harness import median
+from ._harness import run_loop
+from ._harness import scattered
+from ._harness import spawned_all
+from .nixl import SETTINGS
+from .nixl import NixlDecoder
+from .nixl import RawNixl
 
 __all__ = ["run_device_nixl_bench"]
 

@@ -26,19 +26,20 @@ import threading
 import time
 from typing import Any
 
-from .. import BlocksCacheKey, CacheDesc, DataType, LLMDataDist
-from ._harness import (
-    DECODER_ID,
-    KIB,
-    PEER_ID,
-    PromptPeer,
-    Report,
-    interleave,
-    median,
-    participant_config,
-    run_remote,
-    spawned,
-)
+from .. import BlocksCacheKey
+from .. import CacheDesc
+from .. import DataType
+from .. import LLMDataDist
+from ._harness import DECODER_ID
+from ._harness import KIB
+from ._harness import PEER_ID
+from ._harness import PromptPeer
+from ._harness import Report
+from ._harness import interleave
+from ._harness import median
+from ._harness import participant_config
+from ._harness import run_remote
+from ._harness import spawned
 from ._progress import steps
 from .raw import RawStream
 

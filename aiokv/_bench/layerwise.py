@@ -24,35 +24,33 @@ with compute.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
-from .. import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    CacheManager,
-    DataType,
-    LayerSynchronizer,
-    LLMDataDist,
-    LLMStatusCode,
-    TransferConfig,
-    TransferWithCacheKeyConfig,
-)
-from ._harness import (
-    KIB,
-    MIB,
-    PEER_ID,
-    POOL_BYTES,
-    PromptPeer,
-    Report,
-    digest,
-    interleave,
-    median,
-    random_fill,
-    run_remote,
-    time_call,
-)
+from .. import BlocksCacheKey
+from .. import Cache
+from .. import CacheDesc
+from .. import CacheManager
+from .. import DataType
+from .. import LayerSynchronizer
+from .. import LLMDataDist
+from .. import LLMStatusCode
+from .. import TransferConfig
+from .. import TransferWithCacheKeyConfig
+from ._harness import KIB
+from ._harness import MIB
+from ._harness import PEER_ID
+from ._harness import POOL_BYTES
+from ._harness import PromptPeer
+from ._harness import Report
+from ._harness import digest
+from ._harness import interleave
+from ._harness import median
+from ._harness import random_fill
+from ._harness import run_remote
+from ._harness import time_call
 from ._progress import steps
 
 __all__ = ["SHAPES", "block_lists", "overhead", "overlap", "run_layerwise_bench"]

@@ -19,13 +19,26 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .. import Cache, CacheDesc, CacheManager, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
-from ._harness import Report, gbps, interleave, median, run_loop
+from .. import Cache
+from .. import CacheDesc
+from .. import CacheManager
+from .. import DataType
+from .. import LLMConfig
+from .. import LLMDataDist
+from .. import LLMRole
+from .. import Placement
+from ._harness import Report
+from ._harness import gbps
+from ._harness import interleave
+from ._harness import median
+from ._harness import run_loop
 from ._progress import steps
 
 __all__ = ["run_local_bench"]

@@ -22,13 +22,23 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from functools import partial
 from multiprocessing.connection import Connection
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
-from ._harness import Elapsed, Peer, Report, apply_env, gbps, spawned_all
-from .nixl import SETTINGS, _buffer, _raw_digest, _rows
+from ._harness import Elapsed
+from ._harness import Peer
+from ._harness import Report
+from ._harness import apply_env
+from ._harness import gbps
+from ._harness import spawned_all
+from .nixl import SETTINGS
+from .nixl import _buffer
+from .nixl import _raw_digest
+from .nixl import _rows
 
 __all__ = ["ENV", "INSTALL", "MooncakeContenders", "Peers", "missing", "mooncake_contenders"]
 

@@ -31,37 +31,37 @@ import hashlib
 import os
 import statistics
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
-from typing import Any, Final, Literal
+from typing import Any
+from typing import Final
+from typing import Literal
 
 import torch
 
-from .. import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMClusterInfo,
-    LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
-)
-from ._harness import (
-    DECODER_ID,
-    PEER_ID,
-    DeviceKind,
-    Elapsed,
-    Peer,
-    PromptPeer,
-    apply_env,
-    digest,
-    participant_config,
-    run_loop,
-    serve_requests,
-    spawned_all,
-)
+from .. import BlocksCacheKey
+from .. import CacheDesc
+from .. import DataType
+from .. import LLMClusterInfo
+from .. import LLMDataDist
+from .. import LLMRole
+from .. import LLMStatusCode
+from ._harness import DECODER_ID
+from ._harness import PEER_ID
+from ._harness import DeviceKind
+from ._harness import Elapsed
+from ._harness import Peer
+from ._harness import PromptPeer
+from ._harness import apply_env
+from ._harness import digest
+from ._harness import participant_config
+from ._harness import run_loop
+from ._harness import serve_requests
+from ._harness import spawned_all
 
 __all__ = [
     "SETTINGS",
@@ -202,7 +202,8 @@ class NixlDecoder(Peer):
 def _poll_bounds() -> tuple[float, float]:
     """aiokv's back-off bounds (imported late: NIXL loads after
     :func:`~._harness.apply_env`)."""
-    from ..transport.nixl._plane import POLL_MAX_S, POLL_MIN_S
+    from ..transport.nixl._plane import POLL_MAX_S
+    from ..transport.nixl._plane import POLL_MIN_S
 
     return POLL_MIN_S, POLL_MAX_S
 

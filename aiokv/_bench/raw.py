@@ -30,20 +30,25 @@ import torch
 
 from .. import LLMStatusCode
 from .._copy import host_empty
-from ..transport import DirectCheck, Grant, Link, PeerInfo, get_transport
-from ..transport.tcp._io import IOV_MAX, advance_rows, readv, writev
-from ._harness import (
-    KIB,
-    MIB,
-    Peer,
-    Report,
-    gbps,
-    interleave,
-    median,
-    run_loop,
-    scattered,
-    spawned,
-)
+from ..transport import DirectCheck
+from ..transport import Grant
+from ..transport import Link
+from ..transport import PeerInfo
+from ..transport import get_transport
+from ..transport.tcp._io import IOV_MAX
+from ..transport.tcp._io import advance_rows
+from ..transport.tcp._io import readv
+from ..transport.tcp._io import writev
+from ._harness import KIB
+from ._harness import MIB
+from ._harness import Peer
+from ._harness import Report
+from ._harness import gbps
+from ._harness import interleave
+from ._harness import median
+from ._harness import run_loop
+from ._harness import scattered
+from ._harness import spawned
 from ._progress import steps
 
 __all__ = ["RawBlocks", "RawStream", "run_raw_bench"]

@@ -37,12 +37,24 @@ import contextlib
 import json
 import socket
 import threading
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
-from .. import BlocksCacheKey, Cache, CacheDesc, DataType, LLMDataDist, LLMRole
+from .. import BlocksCacheKey
+from .. import Cache
+from .. import CacheDesc
+from .. import DataType
+from .. import LLMDataDist
+from .. import LLMRole
 from .._errors import LLMException
-from ._harness import PEER_ID, POOL_BYTES, PromptPeer, digest, participant_config, random_fill
-from .raw import RawStream, _filled
+from ._harness import PEER_ID
+from ._harness import POOL_BYTES
+from ._harness import PromptPeer
+from ._harness import digest
+from ._harness import participant_config
+from ._harness import random_fill
+from .raw import RawStream
+from .raw import _filled
 
 __all__ = ["RemotePeer", "RemoteRawStream", "parse_address", "serve_peer"]
 

@@ -37,42 +37,52 @@ import ctypes
 import itertools
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .. import BlocksCacheKey, Cache, CacheDesc, CacheManager, DataType, LLMDataDist
+from .. import BlocksCacheKey
+from .. import Cache
+from .. import CacheDesc
+from .. import CacheManager
+from .. import DataType
+from .. import LLMDataDist
 from .._copy import host_empty
 from ..transport import get_transport
-from ._harness import (
-    DECODER_ID,
-    KIB,
-    MIB,
-    PEER_ID,
-    POOL_BYTES,
-    Backend,
-    PromptPeer,
-    Report,
-    digest,
-    gbps,
-    interleave,
-    linked,
-    median,
-    run_remote,
-    scattered,
-    spawned,
-    time_call,
-)
+from ._harness import DECODER_ID
+from ._harness import KIB
+from ._harness import MIB
+from ._harness import PEER_ID
+from ._harness import POOL_BYTES
+from ._harness import Backend
+from ._harness import PromptPeer
+from ._harness import Report
+from ._harness import digest
+from ._harness import gbps
+from ._harness import interleave
+from ._harness import linked
+from ._harness import median
+from ._harness import run_remote
+from ._harness import scattered
+from ._harness import spawned
+from ._harness import time_call
 from ._pki import make_pki
 from ._progress import steps
-from .layerwise import overhead, overlap
-from .mooncake import Peers, missing, mooncake_contenders
-from .nixl import NixlContenders, nixl_contenders
-from .raw import RawBlocks, RawStream
-from .remote import RemotePeer, RemoteRawStream
+from .layerwise import overhead
+from .layerwise import overlap
+from .mooncake import Peers
+from .mooncake import missing
+from .mooncake import mooncake_contenders
+from .nixl import NixlContenders
+from .nixl import nixl_contenders
+from .raw import RawBlocks
+from .raw import RawStream
+from .remote import RemotePeer
+from .remote import RemoteRawStream
 
 __all__ = ["run_transfer_bench"]
 

@@ -20,6 +20,11 @@ connector reported its KV received — the same measure for every connector, wit
 one-token forward (whose time swings with the machine's load). Medians per prompt
 length; ratios in the same run.
 
+While one contender is timed, the engines of all the others are paused (``SIGSTOP``,
+then ``SIGCONT``), as if each pair had its host to itself: an idle engine is not always
+idle (each idle ``NixlConnector`` engine keeps a core busy: NIXL's progress thread),
+and on a small machine that would be timed as part of every other contender.
+
 Push mode has no such figure (the decode request is sent with the prefill request, and
 waits for its compute), so a second table compares what a client sees: the time to the
 first token through the pair, **prefill included** — pull: the prefill's time plus the
@@ -39,15 +44,18 @@ import importlib.util
 import multiprocessing as mp
 import os
 import random
+import signal
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from ._harness import Report, median
+from ._harness import Report
+from ._harness import median
 from ._progress import steps
 
 __all__ = ["run_vllm_bench"]
@@ -104,7 +112,8 @@ def _engine(conn: Connection, model: str, env: dict[str, str], kv: dict[str, Any
     os.dup2(2, 1)  # vLLM logs on stdout: keep the parent's stdout for the report (--json)
     os.environ.update(env)
     try:
-        from vllm import LLM, SamplingParams
+        from vllm import LLM
+        from vllm import SamplingParams
         from vllm.config import KVTransferConfig
         from vllm.inputs import TokensPrompt
 
@@ -192,7 +201,17 @@ class _Engine:
         result: _Reply = self.reply()
         return result
 
+    def pause(self) -> None:
+        """Stop the engine's process (all its threads) until :meth:`resume`."""
+        if self._proc.pid is not None and self._proc.is_alive():
+            os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc.pid is not None and self._proc.is_alive():
+            os.kill(self._proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        self.resume()
         if self._proc.is_alive():
             with contextlib.suppress(OSError):
                 self._conn.send(None)
@@ -208,6 +227,7 @@ class _Pair:
     def __init__(self, model: str, kv: dict[str, Any], envs: Sequence[dict[str, str]]) -> None:
         self.prefill = _Engine(model, {"kv_role": "kv_producer", **kv}, envs[0])
         self.decode = _Engine(model, {"kv_role": "kv_consumer", **kv}, envs[1])
+        self.engines = (self.prefill, self.decode)
 
     def first_token(self, prompt: list[int]) -> _Timed:
         """Prefill, then decode: the decode's seconds to its first token and its KV
@@ -287,9 +307,9 @@ def _run(model: str, lengths: list[int], rounds: int) -> Report:
         for name, kv in _contenders().items():
             envs = [{"VLLM_NIXL_SIDE_CHANNEL_PORT": str(next(ports))} for _ in range(2)]
             pairs[name] = _Pair(model, kv, envs)
-            engines += [pairs[name].prefill, pairs[name].decode]
+            engines += pairs[name].engines
         pairs["aiokv-push"] = _PushPair(model)
-        engines += [pairs["aiokv-push"].prefill, pairs["aiokv-push"].decode]
+        engines += pairs["aiokv-push"].engines
         with steps("starting vLLM engines", len(engines)) as bar:
             for engine in engines:
                 engine.reply()
@@ -317,17 +337,33 @@ def _round(
     ("first_token", "kv_wait", "client"); the first tokens must agree."""
     times, waits, client = samples["first_token"], samples["kv_wait"], samples["client"]
     prompt = [rng.randrange(3, 1000) for _ in range(n)]
-    local, _, expected, _ = colocated.generate(prompt, 1, None)
+    everyone = [colocated, *(engine for pair in pairs.values() for engine in pair.engines)]
+    with _alone([colocated], everyone):
+        local, _, expected, _ = colocated.generate(prompt, 1, None)
     times.setdefault(("colocated", n), []).append(local)
     client.setdefault(("colocated", n), []).append(local)
     for name, pair in pairs.items():
-        seconds, wait, whole, tokens = pair.first_token(prompt)
+        with _alone(pair.engines, everyone):
+            seconds, wait, whole, tokens = pair.first_token(prompt)
         if tokens != expected:
             raise RuntimeError(f"{name}: first token {tokens} != colocated {expected}")
         if not isinstance(pair, _PushPair):  # no decode-side-only figure in push mode
             times.setdefault((name, n), []).append(seconds)
             waits.setdefault((name, n), []).append(wait)
         client.setdefault((name, n), []).append(whole)
+
+
+@contextlib.contextmanager
+def _alone(timed: Sequence[_Engine], everyone: Sequence[_Engine]) -> Iterator[None]:
+    """Pause every engine of ``everyone`` not in ``timed`` for the block's duration."""
+    others = [engine for engine in everyone if engine not in timed]
+    try:
+        for engine in others:
+            engine.pause()
+        yield
+    finally:
+        for engine in others:
+            engine.resume()
 
 
 def _rows(

@@ -17,12 +17,14 @@ import importlib.util
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from typing import cast
 
 import torch
 
-from .._checks import check_instance, check_int
+from .._checks import check_instance
+from .._checks import check_int
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 

@@ -14,8 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ._device import DeviceContext, host_empty, is_accelerator
-from ._plan import Planner, row_nbytes, stage_like
+from ._device import DeviceContext
+from ._device import host_empty
+from ._device import is_accelerator
+from ._plan import Planner
+from ._plan import row_nbytes
+from ._plan import stage_like
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",

@@ -9,8 +9,10 @@ Planning is pure: it reads no tensor data and runs on the worker that does the c
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import numpy as np

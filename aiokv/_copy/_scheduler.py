@@ -23,15 +23,19 @@ import asyncio
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 
-from .._stats import CopyStats, OpCounter
+from .._stats import CopyStats
+from .._stats import OpCounter
 from ._device import is_accelerator
-from ._kernels import DEFAULT_STAGING_BYTES, copy_blocks_job, copy_many_job
+from ._kernels import DEFAULT_STAGING_BYTES
+from ._kernels import copy_blocks_job
+from ._kernels import copy_many_job
 from ._workers import WorkerPool
 
 __all__ = ["CopyScheduler", "SchedulerConfig"]

@@ -18,7 +18,9 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any
+from typing import Generic
+from typing import TypeVar
 
 from .._cancel import redeliver
 

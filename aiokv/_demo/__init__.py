@@ -16,7 +16,11 @@ from rich.console import Console
 
 from ._plan import DemoOptions
 from ._report import render
-from ._run import DemoError, DemoMismatch, DemoResult, collect, reap_tracker
+from ._run import DemoError
+from ._run import DemoMismatch
+from ._run import DemoResult
+from ._run import collect
+from ._run import reap_tracker
 
 __all__ = [
     "DemoError",

@@ -28,23 +28,27 @@ from typing import Any
 
 import torch
 
-from .. import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    CacheManager,
-    CacheTask,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    TransferWithCacheKeyConfig,
-)
-from ..examples.tiny_model import ModelConfig, TinyDecoder
-from ._plan import PROMPT_ID, BlockPool, DemoOptions, Request, decoder_id, requests
+from .. import BlocksCacheKey
+from .. import Cache
+from .. import CacheDesc
+from .. import CacheManager
+from .. import CacheTask
+from .. import DataType
+from .. import LLMClusterInfo
+from .. import LLMConfig
+from .. import LLMDataDist
+from .. import LLMException
+from .. import LLMRole
+from .. import LLMStatusCode
+from .. import TransferWithCacheKeyConfig
+from ..examples.tiny_model import ModelConfig
+from ..examples.tiny_model import TinyDecoder
+from ._plan import PROMPT_ID
+from ._plan import BlockPool
+from ._plan import DemoOptions
+from ._plan import Request
+from ._plan import decoder_id
+from ._plan import requests
 
 __all__ = ["LayerEvents", "decode_process", "prefill_process"]
 

@@ -19,15 +19,21 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from collections.abc import Callable
+from collections.abc import Iterator
+from dataclasses import dataclass
+from dataclasses import field
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait
 from typing import Any
 
 from .._errors import LLMException
 from ..transport import get_transport
-from ._plan import DemoOptions, requests
-from ._roles import decode_process, model_config, prefill_process
+from ._plan import DemoOptions
+from ._plan import requests
+from ._roles import decode_process
+from ._roles import model_config
+from ._roles import prefill_process
 
 __all__ = ["DemoError", "DemoMismatch", "DemoResult", "collect", "reap_tracker"]
 

@@ -25,13 +25,18 @@ from typing import ClassVar
 import torch
 
 from .._cache import Cache
-from .._checks import check_instance, check_int, param_invalid
+from .._checks import check_instance
+from .._checks import check_int
+from .._checks import param_invalid
 from .._config import LLMConfig
 from .._copy import CopyScheduler
 from .._engine import Engine
-from .._enums import LLMRole, Placement
-from .._pool import MemPool, PoolStats
-from .._registry import CacheRegistry, RegistryStats
+from .._enums import LLMRole
+from .._enums import Placement
+from .._pool import MemPool
+from .._pool import PoolStats
+from .._registry import CacheRegistry
+from .._registry import RegistryStats
 from .._remote import RemoteClient
 from ._bookkeeping import Bookkeeping
 from ._layers import LayerWise

@@ -10,13 +10,24 @@ from typing import Any
 
 import torch
 
-from .._cache import Cache, wrap_memory
-from .._checks import UINT64_MAX, check_instance, check_int, check_list, param_invalid, renamed
-from .._enums import LLMStatusCode, Placement
+from .._cache import Cache
+from .._cache import wrap_memory
+from .._checks import UINT64_MAX
+from .._checks import check_instance
+from .._checks import check_int
+from .._checks import check_list
+from .._checks import param_invalid
+from .._checks import renamed
+from .._enums import LLMStatusCode
+from .._enums import Placement
 from .._errors import LLMException
-from .._models import BlocksCacheKey, CacheDesc, CacheKey
-from .._pool import MemPool, Span
-from .._registry import Entry, is_placeholder
+from .._models import BlocksCacheKey
+from .._models import CacheDesc
+from .._models import CacheKey
+from .._pool import MemPool
+from .._pool import Span
+from .._registry import Entry
+from .._registry import is_placeholder
 from ._base import ManagerBase
 
 __all__ = ["Bookkeeping"]

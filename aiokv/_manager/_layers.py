@@ -10,19 +10,22 @@ from collections.abc import Sequence
 import numpy as np
 
 from .._cache import Cache
-from .._checks import (
-    MAX_BLOCK_INDEX,
-    check_blocks,
-    check_instance,
-    check_int,
-    check_list,
-    check_unique,
-    param_invalid,
-)
+from .._checks import MAX_BLOCK_INDEX
+from .._checks import check_blocks
+from .._checks import check_instance
+from .._checks import check_int
+from .._checks import check_list
+from .._checks import check_unique
+from .._checks import param_invalid
 from .._engine import Portal
 from .._enums import LLMStatusCode
-from .._layerwise import CacheTask, LayerSynchronizer, Source, plan, run_layers
-from .._models import TransferConfig, TransferWithCacheKeyConfig
+from .._layerwise import CacheTask
+from .._layerwise import LayerSynchronizer
+from .._layerwise import Source
+from .._layerwise import plan
+from .._layerwise import run_layers
+from .._models import TransferConfig
+from .._models import TransferWithCacheKeyConfig
 from ._base import ManagerBase
 
 __all__ = ["LayerWise"]

@@ -3,24 +3,28 @@ and ``swap_blocks``, checked here and run inline or on the copy workers."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import ParamSpec, TypeVar
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import ParamSpec
+from typing import TypeVar
 
 import torch
 
 from .._cache import Cache
-from .._checks import (
-    MAX_BLOCK_INDEX,
-    UINT64_MAX,
-    check_blocks,
-    check_index,
-    check_instance,
-    check_int,
-    param_invalid,
-    renamed,
-)
-from .._copy import copy_rows, fits_inline
-from .._engine import checkpoint, on_asyncio
+from .._checks import MAX_BLOCK_INDEX
+from .._checks import UINT64_MAX
+from .._checks import check_blocks
+from .._checks import check_index
+from .._checks import check_instance
+from .._checks import check_int
+from .._checks import param_invalid
+from .._checks import renamed
+from .._copy import copy_rows
+from .._copy import fits_inline
+from .._engine import checkpoint
+from .._engine import on_asyncio
 from .._enums import Placement
 from .._errors import map_errors
 from .._registry import Entry

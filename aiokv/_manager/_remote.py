@@ -10,33 +10,34 @@ from typing import Any
 import numpy as np
 
 from .._cache import Cache
-from .._checks import (
-    MAX_BLOCK_INDEX,
-    check_blocks,
-    check_index,
-    check_instance,
-    check_int,
-    check_layer_range,
-    check_unique,
-    param_invalid,
-    tensor_range,
-)
+from .._checks import MAX_BLOCK_INDEX
+from .._checks import check_blocks
+from .._checks import check_index
+from .._checks import check_instance
+from .._checks import check_int
+from .._checks import check_layer_range
+from .._checks import check_unique
+from .._checks import param_invalid
+from .._checks import tensor_range
 from .._engine import on_asyncio
-from .._enums import LLMStatusCode, Memtype
+from .._enums import LLMStatusCode
+from .._enums import Memtype
 from .._errors import LLMException
-from .._models import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, MemInfo
+from .._models import BlocksCacheKey
+from .._models import CacheKey
+from .._models import CacheKeyByIdAndIndex
+from .._models import MemInfo
 from .._registry import Entry
-from .._remote import Move, Transfer
-from .._remote._protocol import (
-    MAX_TENSORS,
-    BlocksReq,
-    ChunksReq,
-    Request,
-    SlotReq,
-    Tensors,
-    pack_blocks,
-    wire_key,
-)
+from .._remote import Move
+from .._remote import Transfer
+from .._remote._protocol import MAX_TENSORS
+from .._remote._protocol import BlocksReq
+from .._remote._protocol import ChunksReq
+from .._remote._protocol import Request
+from .._remote._protocol import SlotReq
+from .._remote._protocol import Tensors
+from .._remote._protocol import pack_blocks
+from .._remote._protocol import wire_key
 from ._base import ManagerBase
 
 __all__ = ["RemoteTransfers"]

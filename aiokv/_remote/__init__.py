@@ -12,13 +12,18 @@
 * :mod:`._inbox` — notifications received from peers, bounded.
 """
 
-from ._client import Move, RemoteClient
-from ._inbox import MAX_NOTIFICATION_BYTES, NOTIFICATION_QUEUE, Inbox
+from ._client import Move
+from ._client import RemoteClient
+from ._inbox import MAX_NOTIFICATION_BYTES
+from ._inbox import NOTIFICATION_QUEUE
+from ._inbox import Inbox
 from ._leases import Leases
 from ._linker import Linker
 from ._links import LinkTable
-from ._parts import Part, Transfer
-from ._ranktable import Party, parse_link
+from ._parts import Part
+from ._parts import Transfer
+from ._ranktable import Party
+from ._ranktable import parse_link
 from ._service import PeerService
 
 __all__ = [

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import numpy as np
@@ -22,18 +23,34 @@ import torch
 from .._cache import Cache
 from .._cancel import redeliver
 from .._config import LLMConfig
-from .._copy import MAX_STAGED_BYTES, PART_BYTES, Stager
+from .._copy import MAX_STAGED_BYTES
+from .._copy import PART_BYTES
+from .._copy import Stager
 from .._engine import completing
 from .._enums import LLMStatusCode
-from .._errors import LLMException, map_errors
-from .._layout import tensor_bytes, total_bytes
+from .._errors import LLMException
+from .._errors import map_errors
+from .._layout import tensor_bytes
+from .._layout import total_bytes
 from .._stats import PeerCounters
-from ..transport import BY_ADDRESS, ONE_SIDED, DeviceRuns, Link
-from ._leases import LeaseKey, Leases, reply_size
+from ..transport import BY_ADDRESS
+from ..transport import ONE_SIDED
+from ..transport import DeviceRuns
+from ..transport import Link
+from ._leases import LeaseKey
+from ._leases import Leases
+from ._leases import reply_size
 from ._links import LinkTable
-from ._parts import Part, Transfer
-from ._protocol import BlocksReq, KeyByBlocks, LeaseReq, Request, encode
-from ._route import Route, part_route, route
+from ._parts import Part
+from ._parts import Transfer
+from ._protocol import BlocksReq
+from ._protocol import KeyByBlocks
+from ._protocol import LeaseReq
+from ._protocol import Request
+from ._protocol import encode
+from ._route import Route
+from ._route import part_route
+from ._route import route
 
 __all__ = ["Move", "RemoteClient"]
 

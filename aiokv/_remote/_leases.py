@@ -47,9 +47,13 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
-from typing import Any, Final
+from collections.abc import Callable
+from collections.abc import Coroutine
+from collections.abc import Iterator
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -59,10 +63,17 @@ from .._config import LLMConfig
 from .._engine import completing
 from .._enums import LLMStatusCode
 from .._errors import LLMException
-from .._registry import CacheRegistry, Entry
+from .._registry import CacheRegistry
+from .._registry import Entry
 from .._threads import on_loop
-from ..transport import BY_ADDRESS, ONE_SIDED, Link, PeerInfo
-from ._protocol import KeyByBlocks, RevokeReq, Tensors, encode
+from ..transport import BY_ADDRESS
+from ..transport import ONE_SIDED
+from ..transport import Link
+from ..transport import PeerInfo
+from ._protocol import KeyByBlocks
+from ._protocol import RevokeReq
+from ._protocol import Tensors
+from ._protocol import encode
 
 __all__ = [
     "MAX_LEASES",
@@ -140,11 +151,12 @@ class Held:
         holder's buffers at ``local_bases`` (``block_bytes`` each, validated by the
         caller) and ``blocks`` of the lease (validated here: as many, in range, distinct
         for a write): :func:`paired_rows`; None when the lease does not cover them."""
-        if self.dead or (write and not self.writable) or not blocks.size:
+        if self.dead or (write and not self.writable) or blocks.size != local.size:
             return None
-        if blocks.size != local.size or int(blocks.min()) < 0:
+        # one reduction for both bounds: a negative index's bits as uint64 are >= 2**63
+        if not blocks.size or int(blocks.view(np.uint64).max()) >= self.num_blocks:
             return None
-        if int(blocks.max()) >= self.num_blocks or (write and duplicated(blocks)):
+        if write and duplicated(blocks):
             return None
         return paired_rows(local_bases, local, self.bases, blocks, self.block_bytes)
 
@@ -195,9 +207,9 @@ def paired_rows(
     operations whatever the block count: a leased transfer's descriptors without a
     layout, run list or re-pairing."""
     lens: npt.NDArray[np.uint64] | int = block_bytes
-    joined = np.diff(a_blocks) == 1
+    joined = a_blocks[1:] - a_blocks[:-1] == 1  # (np.diff costs twice as much)
     if joined.any():
-        joined &= np.diff(b_blocks) == 1
+        joined &= b_blocks[1:] - b_blocks[:-1] == 1
         if joined.any():
             first = np.concatenate(([0], np.flatnonzero(~joined) + 1))
             lens = np.diff(np.append(first, a_blocks.size)).astype(np.uint64) * block_bytes

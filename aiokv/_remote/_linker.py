@@ -27,14 +27,18 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._config import LLMConfig
-from .._enums import LLMStatusCode, RegisterMemStatus
+from .._enums import LLMStatusCode
+from .._enums import RegisterMemStatus
 from .._errors import LLMException
 from .._models import LLMClusterInfo
-from ..transport import Link, Transport
+from ..transport import Link
+from ..transport import Transport
 from ._links import LinkTable
 from ._ranktable import Party
 

@@ -36,7 +36,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
+from collections.abc import Iterator
 from typing import Final
 
 from .._enums import LLMStatusCode

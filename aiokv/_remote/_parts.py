@@ -19,7 +19,13 @@ import msgspec
 
 from .._checks import Blocks
 from .._layout import ByteLayout
-from ._protocol import AddrsReq, BlocksReq, ChunksReq, Request, SlotReq, Tensors, pack_blocks
+from ._protocol import AddrsReq
+from ._protocol import BlocksReq
+from ._protocol import ChunksReq
+from ._protocol import Request
+from ._protocol import SlotReq
+from ._protocol import Tensors
+from ._protocol import pack_blocks
 
 __all__ = ["Part", "Transfer"]
 

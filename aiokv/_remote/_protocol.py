@@ -26,13 +26,17 @@ Requests:
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal
+from typing import Annotated
+from typing import Final
+from typing import Literal
 
 import msgspec
 import numpy as np
 
 from .._checks import Blocks
-from .._models import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+from .._models import BlocksCacheKey
+from .._models import CacheKey
+from .._models import CacheKeyByIdAndIndex
 from ._inbox import MAX_NOTIFICATION_BYTES
 
 __all__ = [

@@ -25,7 +25,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import check_instance, check_int, param_invalid
+from .._checks import check_instance
+from .._checks import check_int
+from .._checks import param_invalid
 
 __all__ = ["LinkPlan", "Party", "parse_link"]
 

@@ -16,18 +16,16 @@ from typing import Any
 
 import torch
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LayerSynchronizer,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
-    TransferWithCacheKeyConfig,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LayerSynchronizer
+from aiokv import LLMClusterInfo
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import TransferWithCacheKeyConfig
 
 PREFILL, DECODE = 1, 2
 LAYERS, BLOCKS = 8, 64

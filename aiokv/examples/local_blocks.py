@@ -12,7 +12,12 @@ from typing import Any
 
 import torch
 
-from aiokv import CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMRole
+from aiokv import Placement
 
 
 async def main(layers: int = 8, blocks: int = 256, say: Callable[..., Any] = print) -> None:

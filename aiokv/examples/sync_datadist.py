@@ -15,16 +15,14 @@ from typing import Any
 import torch
 
 import aiokv.sync as llm_datadist  # was: import llm_datadist
-from aiokv.sync import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMRole,
-    LLMStatusCode,
-    MemPoolConfig,
-)
+from aiokv.sync import BlocksCacheKey
+from aiokv.sync import CacheDesc
+from aiokv.sync import DataType
+from aiokv.sync import LLMClusterInfo
+from aiokv.sync import LLMConfig
+from aiokv.sync import LLMRole
+from aiokv.sync import LLMStatusCode
+from aiokv.sync import MemPoolConfig
 
 PROMPT, DECODER = 1, 2
 DESC = CacheDesc(4, [8, 16, 4, 64], DataType.DT_FLOAT16)  # 2 layers x (K, V), 8 blocks

@@ -20,7 +20,8 @@ another process) yields exactly the tokens of one that never moved.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch

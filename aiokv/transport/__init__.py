@@ -13,23 +13,22 @@ import importlib
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException
-from ._base import (
-    BY_ADDRESS,
-    DIRECT_REFUSED,
-    ONE_SIDED,
-    ByAddress,
-    Capability,
-    DeviceRuns,
-    DirectCheck,
-    Grant,
-    Link,
-    LinkCallback,
-    OneSided,
-    PeerInfo,
-    RequestHandler,
-    Transport,
-)
-from ._tls import TlsContexts, load_tls
+from ._base import BY_ADDRESS
+from ._base import DIRECT_REFUSED
+from ._base import ONE_SIDED
+from ._base import ByAddress
+from ._base import Capability
+from ._base import DeviceRuns
+from ._base import DirectCheck
+from ._base import Grant
+from ._base import Link
+from ._base import LinkCallback
+from ._base import OneSided
+from ._base import PeerInfo
+from ._base import RequestHandler
+from ._base import Transport
+from ._tls import TlsContexts
+from ._tls import load_tls
 
 __all__ = [
     "BY_ADDRESS",

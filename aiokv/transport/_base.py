@@ -15,10 +15,19 @@ import abc
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Coroutine
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from types import TracebackType
-from typing import Any, Final, Generic, Protocol, Self, TypeVar
+from typing import Any
+from typing import Final
+from typing import Generic
+from typing import Protocol
+from typing import Self
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt

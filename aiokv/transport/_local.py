@@ -33,29 +33,30 @@ import hmac
 import itertools
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import Final
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException
-from ._base import (
-    AUTH_FAILED,
-    DeviceRuns,
-    Grant,
-    Link,
-    PeerInfo,
-    Transport,
-    auth_mismatch,
-    check_address,
-    check_connect_timeout,
-    check_grant,
-    check_probe_timeout,
-    check_request,
-    decode_reason,
-    flatten_views,
-    grant_reason,
-    refusal,
-)
+from ._base import AUTH_FAILED
+from ._base import DeviceRuns
+from ._base import Grant
+from ._base import Link
+from ._base import PeerInfo
+from ._base import Transport
+from ._base import auth_mismatch
+from ._base import check_address
+from ._base import check_connect_timeout
+from ._base import check_grant
+from ._base import check_probe_timeout
+from ._base import check_request
+from ._base import decode_reason
+from ._base import flatten_views
+from ._base import grant_reason
+from ._base import refusal
 
 __all__ = ["LocalTransport"]
 

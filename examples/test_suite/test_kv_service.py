@@ -13,7 +13,12 @@ import asyncio
 import pytest
 import torch
 
-from aiokv import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMException, LLMStatusCode
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMStatusCode
 
 DESC = CacheDesc(4, [16, 8, 64], DataType.DT_FLOAT)  # 2 layers x (K, V), 16 blocks
 Pair = tuple[LLMDataDist, LLMDataDist]

@@ -35,7 +35,8 @@ PROMPTS = [
 
 def engine(conn: Connection, role: str, args: dict[str, Any]) -> None:
     """One engine's process: answer (prompts, sampling params) pairs until None."""
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
+    from vllm import SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 

@@ -30,7 +30,9 @@ import json
 import uuid
 from typing import Any
 
-from aiohttp import ClientSession, ClientTimeout, web
+from aiohttp import ClientSession
+from aiohttp import ClientTimeout
+from aiohttp import web
 
 
 def prefill_body(body: dict[str, Any], transfer_id: str | None = None) -> dict[str, Any]:

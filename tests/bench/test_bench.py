@@ -13,9 +13,18 @@ from _helpers import hide_nixl
 from rich.console import Console
 from typer.testing import CliRunner
 
-from aiokv import CacheManager, LLMDataDist
-from aiokv._bench import _harness, latency, layerwise, transfer
-from aiokv._bench._harness import PromptPeer, Report, interleave, run_loop, run_remote, scattered
+from aiokv import CacheManager
+from aiokv import LLMDataDist
+from aiokv._bench import _harness
+from aiokv._bench import latency
+from aiokv._bench import layerwise
+from aiokv._bench import transfer
+from aiokv._bench._harness import PromptPeer
+from aiokv._bench._harness import Report
+from aiokv._bench._harness import interleave
+from aiokv._bench._harness import run_loop
+from aiokv._bench._harness import run_remote
+from aiokv._bench._harness import scattered
 from aiokv._bench.raw import RawBlocks
 from aiokv.cli import app
 from aiokv.testing import requires_transport
@@ -104,6 +113,7 @@ class _Recorder:
         return self._cm.transfer_cache_async(src, sync, cfgs, srcs, dsts)
 
 
+@pytest.mark.usefixtures("small_pools")
 def test_latency_bench_times_the_engine_hop_against_a_bare_thread_hand_off() -> None:
     report = latency.run_latency_bench(quick=True).as_dict()
     hop = report["engine_hop"]

@@ -9,8 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from aiokv._bench._harness import run_loop, scattered
-from aiokv._bench.nixl import SETTINGS, RawNixl
+from aiokv._bench._harness import run_loop
+from aiokv._bench._harness import scattered
+from aiokv._bench.nixl import SETTINGS
+from aiokv._bench.nixl import RawNixl
 from aiokv.cli import app
 from aiokv.testing import requires_transport
 

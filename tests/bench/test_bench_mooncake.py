@@ -101,7 +101,9 @@ def test_peers_with_nixl_adds_aiokv_nixl_vs_mooncake_per_ucx_setting() -> None:
 
 @needs_mooncake
 def test_a_mooncake_read_of_other_blocks_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiokv._bench._harness import Report, run_loop, scattered
+    from aiokv._bench._harness import Report
+    from aiokv._bench._harness import run_loop
+    from aiokv._bench._harness import scattered
     from aiokv._bench.mooncake import mooncake_contenders
 
     block, count = 16 << 10, 64

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 from aiokv._bench import _progress
-from aiokv._bench._progress import shown, steps
+from aiokv._bench._progress import shown
+from aiokv._bench._progress import steps
 from aiokv._bench.local import run_local_bench
 
 BENCH = Path(_progress.__file__).parent

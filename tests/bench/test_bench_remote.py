@@ -10,13 +10,15 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import TypeVar
 
 import pytest
 from _helpers import free_port
 
-from aiokv import CacheDesc, DataType
+from aiokv import CacheDesc
+from aiokv import DataType
 from aiokv._bench import remote
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,7 +7,8 @@ from typing import Any
 
 from aiokv import LLMConfig
 from aiokv.testing import cluster_info as info
-from aiokv.testing import make_config, pool_option
+from aiokv.testing import make_config
+from aiokv.testing import pool_option
 
 __all__ = ["info", "participant", "pool"]
 

@@ -16,7 +16,12 @@ import pytest
 
 import aiokv
 import aiokv.sync
-from aiokv import LLMClusterInfo, LLMConfig, LLMDataDist, LLMException, LLMRole, LLMStatusCode
+from aiokv import LLMClusterInfo
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
 from aiokv._config import _OPTION_KEYS
 from aiokv.transport.tcp import TcpTransport
 

@@ -13,23 +13,24 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import raises, snapshot, until
-from participants import participant, pool
+from _helpers import raises
+from _helpers import snapshot
+from _helpers import until
+from participants import participant
+from participants import pool
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    CacheManager,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheKeyByIdAndIndex
+from aiokv import CacheManager
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv.testing import cluster_info
 
 CODE = LLMStatusCode

@@ -9,19 +9,18 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import raises
 
 import aiokv.sync as llm_datadist
-from aiokv import (
-    CacheDesc,
-    DataType,
-    KvCache,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import KvCache
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._datadist import LEGACY_POOL
 
 CODE = LLMStatusCode
@@ -50,9 +49,7 @@ async def test_legacy_mode_reserves_a_device_pool() -> None:
         after = kv.get_pool_stats(Placement.DEVICE)
         assert after is not None and after.used == 0
         # no host pool was asked for: that still refuses
-        with pytest.raises(LLMException) as ei:
-            await kv.allocate_cache(desc(Placement.HOST))
-        assert ei.value.status_code == CODE.LLM_FEATURE_NOT_ENABLED
+        await raises(CODE.LLM_FEATURE_NOT_ENABLED, kv.allocate_cache(desc(Placement.HOST)))
 
 
 async def test_given_pool_wins_and_cache_manager_mode_reserves_none() -> None:
@@ -63,9 +60,7 @@ async def test_given_pool_wins_and_cache_manager_mode_reserves_none() -> None:
     async with LLMDataDist(LLMRole.PROMPT, 2, config(enable_cache_manager=True)) as c:
         cm = c.cache_manager
         assert cm.get_pool_stats(Placement.DEVICE) is None
-        with pytest.raises(LLMException) as ei:
-            await cm.allocate_cache(desc())
-        assert ei.value.status_code == CODE.LLM_FEATURE_NOT_ENABLED
+        await raises(CODE.LLM_FEATURE_NOT_ENABLED, cm.allocate_cache(desc()))
 
 
 async def test_per_device_tensor_addrs_and_get_cache_tensors() -> None:

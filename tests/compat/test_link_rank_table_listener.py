@@ -9,25 +9,22 @@ import time
 
 import pytest
 from _helpers import free_port
+from _helpers import not_listening
+from _helpers import raises
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    RegisterMemStatus,
-)
-from aiokv.testing import make_config
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import RegisterMemStatus
 
 
 def config() -> LLMConfig:
     """A participant that does not listen (the rank table says where), over TCP."""
-    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
-    return make_config("tcp", pool=1 << 20, sync_kv_timeout=1000, **options)
+    return not_listening(pool=1 << 20, sync_kv_timeout=1000)
 
 
 def table(rank0: dict[str, str]) -> str:
@@ -91,16 +88,15 @@ async def test_entries_without_device_port_use_the_environment(
         await p.unlink(ids[0])
     monkeypatch.setenv("AIOKV_DEVICE_PORT", "not a port")
     async with LLMDataDist(LLMRole.DECODER, 2, config()) as d:
-        with pytest.raises(LLMException) as ei:
-            await d.link("c", {1: 0, 2: 1}, rank_table)
-        assert ei.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        await raises(LLMStatusCode.LLM_PARAM_INVALID, d.link("c", {1: 0, 2: 1}, rank_table))
 
 
 async def test_party_without_listener_or_address_is_refused() -> None:
     async with LLMDataDist(LLMRole.PROMPT, 1, config()) as p:
-        with pytest.raises(LLMException) as ei:
-            await p.link("c", {1: 0, 2: 1}, table({"device_ip": "127.0.0.1"}))
-        assert ei.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        await raises(
+            LLMStatusCode.LLM_PARAM_INVALID,
+            p.link("c", {1: 0, 2: 1}, table({"device_ip": "127.0.0.1"})),
+        )
         assert p.listen_address is None
 
 
@@ -111,8 +107,9 @@ async def test_own_entry_that_cannot_be_bound_fails_the_call() -> None:
     ):
         assert busy.listen_address is not None
         host, port = busy.listen_address
-        with pytest.raises(LLMException) as ei:
-            await p.link("c", {1: 0, 2: 1}, table({"device_ip": host, "device_port": str(port)}))
-        assert ei.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+        await raises(
+            LLMStatusCode.LLM_LINK_FAILED,
+            p.link("c", {1: 0, 2: 1}, table({"device_ip": host, "device_port": str(port)})),
+        )
         assert p.listen_address is None
         assert p.linked_clusters() == []

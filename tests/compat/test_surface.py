@@ -15,38 +15,36 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import not_listening
 from _helpers import raises
 
 import aiokv
 import aiokv.sync
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    CacheManager,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    MemInfo,
-    Memtype,
-    NoneArgumentError,
-    Placement,
-    Status,
-)
-from aiokv.testing import cluster_info, make_config
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheKeyByIdAndIndex
+from aiokv import CacheManager
+from aiokv import DataType
+from aiokv import LLMClusterInfo
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import MemInfo
+from aiokv import Memtype
+from aiokv import NoneArgumentError
+from aiokv import Placement
+from aiokv import Status
+from aiokv.testing import cluster_info
 
 CODE = LLMStatusCode
 
 
 def config(**kw: Any) -> LLMConfig:
     """A participant that does not listen and refuses pushes unless told otherwise."""
-    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
-    return make_config("tcp", pool=1 << 20, host_pool=1 << 20, **(options | kw))
+    return not_listening(**({"pool": 1 << 20, "host_pool": 1 << 20} | kw))
 
 
 def blocks(placement: Placement = Placement.DEVICE) -> CacheDesc:

@@ -12,7 +12,8 @@ import asyncio
 import inspect
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -21,21 +22,21 @@ import torch
 
 import aiokv
 import aiokv.sync
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheTask,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-    TransferConfig,
-    TransferWithCacheKeyConfig,
-)
-from aiokv.testing import cluster_info, linked_pair, make_config
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheTask
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
+from aiokv import TransferConfig
+from aiokv import TransferWithCacheKeyConfig
+from aiokv.testing import cluster_info
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
 
 CODE = LLMStatusCode
 BLOCKS = 8
@@ -52,13 +53,19 @@ def pattern() -> list[torch.Tensor]:
     return [torch.randint(1, 256, (BLOCKS, 256), generator=g, dtype=torch.uint8) for _ in range(4)]
 
 
+#: the prompt, its blocks cache filled with ``pattern()``, the tensors of the decoder's
+#: empty blocks cache keyed ``KEY``
+Setup = tuple[LLMDataDist, aiokv.Cache, list[torch.Tensor]]
+
+
 @pytest.fixture
-async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[LLMDataDist, LLMDataDist]]:
-    """Prompt 1 with a filled blocks cache; decoder 2 with an empty one keyed ``KEY``."""
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Setup]:
+    """Prompt 1 with a filled blocks cache; decoder 2 with an empty one keyed ``KEY``
+    (``sync_kv_timeout`` of the prompt: the parameter, 3000 ms without one)."""
     timeout = getattr(request, "param", 3000)
     async with linked_pair(config(sync_kv_timeout=timeout), config()) as (p, d):
         await d.cache_manager.allocate_blocks_cache(DESC, KEY)
-        yield p, d
+        yield p, await filled_source(p), peer_tensors(d)
 
 
 class Recorder:
@@ -99,9 +106,8 @@ def test_a_plain_method_on_both_apis() -> None:
     assert not inspect.iscoroutinefunction(aiokv.sync.CacheManager.transfer_cache_async)
 
 
-async def test_returns_the_started_task_at_once(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
-    p, d = pair
-    src = await filled_source(p)
+async def test_returns_the_started_task_at_once(pair: Setup) -> None:
+    p, src, dst = pair
     sync = Recorder()
     task = p.cache_manager.transfer_cache_async(src, sync, [TransferWithCacheKeyConfig(KEY)])
     assert isinstance(task, CacheTask) and not asyncio.iscoroutine(task)
@@ -110,16 +116,12 @@ async def test_returns_the_started_task_at_once(pair: tuple[LLMDataDist, LLMData
     assert await task == [CODE.LLM_SUCCESS]
     assert task.done()
     assert await task.synchronize() == CODE.LLM_SUCCESS
-    assert holds_pattern(peer_tensors(d))
+    assert holds_pattern(dst)
     assert p.cache_manager.statistics().pins == 0
 
 
-async def test_blocks_cache_without_indices_sends_every_block(
-    pair: tuple[LLMDataDist, LLMDataDist],
-) -> None:
-    p, d = pair
-    src = await filled_source(p)
-    dst = peer_tensors(d)
+async def test_blocks_cache_without_indices_sends_every_block(pair: Setup) -> None:
+    p, src, dst = pair
     task = p.cache_manager.transfer_cache_async(src, Recorder(), [TransferWithCacheKeyConfig(KEY)])
     assert await task.synchronize() == CODE.LLM_SUCCESS
     assert holds_pattern(dst)
@@ -134,11 +136,9 @@ async def test_blocks_cache_without_indices_sends_every_block(
 
 @pytest.mark.parametrize("pair", [100], indirect=True)  # sync_kv_timeout = 100 ms
 async def test_synchronizer_gets_none_and_may_take_longer_than_sync_kv_timeout(
-    pair: tuple[LLMDataDist, LLMDataDist],
+    pair: Setup,
 ) -> None:
-    p, d = pair
-    src = await filled_source(p)
-    dst = peer_tensors(d)
+    p, src, dst = pair
     blocking = Recorder(hold_s=0.3)  # 3x sync_kv_timeout per layer
     task = p.cache_manager.transfer_cache_async(src, blocking, [TransferWithCacheKeyConfig(KEY)])
     assert await task.get_results() == [CODE.LLM_SUCCESS]
@@ -158,11 +158,8 @@ async def test_synchronizer_gets_none_and_may_take_longer_than_sync_kv_timeout(
     assert seen == [None, None]
 
 
-async def test_bad_arguments_raise_at_once_and_pin_nothing(
-    pair: tuple[LLMDataDist, LLMDataDist],
-) -> None:
-    p, _ = pair
-    src = await filled_source(p)
+async def test_bad_arguments_raise_at_once_and_pin_nothing(pair: Setup) -> None:
+    p, src, _ = pair
     cm = p.cache_manager
     cfg = [TransferWithCacheKeyConfig(KEY)]
     for srcs, dsts in [([0], None), (None, [0]), ([0], []), ([0], [1, 2]), ([BLOCKS], [0])]:

@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import pytest
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMClusterInfo,
-    LLMException,
-    LLMStatusCode,
-    MemInfo,
-    Memtype,
-    TransferConfig,
-    TransferWithCacheKeyConfig,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheKeyByIdAndIndex
+from aiokv import DataType
+from aiokv import LLMClusterInfo
+from aiokv import LLMException
+from aiokv import LLMStatusCode
+from aiokv import MemInfo
+from aiokv import Memtype
+from aiokv import TransferConfig
+from aiokv import TransferWithCacheKeyConfig
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 import pytest
 from copy_helpers import CPU
 
-from aiokv._copy import CopyScheduler, SchedulerConfig
+from aiokv._copy import CopyScheduler
+from aiokv._copy import SchedulerConfig
 
 
 @pytest.fixture

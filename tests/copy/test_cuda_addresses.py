@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiokv import BlocksCacheKey, CacheDesc, DataType, LLMException, LLMStatusCode
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMException
+from aiokv import LLMStatusCode
 from aiokv._cache import wrap_memory
-from aiokv.testing import linked_pair, make_config
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")

@@ -12,18 +12,17 @@ import pytest
 import torch
 
 from aiokv._copy import _device
-from aiokv._copy._device import (
-    DeviceContext,
-    device_empty,
-    host_empty,
-    is_accelerator,
-    npu_device_count,
-    pre_touch,
-    resolve_device,
-    supports_pinning,
-)
+from aiokv._copy._device import DeviceContext
+from aiokv._copy._device import device_empty
+from aiokv._copy._device import host_empty
+from aiokv._copy._device import is_accelerator
+from aiokv._copy._device import npu_device_count
+from aiokv._copy._device import pre_touch
+from aiokv._copy._device import resolve_device
+from aiokv._copy._device import supports_pinning
 from aiokv._enums import LLMStatusCode
-from aiokv._errors import LLMException, NoneArgumentError
+from aiokv._errors import LLMException
+from aiokv._errors import NoneArgumentError
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_NPU = importlib.util.find_spec("torch_npu") is not None and npu_device_count() > 0

@@ -19,34 +19,35 @@ import anyio
 import numpy as np
 import pytest
 import torch
+from _helpers import not_listening
 from _helpers import snapshot
 from copy_helpers import expected
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
-from aiokv import (
-    Cache,
-    CacheDesc,
-    CacheManager,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
-from aiokv._copy import INLINE_MAX_BYTES, copy_rows, fits_inline
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import CacheManager
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
+from aiokv._copy import INLINE_MAX_BYTES
+from aiokv._copy import copy_rows
+from aiokv._copy import fits_inline
 from aiokv._copy._inline import INLINE_MAX_ROWS
-from aiokv.testing import make_config
 
 POOL = 16 << 20
 
 
 def config() -> LLMConfig:
     """Not listening, refusing pushes: local copies only."""
-    options = {"listen_ip_info": None, "enable_remote_cache_accessible": False}
-    return make_config("tcp", pool=POOL, host_pool=POOL, sync_kv_timeout=1000, **options)
+    return not_listening(pool=POOL, host_pool=POOL, sync_kv_timeout=1000)
 
 
 @pytest.fixture

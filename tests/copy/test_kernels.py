@@ -7,20 +7,21 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from copy_helpers import (
-    CPU,
-    DTYPES,
-    PAIR_KINDS,
-    WITHIN_ONE_TENSOR,
-    assert_bytes_equal,
-    expected,
-    make_pairs,
-    needs_cuda,
-    rand_tensor,
-)
+from copy_helpers import CPU
+from copy_helpers import DTYPES
+from copy_helpers import PAIR_KINDS
+from copy_helpers import WITHIN_ONE_TENSOR
+from copy_helpers import assert_bytes_equal
+from copy_helpers import expected
+from copy_helpers import make_pairs
+from copy_helpers import needs_cuda
+from copy_helpers import rand_tensor
 
-from aiokv._copy import CopyScheduler, DeviceContext, SchedulerConfig
-from aiokv._copy._kernels import Ring, copy_cross
+from aiokv._copy import CopyScheduler
+from aiokv._copy import DeviceContext
+from aiokv._copy import SchedulerConfig
+from aiokv._copy._kernels import Ring
+from aiokv._copy._kernels import copy_cross
 from aiokv._copy._plan import Planner
 
 

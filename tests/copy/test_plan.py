@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import random
 
-from hypothesis import given, settings
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from aiokv._copy import coalesce

@@ -12,9 +12,11 @@ import random
 
 import pytest
 import torch
-from copy_helpers import CPU, Gate
+from copy_helpers import CPU
+from copy_helpers import Gate
 
-from aiokv._copy import CopyScheduler, SchedulerConfig
+from aiokv._copy import CopyScheduler
+from aiokv._copy import SchedulerConfig
 
 
 async def test_copy_blocks_empty_and_mismatch(sched: CopyScheduler) -> None:

@@ -14,7 +14,7 @@ from aiokv._layout import ByteLayout
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("row", [16, 32, 48, 128, 2048])
+@pytest.mark.parametrize("row", [4, 8, 16, 32, 48, 128, 2048])
 @pytest.mark.parametrize("count", [4, 300])
 def test_gather_then_scatter_moves_exactly_the_layouts_bytes(row: int, count: int) -> None:
     rng = np.random.default_rng(row + count)

@@ -9,9 +9,11 @@ import threading
 import pytest
 import torch
 from _helpers import run_code
-from copy_helpers import CPU, Gate
+from copy_helpers import CPU
+from copy_helpers import Gate
 
-from aiokv._copy import CopyScheduler, SchedulerConfig
+from aiokv._copy import CopyScheduler
+from aiokv._copy import SchedulerConfig
 
 
 async def test_call_returns_and_raises(sched: CopyScheduler) -> None:

@@ -30,7 +30,11 @@ def test_demo_tokens_identical_from_the_package_alone_outside_the_repository(
     )
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(site), "COLUMNS": "160"}
+    # the copy, and no checkout (the dependencies may come from PYTHONPATH: they stay)
+    checkout = Path(__file__).resolve().parents[2]
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    kept = [p for p in kept if Path(p).resolve() != checkout]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *kept]), "COLUMNS": "160"}
     argv = ["aiokv", *ARGS, "--decoders", "2"]
     code = f"import sys, aiokv.cli; print(aiokv.__file__); sys.argv = {argv!r}; aiokv.cli.main()"
     proc = subprocess.run(

@@ -10,9 +10,12 @@ import pytest
 import torch
 from rich.console import Console
 
-from aiokv._demo import DemoMismatch, DemoOptions, run_demo
+from aiokv._demo import DemoMismatch
+from aiokv._demo import DemoOptions
+from aiokv._demo import run_demo
 from aiokv._demo._roles import _rotated
-from aiokv.examples.tiny_model import ModelConfig, TinyDecoder
+from aiokv.examples.tiny_model import ModelConfig
+from aiokv.examples.tiny_model import TinyDecoder
 
 
 def _generate(

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _helpers import checkout_env, run_python
+from _helpers import checkout_env
+from _helpers import run_python
 
 import aiokv
 import aiokv.metrics

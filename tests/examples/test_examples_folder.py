@@ -9,7 +9,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _helpers import checkout_env, run_python
+from _helpers import checkout_env
+from _helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

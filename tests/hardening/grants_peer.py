@@ -10,8 +10,14 @@ from __future__ import annotations
 import asyncio
 from multiprocessing.connection import Connection
 
-from aiokv import CacheDesc, CacheKeyByIdAndIndex, DataType, LLMDataDist, LLMException, LLMRole
-from aiokv.testing import cluster_info, make_config
+from aiokv import CacheDesc
+from aiokv import CacheKeyByIdAndIndex
+from aiokv import DataType
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv.testing import cluster_info
+from aiokv.testing import make_config
 
 
 async def _run(conn: Connection, port: int, cache_id: int, nbytes: int) -> None:

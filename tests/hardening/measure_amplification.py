@@ -16,10 +16,17 @@ import time
 import numpy as np
 import torch
 
-from aiokv import BlocksCacheKey, CacheDesc, DataType, LLMConfig
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
 from aiokv._cache import Cache
 from aiokv._registry import CacheRegistry
-from aiokv._remote._protocol import BlocksReq, KeyByBlocks, Tensors, encode, pack_blocks
+from aiokv._remote._protocol import BlocksReq
+from aiokv._remote._protocol import KeyByBlocks
+from aiokv._remote._protocol import Tensors
+from aiokv._remote._protocol import encode
+from aiokv._remote._protocol import pack_blocks
 from aiokv._remote._service import PeerService
 from aiokv.transport import PeerInfo
 

@@ -15,8 +15,11 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Coroutine
+from collections.abc import Iterator
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import anyio
@@ -24,23 +27,22 @@ import pytest
 import torch
 from _helpers import cancel_after
 
-from aiokv import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    CacheKey,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-    TransferWithCacheKeyConfig,
-)
+from aiokv import BlocksCacheKey
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
+from aiokv import TransferWithCacheKeyConfig
 from aiokv._copy import _staging
 from aiokv._engine import Engine
-from aiokv.testing import linked_pair, make_config
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
 
 CODE = LLMStatusCode
 DESC = CacheDesc(2, [1, 4096], DataType.DT_UINT8, Placement.HOST)

@@ -11,17 +11,17 @@ import time
 from multiprocessing.connection import Connection
 
 import torch
-from _helpers import mixed_block_ops, spawned
+from _helpers import mixed_block_ops
+from _helpers import spawned
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
-)
-from aiokv.testing import cluster_info, make_config
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMDataDist
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv.testing import cluster_info
+from aiokv.testing import make_config
 
 HOST = "127.0.0.1"
 # 16 KiB blocks: a writer batch (chunks of several streams) fills the socket mid-way,

@@ -18,36 +18,37 @@ import grants_peer
 import numpy as np
 import pytest
 import torch
-from _helpers import raises, raw_link, until
+from _helpers import raises
+from _helpers import raw_link
+from _helpers import until
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheKeyByIdAndIndex
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._cache import Cache
 from aiokv._registry import CacheRegistry
-from aiokv._remote._protocol import (
-    AddrsReq,
-    BlocksReq,
-    KeyByBlocks,
-    KeyById,
-    KeyByReq,
-    SlotReq,
-    Tensors,
-    encode,
-    pack_blocks,
-)
-from aiokv._remote._service import PeerService, _LayoutMemo, _Refused
-from aiokv.testing import linked_pair, make_config
+from aiokv._remote._protocol import AddrsReq
+from aiokv._remote._protocol import BlocksReq
+from aiokv._remote._protocol import KeyByBlocks
+from aiokv._remote._protocol import KeyById
+from aiokv._remote._protocol import KeyByReq
+from aiokv._remote._protocol import SlotReq
+from aiokv._remote._protocol import Tensors
+from aiokv._remote._protocol import encode
+from aiokv._remote._protocol import pack_blocks
+from aiokv._remote._service import PeerService
+from aiokv._remote._service import _LayoutMemo
+from aiokv._remote._service import _Refused
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
 from aiokv.transport import PeerInfo
 from aiokv.transport import _wire as wire
 
@@ -194,12 +195,12 @@ async def test_reads_by_cache_id_follow_llm_datadist_per_mode() -> None:
         private = await p.cache_manager.register_cache(host, [torch.zeros(2, 256).byte()])
         shared = await p.cache_manager.register_cache(host, [torch.zeros(2, 256).byte()], (), True)
         dst = await d.cache_manager.allocate_cache(desc)
-        with pytest.raises(LLMException) as ei:
-            await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, private.cache_id, 0), dst)
-        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
-        # cause and remedy
-        assert f"cache {private.cache_id} of cluster 1 is not remote accessible" in str(ei.value)
-        assert "remote_accessible=True" in str(ei.value)
+        await raises(
+            CODE.LLM_PARAM_INVALID,
+            d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, private.cache_id, 0), dst),
+            f"cache {private.cache_id} of cluster 1 is not remote accessible",  # the cause
+            "remote_accessible=True",  # the remedy
+        )
         await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, shared.cache_id, 0), dst)
 
 
@@ -208,11 +209,12 @@ async def test_restrict_reads_by_id_is_the_owners_opt_in() -> None:
     async with linked_pair(config(restrict_reads_by_id=True), config()) as (p, d):
         src = await p.cache_manager.allocate_cache(desc, [CacheKey(1, req_id=1)])
         dst = await d.cache_manager.allocate_cache(desc)
-        with pytest.raises(LLMException) as ei:
-            await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst)
-        assert ei.value.status_code == CODE.LLM_FEATURE_NOT_ENABLED
-        msg = str(ei.value)
-        assert "restrict_reads_by_id" in msg and "enable_remote_cache_accessible" in msg
+        await raises(
+            CODE.LLM_FEATURE_NOT_ENABLED,
+            d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst),
+            "restrict_reads_by_id",
+            "enable_remote_cache_accessible",
+        )
         await d.cache_manager.pull_cache(CacheKey(1, req_id=1), dst)  # by key: allowed
     async with linked_pair(
         config(restrict_reads_by_id=True, enable_remote_cache_accessible=True), config()
@@ -324,9 +326,7 @@ async def test_copy_cache_between_overlapping_memory_is_refused_and_writes_nothi
         a0 = backing.data_ptr()
         src = await cm.register_cache(desc, [a0, a0 + 4096])
         dst = await cm.register_cache(desc, [a0 + 2048, a0 + 8192])  # dst 0 overlaps src
-        with pytest.raises(LLMException) as info:
-            await cm.copy_cache(dst, src)
-        assert info.value.status_code == CODE.LLM_PARAM_INVALID
+        await raises(CODE.LLM_PARAM_INVALID, cm.copy_cache(dst, src))
         assert torch.equal(backing, before)
         apart = await cm.register_cache(desc, [a0 + 8192 + 2048, a0 + 8192 + 2048])
         with pytest.raises(LLMException):  # its two tensors alias each other

@@ -30,21 +30,26 @@ import pytest
 import torch
 from _helpers import raw_link
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMException,
-    LLMStatusCode,
-    TransferWithCacheKeyConfig,
-)
-from aiokv._copy import CopyScheduler, Stager, _staging
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMException
+from aiokv import LLMStatusCode
+from aiokv import TransferWithCacheKeyConfig
+from aiokv._copy import CopyScheduler
+from aiokv._copy import Stager
+from aiokv._copy import _staging
 from aiokv._copy._staging import Budget
 from aiokv._remote import _service as service_mod
-from aiokv._remote._protocol import BlocksReq, KeyByBlocks, Tensors, encode
+from aiokv._remote._protocol import BlocksReq
+from aiokv._remote._protocol import KeyByBlocks
+from aiokv._remote._protocol import Tensors
+from aiokv._remote._protocol import encode
 from aiokv._threads import Lane
-from aiokv.testing import linked_pair, make_config, requires_transport
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
+from aiokv.testing import requires_transport
 from aiokv.transport import _wire as wire
 
 CODE = LLMStatusCode

@@ -12,41 +12,44 @@ import secrets
 import socket
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 import pytest
 import torch
-from _helpers import cancel_after, serving_once, spawned, until
+from _helpers import cancel_after
+from _helpers import not_listening
+from _helpers import raises
+from _helpers import serving_once
+from _helpers import spawned
+from _helpers import until
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
 from aiokv._config import InvalidOptionError
-from aiokv.testing import cluster_info, make_config
-from aiokv.transport import Grant, Link, PeerInfo, get_transport, transport_names
+from aiokv.testing import cluster_info
+from aiokv.testing import make_config
+from aiokv.transport import Grant
+from aiokv.transport import Link
+from aiokv.transport import PeerInfo
 from aiokv.transport import _wire as wire
+from aiokv.transport import get_transport
+from aiokv.transport import transport_names
 from aiokv.transport._wire import FrameType
 from aiokv.transport.tcp import TcpTransport
 from aiokv.transport.tcp import _link as tcp_link
 
 HOST = "127.0.0.1"
-#: a participant of ``make_config`` that neither listens nor accepts pushes (llm_datadist's
-#: defaults)
-NOT_LISTENING: dict[str, Any] = {
-    "listen_ip_info": None,
-    "enable_remote_cache_accessible": False,
-    "sync_kv_timeout": 1000,
-}
 Code = LLMStatusCode
 F = FrameType
 
@@ -217,7 +220,7 @@ def _flood_then_link_and_pull(flood: Callable[[int, list[socket.socket]], Awaita
 
         async def main() -> None:
             sockets: list[socket.socket] = []
-            cfg = make_config("tcp", pool=1 << 20, **NOT_LISTENING)
+            cfg = not_listening(pool=1 << 20, sync_kv_timeout=1000)
             try:
                 await flood(port, sockets)
                 async with LLMDataDist(LLMRole.DECODER, 22, cfg) as d:
@@ -297,9 +300,7 @@ async def test_public_paths_check_ports_and_timeouts() -> None:
         for timeout, exc in ((True, TypeError), (1.5, TypeError), (2**31, ValueError)):
             with pytest.raises(exc):
                 await d.link_clusters([info], timeout=timeout)  # type: ignore[arg-type]
-        with pytest.raises(LLMException) as ei:
-            await d.link_clusters([info], timeout=0)
-        assert ei.value.status_code == Code.LLM_PARAM_INVALID
+        await raises(Code.LLM_PARAM_INVALID, d.link_clusters([info], timeout=0))
 
 
 def test_handshake_timeout_option() -> None:
@@ -401,9 +402,7 @@ async def test_the_client_refuses_a_mistyped_server_hello(cluster_id: Any) -> No
     client = TcpTransport(1, Regions())
     async with serving_once(serve) as port:
         try:
-            with pytest.raises(LLMException) as ei:
-                await client.connect(HOST, port, timeout=5)
-            assert ei.value.status_code == Code.LLM_LINK_FAILED
+            await raises(Code.LLM_LINK_FAILED, client.connect(HOST, port, timeout=5))
             assert client.links() == []
         finally:
             await client.aclose()

@@ -9,29 +9,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import shutil
 import socket
+import ssl
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _helpers import raises
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
-from aiokv._bench._pki import Pki, TlsFiles, make_pki
-from aiokv.testing import cluster_info, linked_pair, make_config
-from aiokv.transport import Grant, PeerInfo, TlsContexts, load_tls
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv._bench._pki import Pki
+from aiokv._bench._pki import TlsFiles
+from aiokv._bench._pki import make_pki
+from aiokv.testing import cluster_info
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
+from aiokv.transport import TlsContexts
+from aiokv.transport import load_tls
 from aiokv.transport.tcp import TcpTransport
+from aiokv.transport.tcp._tls_io import TlsSock
 
 if shutil.which("openssl") is None:  # pragma: no cover - present wherever aiokv is tested
     pytest.skip("the openssl command makes the test certificates", allow_module_level=True)
@@ -102,11 +111,9 @@ class Region:
 
 async def refused(client: TcpTransport, address: tuple[str, int]) -> str:
     """Connect ``client`` to ``address``; the link must be refused. Returns the message."""
-    with pytest.raises(LLMException) as info:
-        await client.connect(*address, timeout=5)
-    assert info.value.status_code == CODE.LLM_LINK_FAILED, info.value
+    exc = await raises(CODE.LLM_LINK_FAILED, client.connect(*address, timeout=5))
     assert client.links() == []
-    return str(info.value)
+    return str(exc)
 
 
 # ---------------------------------------------------------------- LLMDataDist over TLS
@@ -247,6 +254,78 @@ async def test_big_transfers_both_ways_at_once_over_tls(pkis: dict[str, Pki]) ->
     finally:
         await a.aclose()
         await b.aclose()
+
+
+def _tls_pair(pkis: dict[str, Pki], buf: int) -> tuple[TlsSock, TlsSock]:
+    """Two ends of a loopback TCP connection with small kernel buffers (``buf``), their TLS
+    handshake done, both non-blocking: (sender, receiver)."""
+    with socket.create_server((HOST, 0)) as server:
+        raw_s = socket.socket()
+        raw_s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buf)
+        raw_s.connect(server.getsockname())
+        raw_r, _ = server.accept()
+    raw_r.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buf)
+    for raw in (raw_s, raw_r):
+        raw.setblocking(False)
+    ends = [
+        TlsSock(contexts(leaf(pkis, "main", "a")).wrap(raw_s, server_side=False, host=HOST)),
+        TlsSock(contexts(leaf(pkis, "main", "b")).wrap(raw_r, server_side=True, host=HOST)),
+    ]
+    waiting = set(ends)
+    deadline = time.monotonic() + 5
+    while waiting and time.monotonic() < deadline:
+        for end in list(waiting):
+            with contextlib.suppress(ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                end.handshake()
+                waiting.discard(end)
+    assert not waiting, "the TLS handshake did not finish within 5 s"
+    return ends[0], ends[1]
+
+
+def _drain(end: TlsSock, into: bytearray) -> None:
+    """Append every byte ``end`` can decrypt now."""
+    chunk = bytearray(64 << 10)
+    while True:
+        try:
+            k = end.recv_into(chunk)
+        except BlockingIOError:
+            return
+        if not k:
+            return
+        into += chunk[:k]
+
+
+def test_a_tls_send_that_would_block_counts_exactly_what_the_peer_can_read(
+    pkis: dict[str, Pki],
+) -> None:
+    """A link counts a stream sent once ``sendmsg`` took its last byte, and a peer's
+    confirmation of bytes not counted sent fails the op (CI stop 31: four pushes of 200
+    over TLS failed so). So ``sendmsg`` must never have handed the peer more than it
+    reports: not on a send that would block, and the stream resumes exactly."""
+    sender, receiver = _tls_pair(pkis, 32 << 10)
+    payload = random.Random(5).randbytes(2 << 20)
+    got = bytearray()
+    taken = short = 0
+    try:
+        for _ in range(100_000):
+            if taken == len(payload):
+                break
+            try:
+                k = sender.sendmsg([memoryview(payload)[taken:]])
+            except BlockingIOError:
+                k = 0
+            short += k < min(len(payload) - taken, 256 << 10)  # the kernel was full
+            taken += k
+            _drain(receiver, got)
+            assert len(got) <= taken, f"the peer read {len(got)} bytes of {taken} sent"
+        deadline = time.monotonic() + 5
+        while len(got) < len(payload) and time.monotonic() < deadline:
+            _drain(receiver, got)
+        assert short, "the kernel buffers never filled: the test proved nothing"
+        assert got == payload
+    finally:
+        sender.close()
+        receiver.close()
 
 
 # ------------------------------------------------------------------ before authentication

@@ -32,34 +32,38 @@ import contextlib
 import itertools
 import random
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import torch
-from _helpers import Refusing, logged_errors
+from _helpers import Refusing
+from _helpers import logged_errors
 from fuzzing import fuzz_seed
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._cache import Cache
 from aiokv._registry import CacheRegistry
 from aiokv._remote._service import PeerService
-from aiokv.testing import cluster_info, make_config
-from aiokv.transport import Grant, Link, PeerInfo
+from aiokv.testing import cluster_info
+from aiokv.testing import make_config
+from aiokv.transport import Grant
+from aiokv.transport import Link
+from aiokv.transport import PeerInfo
 from aiokv.transport.tcp import TcpTransport
 
 CODE = LLMStatusCode

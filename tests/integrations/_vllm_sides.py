@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from aiokv import LLMException
-from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
+from aiokv.integrations.vllm import ConnectorOptions
+from aiokv.integrations.vllm import WorkerSide
 from aiokv.integrations.vllm._plan import Reserve
 from aiokv.integrations.vllm._worker import TransferResults
 from aiokv.transport import get_transport

@@ -9,10 +9,19 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _vllm_sides import Pair, assert_copied, options, reserve, reserved, wait_for, worker_pair
+from _vllm_sides import Pair
+from _vllm_sides import assert_copied
+from _vllm_sides import options
+from _vllm_sides import reserve
+from _vllm_sides import reserved
+from _vllm_sides import wait_for
+from _vllm_sides import worker_pair
 
 from aiokv.integrations.vllm import ConnectorOptions
-from aiokv.integrations.vllm._plan import Hold, Load, Push, StepPlan
+from aiokv.integrations.vllm._plan import Hold
+from aiokv.integrations.vllm._plan import Load
+from aiokv.integrations.vllm._plan import Push
+from aiokv.integrations.vllm._plan import StepPlan
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -10,23 +10,27 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _vllm_sides import (
-    BLOCKS,
-    BS,
-    Pair,
-    assert_copied,
-    blockwise,
-    kv,
-    options,
-    reserve,
-    reserved,
-    wait_for,
-    worker_pair,
-)
+from _vllm_sides import BLOCKS
+from _vllm_sides import BS
+from _vllm_sides import Pair
+from _vllm_sides import assert_copied
+from _vllm_sides import blockwise
+from _vllm_sides import kv
+from _vllm_sides import options
+from _vllm_sides import reserve
+from _vllm_sides import reserved
+from _vllm_sides import wait_for
+from _vllm_sides import worker_pair
 
-from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
+from aiokv.integrations.vllm import ConnectorOptions
+from aiokv.integrations.vllm import WorkerSide
 from aiokv.integrations.vllm._params import Endpoint
-from aiokv.integrations.vllm._plan import Cancel, Hold, Push, Reserve, StepPlan, Withdraw
+from aiokv.integrations.vllm._plan import Cancel
+from aiokv.integrations.vllm._plan import Hold
+from aiokv.integrations.vllm._plan import Push
+from aiokv.integrations.vllm._plan import Reserve
+from aiokv.integrations.vllm._plan import StepPlan
+from aiokv.integrations.vllm._plan import Withdraw
 
 
 @pytest.fixture(params=["tcp", "nixl", "tcp-flash"])

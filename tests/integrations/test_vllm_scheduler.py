@@ -8,10 +8,18 @@ from typing import Any
 
 import pytest
 
-from aiokv.integrations.vllm import ConnectorOptions, SchedulerSide
+from aiokv.integrations.vllm import ConnectorOptions
+from aiokv.integrations.vllm import SchedulerSide
 from aiokv.integrations.vllm._options import derive_cluster_id
-from aiokv.integrations.vllm._params import Endpoint, parse_remote_prefill
-from aiokv.integrations.vllm._plan import Cancel, Hold, Load, Push, Release, Reserve, Withdraw
+from aiokv.integrations.vllm._params import Endpoint
+from aiokv.integrations.vllm._params import parse_remote_prefill
+from aiokv.integrations.vllm._plan import Cancel
+from aiokv.integrations.vllm._plan import Hold
+from aiokv.integrations.vllm._plan import Load
+from aiokv.integrations.vllm._plan import Push
+from aiokv.integrations.vllm._plan import Release
+from aiokv.integrations.vllm._plan import Reserve
+from aiokv.integrations.vllm._plan import Withdraw
 from aiokv.integrations.vllm._scheduler import load_deadline
 
 BS = 32

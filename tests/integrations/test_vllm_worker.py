@@ -12,12 +12,24 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-from _vllm_sides import BLOCKS, FLASH_SHAPE, Pair, assert_copied, kv, wait_for, worker_pair
+from _vllm_sides import BLOCKS
+from _vllm_sides import FLASH_SHAPE
+from _vllm_sides import Pair
+from _vllm_sides import assert_copied
+from _vllm_sides import kv
+from _vllm_sides import wait_for
+from _vllm_sides import worker_pair
 
-from aiokv.integrations.vllm import ConnectorOptions, WorkerSide
-from aiokv.integrations.vllm._layout import blocks_desc, logical_blocks, split_kv
+from aiokv.integrations.vllm import ConnectorOptions
+from aiokv.integrations.vllm import WorkerSide
+from aiokv.integrations.vllm._layout import blocks_desc
+from aiokv.integrations.vllm._layout import logical_blocks
+from aiokv.integrations.vllm._layout import split_kv
 from aiokv.integrations.vllm._params import Endpoint
-from aiokv.integrations.vllm._plan import Hold, Load, Release, StepPlan
+from aiokv.integrations.vllm._plan import Hold
+from aiokv.integrations.vllm._plan import Load
+from aiokv.integrations.vllm._plan import Release
+from aiokv.integrations.vllm._plan import StepPlan
 from aiokv.integrations.vllm._worker import DoneNotice
 
 

@@ -3,7 +3,8 @@ in the shape of llm_datadist's basic prompt.py / decoder.py, on ``aiokv.sync``."
 
 from __future__ import annotations
 
-from port_harness import assert_all_ok, run_parties
+from port_harness import assert_all_ok
+from port_harness import run_parties
 
 SCRIPT = "legacy_kv_cache_manager_sample.py"
 

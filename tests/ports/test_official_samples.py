@@ -9,7 +9,8 @@ a decoder process over 127.0.0.1 and checks the bytes it received.
 from __future__ import annotations
 
 import pytest
-from port_harness import assert_all_ok, run_parties
+from port_harness import assert_all_ok
+from port_harness import run_parties
 
 TIMEOUT_S = 25
 HOST = "127.0.0.1"

@@ -8,7 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
-from port_harness import assert_all_ok, free_ports, run_parties
+from port_harness import assert_all_ok
+from port_harness import free_ports
+from port_harness import run_parties
 
 SCRIPT = "vllm_ascend_cmgr_worker.py"
 

@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from aiokv import BlocksCacheKey, CacheDesc, CacheKey, DataType, LLMDataDist, LLMRole, Placement
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import DataType
+from aiokv import LLMDataDist
+from aiokv import LLMRole
+from aiokv import Placement
 from aiokv.testing import make_config
 
 LAYERS = 4

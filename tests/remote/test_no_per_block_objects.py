@@ -20,15 +20,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from aiokv import BlocksCacheKey, CacheDesc, DataType, LLMDataDist
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMDataDist
 from aiokv._copy import _staging
-from aiokv.testing import linked_pair, make_config, skip_unless_transport
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
+from aiokv.testing import skip_unless_transport
 
 #: net new tracked objects between two generation-0 collections while counting
 STEP = 100
@@ -77,9 +84,8 @@ async def kept(op: Callable[..., Awaitable[None]], *args: Any) -> int:
     return min(counts)
 
 
-#: staged rows this short are gathered by row index (aiokv/_copy/_staging.py _MIN_ROW: 32)
+#: staged rows this short are gathered by row index (aiokv/_copy/_staging.py _MIN_ROW: 8)
 SHORT_ROW = 128
-#: staged rows shorter than _MIN_ROW are copied run by run
 TINY_ROW = 16
 
 
@@ -90,17 +96,7 @@ TINY_ROW = 16
         ("nixl", 2048, False),
         ("tcp", 2048, True),
         ("tcp", SHORT_ROW, True),
-        pytest.param(
-            "tcp",
-            TINY_ROW,
-            True,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="staging copies runs of rows under 32 bytes one by one (a row "
-                "index would outweigh the bytes): two tensor slices per run, "
-                "aiokv/_copy/_staging.py _runs",
-            ),
-        ),
+        ("tcp", TINY_ROW, True),
     ],
     ids=["tcp", "nixl", "tcp-staged", "tcp-staged-short-rows", "tcp-staged-tiny-rows"],
 )

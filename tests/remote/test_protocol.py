@@ -6,22 +6,22 @@ import msgspec
 import numpy as np
 import pytest
 
-from aiokv import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
-from aiokv._remote._protocol import (
-    AddrsReq,
-    BlocksReq,
-    ChunksReq,
-    KeyByBlocks,
-    KeyById,
-    KeyByReq,
-    SlotReq,
-    Tensors,
-    blocks_of,
-    decode,
-    encode,
-    pack_blocks,
-    wire_key,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheKey
+from aiokv import CacheKeyByIdAndIndex
+from aiokv._remote._protocol import AddrsReq
+from aiokv._remote._protocol import BlocksReq
+from aiokv._remote._protocol import ChunksReq
+from aiokv._remote._protocol import KeyByBlocks
+from aiokv._remote._protocol import KeyById
+from aiokv._remote._protocol import KeyByReq
+from aiokv._remote._protocol import SlotReq
+from aiokv._remote._protocol import Tensors
+from aiokv._remote._protocol import blocks_of
+from aiokv._remote._protocol import decode
+from aiokv._remote._protocol import encode
+from aiokv._remote._protocol import pack_blocks
+from aiokv._remote._protocol import wire_key
 
 BAD = (msgspec.ValidationError, msgspec.DecodeError)
 

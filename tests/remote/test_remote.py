@@ -20,31 +20,39 @@ import numpy as np
 import peer_process
 import pytest
 import torch
-from _helpers import Refusing, fill_randn, mixed_block_ops, raises, snapshot
+from _helpers import Refusing
+from _helpers import fill_randn
+from _helpers import mixed_block_ops
+from _helpers import raises
+from _helpers import snapshot
 
-from aiokv import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    CacheManager,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-    TransferConfig,
-    TransferWithCacheKeyConfig,
-)
+from aiokv import BlocksCacheKey
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheKeyByIdAndIndex
+from aiokv import CacheManager
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
+from aiokv import TransferConfig
+from aiokv import TransferWithCacheKeyConfig
 from aiokv._bench.nixl import ucx_over_tcp
-from aiokv._layout import ByteLayout, tensor_bytes
+from aiokv._layout import ByteLayout
+from aiokv._layout import tensor_bytes
 from aiokv._remote import _protocol as protocol
 from aiokv.testing import cluster_info as info
-from aiokv.testing import linked_pair, make_config, skip_unless_transport
-from aiokv.transport import Grant, PeerInfo, get_transport, transport_names
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
+from aiokv.testing import skip_unless_transport
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
+from aiokv.transport import get_transport
+from aiokv.transport import transport_names
 
 CODE = LLMStatusCode
 BACKENDS = ["local", "nixl", "tcp"]  # every registered transport

@@ -5,20 +5,40 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, TypeVar, cast
+from typing import Any
+from typing import TypeVar
+from typing import cast
 
 import numpy as np
 import pytest
 import torch
 
-from aiokv import CacheDesc, DataType, LLMConfig, LLMException, LLMStatusCode, Placement
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMException
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._cache import Cache
 from aiokv._layout import ByteLayout
-from aiokv._remote import LinkTable, Move, RemoteClient, Transfer
+from aiokv._remote import LinkTable
+from aiokv._remote import Move
+from aiokv._remote import RemoteClient
+from aiokv._remote import Transfer
 from aiokv._remote import _client as client_mod
-from aiokv._remote._protocol import BlocksReq, KeyByBlocks, Tensors, decode
-from aiokv._remote._route import Route, part_route, route
-from aiokv.transport import BY_ADDRESS, DIRECT_REFUSED, Capability, DeviceRuns, Link, PeerInfo
+from aiokv._remote._protocol import BlocksReq
+from aiokv._remote._protocol import KeyByBlocks
+from aiokv._remote._protocol import Tensors
+from aiokv._remote._protocol import decode
+from aiokv._remote._route import Route
+from aiokv._remote._route import part_route
+from aiokv._remote._route import route
+from aiokv.transport import BY_ADDRESS
+from aiokv.transport import DIRECT_REFUSED
+from aiokv.transport import Capability
+from aiokv.transport import DeviceRuns
+from aiokv.transport import Link
+from aiokv.transport import PeerInfo
 
 T = TypeVar("T")
 

@@ -19,36 +19,39 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _helpers import (
-    fill_bytes,
-    pull_a_slot_by_key,
-    pull_and_push_blocks,
-    pull_every_other_block,
-    same_rows,
-)
+from _helpers import fill_bytes
+from _helpers import pull_a_slot_by_key
+from _helpers import pull_and_push_blocks
+from _helpers import pull_every_other_block
+from _helpers import raises
+from _helpers import same_rows
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-    TransferConfig,
-    TransferWithCacheKeyConfig,
-)
-from aiokv._copy import Stager, _staging
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import CacheKey
+from aiokv import CacheKeyByIdAndIndex
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
+from aiokv import Placement
+from aiokv import TransferConfig
+from aiokv import TransferWithCacheKeyConfig
+from aiokv._copy import Stager
+from aiokv._copy import _staging
 from aiokv._layout import ByteLayout
 from aiokv._remote import Transfer
 from aiokv._remote import _client as client_mod
 from aiokv._remote import _service as service_mod
-from aiokv._remote._protocol import BlocksReq, KeyByBlocks, SlotReq, Tensors, blocks_of, encode
-from aiokv.testing import cluster_info, make_config
+from aiokv._remote._protocol import BlocksReq
+from aiokv._remote._protocol import KeyByBlocks
+from aiokv._remote._protocol import SlotReq
+from aiokv._remote._protocol import Tensors
+from aiokv._remote._protocol import blocks_of
+from aiokv._remote._protocol import encode
+from aiokv.testing import cluster_info
+from aiokv.testing import make_config
 
 CODE = LLMStatusCode
 HAS_CUDA = torch.cuda.is_available()
@@ -183,9 +186,7 @@ async def test_a_device_request_over_the_staging_cap_is_refused(
         req = BlocksReq(KeyByBlocks(1, 0), Tensors(4), blocks.tobytes(), 16384)
         into = [memoryview(bytearray(40 * 4 * 16384))]
         engine = d._engine  # type: ignore[attr-defined]
-        with pytest.raises(LLMException) as ei:
-            await engine.run(link.read, encode(req), into, timeout=5.0)
-        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        await raises(CODE.LLM_PARAM_INVALID, engine.run(link.read, encode(req), into, timeout=5.0))
         assert stager(p).in_use == 0
         # the same blocks through the API are split below the cap and arrive
         dst = await d.cache_manager.allocate_blocks_cache(paged())
@@ -243,13 +244,12 @@ async def test_stager_bounds_what_it_lends() -> None:
     try:
         st = Stager(sched, limit=4 * MiB)
         cpu = torch.device("cpu")
-        with pytest.raises(LLMException) as ei:
-            await st.reserve(5 * MiB, cpu, 1.0)
-        assert ei.value.status_code == CODE.LLM_PARAM_INVALID and st.in_use == 0
+        await raises(CODE.LLM_PARAM_INVALID, st.reserve(5 * MiB, cpu, 1.0))
+        assert st.in_use == 0
         a = await st.reserve(3 * MiB, cpu, 1.0)
-        with pytest.raises(LLMException) as ei:  # no room within the deadline
-            await st.reserve(2 * MiB, cpu, 0.05)
-        assert ei.value.status_code == CODE.LLM_TIMEOUT and st.in_use == 3 * MiB
+        # no room within the deadline
+        await raises(CODE.LLM_TIMEOUT, st.reserve(2 * MiB, cpu, 0.05))
+        assert st.in_use == 3 * MiB
         waiter = asyncio.ensure_future(st.reserve(2 * MiB, cpu, 5.0))
         await asyncio.sleep(0.01)
         assert not waiter.done()

@@ -4,7 +4,10 @@ tests (see ``spans.py``)."""
 from __future__ import annotations
 
 import pytest
-from spans import ManyOps, Scatter, make_many_ops, make_scatter
+from spans import ManyOps
+from spans import Scatter
+from spans import make_many_ops
+from spans import make_scatter
 
 
 @pytest.fixture(scope="module")

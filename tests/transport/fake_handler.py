@@ -8,12 +8,14 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
-from aiokv.transport import Grant, PeerInfo
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
 
 
 @dataclass
@@ -112,3 +114,13 @@ class FakeHandler:
         """How the grant ``tag`` ends (its first ``done`` call), waiting up to 5 s."""
         fut = self.first.setdefault(tag, asyncio.get_running_loop().create_future())
         return await asyncio.wait_for(asyncio.shield(fut), 5)
+
+    async def ended_as(self, tag: Any, op: str, task: asyncio.Task[Any]) -> bool:
+        """How the granted ``op`` ("read" or "write") ``tag``, whose caller's ``task`` was
+        cancelled or not, ended here (:meth:`done`), checked against how it ended there."""
+        ok = await self.done(tag)
+        if op == "read":  # a pull counts as done exactly when read() returned
+            assert ok is (not task.cancelled())
+        else:  # a push may land just before its confirmation is awaited
+            assert ok or task.cancelled()
+        return ok

@@ -16,14 +16,21 @@ import asyncio
 import ctypes
 import itertools
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
-from aiokv.transport import Capability, DeviceRuns, Link
+from aiokv.transport import Capability
+from aiokv.transport import DeviceRuns
+from aiokv.transport import Link
 from aiokv.transport.tcp import TcpTransport
-from aiokv.transport.tcp._ops import MyOp, PeerOp, State, Stream
-from aiokv.transport.tcp._plane import DataPlane, PlaneHost
+from aiokv.transport.tcp._ops import MyOp
+from aiokv.transport.tcp._ops import PeerOp
+from aiokv.transport.tcp._ops import State
+from aiokv.transport.tcp._ops import Stream
+from aiokv.transport.tcp._plane import DataPlane
+from aiokv.transport.tcp._plane import PlaneHost
 
 T = TypeVar("T")
 #: bytes copied per loop step

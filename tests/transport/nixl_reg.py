@@ -9,7 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from aiokv.transport import Grant, PeerInfo, RequestHandler, get_transport
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
+from aiokv.transport import RequestHandler
+from aiokv.transport import get_transport
 from aiokv.transport.nixl._descs import address_of
 from aiokv.transport.nixl._plane import NixlPlane
 from aiokv.transport.nixl._transport import NixlTransport

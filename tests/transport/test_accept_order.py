@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-from aiokv import LLMConfig, LLMDataDist, LLMRole
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMRole
 from aiokv.testing import cluster_info
 from aiokv.transport.tcp import _transport
 

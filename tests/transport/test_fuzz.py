@@ -26,7 +26,9 @@ from _helpers import logged_errors
 from fuzzing import fuzz_seed
 
 from aiokv._enums import LLMStatusCode as Code
-from aiokv.transport import Grant, Link, PeerInfo
+from aiokv.transport import Grant
+from aiokv.transport import Link
+from aiokv.transport import PeerInfo
 from aiokv.transport import _wire as wire
 from aiokv.transport._wire import FrameType as F
 from aiokv.transport.tcp import TcpTransport

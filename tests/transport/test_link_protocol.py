@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ast
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
+from typing import cast
 
 import pytest
 
@@ -13,7 +15,10 @@ from aiokv import LLMStatusCode as Code
 from aiokv.transport import _wire as wire
 from aiokv.transport._base import encode_reason
 from aiokv.transport.tcp import _protocol
-from aiokv.transport.tcp._ops import MyOp, PeerOp, State, Stream
+from aiokv.transport.tcp._ops import MyOp
+from aiokv.transport.tcp._ops import PeerOp
+from aiokv.transport.tcp._ops import State
+from aiokv.transport.tcp._ops import Stream
 from aiokv.transport.tcp._protocol import LinkProtocol
 
 F = wire.FrameType

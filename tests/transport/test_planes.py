@@ -10,7 +10,9 @@ from fake_handler import FakeHandler
 from memmove_plane import MemmoveTransport
 from spans import js
 
-from aiokv.transport import BY_ADDRESS, ONE_SIDED, Transport
+from aiokv.transport import BY_ADDRESS
+from aiokv.transport import ONE_SIDED
+from aiokv.transport import Transport
 from aiokv.transport.tcp import TcpTransport
 
 HOST = "127.0.0.1"

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,10 +20,14 @@ from test_tcp import HOST
 
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
-from aiokv.transport import Grant, Link, PeerInfo
+from aiokv.transport import Grant
+from aiokv.transport import Link
+from aiokv.transport import PeerInfo
 from aiokv.transport.tcp import TcpTransport
 from aiokv.transport.tcp._io import SockIO
-from aiokv.transport.tcp._writer import BLOCKED, MORE, Writer
+from aiokv.transport.tcp._writer import BLOCKED
+from aiokv.transport.tcp._writer import MORE
+from aiokv.transport.tcp._writer import Writer
 
 
 class _Owner:
@@ -83,7 +88,11 @@ def _pending(sock: socket.socket) -> bytes:
         return b""
 
 
-async def test_a_lone_frame_leaves_at_once_then_frames_are_batched() -> None:
+async def test_a_lone_frame_leaves_at_once_then_frames_are_batched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a pause of a slow machine between the posts must not flush
+    monkeypatch.setattr("aiokv.transport.tcp._writer.FLUSH_S", 60.0, raising=False)
     async with _writer() as (w, peer):
         w.post(b"one")
         assert _pending(peer) == b"one"  # no loop turn: sent by post itself
@@ -95,6 +104,27 @@ async def test_a_lone_frame_leaves_at_once_then_frames_are_batched() -> None:
         assert _pending(peer) == b"twothree"  # ... which sends them together, in order
         await asyncio.sleep(0)
         w.post(b"four")  # a later iteration: at once again
+        assert _pending(peer) == b"four"
+
+
+async def test_a_frame_posted_late_in_a_long_loop_iteration_leaves_without_waiting_for_its_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reader answering many queued requests (or a task posting many) runs for long
+    without yielding: its frames must reach the peer while it goes on, so the peer
+    starts on them meanwhile, not all at the iteration's end."""
+    monkeypatch.setattr("aiokv.transport.tcp._writer.FLUSH_S", 0.01, raising=False)
+    async with _writer() as (w, peer):
+        w.post(b"one")
+        w.post(b"two")  # the same instant: batched for the writer's turn
+        assert _pending(peer) == b"one"
+        time.sleep(0.02)  # noqa: ASYNC251  (the point: this loop iteration goes on, busy)
+        w.post(b"three")  # sent at once, with what waited
+        assert _pending(peer) == b"twothree"
+        w.post(b"four")
+        assert _pending(peer) == b""  # batched again
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
         assert _pending(peer) == b"four"
 
 

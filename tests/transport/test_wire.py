@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from aiokv._enums import LLMStatusCode
 from aiokv.transport import _wire as wire
-from aiokv.transport._wire import FrameType, MetaError, WireError
+from aiokv.transport._wire import FrameType
+from aiokv.transport._wire import MetaError
+from aiokv.transport._wire import WireError
 
 U64 = st.integers(0, 2**64 - 1)
 

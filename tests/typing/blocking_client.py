@@ -6,18 +6,16 @@ from __future__ import annotations
 import torch
 
 import aiokv.sync as llm_datadist
-from aiokv.sync import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    CacheKeyByIdAndIndex,
-    DataType,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv.sync import BlocksCacheKey
+from aiokv.sync import CacheDesc
+from aiokv.sync import CacheKey
+from aiokv.sync import CacheKeyByIdAndIndex
+from aiokv.sync import DataType
+from aiokv.sync import LLMClusterInfo
+from aiokv.sync import LLMConfig
+from aiokv.sync import LLMRole
+from aiokv.sync import LLMStatusCode
+from aiokv.sync import Placement
 
 
 def prompt() -> None:

@@ -5,7 +5,10 @@ marked ``# error:`` and on no other, so the blocking methods carry the async typ
 from __future__ import annotations
 
 import aiokv.sync as llm_datadist
-from aiokv.sync import BlocksCacheKey, CacheDesc, DataType, LLMStatusCode
+from aiokv.sync import BlocksCacheKey
+from aiokv.sync import CacheDesc
+from aiokv.sync import DataType
+from aiokv.sync import LLMStatusCode
 
 
 def mistakes(datadist: llm_datadist.LLMDataDist, sync: llm_datadist.LayerSynchronizer) -> None:

@@ -23,23 +23,21 @@ from typing import Any
 
 import pytest
 from tiny_model import make_tiny_llama
-from vllm_harness import (
-    BLOCK_SIZE,
-    CONNECTOR,
-    ENGINE_ARGS,
-    ENGINE_ENV,
-    FREE_TIMEOUT_S,
-    LENGTHS,
-    MAX_TOKENS,
-    EngineProcess,
-    Output,
-    Request,
-    assert_freed,
-    kv_config,
-    prompts,
-    start_engines,
-    stop_engines,
-)
+from vllm_harness import BLOCK_SIZE
+from vllm_harness import CONNECTOR
+from vllm_harness import ENGINE_ARGS
+from vllm_harness import ENGINE_ENV
+from vllm_harness import FREE_TIMEOUT_S
+from vllm_harness import LENGTHS
+from vllm_harness import MAX_TOKENS
+from vllm_harness import EngineProcess
+from vllm_harness import Output
+from vllm_harness import Request
+from vllm_harness import assert_freed
+from vllm_harness import kv_config
+from vllm_harness import prompts
+from vllm_harness import running
+from vllm_harness import single_tokens
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -114,25 +112,15 @@ def engines(model: str) -> Iterator[dict[str, EngineProcess]]:
             {"kv_transfer_config": kv_config("kv_consumer", name, module, **nixl)},
         ),
     }
-    started = start_engines(specs)
-    # local requests first on each decode, 40 blocks in all, freed in reverse order: the
-    # decode's next blocks are not the ids (in the order) its prefill uses first, so equal
-    # ids on both sides cannot pass for a transfer
-    for key in ("decode", "decode_recompute", "decode_nixl"):
-        started[key].generate([Request(p, 1) for p in prompts([639, 639], seed=99)])
-    try:
+    with running(specs, warm=("decode", "decode_recompute", "decode_nixl")) as started:
         yield started
-    finally:
-        stop_engines(started.values())
 
 
 @pytest.fixture(scope="module")
 def baseline(engines: dict[str, EngineProcess]) -> dict[tuple[int, ...], list[int]]:
     """The single-instance tokens of every prompt the tests use."""
     every = prompts(LENGTHS) + prompts([96, 96], seed=1) + prompts([40, 100, 200], seed=2)
-    outputs = engines["baseline"].generate([Request(p, MAX_TOKENS) for p in every])
-    assert all(len(o.token_ids) == MAX_TOKENS for o in outputs)
-    return {tuple(p): o.token_ids for p, o in zip(every, outputs, strict=True)}
+    return single_tokens(engines["baseline"], every)
 
 
 def prefill(engine: EngineProcess, batch: list[list[int]]) -> list[Output]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,8 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
-from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
+from aiohttp.test_utils import TestClient  # noqa: E402
+from aiohttp.test_utils import TestServer  # noqa: E402
 
 ENDPOINTS = {
     "aiokv": 1,

@@ -19,20 +19,18 @@ from typing import Any
 
 import pytest
 from tiny_model import make_tiny_llama
-from vllm_harness import (
-    BLOCK_SIZE,
-    CONNECTOR,
-    LENGTHS,
-    MAX_TOKENS,
-    EngineProcess,
-    Output,
-    Request,
-    assert_freed,
-    kv_config,
-    prompts,
-    start_engines,
-    stop_engines,
-)
+from vllm_harness import BLOCK_SIZE
+from vllm_harness import CONNECTOR
+from vllm_harness import LENGTHS
+from vllm_harness import MAX_TOKENS
+from vllm_harness import EngineProcess
+from vllm_harness import Output
+from vllm_harness import Request
+from vllm_harness import assert_freed
+from vllm_harness import kv_config
+from vllm_harness import prompts
+from vllm_harness import running
+from vllm_harness import single_tokens
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -44,19 +42,14 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
     model = str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama")))
     name, module = CONNECTOR
     both = kv_config("kv_both", name, module, mode="push", lease_timeout_s=LEASE_S)
-    started = start_engines({key: (model, {"kv_transfer_config": both}) for key in ("a", "b")})
-    try:
+    with running({key: (model, {"kv_transfer_config": both}) for key in ("a", "b")}) as started:
         yield started
-    finally:
-        stop_engines(started.values())
 
 
 @pytest.fixture(scope="module")
 def baseline(engines: dict[str, EngineProcess]) -> dict[tuple[int, ...], list[int]]:
     every = prompts(LENGTHS) + prompts([96, 96], seed=1) + prompts([40, 100], seed=2)
-    outputs = engines["a"].generate([Request(p, MAX_TOKENS) for p in every])
-    assert all(len(o.token_ids) == MAX_TOKENS for o in outputs)
-    return {tuple(p): o.token_ids for p, o in zip(every, outputs, strict=True)}
+    return single_tokens(engines["a"], every)
 
 
 def discover(prefill: EngineProcess) -> dict[str, Any]:

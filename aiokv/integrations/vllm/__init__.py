@@ -17,7 +17,8 @@ up here; the rest runs without vLLM:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
 from ._options import ConnectorOptions
 from ._scheduler import SchedulerSide

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ... import CacheDesc, Placement
+from ... import CacheDesc
+from ... import Placement
 
 __all__ = ["blocks_desc", "logical_blocks", "split_kv"]
 

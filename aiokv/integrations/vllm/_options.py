@@ -8,9 +8,14 @@ An unknown key or a bad value raises ``ValueError`` naming it when the engine st
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Final, Literal
+from typing import Any
+from typing import Final
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import ValidationError
 
 __all__ = ["DEFAULT_KV_PORT", "ConnectorOptions", "derive_cluster_id"]
 

@@ -38,7 +38,9 @@ Push mode (``mode="push"`` on both instances; see docs/vllm.md) uses three more 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final, TypeGuard
+from typing import Any
+from typing import Final
+from typing import TypeGuard
 
 __all__ = [
     "MAX_PARAM_BLOCKS",

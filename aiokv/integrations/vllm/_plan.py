@@ -13,7 +13,8 @@ requests whose KV the workers push layer by layer as this step computes it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 from ._params import Endpoint
 

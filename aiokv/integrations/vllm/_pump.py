@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 __all__ = ["Pump", "loop_running"]
 

@@ -33,18 +33,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._params import (
-    PARAMS_VERSION,
-    Endpoint,
-    PushPrefill,
-    RemotePrefill,
-    check_transfer_id,
-    endpoint_params,
-    parse_push_prefill,
-    parse_remote_prefill,
-    producer_params,
-)
-from ._plan import Cancel, Hold, Load, Push, Release, Reserve, StepPlan, Withdraw
+from ._params import PARAMS_VERSION
+from ._params import Endpoint
+from ._params import PushPrefill
+from ._params import RemotePrefill
+from ._params import check_transfer_id
+from ._params import endpoint_params
+from ._params import parse_push_prefill
+from ._params import parse_remote_prefill
+from ._params import producer_params
+from ._plan import Cancel
+from ._plan import Hold
+from ._plan import Load
+from ._plan import Push
+from ._plan import Release
+from ._plan import Reserve
+from ._plan import StepPlan
+from ._plan import Withdraw
 
 __all__ = ["SchedulerSide", "load_deadline"]
 

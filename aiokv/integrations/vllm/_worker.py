@@ -49,31 +49,44 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeVar
+from collections.abc import Callable
+from collections.abc import Coroutine
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import Final
+from typing import Literal
+from typing import TypeVar
 
 import anyio
 import msgspec
 import torch
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.from_thread import BlockingPortal
+from anyio.from_thread import start_blocking_portal
 
-from ... import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    LLMClusterInfo,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
-from ._layout import blocks_desc, logical_blocks, split_kv
+from ... import BlocksCacheKey
+from ... import Cache
+from ... import CacheDesc
+from ... import LLMClusterInfo
+from ... import LLMConfig
+from ... import LLMDataDist
+from ... import LLMException
+from ... import LLMRole
+from ... import LLMStatusCode
+from ._layout import blocks_desc
+from ._layout import logical_blocks
+from ._layout import split_kv
 from ._options import ConnectorOptions
 from ._params import Endpoint
-from ._plan import Cancel, Load, Push, Release, Reserve, StepPlan
-from ._pump import Pump, loop_running
+from ._plan import Cancel
+from ._plan import Load
+from ._plan import Push
+from ._plan import Release
+from ._plan import Reserve
+from ._plan import StepPlan
+from ._pump import Pump
+from ._pump import loop_running
 
 __all__ = [
     "CancelNotice",

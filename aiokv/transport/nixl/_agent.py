@@ -15,7 +15,8 @@ import logging
 import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt

@@ -13,7 +13,8 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
-from ..._layout import LayoutViews, address_of
+from ..._layout import LayoutViews
+from ..._layout import address_of
 
 __all__ = [
     "MEMS",
@@ -86,8 +87,8 @@ def pair(
     """Two run lists of the same total, split at their common boundaries: NIXL
     descriptor rows ``(address, length, device)`` (``dev_a`` / ``dev_b``; 0 for host
     memory), row i of both of the same length."""
-    if a.shape == b.shape and np.array_equal(a[:, 1], b[:, 1]):  # already paired
-        return _descs(a[:, 0], a[:, 1], dev_a), _descs(b[:, 0], b[:, 1], dev_b)
+    if a.shape == b.shape and bool((a[:, 1] == b[:, 1]).all()):  # already paired
+        return _rows(a, dev_a), _rows(b, dev_b)
     ea, eb = np.cumsum(a[:, 1]), np.cumsum(b[:, 1])  # run ends, as byte offsets
     ends = np.union1d(ea, eb)
     starts = np.concatenate((np.zeros(1, np.uint64), ends[:-1]))
@@ -97,6 +98,14 @@ def pair(
     da = a[ia, 0] + (starts - (ea[ia] - a[ia, 1]))
     db = b[ib, 0] + (starts - (eb[ib] - b[ib, 1]))
     return _descs(da, cuts, dev_a), _descs(db, cuts, dev_b)
+
+
+def _rows(runs: Runs, dev: int) -> npt.NDArray[np.uint64]:
+    """NIXL descriptor rows ``(address, length, dev)`` of ``runs``."""
+    out = np.empty((runs.shape[0], 3), dtype=np.uint64)
+    out[:, :2] = runs
+    out[:, 2] = dev
+    return out
 
 
 def _descs(

@@ -23,18 +23,33 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Final, Protocol, TypeVar, cast
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Final
+from typing import Protocol
+from typing import TypeVar
+from typing import cast
 
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from ..._layout import LayoutViews
-from ..._threads import Lane, on_loop
-from .._base import BY_ADDRESS, ONE_SIDED, Capability, DeviceRuns, DirectCheck
-from ..tcp._ops import MyOp, PeerOp, Stream
+from ..._threads import Lane
+from ..._threads import on_loop
+from .._base import BY_ADDRESS
+from .._base import ONE_SIDED
+from .._base import Capability
+from .._base import DeviceRuns
+from .._base import DirectCheck
+from ..tcp._ops import MyOp
+from ..tcp._ops import PeerOp
+from ..tcp._ops import Stream
 from ..tcp._plane import PlaneHost
 from ._agent import Agent
-from ._descs import Place, decode_grant, encode_grant, pair, runs_of
+from ._descs import Place
+from ._descs import decode_grant
+from ._descs import encode_grant
+from ._descs import pair
+from ._descs import runs_of
 from ._regions import Regions
 
 __all__ = ["NixlOwner", "NixlPlane"]
@@ -332,8 +347,15 @@ class NixlPlane:
             ) from None
         state = "PROC"
         try:
-            async with asyncio.timeout(timeout):
-                state = await self._run(agent, xfer, total, lambda: self.link.broken)
+            # posted on the loop as _run would, before the timeout is armed: a transfer
+            # the post completes (shared memory / CMA) costs no timer
+            posted = agent.post(xfer) if total <= _POST_ON_LOOP else None
+            if posted is None or posted == "PROC":
+                async with asyncio.timeout(timeout):
+                    posted = await self._run(
+                        agent, xfer, total, lambda: self.link.broken, posted=posted
+                    )
+            state = posted
         except TimeoutError:
             raise LLMException(
                 f"one-sided NIXL {kind} not done within {timeout:.3g} s",
@@ -387,13 +409,22 @@ class NixlPlane:
         finally:
             await self._settle(agent, xfer, op.total if state == "DONE" else None)
 
-    async def _run(self, agent: Agent, xfer: object, total: int, stop: Callable[[], bool]) -> str:
-        """Post ``xfer`` (``total`` bytes) and poll it until it ends or ``stop()``: posted
-        on the running loop up to :data:`_POST_ON_LOOP` bytes and polled there below
-        :data:`_OFF_LOOP` (``asyncio.sleep`` back-off), else from a worker thread."""
-        if total > _POST_ON_LOOP:
+    async def _run(
+        self,
+        agent: Agent,
+        xfer: object,
+        total: int,
+        stop: Callable[[], bool],
+        *,
+        posted: str | None = None,
+    ) -> str:
+        """Post ``xfer`` (``total`` bytes; unless ``posted``: its state after the post on
+        this loop) and poll it until it ends or ``stop()``: posted on the running loop up
+        to :data:`_POST_ON_LOOP` bytes and polled there below :data:`_OFF_LOOP`
+        (``asyncio.sleep`` back-off), else from a worker thread."""
+        if posted is None and total > _POST_ON_LOOP:
             return await self._wait_off_loop(agent, xfer, stop, posted=None)
-        state = agent.post(xfer)
+        state = posted or agent.post(xfer)
         if state == "PROC" and total >= _OFF_LOOP:
             return await self._wait_off_loop(agent, xfer, stop, posted=state)
         delay = POLL_MIN_S

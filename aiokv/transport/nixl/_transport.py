@@ -36,16 +36,23 @@ import os
 import threading
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
+from typing import Final
 
 import numpy as np
 
 from ..._threads import Lane
-from .._base import Link, check_address, check_connect_timeout
+from .._base import Link
+from .._base import check_address
+from .._base import check_connect_timeout
 from ..tcp import TcpTransport
-from ..tcp._ops import PeerOp, State
+from ..tcp._ops import PeerOp
+from ..tcp._ops import State
 from ._agent import Agent
-from ._plane import POLL_MAX_S, POLL_MIN_S, NixlOwner, NixlPlane
+from ._plane import POLL_MAX_S
+from ._plane import POLL_MIN_S
+from ._plane import NixlOwner
+from ._plane import NixlPlane
 from ._regions import Regions
 
 __all__ = ["POLL_MAX_S", "POLL_MIN_S", "NixlTransport"]

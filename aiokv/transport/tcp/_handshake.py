@@ -11,11 +11,13 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 from ..._enums import LLMStatusCode
 from .. import _wire as wire
-from .._base import auth_mismatch, decode_reason
+from .._base import auth_mismatch
+from .._base import decode_reason
 from ._io import SockIO
 from ._ops import code_of
 

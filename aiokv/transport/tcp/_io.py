@@ -9,8 +9,13 @@ import itertools
 import os
 import socket
 import sys
-from collections.abc import Callable, Iterable, MutableSequence
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from collections.abc import Callable
+from collections.abc import Iterable
+from collections.abc import MutableSequence
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Final
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +23,8 @@ import numpy.typing as npt
 from ..._layout import address_of
 
 if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer, WriteableBuffer
+    from _typeshed import ReadableBuffer
+    from _typeshed import WriteableBuffer
 
 __all__ = [
     "IOV_MAX",

@@ -8,35 +8,47 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Final, Protocol, TypeVar, final
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Coroutine
+from collections.abc import Sequence
+from typing import Any
+from typing import Final
+from typing import Protocol
+from typing import TypeVar
+from typing import final
 
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from .. import _wire as wire
-from .._base import (
-    DIRECT_REFUSED,
-    Capability,
-    DeviceRuns,
-    DirectCheck,
-    Grant,
-    Link,
-    PeerInfo,
-    RequestHandler,
-    check_grant,
-    check_probe_timeout,
-    check_request,
-    decode_reason,
-    flatten_views,
-    grant_reason,
-    refusal,
-)
+from .._base import DIRECT_REFUSED
+from .._base import Capability
+from .._base import DeviceRuns
+from .._base import DirectCheck
+from .._base import Grant
+from .._base import Link
+from .._base import PeerInfo
+from .._base import RequestHandler
+from .._base import check_grant
+from .._base import check_probe_timeout
+from .._base import check_request
+from .._base import decode_reason
+from .._base import flatten_views
+from .._base import grant_reason
+from .._base import refusal
 from ._io import SockIO
-from ._ops import MyOp, PeerOp, State, Stream, cursor_of
+from ._ops import MyOp
+from ._ops import PeerOp
+from ._ops import State
+from ._ops import Stream
+from ._ops import cursor_of
 from ._plane import DataPlane
-from ._protocol import NOT_DIRECT, LinkProtocol
+from ._protocol import NOT_DIRECT
+from ._protocol import LinkProtocol
 from ._reader import Reader
-from ._writer import BLOCKED, MORE, Writer
+from ._writer import BLOCKED
+from ._writer import MORE
+from ._writer import Writer
 
 __all__ = ["LinkOwner", "TcpLink"]
 

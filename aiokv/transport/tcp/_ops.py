@@ -7,8 +7,11 @@ import asyncio
 import ctypes
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt

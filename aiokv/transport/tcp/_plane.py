@@ -21,10 +21,16 @@ the peer's plane through ``PLANE_HELLO`` frames (:meth:`DataPlane.hello`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any
+from typing import Protocol
+from typing import TypeVar
 
-from .._base import Capability, DeviceRuns, DirectCheck, PeerInfo
-from ._ops import MyOp, PeerOp
+from .._base import Capability
+from .._base import DeviceRuns
+from .._base import DirectCheck
+from .._base import PeerInfo
+from ._ops import MyOp
+from ._ops import PeerOp
 
 __all__ = ["STREAM", "DataPlane", "PlaneHost", "StreamPlane"]
 

@@ -18,13 +18,20 @@ checks), so it is tested frame by frame without either.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Final, Protocol
+from collections.abc import Awaitable
+from collections.abc import Callable
+from typing import Final
+from typing import Protocol
 
 from ..._enums import LLMStatusCode
 from .. import _wire as wire
-from .._base import decode_reason, encode_reason
-from ._ops import MyOp, PeerOp, State, Stream, code_of
+from .._base import decode_reason
+from .._base import encode_reason
+from ._ops import MyOp
+from ._ops import PeerOp
+from ._ops import State
+from ._ops import Stream
+from ._ops import code_of
 
 __all__ = ["NOT_DIRECT", "LinkDriver", "LinkProtocol", "Waiter"]
 

@@ -10,14 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Final, Protocol
+from typing import Final
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from .. import _wire as wire
-from ._io import IOV_MAX, SockIO, advance_rows, consumed, readv, vectored
-from ._ops import MyOp, PeerOp, RunCursor, State
+from ._io import IOV_MAX
+from ._io import SockIO
+from ._io import advance_rows
+from ._io import consumed
+from ._io import readv
+from ._io import vectored
+from ._ops import MyOp
+from ._ops import PeerOp
+from ._ops import RunCursor
+from ._ops import State
 from ._writer import YIELD_BYTES
 
 __all__ = ["Reader"]

@@ -7,6 +7,12 @@ waits for descriptor readiness through ``io``. A non-blocking ``ssl.SSLSocket`` 
 returns how many it took; the ``recv`` calls return decrypted bytes; "would block" is
 ``BlockingIOError``, as on a plain socket, so the link's loops run unchanged.
 
+Each ``ssl`` write takes one TLS record at most (:data:`_RECORD`), so that "how many
+bytes taken" is exact: OpenSSL without partial writes (as Python sets it up) hands a long
+write's first records to the kernel, then reports "would block" for the whole write, and
+the peer could read, and confirm, bytes this side counts unsent. A partly written record
+is unreadable to the peer until its retry completes it.
+
 Two rules keep it from stalling. A send that would block is retried by the link with
 the same bytes (its unsent batch), which is what OpenSSL requires of a retried write.
 And :meth:`TlsSockIO.readable` never waits while decrypted bytes sit inside the SSL
@@ -23,7 +29,9 @@ import itertools
 import socket
 import ssl
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING
+from typing import Any
+from typing import Final
 
 from ..._enums import LLMStatusCode
 from .. import _wire as wire
@@ -31,7 +39,8 @@ from .._tls import TlsContexts
 from ._io import SockIO
 
 if TYPE_CHECKING:
-    from _typeshed import ReadableBuffer, WriteableBuffer
+    from _typeshed import ReadableBuffer
+    from _typeshed import WriteableBuffer
 
 __all__ = ["TlsError", "TlsSock", "TlsSockIO"]
 
@@ -39,6 +48,8 @@ __all__ = ["TlsError", "TlsSock", "TlsSockIO"]
 _GATHER: Final = 256 << 10
 # A first buffer at least this long is encrypted in place rather than gathered (copied).
 _DIRECT: Final = 64 << 10
+# Most plaintext one ssl write takes: one TLS record (see the module docstring).
+_RECORD: Final = 16 << 10
 _PLAIN_REFUSAL: Final = wire.encode_frame(
     wire.FrameType.ERROR,
     status=LLMStatusCode.LLM_LINK_FAILED,
@@ -76,20 +87,29 @@ class TlsSock:
         self._ssl.do_handshake()
 
     def send(self, data: ReadableBuffer, /) -> int:
-        """Encrypt and send all of ``data``, or raise ``BlockingIOError`` having taken
-        nothing (then the next call must pass the same bytes)."""
-        try:
-            return self._ssl.send(data)
-        except ssl.SSLWantWriteError:
-            raise BlockingIOError from None
-        except ssl.SSLError as exc:  # WantRead included: no renegotiation in TLS 1.3
-            raise _failed(exc) from None
+        """Encrypt and send the first whole records of ``data``; returns how many bytes
+        the peer can now read, or raises ``BlockingIOError`` having made none readable
+        (then the next call must start with the same bytes)."""
+        view = memoryview(data).cast("B")
+        sent, n = 0, view.nbytes
+        while sent < n:
+            try:
+                sent += self._ssl.send(view[sent : sent + _RECORD])
+            except ssl.SSLWantWriteError:
+                if sent:
+                    return sent  # the record that would block is retried first
+                raise BlockingIOError from None
+            except ssl.SSLError as exc:  # WantRead included: no renegotiation in TLS 1.3
+                raise _failed(exc) from None
+        return sent
 
     def sendmsg(self, buffers: Iterable[ReadableBuffer], /) -> int:
-        """Send the first up to :data:`_GATHER` bytes of ``buffers``; returns how many.
+        """Send the first up to :data:`_GATHER` bytes of ``buffers`` (as :meth:`send`);
+        returns how many.
 
         Which bytes depends only on the buffers' lengths, so a retry after
-        ``BlockingIOError`` with the same buffers passes OpenSSL the same bytes.
+        ``BlockingIOError`` (or after a short count) with the same buffers from where it
+        stopped passes OpenSSL the same bytes.
         """
         it = iter(buffers)
         first = memoryview(next(it, b""))

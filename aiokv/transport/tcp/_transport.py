@@ -9,26 +9,30 @@ import logging
 import socket
 import warnings
 from collections.abc import Iterator
-from typing import Any, Final
+from typing import Any
+from typing import Final
 
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from .. import _wire as wire
-from .._base import (
-    AUTH_FAILED,
-    Link,
-    LinkCallback,
-    PeerInfo,
-    RequestHandler,
-    Transport,
-    check_address,
-    check_connect_timeout,
-)
+from .._base import AUTH_FAILED
+from .._base import Link
+from .._base import LinkCallback
+from .._base import PeerInfo
+from .._base import RequestHandler
+from .._base import Transport
+from .._base import check_address
+from .._base import check_connect_timeout
 from .._tls import TlsContexts
-from ._handshake import ACCEPTED, AuthError, HandshakeError, client_handshake, server_handshake
+from ._handshake import ACCEPTED
+from ._handshake import AuthError
+from ._handshake import HandshakeError
+from ._handshake import client_handshake
+from ._handshake import server_handshake
 from ._io import SockIO
 from ._link import TcpLink
-from ._plane import STREAM, DataPlane
+from ._plane import STREAM
+from ._plane import DataPlane
 from ._tls_io import TlsSockIO
 
 __all__ = ["TcpTransport"]

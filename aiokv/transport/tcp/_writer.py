@@ -13,25 +13,27 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import time
 from collections.abc import Sequence
-from typing import Final, Protocol
+from typing import Final
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from .. import _wire as wire
-from ._io import (
-    IOV_MAX,
-    RawSock,
-    advance_rows,
-    as_rows,
-    consumed,
-    privatize,
-    vectored,
-    wake,
-    writev,
-)
-from ._ops import Bufs, RunCursor, Stream
+from ._io import IOV_MAX
+from ._io import RawSock
+from ._io import advance_rows
+from ._io import as_rows
+from ._io import consumed
+from ._io import privatize
+from ._io import vectored
+from ._io import wake
+from ._io import writev
+from ._ops import Bufs
+from ._ops import RunCursor
+from ._ops import Stream
 
 __all__ = ["BLOCKED", "DONE", "MORE", "YIELD_BYTES", "Writer"]
 
@@ -43,6 +45,10 @@ YIELD_BYTES: Final = 4 << 20
 DONE: Final = 0
 BLOCKED: Final = 1
 MORE: Final = 2
+# A frame posted during a long loop iteration (a reader answering many queued requests,
+# a task posting many requests) waits at most about this long for the writer's turn:
+# it is sent at once when the last send at once is older (seconds).
+FLUSH_S = 300e-6
 
 
 class _Chunks(Protocol):
@@ -99,6 +105,7 @@ class Writer:
         self._idle: asyncio.Future[None] | None = None
         # whether kick() may send at once: not again in a loop iteration that already did
         self._at_once = True
+        self._sent_at = 0.0  # when kick() last sent at once (time.monotonic())
 
     def post(self, frame: bytes, *, soon: bool = False) -> None:
         """Queue an owned control frame; it is sent before any further payload.
@@ -240,26 +247,34 @@ class Writer:
     def kick(self) -> None:
         """Send what is queued, now or on the writer's next turn.
 
-        At once (``pump`` right here) when the writer is parked, so no batch is in
-        flight, and nothing was sent so in this loop iteration yet: a lone frame costs
-        no writer wake-up. Otherwise the parked writer is woken, and its next turn sends
-        everything posted meanwhile in one ``sendmsg`` (sending each of many concurrent
-        frames at once measured much slower). What a send at once leaves (a full
+        At once (``pump`` right here) when the writer is parked or woken but not yet
+        run, so no batch is in flight, and nothing was sent so in this loop iteration
+        yet, or the last send at once is :data:`FLUSH_S` old: a lone frame costs no
+        writer wake-up, and a frame posted late in a long iteration (a reader answering
+        many queued requests, 32 layers' requests posted in a row) does not wait for
+        its end, so the peer starts on it meanwhile. Otherwise the parked writer is
+        woken, and its next turn sends everything posted meanwhile in one ``sendmsg``
+        (sending each of many concurrent frames at once measured much slower). What a
+        send at once leaves (a full
         socket, :data:`YIELD_BYTES` sent) and a send that failed are the writer's: it
         is woken, retries, and breaks the link on an ``OSError``.
         """
         idle = self._idle
-        if idle is None or idle.done():
-            return  # the writer is running or about to run: it will send it
-        if self._at_once:
-            self._at_once = False
-            self._loop.call_soon(self._rearm)
+        if idle is None:
+            return  # the writer is running: it will send it
+        now = time.monotonic()
+        if self._at_once or now - self._sent_at >= FLUSH_S:
+            if self._at_once:
+                self._at_once = False
+                self._loop.call_soon(self._rearm)
+            self._sent_at = now
             try:
                 if self.pump() == DONE:
                     return
             except OSError:
                 pass  # the writer's own pump meets it again and breaks the link
-        wake(idle)
+        if not idle.done():
+            wake(idle)
 
     def _rearm(self) -> None:
         self._at_once = True

@@ -22,17 +22,15 @@ import os
 import torch
 import torch.distributed as dist
 
-from aiokv.sync import (
-    CacheDesc,  # llm_datadist's samples: `from llm_datadist import ...`
-    CacheKey,  # llm_datadist's samples: `from llm_datadist import ...`
-    DataType,  # llm_datadist's samples: `from llm_datadist import ...`
-    KvCache,  # llm_datadist's samples: `from llm_datadist import ...`
-    LLMClusterInfo,  # llm_datadist's samples: `from llm_datadist import ...`
-    LLMConfig,  # llm_datadist's samples: `from llm_datadist import ...`
-    LLMDataDist,  # llm_datadist's samples: `from llm_datadist import ...`
-    LLMRole,  # llm_datadist's samples: `from llm_datadist import ...`
-    LLMStatusCode,  # llm_datadist's samples: `from llm_datadist import ...`
-)
+from aiokv.sync import CacheDesc  # llm_datadist's samples: `from llm_datadist import ...`
+from aiokv.sync import CacheKey  # llm_datadist's samples: `from llm_datadist import ...`
+from aiokv.sync import DataType  # llm_datadist's samples: `from llm_datadist import ...`
+from aiokv.sync import KvCache  # llm_datadist's samples: `from llm_datadist import ...`
+from aiokv.sync import LLMClusterInfo  # llm_datadist's samples: `from llm_datadist import ...`
+from aiokv.sync import LLMConfig  # llm_datadist's samples: `from llm_datadist import ...`
+from aiokv.sync import LLMDataDist  # llm_datadist's samples: `from llm_datadist import ...`
+from aiokv.sync import LLMRole  # llm_datadist's samples: `from llm_datadist import ...`
+from aiokv.sync import LLMStatusCode  # llm_datadist's samples: `from llm_datadist import ...`
 
 PROMPT_CLUSTER_ID_TO_DEVICE_IP_LIST = {0: ["127.0.0.1"] * 8}  # port: one host
 PROMPT_DEVICE_LISTEN_PORT = int(os.environ["PORTS_PROMPT_PORT"])  # port: free, was 26000

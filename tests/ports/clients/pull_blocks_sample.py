@@ -40,17 +40,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from aiokv.sync import (
-    BlocksCacheKey,  # port: was `from llm_datadist import (`
-    Cache,  # port: was `from llm_datadist import (`
-    CacheDesc,  # port: was `from llm_datadist import (`
-    DataType,  # port: was `from llm_datadist import (`
-    LLMConfig,  # port: was `from llm_datadist import (`
-    LLMDataDist,  # port: was `from llm_datadist import (`
-    LLMRole,  # port: was `from llm_datadist import (`
-    Placement,  # port: was `from llm_datadist import (`
-    RegisterMemStatus,  # port: was `from llm_datadist import (`
-)
+from aiokv.sync import BlocksCacheKey  # port: was `from llm_datadist import (`
+from aiokv.sync import Cache  # port: was `from llm_datadist import (`
+from aiokv.sync import CacheDesc  # port: was `from llm_datadist import (`
+from aiokv.sync import DataType  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMConfig  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMDataDist  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMRole  # port: was `from llm_datadist import (`
+from aiokv.sync import Placement  # port: was `from llm_datadist import (`
+from aiokv.sync import RegisterMemStatus  # port: was `from llm_datadist import (`
 
 PROMPT, DECODER = 1, 2  # cluster ids; gloo rank and rank-table rank are one less
 BLOCK_FLOATS = 1024 * 1024  # one block: 1 Mi floats; each cache has 2 blocks

@@ -27,20 +27,22 @@ import logging
 
 import torch
 import torch.distributed as dist
-from by_role import DECODER, LISTEN_PORT, PROMPT, join_group, run_by_role  # port: set-up
+from by_role import DECODER  # port: set-up
+from by_role import LISTEN_PORT  # port: set-up
+from by_role import PROMPT  # port: set-up
+from by_role import join_group  # port: set-up
+from by_role import run_by_role  # port: set-up
 
-from aiokv.sync import (
-    BlocksCacheKey,  # port: was `from llm_datadist import (`
-    Cache,  # port: was `from llm_datadist import (`
-    CacheDesc,  # port: was `from llm_datadist import (`
-    DataType,  # port: was `from llm_datadist import (`
-    LLMClusterInfo,  # port: was `from llm_datadist import (`
-    LLMConfig,  # port: was `from llm_datadist import (`
-    LLMDataDist,  # port: was `from llm_datadist import (`
-    LLMRole,  # port: was `from llm_datadist import (`
-    LLMStatusCode,  # port: was `from llm_datadist import (`
-    Placement,  # port: was `from llm_datadist import (`
-)
+from aiokv.sync import BlocksCacheKey  # port: was `from llm_datadist import (`
+from aiokv.sync import Cache  # port: was `from llm_datadist import (`
+from aiokv.sync import CacheDesc  # port: was `from llm_datadist import (`
+from aiokv.sync import DataType  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMClusterInfo  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMConfig  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMDataDist  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMRole  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMStatusCode  # port: was `from llm_datadist import (`
+from aiokv.sync import Placement  # port: was `from llm_datadist import (`
 
 BLOCKS, WIDTH = 3, 10  # each registered tensor: BLOCKS blocks of WIDTH floats
 

@@ -28,7 +28,11 @@ import logging
 
 import torch
 import torch.distributed as dist
-from by_role import DECODER, LISTEN_PORT, PROMPT, join_group, run_by_role  # port: set-up
+from by_role import DECODER  # port: set-up
+from by_role import LISTEN_PORT  # port: set-up
+from by_role import PROMPT  # port: set-up
+from by_role import join_group  # port: set-up
+from by_role import run_by_role  # port: set-up
 
 import aiokv.sync as llm_datadist  # port: was `import llm_datadist` (its names below)
 

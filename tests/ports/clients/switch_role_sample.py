@@ -36,20 +36,22 @@ import logging
 
 import torch
 import torch.distributed as dist
-from by_role import DECODER, LISTEN_PORT, PROMPT, join_group, run_by_role  # port: set-up
+from by_role import DECODER  # port: set-up
+from by_role import LISTEN_PORT  # port: set-up
+from by_role import PROMPT  # port: set-up
+from by_role import join_group  # port: set-up
+from by_role import run_by_role  # port: set-up
 
-from aiokv import (
-    BlocksCacheKey,  # port: was `from llm_datadist import (`
-    Cache,  # port: was `from llm_datadist import (`
-    CacheDesc,  # port: was `from llm_datadist import (`
-    DataType,  # port: was `from llm_datadist import (`
-    LLMClusterInfo,  # port: was `from llm_datadist import (`
-    LLMConfig,  # port: was `from llm_datadist import (`
-    LLMDataDist,  # port: was `from llm_datadist import (`
-    LLMRole,  # port: was `from llm_datadist import (`
-    LLMStatusCode,  # port: was `from llm_datadist import (`
-    Placement,  # port: was `from llm_datadist import (`
-)
+from aiokv import BlocksCacheKey  # port: was `from llm_datadist import (`
+from aiokv import Cache  # port: was `from llm_datadist import (`
+from aiokv import CacheDesc  # port: was `from llm_datadist import (`
+from aiokv import DataType  # port: was `from llm_datadist import (`
+from aiokv import LLMClusterInfo  # port: was `from llm_datadist import (`
+from aiokv import LLMConfig  # port: was `from llm_datadist import (`
+from aiokv import LLMDataDist  # port: was `from llm_datadist import (`
+from aiokv import LLMRole  # port: was `from llm_datadist import (`
+from aiokv import LLMStatusCode  # port: was `from llm_datadist import (`
+from aiokv import Placement  # port: was `from llm_datadist import (`
 
 BLOCKS, WIDTH = 3, 10  # each registered tensor: BLOCKS blocks of WIDTH floats
 

@@ -44,7 +44,8 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from enum import Enum
 from typing import Any
 
@@ -52,14 +53,12 @@ import msgspec
 import torch
 
 import aiokv.sync as llm_datadist  # port: was `import llm_datadist`
-from aiokv.sync import (
-    BlocksCacheKey,  # port: was `from llm_datadist import (`
-    CacheDesc,  # port: was `from llm_datadist import (`
-    LLMConfig,  # port: was `from llm_datadist import (`
-    LLMDataDist,  # port: was `from llm_datadist import (`
-    LLMException,  # port: was `from llm_datadist import (`
-    LLMRole,  # port: was `from llm_datadist import (`
-)
+from aiokv.sync import BlocksCacheKey  # port: was `from llm_datadist import (`
+from aiokv.sync import CacheDesc  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMConfig  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMDataDist  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMException  # port: was `from llm_datadist import (`
+from aiokv.sync import LLMRole  # port: was `from llm_datadist import (`
 
 logging.basicConfig(format="%(asctime)s %(threadName)s %(message)s", level=logging.INFO)
 logger = logging.getLogger("vllm_ascend_cmgr")

@@ -14,29 +14,39 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from _helpers import fill_randn, until
+from _helpers import fill_randn
+from _helpers import raises
+from _helpers import until
 
-from aiokv import (
-    BlocksCacheKey,
-    Cache,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMRole,
-    LLMStatusCode,
-)
+from aiokv import BlocksCacheKey
+from aiokv import Cache
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMException
+from aiokv import LLMRole
+from aiokv import LLMStatusCode
 from aiokv._remote import _protocol as protocol
-from aiokv._remote._leases import Held, decode_reply, encode_reply, paired_rows, reply_size
-from aiokv.testing import cluster_info, linked_pair, make_config, requires_transport
-from aiokv.transport import Grant, PeerInfo, get_transport
+from aiokv._remote._leases import Held
+from aiokv._remote._leases import decode_reply
+from aiokv._remote._leases import encode_reply
+from aiokv._remote._leases import paired_rows
+from aiokv._remote._leases import reply_size
+from aiokv.testing import cluster_info
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
+from aiokv.testing import requires_transport
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
+from aiokv.transport import get_transport
 
 CODE = LLMStatusCode
 
@@ -82,6 +92,9 @@ def test_the_holder_checks_every_transfer_against_the_lease() -> None:
     base = [1 << 20, 1 << 30]
     assert got[1].tolist() == [[b + off, 64] for b in base for off in (192, 64)]
     assert got[0].tolist() == [[b + off, 64] for b in (5 << 20, 6 << 20) for off in (0, 448)]
+    many = [i % 8 for i in range(40)]  # long lists alike: out of range either way
+    for bad in (8, 9, -1, -(2**62)):
+        assert rows([*many, bad], False, [0] * 41) is None
     for blocks, write in (([8], False), ([0, 9], False), ([-1], False), ([], False), ([1], True)):
         assert rows(blocks, write) is None
     assert rows([1, 2], False, [1]) is None  # not as many blocks on both sides
@@ -124,7 +137,8 @@ async def test_a_revocation_that_overtakes_its_lease_voids_it() -> None:
     it; it asks again later instead."""
     from aiokv._config import LLMConfig as Config
     from aiokv._registry import CacheRegistry
-    from aiokv._remote._leases import LeaseKey, Leases
+    from aiokv._remote._leases import LeaseKey
+    from aiokv._remote._leases import Leases
 
     leases = Leases(CacheRegistry(), Config())
     link: Any = _FakeLink()
@@ -249,9 +263,7 @@ async def test_deallocate_takes_the_lease_back_before_it_returns() -> None:
         stats = p.cache_manager.statistics()
         assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)  # memory back in the pool
         assert holding(d) == 0
-        with pytest.raises(LLMException) as ei:
-            await d.cache_manager.pull_blocks(key, dst, [1], [1])
-        assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+        await raises(CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_blocks(key, dst, [1], [1]))
         # the key bound to a new cache: a pull reads the new cache, never the old memory
         again = await p.cache_manager.allocate_blocks_cache(desc(), key)
         fill_randn(again, 9)
@@ -267,12 +279,11 @@ async def test_what_a_lease_does_not_cover_gets_the_peers_error() -> None:
         await until(lambda: holding(d) == 2)
         before = snapshot = [t.clone() for t in src.tensors]
         asked = served(p)
-        with pytest.raises(LLMException) as ei:
-            await d.cache_manager.pull_blocks(key, dst, [40], [40])  # the peer has 32 blocks
-        assert ei.value.status_code == CODE.LLM_PARAM_INVALID and "out of range" in str(ei.value)
-        with pytest.raises(LLMException) as ei:
-            await d.cache_manager.push_blocks(key, dst, [1, 2], [3, 3])  # a block twice
-        assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+        cm = d.cache_manager
+        # the peer has 32 blocks
+        await raises(CODE.LLM_PARAM_INVALID, cm.pull_blocks(key, dst, [40], [40]), "out of range")
+        # a block twice
+        await raises(CODE.LLM_PARAM_INVALID, cm.push_blocks(key, dst, [1, 2], [3, 3]))
         assert served(p) == asked  # refusals are counted as refused, not granted
         assert all(torch.equal(a, b) for a, b in zip(src.tensors, snapshot, strict=True))
         del before
@@ -350,16 +361,18 @@ async def test_leases_are_only_lent_where_a_transfer_would_be() -> None:
                     )
                 assert ei.value.status_code == code, (req, ei.value)
             ok = protocol.LeaseReq(protocol.KeyByBlocks(1, 0), sel, bb)
-            with pytest.raises(LLMException) as ei:  # a lease is asked for with a read
-                await link.write(
-                    protocol.encode(ok), [memoryview(bytearray(reply_size(4)))], timeout=5
-                )
-            assert ei.value.status_code == CODE.LLM_PARAM_INVALID
-            with pytest.raises(LLMException) as ei:  # and revoked with a write
-                await link.read(
+            # a lease is asked for with a read
+            await raises(
+                CODE.LLM_PARAM_INVALID,
+                link.write(protocol.encode(ok), [memoryview(bytearray(reply_size(4)))], timeout=5),
+            )
+            # and revoked with a write
+            await raises(
+                CODE.LLM_PARAM_INVALID,
+                link.read(
                     protocol.encode(protocol.RevokeReq(1)), [memoryview(bytearray(8))], timeout=5
-                )
-            assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+                ),
+            )
             assert p.cache_manager.statistics().leases == 0
     tcp = config(transfer_backend="tcp")
     async with LLMDataDist(LLMRole.PROMPT, 1, tcp) as p:
@@ -370,11 +383,10 @@ async def test_leases_are_only_lent_where_a_transfer_would_be() -> None:
             req = protocol.LeaseReq(
                 protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes
             )
-            with pytest.raises(LLMException) as ei:
-                await link.read(
-                    protocol.encode(req), [memoryview(bytearray(reply_size(4)))], timeout=5
-                )
-            assert ei.value.status_code == CODE.LLM_FEATURE_NOT_ENABLED
+            await raises(
+                CODE.LLM_FEATURE_NOT_ENABLED,
+                link.read(protocol.encode(req), [memoryview(bytearray(reply_size(4)))], timeout=5),
+            )
 
 
 class _Silent:
@@ -389,35 +401,44 @@ class _Silent:
         raise AssertionError
 
 
-async def _leased_by_hand(raw: Any, p: LLMDataDist, src: Cache) -> tuple[Any, bytearray]:
-    """``raw`` (a bare NIXL transport) links to ``p`` and asks for a lease on ``src`` (4
-    tensors, keyed ``BlocksCacheKey(1, 0)``); the link and the reply's bytes."""
-    assert p.listen_address is not None
-    link = await raw.connect(*p.listen_address, timeout=5)
-    await until(lambda: link.one_sided)
-    req = protocol.LeaseReq(protocol.KeyByBlocks(1, 0), protocol.Tensors(count=4), src.block_bytes)
-    buf = bytearray(reply_size(4))
-    await link.read(protocol.encode(req), [memoryview(buf)], timeout=5)
-    return link, buf
-
-
-@needs_nixl
-async def test_a_holder_that_keeps_the_lease_loses_its_link() -> None:
+@contextlib.asynccontextmanager
+async def leased_by_a_silent_holder() -> AsyncIterator[tuple[LLMDataDist, Cache, Any, bytearray]]:
+    """A prompt (``sync_kv_timeout`` 1 s) with a filled blocks cache (4 tensors, keyed
+    ``BlocksCacheKey(1, 0)``) that a bare NIXL transport, which never answers a request,
+    asked a lease on: yields the prompt, its cache, the holder's link and the lease
+    reply's bytes."""
     async with LLMDataDist(LLMRole.PROMPT, 1, config(sync_kv_timeout=1000)) as p:
         src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
         fill_randn(src, 3)
         async with get_transport("nixl")(3, _Silent()) as raw:
-            link, buf = await _leased_by_hand(raw, p, src)
-            got = decode_reply(buf, 4)
-            assert got is not None and got[1] == 32 and got[2] == "cpu"
-            assert got[4].tolist() == src.tensor_addrs and p.cache_manager.statistics().leases == 1
-            t0 = time.monotonic()
-            await p.cache_manager.deallocate_blocks_cache(src)  # the revocation goes unanswered
-            waited = time.monotonic() - t0
-            assert 0.9 < waited < 3.0  # the revoke timeout: sync_kv_timeout, at least 0.5 s
-            await until(lambda: link.broken)
-            stats = p.cache_manager.statistics()
-            assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
+            assert p.listen_address is not None
+            link = await raw.connect(*p.listen_address, timeout=5)
+            await until(lambda: link.one_sided)
+            keyed = protocol.KeyByBlocks(1, 0)
+            req = protocol.LeaseReq(keyed, protocol.Tensors(count=4), src.block_bytes)
+            buf = bytearray(reply_size(4))
+            await link.read(protocol.encode(req), [memoryview(buf)], timeout=5)
+            yield p, src, link, buf
+
+
+async def holder_cut_and_all_released(p: LLMDataDist, link: Any) -> None:
+    """The silent holder's ``link`` breaks, and ``p`` keeps no cache, pin or lease."""
+    await until(lambda: link.broken)
+    stats = p.cache_manager.statistics()
+    assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
+
+
+@needs_nixl
+async def test_a_holder_that_keeps_the_lease_loses_its_link() -> None:
+    async with leased_by_a_silent_holder() as (p, src, link, buf):
+        got = decode_reply(buf, 4)
+        assert got is not None and got[1] == 32 and got[2] == "cpu"
+        assert got[4].tolist() == src.tensor_addrs and p.cache_manager.statistics().leases == 1
+        t0 = time.monotonic()
+        await p.cache_manager.deallocate_blocks_cache(src)  # the revocation goes unanswered
+        waited = time.monotonic() - t0
+        assert 0.9 < waited < 3.0  # the revoke timeout: sync_kv_timeout, at least 0.5 s
+        await holder_cut_and_all_released(p, link)
 
 
 @needs_nixl
@@ -513,18 +534,13 @@ async def test_a_cancelled_deallocate_still_takes_the_lease_back() -> None:
     the revocation short (the memory would go back to the pool while the holder may
     still write to it): the holder that never answers loses its link, then the call
     returns (it completed: the cache was released)."""
-    async with LLMDataDist(LLMRole.PROMPT, 1, config(sync_kv_timeout=1000)) as p:
-        src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
-        async with get_transport("nixl")(3, _Silent()) as raw:
-            link, _ = await _leased_by_hand(raw, p, src)
-            assert lent(p) == 1
-            task = asyncio.create_task(p.cache_manager.deallocate_blocks_cache(src))
-            await asyncio.sleep(0.1)
-            task.cancel()
-            await task  # completed (the revocation ran to its end): no CancelledError
-            await until(lambda: link.broken)
-            stats = p.cache_manager.statistics()
-            assert (stats.caches, stats.pins, stats.leases) == (0, 0, 0)
+    async with leased_by_a_silent_holder() as (p, src, link, _):
+        assert lent(p) == 1
+        task = asyncio.create_task(p.cache_manager.deallocate_blocks_cache(src))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        await task  # completed (the revocation ran to its end): no CancelledError
+        await holder_cut_and_all_released(p, link)
 
 
 @needs_nixl
@@ -732,9 +748,8 @@ async def test_a_leased_pull_on_the_callers_loop_is_bounded_by_sync_kv_timeout()
         await until(lambda: holding(d) == 1)
         with _Stall(d), engine_hops(d) as hops:
             t0 = time.monotonic()
-            with pytest.raises(LLMException) as ei:
-                await d.cache_manager.pull_blocks(key, dst, [2], [2])
-            assert ei.value.status_code == CODE.LLM_TIMEOUT and time.monotonic() - t0 < 3
+            await raises(CODE.LLM_TIMEOUT, d.cache_manager.pull_blocks(key, dst, [2], [2]))
+            assert time.monotonic() - t0 < 3
             assert xfers(d) == 0 and hops == []
         assert holding(d) == 0  # a lease whose transfer failed is not used again
         fill_randn(src, 5)
@@ -761,9 +776,7 @@ async def test_a_revocation_waits_for_a_leased_move_on_the_callers_loop() -> Non
             await pull
             await asyncio.wait_for(gone, 5)
         assert (lent(p), holding(d), xfers(d)) == (0, 0, 0)
-        with pytest.raises(LLMException) as ei:
-            await d.cache_manager.pull_blocks(key, dst, [1], [1])
-        assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+        await raises(CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_blocks(key, dst, [1], [1]))
 
 
 @needs_nixl
@@ -789,9 +802,8 @@ async def test_a_failed_leased_move_changes_engine_state_on_the_engine_only() ->
         leases._drop = on("drop", leases._drop)
         with _Stall(d) as stall, engine_hops(d) as hops:
             stall.state = "ERR"
-            with pytest.raises(LLMException) as ei:
-                await d.cache_manager.pull_blocks(key, dst, [2], [2])
-            assert ei.value.status_code == CODE.LLM_LINK_FAILED and hops == []
+            await raises(CODE.LLM_LINK_FAILED, d.cache_manager.pull_blocks(key, dst, [2], [2]))
+            assert hops == []
         await until(lambda: len(threads) == 2)
         assert threads == {"break": engine.thread, "drop": engine.thread}
         assert xfers(d) == 0 and holding(d) == 0

@@ -7,12 +7,16 @@ import importlib
 from typing import Any
 
 import pytest
-from _helpers import hide_nixl, until
+from _helpers import hide_nixl
+from _helpers import until
 
 from aiokv._enums import LLMStatusCode as Code
 from aiokv._errors import LLMException
-from aiokv.testing import requires_transport, skip_unless_transport
-from aiokv.transport import Grant, PeerInfo, get_transport
+from aiokv.testing import requires_transport
+from aiokv.testing import skip_unless_transport
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
+from aiokv.transport import get_transport
 
 
 def test_missing_nixl_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,33 +9,35 @@ device memory by address never becomes socket payload.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from _helpers import (
-    fill_bytes,
-    pull_a_slot_by_key,
-    pull_and_push_blocks,
-    pull_every_other_block,
-    same_rows,
-)
+from _helpers import fill_bytes
+from _helpers import pull_a_slot_by_key
+from _helpers import pull_and_push_blocks
+from _helpers import pull_every_other_block
+from _helpers import raises
+from _helpers import same_rows
 
-from aiokv import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMException,
-    LLMStatusCode,
-    Placement,
-)
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
+from aiokv import LLMDataDist
+from aiokv import LLMStatusCode
+from aiokv import Placement
 from aiokv._copy import Stager
-from aiokv.testing import linked_pair, make_config, requires_transport
-from aiokv.transport import DeviceRuns, Grant, PeerInfo, get_transport
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
+from aiokv.testing import requires_transport
+from aiokv.transport import DeviceRuns
+from aiokv.transport import Grant
+from aiokv.transport import PeerInfo
+from aiokv.transport import get_transport
 from aiokv.transport._base import check_grant
 
 CODE = LLMStatusCode
@@ -106,16 +108,10 @@ async def test_device_memory_never_travels_as_socket_payload(backend: str) -> No
         dev = DeviceRuns("cuda:0", _runs((1 << 40, 64)))
         assert not link.addressable("cuda:0", 1 << 40, 64)
         for op in (link.read, link.write):
-            with pytest.raises(LLMException) as ei:
-                await op(b"m", dev, timeout=5)
-            assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+            await raises(CODE.LLM_PARAM_INVALID, op(b"m", dev, timeout=5))
         buf = memoryview(bytearray(64))
-        with pytest.raises(LLMException) as ei:
-            await link.read(b"m", [buf], timeout=5)
-        assert ei.value.status_code == CODE.LLM_FAILED
-        with pytest.raises(LLMException) as ei:
-            await link.write(b"m", [buf], timeout=5)
-        assert ei.value.status_code == CODE.LLM_FAILED
+        await raises(CODE.LLM_FAILED, link.read(b"m", [buf], timeout=5))
+        await raises(CODE.LLM_FAILED, link.write(b"m", [buf], timeout=5))
         assert handler.direct == [None, None] and handler.done == [False, False]
 
 

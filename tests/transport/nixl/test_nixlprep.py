@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 
 from aiokv import LLMException
-from aiokv._layout import ByteLayout, LayoutViews, address_of
-from aiokv.testing import requires_transport, skip_unless_transport
+from aiokv._layout import ByteLayout
+from aiokv._layout import LayoutViews
+from aiokv._layout import address_of
+from aiokv.testing import requires_transport
+from aiokv.testing import skip_unless_transport
 from aiokv.transport._base import flatten_views
 
 needs_nixl = requires_transport("nixl")
@@ -132,6 +135,10 @@ def test_regions_cover_only_registered_ranges() -> None:
     assert not covers((140, 11))  # runs past the end
     assert not covers((150, 50))  # the gap between two ranges
     assert not covers((100, 60))  # two ranges are not one
+    assert not covers((100, 10), (160, 5))  # the lowest row inside a range, another not
+    assert not covers((100, 10), (205, 6))  # ... nor past the end of the other range
+    assert covers(*[(100 + i, 1) for i in range(50)])  # all inside one range
+    assert not covers(*[(100 + i, 2) for i in range(50)])  # the last runs past its end
     regions.remove(200, 10)
     assert not covers((200, 10))
 
