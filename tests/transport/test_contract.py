@@ -745,9 +745,10 @@ async def test_grant_revoked_mid_transfer(pair: Pair, is_read: bool) -> None:
     runs once with False before abort returns, and the granted memory is never touched
     again (a marker written right after abort survives)."""
     n = 64 * MIB
-    # zeroed (calloc: no 64 MiB of work on the loop); byte 0 tells when bytes move
-    pair.hb.regions["r"] = region = bytearray(n)
-    mine = bytearray(n)
+    # off the loop: bytearray(n) zeroes its 64 MiB (a memset that has taken 0.5 s under
+    # CI load), and this test is timed for blocking; byte 0 tells when bytes move
+    region, mine = await asyncio.to_thread(lambda: (bytearray(n), bytearray(n)))
+    pair.hb.regions["r"] = region
     (region if is_read else mine)[0] = 1
     meta = js({"spans": [[0, n]], "tag": "t"})
     op = pair.link_a.read if is_read else pair.link_a.write
@@ -765,12 +766,13 @@ async def test_grant_revoked_mid_transfer(pair: Pair, is_read: bool) -> None:
         # stops when the pusher hears of the revocation (docs/security.md, NIXL); from
         # then on, nothing lands
         await raises(Code.LLM_TIMEOUT, task)
-    _fill(region, 0x5A)  # the memory is the owner's again
+    await asyncio.to_thread(_fill, region, 0x5A)  # the memory is the owner's again
     await raises(Code.LLM_TIMEOUT, task)
     pair.hb.granted["t"].abort(Code.LLM_FAILED)  # idempotent
     await asyncio.sleep(0.05)
     assert pair.hb.calls["t"] == [False]
-    assert region.count(0x5A) == n, "bytes landed after the grant was revoked"
+    landed = await asyncio.to_thread(region.count, 0x5A)  # 64 MiB: off the loop too
+    assert landed == n, "bytes landed after the grant was revoked"
     small = bytearray(4)
     await pair.link_a.read(js({"spans": [[0, 4]]}), [memoryview(small)], timeout=5)
     assert small == b"\x5a" * 4  # the link stays usable
