@@ -32,7 +32,7 @@ from typing import Any
 from typing import Final
 from typing import TypeVar
 
-__all__ = ["Lane", "on_loop"]
+__all__ = ["Lane", "on_loop", "on_loop_ran"]
 
 T = TypeVar("T")
 
@@ -179,3 +179,33 @@ def on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable[..., object], *
     elif loop is not None:
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(fn, *args)
+
+
+#: How long :func:`on_loop_ran` waits for a loop to run what it was given: a live loop
+#: runs it within milliseconds; one that closed meanwhile drops it, never to run.
+_RAN_WAIT_S: Final = 5.0
+
+
+async def on_loop_ran(
+    loop: asyncio.AbstractEventLoop | None, fn: Callable[..., object], *args: Any
+) -> None:
+    """:func:`on_loop`, then wait until ``fn(*args)`` has run on ``loop`` (at once when
+    awaited there, or when ``loop`` is None): its effects are visible to the caller when
+    this returns. Bounded by ``_RAN_WAIT_S`` for a loop that closes before running it;
+    cancelling the wait does not unschedule ``fn``."""
+    if loop is None or asyncio.get_running_loop() is loop:
+        fn(*args)
+        return
+    ran: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fn(*args)
+        finally:
+            ran.set_result(None)
+
+    try:
+        loop.call_soon_threadsafe(run)
+    except RuntimeError:  # closed: what it owned is gone with it
+        return
+    await asyncio.wait([asyncio.wrap_future(ran)], timeout=_RAN_WAIT_S)

@@ -44,6 +44,11 @@ LAYERS, BLOCKS, BLOCK_TOKENS = 4, 256, 16
 DESC = CacheDesc(2 * LAYERS, [BLOCKS, BLOCK_TOKENS, 4, 32], DataType.DT_FLOAT16)
 REQUESTS = 64
 MAX_IN_FLIGHT = 16
+#: Requests that wait for admission at first (all but the first ``MAX_IN_FLIGHT``): the
+#: one with a deadline it cannot meet, and those whose clients go away. A request whose
+#: pull is already in flight may finish before its cancellation or deadline reaches it,
+#: and then ends "ok" (its result was ready first); these outcomes are certain.
+LATE, GONE = 40, (42, 50, 61)
 
 
 def config() -> LLMConfig:
@@ -103,24 +108,25 @@ class DecodeService:
         self.admission = asyncio.Semaphore(MAX_IN_FLIGHT)
 
     async def handle(self, req: Request) -> str:
-        """Serve ``req``: ``"ok"``, or ``"timeout"`` after ``req.timeout_s``. Cancelling
-        the caller's task cancels the pull; the blocks are returned in every case."""
-        async with self.admission:
-            mine = self.blocks.take(len(req.prefill_blocks))
-            try:
-                async with asyncio.timeout(req.timeout_s):
+        """Serve ``req``: ``"ok"``, or ``"timeout"`` after ``req.timeout_s`` (waiting for
+        admission included, as a client's deadline). Cancelling the caller's task cancels
+        the wait or the pull; the blocks are returned in every case."""
+        try:
+            async with asyncio.timeout(req.timeout_s), self.admission:
+                mine = self.blocks.take(len(req.prefill_blocks))
+                try:
                     await self.dd.cache_manager.pull_blocks(
                         BlocksCacheKey(PREFILL), self.cache, list(req.prefill_blocks), mine
                     )
-                # a real engine would now decode from blocks `mine`
-                for src, dst in zip(req.prefill_blocks, mine, strict=True):
-                    if float(self.cache.tensors[0][dst, 0, 0, 0]) != self.expected(0, src):
-                        raise RuntimeError(f"request {req.rid}: block {dst} holds wrong bytes")
-                return "ok"
-            except TimeoutError:
-                return "timeout"
-            finally:
-                self.blocks.give_back(mine)
+                    # a real engine would now decode from blocks `mine`
+                    for src, dst in zip(req.prefill_blocks, mine, strict=True):
+                        if float(self.cache.tensors[0][dst, 0, 0, 0]) != self.expected(0, src):
+                            raise RuntimeError(f"request {req.rid}: block {dst} holds wrong bytes")
+                finally:
+                    self.blocks.give_back(mine)
+        except TimeoutError:
+            return "timeout"
+        return "ok"
 
 
 def fill(cache: Any) -> Callable[[int, int], float]:
@@ -160,16 +166,15 @@ async def main(say: Callable[..., Any] = print) -> None:
             Request(
                 rid,
                 tuple(rng.sample(range(BLOCKS), rng.randint(1, 12))),
-                # one request gets a deadline no pull can meet
-                timeout_s=1e-6 if rid == 7 else 10.0,
+                # one request, queued behind others, gets a deadline it cannot meet
+                timeout_s=1e-6 if rid == LATE else 10.0,
             )
             for rid in range(REQUESTS)
         ]
         t0 = time.perf_counter()
         tasks = [asyncio.create_task(service.handle(r)) for r in requests]
         await asyncio.sleep(0)  # every task started: a few clients now go away
-        cancelled = {3, 11, 42}
-        for rid in cancelled:
+        for rid in GONE:
             tasks[rid].cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         took = time.perf_counter() - t0
@@ -184,8 +189,8 @@ async def main(say: Callable[..., Any] = print) -> None:
                 outcome[res] += 1
         say(f"{REQUESTS} requests in {took * 1e3:.0f} ms: {outcome}")
         say(f"every block back in the free list: {service.blocks.free == BLOCKS}")
-        say(f"timed out: request 7 only: {results[7] == 'timeout'}")
-        if service.blocks.free != BLOCKS or outcome["ok"] < REQUESTS - 1 - len(cancelled):
+        say(f"timed out: request {LATE} only: {results[LATE] == 'timeout'}")
+        if service.blocks.free != BLOCKS or outcome["ok"] < REQUESTS - 1 - len(GONE):
             raise RuntimeError(f"the service leaked blocks or failed requests: {outcome}")
         await decode.unlink_clusters([peer], timeout=10_000)
 

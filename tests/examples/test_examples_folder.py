@@ -21,7 +21,7 @@ PROGRAMS = {
     "async_service.py": [
         "{'ok': 60, 'timeout': 1, 'cancelled': 3}",
         "every block back in the free list: True",
-        "timed out: request 7 only: True",
+        "timed out: request 40 only: True",
     ],
     "threaded_engine.py": [
         "48 requests on ",

@@ -35,6 +35,7 @@ from ..._errors import LLMException
 from ..._layout import LayoutViews
 from ..._threads import Lane
 from ..._threads import on_loop
+from ..._threads import on_loop_ran
 from .._base import BY_ADDRESS
 from .._base import ONE_SIDED
 from .._base import Capability
@@ -366,7 +367,9 @@ class NixlPlane:
         if state == "DONE":
             return
         if state == "ERR":
-            on_loop(self._loop, self.link._break, "NIXL transfer failed")
+            # broken before the caller hears of it (as a failure on the link's own loop
+            # would be): the cluster is no longer listed as linked, and can be relinked
+            await on_loop_ran(self._loop, self.link._break, "NIXL transfer failed")
         raise LLMException(f"one-sided NIXL {kind} failed", status_code=_S.LLM_LINK_FAILED)
 
     async def move(self, op: MyOp, plan: Place) -> None:

@@ -782,7 +782,8 @@ async def test_a_revocation_waits_for_a_leased_move_on_the_callers_loop() -> Non
 @needs_nixl
 async def test_a_failed_leased_move_changes_engine_state_on_the_engine_only() -> None:
     """A leased transfer on the caller's loop that NIXL fails breaks the link and drops
-    the lease: both are the holder's engine's state, changed on its thread."""
+    the lease: both are the holder's engine's state, changed on its thread; the link is
+    broken by the time the caller sees the failure."""
     async with keyed_caches() as (_p, d, key, _src, dst):
         await d.cache_manager.pull_blocks(key, dst, [1], [1])
         await until(lambda: holding(d) == 1)
@@ -804,6 +805,9 @@ async def test_a_failed_leased_move_changes_engine_state_on_the_engine_only() ->
             stall.state = "ERR"
             await raises(CODE.LLM_LINK_FAILED, d.cache_manager.pull_blocks(key, dst, [2], [2]))
             assert hops == []
+            # broken before the caller heard of the failure: no longer listed as linked
+            assert link.broken and "break" in threads
+            assert link.peer.cluster_id not in d.linked_clusters()
         await until(lambda: len(threads) == 2)
         assert threads == {"break": engine.thread, "drop": engine.thread}
         assert xfers(d) == 0 and holding(d) == 0
