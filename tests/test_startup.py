@@ -1,15 +1,14 @@
 """Start-up cost: ``aiokv --version``, ``aiokv --help`` and the pytest plugin's registration
-import neither torch nor numpy, and cost at most ``BUDGET_S`` above what they are compared
-with (a bare interpreter; the same pytest run without the plugin), measured in the same
-run, best of ``TRIES``. On a loaded machine the budget grows with the load per core
-(importing torch costs several seconds even on an idle one, so it still shows)."""
+import neither torch nor numpy (importing torch costs seconds), and the plugin adds no
+installed package to a pytest run but ``aiokv`` itself. These are checks on what is
+imported, not on wall-clock time: a shared machine's timings are noise at this scale.
+The seconds themselves are measured by ``scripts/startup_time.py`` (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import os
+import ast
 import subprocess
 import sys
-import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -20,9 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = checkout_env(COLUMNS="100")
 #: what a fast start must not import
 HEAVY = ("torch", "numpy")
-#: seconds a command may cost above its baseline (the best of TRIES runs of each)
-BUDGET_S = 0.5
-TRIES = 5
 #: the ``aiokv`` console script, run as installed (``aiokv._console:main``)
 SCRIPT = "import sys; sys.argv[0] = 'aiokv'; from aiokv._console import main; main()"
 #: the same, reporting the heavy modules it imported on exit (on stderr)
@@ -44,21 +40,6 @@ def _run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120
     )
-
-
-def _budget() -> float:
-    """``BUDGET_S``, scaled by the run queue per core when the machine is busy."""
-    return BUDGET_S * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
-
-
-def _best(*args: str, cwd: Path = ROOT) -> float:
-    best = float("inf")
-    for _ in range(TRIES):
-        t0 = time.perf_counter()
-        done = _run(*args, cwd=cwd)
-        best = min(best, time.perf_counter() - t0)
-        assert done.returncode in (0, 5), done.stderr  # 5: pytest collected nothing
-    return best
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["bench", "--help"]])
@@ -90,18 +71,24 @@ def test_plugin_registration_imports_no_heavy_module(tmp_path: Path) -> None:
     assert set(with_it) <= set(without), f"the plugin imports {set(with_it) - set(without)}"
 
 
-@pytest.mark.parametrize("argv", [["--version"], ["--help"]])
-def test_cli_starts_within_budget_of_a_bare_interpreter(argv: list[str]) -> None:
-    bare = _best("-c", "pass")
-    took = _best("-c", SCRIPT, *argv)
-    budget = _budget()
-    assert took - bare <= budget, f"aiokv {argv[0]}: {took:.2f} s vs bare {bare:.2f} s"
+def _packages_in_a_pytest_run(tmp_path: Path, *plugin: str) -> set[str]:
+    """The top-level packages outside the standard library imported by the time a one-test
+    pytest run in ``tmp_path`` runs its test, with ``plugin``'s arguments."""
+    (tmp_path / "test_nothing.py").write_text(
+        "import sys\n\ndef test_light():\n"
+        "    top = {m.partition('.')[0] for m in list(sys.modules)}\n"
+        "    print('packages:', sorted(top - set(sys.stdlib_module_names)))\n"
+    )
+    done = _run("-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *plugin, ".", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("packages:")]
+    return set(ast.literal_eval(line.partition(":")[2].strip()))
 
 
-def test_plugin_costs_within_budget_of_a_run_without_it(tmp_path: Path) -> None:
-    (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
-    run = ("-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path))
-    without = _best(*run, "-p", "no:aiokv", cwd=tmp_path)
-    took = _best(*run, *_plugin(), cwd=tmp_path)
-    budget = _budget()
-    assert took - without <= budget, f"with the plugin {took:.2f} s, without {without:.2f} s"
+def test_plugin_registration_adds_no_package_but_aiokv(tmp_path: Path) -> None:
+    """Registering the plugin (no fixture of it in use) imports ``aiokv`` and nothing else
+    that the same run without the plugin does not import: what a test run pays for it."""
+    without = _packages_in_a_pytest_run(tmp_path, "-p", "no:aiokv")
+    with_it = _packages_in_a_pytest_run(tmp_path, *_plugin())
+    assert "aiokv" in with_it, with_it
+    assert with_it - without <= {"aiokv"}, f"the plugin imports {with_it - without - {'aiokv'}}"
