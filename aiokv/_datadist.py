@@ -16,7 +16,6 @@ import warnings
 import weakref
 from collections.abc import AsyncIterator
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
 from ._checks import check_instance
@@ -859,12 +858,7 @@ class LLMDataDist:
             await self.init(self._pending_config)
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.finalize()
 
     def __repr__(self) -> str:

@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field
 from types import MappingProxyType
-from types import TracebackType
 from typing import TYPE_CHECKING
 from typing import Final
 
@@ -190,12 +189,7 @@ class _Measure:
         self._counter._start()
         self._t0 = time.perf_counter()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         failure = None if exc is None else failure_name(exc)
         self._counter._end(self._nbytes, time.perf_counter() - self._t0, failure)
 

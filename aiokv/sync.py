@@ -17,7 +17,6 @@ exit. An instance never finalized is finalized at interpreter exit.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import TracebackType
 from typing import Any
 
 # aiokv's public names are this module's: type checkers read them from this import, and
@@ -273,12 +272,7 @@ class LLMDataDist:
             self.init(self._config_at_enter)
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.finalize()
 
     def __repr__(self) -> str:

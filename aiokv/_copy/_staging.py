@@ -141,7 +141,7 @@ class Stager:
         self,
         buffers: Sequence[torch.Tensor],
         layout: ByteLayout,
-        timeout: float,  # noqa: ASYNC109
+        timeout: float,
         owner: Hashable = None,
     ) -> Staged:
         """The bytes ``layout`` names of each flat ``uint8`` buffer (all on one device),
@@ -167,7 +167,7 @@ class Stager:
         self,
         nbytes: int,
         device: torch.device,
-        timeout: float,  # noqa: ASYNC109
+        timeout: float,
         owner: Hashable = None,
     ) -> Staged:
         """An uninitialised host buffer of ``nbytes`` to receive bytes bound for ``device``.
@@ -257,7 +257,7 @@ class Budget:
         """The most one owner holds while others are active."""
         return self.limit // max(2, len(self.held.keys() | self._queues.keys()))
 
-    async def take(self, owner: Hashable, nbytes: int, timeout: float) -> None:  # noqa: ASYNC109
+    async def take(self, owner: Hashable, nbytes: int, timeout: float) -> None:
         """Wait (at most ``timeout`` seconds) until ``owner`` may hold ``nbytes`` more,
         and count them as its own (:meth:`give` returns them).
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
@@ -37,6 +36,7 @@ from ..transport import BY_ADDRESS
 from ..transport import ONE_SIDED
 from ..transport import DeviceRuns
 from ..transport import Link
+from ..transport import Payload
 from ._leases import LeaseKey
 from ._leases import Leases
 from ._leases import reply_size
@@ -252,11 +252,11 @@ class RemoteClient:
         op: str,
         link: Link,
         request: Request,
-        views: Sequence[memoryview] | DeviceRuns,
+        views: Payload,
         *,
         write: bool,
         about: dict[str, Any],
-        timeout: float | None = None,  # noqa: ASYNC109
+        timeout: float | None = None,
         at: DeviceRuns | None = None,
         counted: bool = True,
     ) -> bool:
@@ -422,9 +422,7 @@ class _Requests:
         finally:
             box.release()
 
-    async def _send(
-        self, part: Part, left: float, views: Sequence[memoryview] | DeviceRuns | None = None
-    ) -> bool:
+    async def _send(self, part: Part, left: float, views: Payload | None = None) -> bool:
         """One request: ``part`` between the peer and ``views`` (default: the host
         memory of the cache itself) within ``left`` seconds; whether it moved (see
         :meth:`RemoteClient.transfer`)."""

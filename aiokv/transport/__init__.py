@@ -13,43 +13,27 @@ import importlib
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException
-from ._base import BY_ADDRESS
-from ._base import DIRECT_REFUSED
-from ._base import ONE_SIDED
-from ._base import ByAddress
-from ._base import Capability
-from ._base import DeviceRuns
-from ._base import DirectCheck
-from ._base import Grant
-from ._base import Link
-from ._base import LinkCallback
-from ._base import OneSided
-from ._base import PeerInfo
-from ._base import RequestHandler
-from ._base import Transport
+from . import _base
+from ._base import BY_ADDRESS as BY_ADDRESS
+from ._base import DIRECT_REFUSED as DIRECT_REFUSED
+from ._base import ONE_SIDED as ONE_SIDED
+from ._base import ByAddress as ByAddress
+from ._base import Capability as Capability
+from ._base import DeviceRuns as DeviceRuns
+from ._base import DirectCheck as DirectCheck
+from ._base import Grant as Grant
+from ._base import Link as Link
+from ._base import LinkCallback as LinkCallback
+from ._base import OneSided as OneSided
+from ._base import Payload as Payload
+from ._base import PeerInfo as PeerInfo
+from ._base import RequestHandler as RequestHandler
+from ._base import Transport as Transport
 from ._tls import TlsContexts
 from ._tls import load_tls
 
-__all__ = [
-    "BY_ADDRESS",
-    "DIRECT_REFUSED",
-    "ONE_SIDED",
-    "ByAddress",
-    "Capability",
-    "DeviceRuns",
-    "DirectCheck",
-    "Grant",
-    "Link",
-    "LinkCallback",
-    "OneSided",
-    "PeerInfo",
-    "RequestHandler",
-    "TlsContexts",
-    "Transport",
-    "get_transport",
-    "load_tls",
-    "transport_names",
-]
+__all__ = ["TlsContexts", "get_transport", "load_tls", "transport_names"]
+__all__ += _base.__all__  # the interface: what _base exports, this package exports
 
 # name -> "module:class", imported lazily. Add a backend by adding a line here.
 _REGISTRY: dict[str, str] = {

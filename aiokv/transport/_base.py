@@ -21,7 +21,6 @@ from collections.abc import Coroutine
 from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
-from types import TracebackType
 from typing import Any
 from typing import Final
 from typing import Generic
@@ -37,11 +36,9 @@ from .._errors import LLMException
 from .._layout import LayoutViews
 
 __all__ = [
-    "AUTH_FAILED",
     "BY_ADDRESS",
     "DIRECT_REFUSED",
     "ONE_SIDED",
-    "REASON_CAP",
     "ByAddress",
     "Capability",
     "DeviceRuns",
@@ -50,6 +47,7 @@ __all__ = [
     "Link",
     "LinkCallback",
     "OneSided",
+    "Payload",
     "PeerInfo",
     "RequestHandler",
     "Transport",
@@ -90,6 +88,9 @@ class DeviceRuns:
         """Bytes over all runs."""
         return int(self.runs[:, 1].sum()) if self.runs.size else 0
 
+
+#: What a link moves on this side of a request: host views, or device memory by address.
+Payload = Sequence[memoryview] | DeviceRuns
 
 #: ``direct(device, addr, nbytes)``: whether a grant may name ``[addr, addr + nbytes)``
 #: of ``device`` memory by address (:attr:`Grant.device`) for the request being served.
@@ -139,12 +140,7 @@ class OneSided(Protocol):
         ...
 
     async def move_at(
-        self,
-        write: bool,
-        local: Sequence[memoryview] | DeviceRuns,
-        remote: DeviceRuns,
-        *,
-        timeout: float,  # noqa: ASYNC109
+        self, write: bool, local: Payload, remote: DeviceRuns, *, timeout: float
     ) -> None:
         """Read the peer's memory ``remote`` (by address; ``remote.device`` names where
         it lives on the peer: ``"cpu"``, ``"cuda:N"``) into ``local``, or write
@@ -380,12 +376,7 @@ class Link(abc.ABC):
         return _nothing if one_sided is None else one_sided.lend()
 
     async def move_at(
-        self,
-        write: bool,
-        local: Sequence[memoryview] | DeviceRuns,
-        remote: DeviceRuns,
-        *,
-        timeout: float,  # noqa: ASYNC109
+        self, write: bool, local: Payload, remote: DeviceRuns, *, timeout: float
     ) -> None:
         """:meth:`OneSided.move_at` of the link's :data:`ONE_SIDED` capability.
 
@@ -402,13 +393,7 @@ class Link(abc.ABC):
         await one_sided.move_at(write, local, remote, timeout=timeout)
 
     @abc.abstractmethod
-    async def read(
-        self,
-        meta: bytes,
-        into: Sequence[memoryview] | DeviceRuns,
-        *,
-        timeout: float,  # noqa: ASYNC109
-    ) -> None:
+    async def read(self, meta: bytes, into: Payload, *, timeout: float) -> None:
         """Pull the payload described by ``meta`` (opaque bytes, at most
         ``max_meta_bytes``) from the peer straight into ``into`` (:class:`DeviceRuns`
         only where :meth:`addressable`; elsewhere ``LLM_PARAM_INVALID``).
@@ -420,13 +405,7 @@ class Link(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def write(
-        self,
-        meta: bytes,
-        src: Sequence[memoryview] | DeviceRuns,
-        *,
-        timeout: float,  # noqa: ASYNC109
-    ) -> None:
+    async def write(self, meta: bytes, src: Payload, *, timeout: float) -> None:
         """Push ``src`` to the peer into the buffers it grants for ``meta``
         (:class:`DeviceRuns` as for :meth:`read`).
 
@@ -451,7 +430,7 @@ class Link(abc.ABC):
         """Close the link; pending operations on both sides fail with ``LLM_LINK_FAILED``."""
 
     @abc.abstractmethod
-    async def probe(self, timeout: float) -> bool:  # noqa: ASYNC109
+    async def probe(self, timeout: float) -> bool:
         """Whether the peer answers a liveness probe within ``timeout`` seconds (> 0).
 
         True only if the peer's side of the link is running and answered (its transport
@@ -559,7 +538,7 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
+    async def connect(self, host: str, port: int, *, timeout: float) -> Link:
         """Open a link to a listening transport, handshake included, within ``timeout`` s.
 
         Raises:
@@ -600,12 +579,7 @@ class Transport(abc.ABC):
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     # ---- what every implementation needs: one loop, owned tasks --------------------------

@@ -42,9 +42,9 @@ from typing import Final
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from ._base import AUTH_FAILED
-from ._base import DeviceRuns
 from ._base import Grant
 from ._base import Link
+from ._base import Payload
 from ._base import PeerInfo
 from ._base import Transport
 from ._base import auth_mismatch
@@ -233,22 +233,10 @@ class _LocalLink(Link):
     def broken(self) -> bool:
         return self._broken
 
-    async def read(
-        self,
-        meta: bytes,
-        into: Sequence[memoryview] | DeviceRuns,
-        *,
-        timeout: float,  # noqa: ASYNC109
-    ) -> None:
+    async def read(self, meta: bytes, into: Payload, *, timeout: float) -> None:
         await self._request("Link.read", meta, into, timeout, is_read=True)
 
-    async def write(
-        self,
-        meta: bytes,
-        src: Sequence[memoryview] | DeviceRuns,
-        *,
-        timeout: float,  # noqa: ASYNC109
-    ) -> None:
+    async def write(self, meta: bytes, src: Payload, *, timeout: float) -> None:
         await self._request("Link.write", meta, src, timeout, is_read=False)
 
     async def aclose(self) -> None:
@@ -260,7 +248,7 @@ class _LocalLink(Link):
         if mine:
             await asyncio.wait(mine)
 
-    async def probe(self, timeout: float) -> bool:  # noqa: ASYNC109
+    async def probe(self, timeout: float) -> bool:
         seconds = check_probe_timeout(timeout)
         if self._broken:
             return False
@@ -283,7 +271,7 @@ class _LocalLink(Link):
         self,
         name: str,
         meta: bytes,
-        bufs: Sequence[memoryview] | DeviceRuns,
+        bufs: Payload,
         seconds: float,
         *,
         is_read: bool,
@@ -453,7 +441,7 @@ class LocalTransport(Transport):
             if _listeners.get(address) is self:
                 del _listeners[address]
 
-    async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
+    async def connect(self, host: str, port: int, *, timeout: float) -> Link:
         check_address("connect", host, port)
         check_connect_timeout("connect", timeout)
         self._bind_loop("connect")

@@ -332,7 +332,7 @@ def _model_run(seed: int, steps: int = 250) -> None:
     tasks: list[tuple[asyncio.Task[None], Hashable, int]] = []
     outcomes: list[str] = []
 
-    async def take(owner: Hashable, n: int, timeout: float) -> None:  # noqa: ASYNC109
+    async def take(owner: Hashable, n: int, timeout: float) -> None:
         try:
             await budget.take(owner, n, timeout)
         except LLMException as exc:

@@ -94,7 +94,7 @@ class UnreachableGrants(Link):
         meta: bytes,
         bufs: Sequence[memoryview] | DeviceRuns,
         *,
-        timeout: float,  # noqa: ASYNC109
+        timeout: float,
     ) -> None:
         """A read or a write alike: refused if by address, else moved."""
         req = decode(meta)
@@ -117,7 +117,7 @@ class UnreachableGrants(Link):
     async def aclose(self) -> None:
         return
 
-    async def probe(self, timeout: float) -> bool:  # noqa: ASYNC109
+    async def probe(self, timeout: float) -> bool:
         return True
 
 

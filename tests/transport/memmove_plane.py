@@ -141,7 +141,7 @@ class MemmoveTransport(TcpTransport):
     def _new_plane(self) -> DataPlane:
         return MemmovePlane(self)
 
-    async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
+    async def connect(self, host: str, port: int, *, timeout: float) -> Link:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         link = await super().connect(host, port, timeout=timeout)

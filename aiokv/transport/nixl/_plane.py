@@ -41,6 +41,7 @@ from .._base import ONE_SIDED
 from .._base import Capability
 from .._base import DeviceRuns
 from .._base import DirectCheck
+from .._base import Payload
 from ..tcp._ops import MyOp
 from ..tcp._ops import PeerOp
 from ..tcp._ops import Stream
@@ -307,12 +308,7 @@ class NixlPlane:
         return self._n.lend()
 
     async def move_at(
-        self,
-        write: bool,
-        local: Sequence[memoryview] | DeviceRuns,
-        remote: DeviceRuns,
-        *,
-        timeout: float,  # noqa: ASYNC109
+        self, write: bool, local: Payload, remote: DeviceRuns, *, timeout: float
     ) -> None:
         if isinstance(local, DeviceRuns):
             total = local.total

@@ -168,7 +168,7 @@ class NixlTransport(TcpTransport):
         await self._start_agent("listen")
         return await super().listen(host, port)
 
-    async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
+    async def connect(self, host: str, port: int, *, timeout: float) -> Link:
         check_address("connect", host, port)
         check_connect_timeout("connect", timeout)
         loop = self._bind_loop("connect")

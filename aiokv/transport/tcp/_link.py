@@ -12,6 +12,7 @@ from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Coroutine
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 from typing import Final
 from typing import Protocol
@@ -27,6 +28,7 @@ from .._base import DeviceRuns
 from .._base import DirectCheck
 from .._base import Grant
 from .._base import Link
+from .._base import Payload
 from .._base import PeerInfo
 from .._base import RequestHandler
 from .._base import check_grant
@@ -155,34 +157,15 @@ class TcpLink(Link):
 
     # ---------------------------------------------------------------- public operations
 
-    async def read(
-        self,
-        meta: bytes,
-        into: Sequence[memoryview] | DeviceRuns,
-        *,
-        timeout: float,  # noqa: ASYNC109
-    ) -> None:
+    async def read(self, meta: bytes, into: Payload, *, timeout: float) -> None:
         op, views, frame_meta = self._open("Link.read", meta, into, timeout, is_read=True)
-        total, plan = op.total, op.plan
         if not op.device:  # a plane request may be answered with DATA too
-            op.cursor = cursor_of(views, total)
+            op.cursor = cursor_of(views, op.total)
         acked = False
         try:
-            kind = _F.READ_REQ if plan is None else _F.PLANE_READ_REQ
-            self._post(wire.encode_frame(kind, op.rid, meta=frame_meta, size=total))
-            try:
-                async with asyncio.timeout(timeout):
-                    if plan is not None:
-                        await op.until_granted_or_over()
-                        if op.remote is not None and op.result is None:
-                            await self._plane.move(op, plan)
-                            self._p.check_read(op)  # the granter's answer ends it
-                    await op.until_over()
-            except TimeoutError:
-                self._timed_out(op, "Link.read", timeout)
-            status = op.outcome()
-            if status is not _S.LLM_SUCCESS:
-                raise self._refused("Link.read", op)
+            kinds = (_F.READ_REQ, _F.PLANE_READ_REQ)
+            steps = partial(self._reading, op)
+            await self._exchange("Link.read", op, kinds, frame_meta, timeout, steps)
             # The ack lets the peer release what it granted (e.g. drop a pulled key);
             # nobody waits on it, so it leaves on the writer's next turn, not on our way.
             self._post(wire.encode_frame(_F.READ_DONE, op.rid), soon=True)
@@ -190,36 +173,14 @@ class TcpLink(Link):
         finally:
             self._end(op, cancel=not acked)
 
-    async def write(
-        self,
-        meta: bytes,
-        src: Sequence[memoryview] | DeviceRuns,
-        *,
-        timeout: float,  # noqa: ASYNC109
-    ) -> None:
+    async def write(self, meta: bytes, src: Payload, *, timeout: float) -> None:
         op, views, frame_meta = self._open("Link.write", meta, src, timeout, is_read=False)
-        total, plan = op.total, op.plan
         deadline = self._loop.time() + timeout
         ok = False
         try:
-            kind = _F.WRITE_REQ if plan is None else _F.PLANE_WRITE_REQ
-            self._post(wire.encode_frame(kind, op.rid, meta=frame_meta, size=total))
-            try:
-                async with asyncio.timeout(timeout):
-                    await op.until_granted_or_over()
-                    if op.state is State.SENDING and op.result is None and total:
-                        if op.remote is not None:
-                            await self._plane.move(op, plan)
-                        elif op.device:  # a WRITE_GRANT: device memory cannot go as DATA
-                            op.finish(_S.LLM_FAILED, NOT_DIRECT)
-                        else:  # a WRITE_GRANT: the bytes go as DATA
-                            op.stream = self._w.add_stream(op.rid, views, total)
-                    await op.until_over()
-            except TimeoutError:
-                self._timed_out(op, "Link.write", timeout)
-            status = op.outcome()
-            if status is not _S.LLM_SUCCESS:
-                raise self._refused("Link.write", op)
+            kinds = (_F.WRITE_REQ, _F.PLANE_WRITE_REQ)
+            steps = partial(self._writing, op, views)
+            await self._exchange("Link.write", op, kinds, frame_meta, timeout, steps)
             ok = True
         finally:
             data = op.stream is not None and op.remote is None  # DATA frames, not the plane
@@ -231,8 +192,49 @@ class TcpLink(Link):
                 # that none of it lands any more (see Link.write)
                 await self._until_cancel_acked(op.rid, deadline)
 
+    async def _exchange(
+        self,
+        name: str,
+        op: MyOp,
+        kinds: tuple[wire.FrameType, wire.FrameType],
+        frame_meta: bytes,
+        timeout: float,
+        steps: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Send ``op``'s request frame (``kinds``: without a plane plan, with one), run
+        ``steps`` (our side of the exchange, up to the peer's last word) within
+        ``timeout``, then raise unless the outcome is success."""
+        kind = kinds[op.plan is not None]
+        self._post(wire.encode_frame(kind, op.rid, meta=frame_meta, size=op.total))
+        try:
+            async with asyncio.timeout(timeout):
+                await steps()
+        except TimeoutError:
+            self._timed_out(op, name, timeout)
+        if op.outcome() is not _S.LLM_SUCCESS:
+            raise self._refused(name, op)
+
+    async def _reading(self, op: MyOp) -> None:
+        if op.plan is not None:
+            await op.until_granted_or_over()
+            if op.remote is not None and op.result is None:
+                await self._plane.move(op, op.plan)
+                self._p.check_read(op)  # the granter's answer ends it
+        await op.until_over()
+
+    async def _writing(self, op: MyOp, views: Sequence[memoryview]) -> None:
+        await op.until_granted_or_over()
+        if op.state is State.SENDING and op.result is None and op.total:
+            if op.remote is not None:
+                await self._plane.move(op, op.plan)
+            elif op.device:  # a WRITE_GRANT: device memory cannot go as DATA
+                op.finish(_S.LLM_FAILED, NOT_DIRECT)
+            else:  # a WRITE_GRANT: the bytes go as DATA
+                op.stream = self._w.add_stream(op.rid, views, op.total)
+        await op.until_over()
+
     def _buffers(
-        self, name: str, bufs: Sequence[memoryview] | DeviceRuns, *, writable: bool
+        self, name: str, bufs: Payload, *, writable: bool
     ) -> tuple[Sequence[memoryview], int, Any | None]:
         """``(flat views, total, the plane's plan)`` of a request's buffers (no plan:
         the payload moves as DATA); device memory has no views and always a plan (else
@@ -254,7 +256,7 @@ class TcpLink(Link):
         self._break("closed locally")
         await self._join()
 
-    async def probe(self, timeout: float) -> bool:  # noqa: ASYNC109
+    async def probe(self, timeout: float) -> bool:
         seconds = check_probe_timeout(timeout)
         if self._broken:
             return False
@@ -289,7 +291,7 @@ class TcpLink(Link):
         self,
         name: str,
         meta: bytes,
-        bufs: Sequence[memoryview] | DeviceRuns,
+        bufs: Payload,
         timeout: float,
         *,
         is_read: bool,

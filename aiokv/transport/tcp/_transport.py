@@ -200,7 +200,7 @@ class TcpTransport(Transport):
         await asyncio.wait([task])
         sock.close()
 
-    async def connect(self, host: str, port: int, *, timeout: float) -> Link:  # noqa: ASYNC109
+    async def connect(self, host: str, port: int, *, timeout: float) -> Link:
         check_address("connect", host, port)
         check_connect_timeout("connect", timeout)
         loop = self._bind_loop("connect")
