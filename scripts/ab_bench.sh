@@ -9,7 +9,7 @@
 # Both run with this checkout's .venv (nixl installed: scripts/_setup.sh dev).
 set -u
 before=$(realpath "$1"); after=$(realpath "$2"); out=$(realpath -m "$3"); rounds=${4:-3}
-py=$(realpath "$(dirname "$0")/../.venv/bin/python")
+py=$(realpath -s "$(dirname "$0")/../.venv/bin/python")  # -s: the venv's link, not the interpreter it names
 mkdir -p "$out"
 for round in $(seq "$rounds"); do
   for side in before after; do
