@@ -360,8 +360,10 @@ async def test_init_takes_llm_datadist_options_and_second_init_is_a_no_op(
         for key in IGNORED:
             assert key in logged
         state = (dd.config, dd.listen_address, dd.cache_manager, dd._engine)
-        await dd.init(LLMConfig(device_type="cpu"))  # no-op: nothing changes
-        await dd.init(None)  # type: ignore[arg-type]  # not even checked, as llm_datadist
+        with pytest.warns(RuntimeWarning, match="already initialized.*finalize"):
+            await dd.init(LLMConfig(device_type="cpu"))  # no-op: nothing changes
+        with pytest.warns(RuntimeWarning, match="already initialized"):
+            await dd.init(None)  # type: ignore[arg-type]  # not even checked, as llm_datadist
         assert (dd.config, dd.listen_address, dd.cache_manager, dd._engine) == state
     finally:
         await dd.finalize()
