@@ -52,6 +52,6 @@ if [ "${#failed[@]}" -gt 0 ]; then
   exit 1
 fi
 if [ "$vllm" = 1 ]; then
-  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_e2e \
+  .venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=5 tests/vllm_e2e \
     tests/integrations/test_vllm_connector.py
 fi
