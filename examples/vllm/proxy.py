@@ -34,6 +34,9 @@ from aiohttp import ClientSession
 from aiohttp import ClientTimeout
 from aiohttp import web
 
+#: The proxy's HTTP client session, kept on its application.
+SESSION = web.AppKey("session", ClientSession)
+
 
 def prefill_body(body: dict[str, Any], transfer_id: str | None = None) -> dict[str, Any]:
     """The prefill request: one token, no streaming, KV kept for a remote decode (push
@@ -112,7 +115,7 @@ def make_app(prefill: list[str], decode: list[str], mode: str = "pull") -> web.A
             raise web.HTTPBadRequest(text="the body must be a JSON object") from None
         if not isinstance(body, dict):
             raise web.HTTPBadRequest(text="the body must be a JSON object")
-        session: ClientSession = request.app["session"]
+        session = request.app[SESSION]
         path = request.path
         if mode == "push":
             return await push(request, session, body, next(prefills), next(decodes))
@@ -157,7 +160,7 @@ def make_app(prefill: list[str], decode: list[str], mode: str = "pull") -> web.A
 
     async def session_ctx(app: web.Application) -> Any:
         async with ClientSession(timeout=ClientTimeout(total=None)) as session:
-            app["session"] = session
+            app[SESSION] = session
             yield
 
     app = web.Application()
