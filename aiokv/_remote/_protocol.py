@@ -6,9 +6,13 @@ uint64 ranges, tagged unions, list and byte-string caps — in C, before any loo
 allocation or per-block work. What a request *means* against this side's registry is
 checked afterwards by the peer service.
 
-Block lists travel as little-endian int64 byte strings: decoding them is one
-``numpy.frombuffer`` (no per-block Python objects), and their length is capped by
-:data:`MAX_BLOCKS`.
+Block lists travel as little-endian int64 byte strings with runs folded
+(:func:`pack_blocks`): an entry ``b >= 0`` names block ``b``; an entry ``-k`` right
+after the entry ``b`` names the ``k`` blocks after it, ``b+1 .. b+k``. A layer-wise
+transfer of 4,096 consecutive blocks sends 16 bytes per layer instead of 32 KiB, and a
+scattered list costs what it did. Both directions are numpy work on the whole list (no
+per-block Python objects); :func:`blocks_of` checks the count a list unfolds to against
+its cap before it builds anything.
 
 Requests:
     * :class:`BlocksReq`: blocks of a blocks cache (pull_blocks / push_blocks).
@@ -63,8 +67,9 @@ __all__ = [
     "wire_key",
 ]
 
-PROTOCOL: Final = 1
-#: Most blocks one request may name (its int64 list is 8 bytes a block).
+#: Version of the request envelope; 2: block lists with folded runs (see above).
+PROTOCOL: Final = 2
+#: Most blocks one request may name (its int64 list: at most 8 bytes a block).
 MAX_BLOCKS: Final = 1 << 20
 #: Most tensors one request may select.
 MAX_TENSORS: Final = 1 << 16
@@ -74,6 +79,7 @@ MAX_TENSORS: Final = 1 << 16
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 BlockBytes = Annotated[bytes, msgspec.Meta(max_length=8 * MAX_BLOCKS)]
+_INT64_MAX: Final = np.int64(2**63 - 1)
 
 
 class KeyByBlocks(msgspec.Struct, frozen=True, tag="blocks"):
@@ -197,7 +203,7 @@ Message = Request | LeaseReq | RevokeReq | NotifyReq
 
 
 class _Envelope(msgspec.Struct, frozen=True, array_like=True):
-    v: Literal[1]
+    v: Literal[2]
     req: Message
 
 
@@ -216,27 +222,94 @@ def decode(raw: bytes) -> Message:
     Raises:
         msgspec.ValidationError / msgspec.DecodeError: anything malformed: wrong
             version, unknown tag, a type or bound violated, a string that is not UTF-8;
-            a block string not a multiple of 8 bytes is caught later by :func:`blocks_of`.
+            a malformed block string is caught later by :func:`blocks_of`.
     """
     try:
         return _decoder.decode(raw).req
     except UnicodeDecodeError as exc:  # msgspec lets it escape from a tag string
         raise msgspec.DecodeError(f"a string is not UTF-8: {exc}") from None
+    except msgspec.ValidationError as exc:
+        if str(exc).endswith("`$[0]`") and type(v := _version_of(raw)) is int:
+            raise msgspec.ValidationError(
+                f"request protocol version {v}; this side speaks version {PROTOCOL} "
+                "(both sides must run aiokv releases of the same request protocol)"
+            ) from None
+        raise
+
+
+def _version_of(raw: bytes) -> object:
+    """The version a refused envelope states (None if it states none): errors only."""
+    try:
+        env = msgspec.msgpack.decode(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+    return env[0] if type(env) is list and env else None
 
 
 def pack_blocks(blocks: Blocks) -> bytes:
-    """A validated block list in its wire form (int64 little-endian)."""
-    return np.ascontiguousarray(blocks, dtype="<i8").tobytes()
+    """A validated block list (entries >= 0) in its wire form: int64 little-endian, each
+    run of two or more consecutive ascending blocks ``b .. b+k`` folded into ``b, -k``."""
+    arr = np.ascontiguousarray(blocks, dtype="<i8")
+    if arr.size < 2:
+        return arr.tobytes()
+    step = np.diff(arr) == 1
+    if step.all():  # one run (a layer-wise transfer's usual list)
+        return np.array([arr[0], 1 - arr.size], dtype="<i8").tobytes()
+    if not step.any():
+        return arr.tobytes()
+    first = np.flatnonzero(np.concatenate(([True], ~step)))  # where each run starts
+    more = np.diff(np.append(first, arr.size)) - 1  # blocks after each run's first
+    folded = more > 0
+    at = np.cumsum(1 + folded) - 1 - folded  # each run's first entry in the output
+    out = np.empty(first.size + int(folded.sum()), dtype="<i8")
+    out[at] = arr[first]
+    out[at[folded] + 1] = -more[folded]
+    return out.tobytes()
 
 
-def blocks_of(raw: bytes) -> Blocks | None:
-    """A block list from its wire form; None if malformed (length, negative entries)."""
+def blocks_of(raw: bytes, most: int = MAX_BLOCKS) -> Blocks:
+    """A block list from its wire form (see :func:`pack_blocks`), unfolded.
+
+    The count it unfolds to is checked against ``most`` before anything of that size is
+    built, so a 16-byte list cannot make this side allocate more than ``most`` entries.
+
+    Raises:
+        ValueError: malformed: not whole int64s; a run entry (< 0) first, after another
+            run entry, longer than ``most``, or past the int64 range; more than ``most``
+            blocks in all.
+    """
     if len(raw) % 8:
-        return None
+        raise ValueError("is not a list of int64")
     arr = np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
-    if arr.size and int(arr.min()) < 0:
-        return None
-    return arr
+    if arr.size > most:
+        raise ValueError(f"names {arr.size} entries; at most {most}")
+    run = arr < 0
+    if not run.any():
+        return arr
+    if run[0] or (run[1:] & run[:-1]).any():
+        raise ValueError("has a run entry (< 0) that does not follow a block")
+    if int(arr.min()) < -most:
+        raise ValueError(f"has a run of more than {most} blocks")
+    if arr.size == 2:  # one run (a layer-wise transfer's usual list): no index arrays
+        first, after = int(arr[0]), -int(arr[1])
+        if 1 + after > most:
+            raise ValueError(f"names {1 + after} blocks; at most {most}")
+        if first > _INT64_MAX - after:
+            raise ValueError("has a run past the int64 range")
+        return np.arange(first, first + after + 1, dtype=np.int64)
+    firsts = arr[~run]
+    more = np.zeros(firsts.size, dtype=np.int64)
+    more[np.cumsum(~run)[run] - 1] = -arr[run]
+    total = firsts.size + int(more.sum())
+    if total > most:
+        raise ValueError(f"names {total} blocks; at most {most}")
+    if (firsts > _INT64_MAX - more).any():
+        raise ValueError("has a run past the int64 range")
+    lens = more + 1
+    at = np.cumsum(lens) - lens  # where each run starts in the unfolded list
+    out = np.arange(total, dtype=np.int64)
+    out += np.repeat(firsts - at, lens)
+    return out
 
 
 def wire_key(key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex) -> Key:

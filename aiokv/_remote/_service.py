@@ -88,14 +88,14 @@ def _missing(key: Key) -> _Refused:
 
 def _blocks(raw: bytes, limit: int, what: str, *, unique: bool, most: int | None = None) -> Blocks:
     """A peer's block list, checked in numpy before anything is built from it: entries
-    in ``[0, limit)``, at most ``most`` of them (default ``limit``), distinct if
-    ``unique``. Capping the count at what the served memory holds bounds the work of one
-    request by the cost of a legitimate whole-cache transfer."""
-    if len(raw) // 8 > (limit if most is None else most):
-        raise _invalid(f"{what} names {len(raw) // 8} entries; at most {most or limit}")
-    blocks = blocks_of(raw)
-    if blocks is None:
-        raise _invalid(f"{what} is not a list of int64")
+    in ``[0, limit)``, at most ``most`` of them (default ``limit``; counted before the
+    list is unfolded), distinct if ``unique``. Capping the count at what the served
+    memory holds bounds the work of one request by the cost of a legitimate whole-cache
+    transfer."""
+    try:
+        blocks = blocks_of(raw, limit if most is None else most)
+    except ValueError as exc:
+        raise _invalid(f"{what} {exc}") from None
     if blocks.size == 0:
         raise _invalid(f"{what} is empty")
     top = int(blocks.max())
@@ -113,7 +113,7 @@ class _LayoutMemo:
     checks (:func:`_blocks`) and runs (:meth:`ByteLayout.of_blocks`) depend only on the
     bytes and the limits, so they are made once (a layout is immutable). Only lists
     that passed are kept (a refused one is checked again, and refused again), at most
-    :data:`SIZE` of at most :data:`MOST_BYTES` bytes each.
+    :data:`SIZE` of lists that unfold to at most :data:`MOST_BYTES` bytes of int64 each.
     """
 
     SIZE = 8
@@ -142,7 +142,7 @@ class _LayoutMemo:
         most = None if stride is None else MAX_BLOCKS
         blocks = _blocks(raw, limit, "blocks", unique=unique, most=most)
         layout = ByteLayout.of_blocks(blocks, block_bytes, stride=stride)
-        if len(raw) <= self.MOST_BYTES:
+        if 8 * blocks.size <= self.MOST_BYTES:  # unfolded: a folded list may be tiny
             self._kept[key] = layout
             if len(self._kept) > self.SIZE:
                 self._kept.popitem(last=False)

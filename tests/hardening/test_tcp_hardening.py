@@ -37,6 +37,7 @@ from aiokv import LLMException
 from aiokv import LLMRole
 from aiokv import LLMStatusCode
 from aiokv._config import InvalidOptionError
+from aiokv._remote._protocol import PROTOCOL
 from aiokv.testing import cluster_info
 from aiokv.testing import make_config
 from aiokv.transport import Grant
@@ -421,9 +422,9 @@ def _slot_request(version: Any, exact: Any = True, release: Any = False) -> byte
 
 
 async def test_request_fields_are_strictly_typed() -> None:
-    """A request whose protocol version is ``true`` or ``1.0``, or whose boolean fields
-    are ints, is refused ``LLM_PARAM_INVALID``; the well-typed one reaches the registry
-    (``LLM_KV_CACHE_NOT_EXIST``: nothing is registered)."""
+    """A request whose protocol version is another one, ``true``, a float or a string,
+    or whose boolean fields are ints, is refused ``LLM_PARAM_INVALID``; the well-typed
+    one reaches the registry (``LLM_KV_CACHE_NOT_EXIST``: nothing is registered)."""
     cfg = LLMConfig(
         device_type="cpu",
         listen_ip_info="127.0.0.1:0",
@@ -437,14 +438,15 @@ async def test_request_fields_are_strictly_typed() -> None:
         try:
             await _raw_client_handshake(sock)
             cases = [
-                (_slot_request(1), Code.LLM_KV_CACHE_NOT_EXIST),
+                (_slot_request(PROTOCOL), Code.LLM_KV_CACHE_NOT_EXIST),
+                (_slot_request(PROTOCOL - 1), Code.LLM_PARAM_INVALID),
                 (_slot_request(True), Code.LLM_PARAM_INVALID),
-                (_slot_request(1.0), Code.LLM_PARAM_INVALID),
-                (_slot_request("1"), Code.LLM_PARAM_INVALID),
-                (_slot_request(1, exact=1), Code.LLM_PARAM_INVALID),
-                (_slot_request(1, exact="yes"), Code.LLM_PARAM_INVALID),
-                (_slot_request(1, release=0), Code.LLM_PARAM_INVALID),
-                (_slot_request(1, release=1.0), Code.LLM_PARAM_INVALID),
+                (_slot_request(float(PROTOCOL)), Code.LLM_PARAM_INVALID),
+                (_slot_request(str(PROTOCOL)), Code.LLM_PARAM_INVALID),
+                (_slot_request(PROTOCOL, exact=1), Code.LLM_PARAM_INVALID),
+                (_slot_request(PROTOCOL, exact="yes"), Code.LLM_PARAM_INVALID),
+                (_slot_request(PROTOCOL, release=0), Code.LLM_PARAM_INVALID),
+                (_slot_request(PROTOCOL, release=1.0), Code.LLM_PARAM_INVALID),
             ]
             for i, (meta, code) in enumerate(cases):
                 rid = 2 * i  # the connecting side's ids are even

@@ -257,13 +257,28 @@ def _bytes(d: dict[str, Any], name: str, *, optional: bool = False) -> bytes | N
 
 
 def _index_list(raw: bytes, limit: int, *, unique: bool) -> list[int]:
-    """A peer's int64 LE list: whole entries, 1..limit of them, each in [0, limit)."""
+    """A peer's int64 LE list (docs: an entry ``-k`` after ``b`` names ``b+1 .. b+k``):
+    whole entries, 1..limit of them unfolded, each in [0, limit)."""
     if len(raw) % 8:
         raise Refuse("a block list is not whole int64s")
-    out = np.frombuffer(raw, "<i8").tolist()
+    xs = np.frombuffer(raw, "<i8").tolist()
+    if len(xs) > limit:
+        raise Refuse(f"{len(xs)} entries for a limit of {limit}")
+    out: list[int] = []
+    for i, x in enumerate(xs):
+        if x >= 0:
+            out.append(x)
+            continue
+        if i == 0 or xs[i - 1] < 0:
+            raise Refuse("a run entry that follows no block")
+        if len(out) - x > limit:  # checked before the run is unfolded
+            raise Refuse("more blocks than the limit")
+        if xs[i - 1] - x > I64:
+            raise Refuse("a run past the int64 range")
+        out += range(xs[i - 1] + 1, xs[i - 1] - x + 1)
     if not out or len(out) > limit:
         raise Refuse(f"{len(out)} entries for a limit of {limit}")
-    if min(out) < 0 or max(out) >= limit:
+    if max(out) >= limit:
         raise Refuse("an entry is out of range")
     if unique and len(set(out)) != len(out):
         raise Refuse("a destination entry is named twice")
@@ -296,7 +311,7 @@ def parse(raw: bytes) -> Parsed:
         raise Refuse(f"not MessagePack: {exc}") from None
     if type(env) is not list or len(env) < 2:
         raise Refuse("not an envelope")
-    if type(env[0]) is not int or env[0] != 1:
+    if type(env[0]) is not int or env[0] != 2:
         raise Refuse(f"protocol version {env[0]!r}")
     d = _dict(env[1], "request")
     kind = d.get("type", MISSING)
@@ -467,6 +482,25 @@ def i64s(xs: list[int]) -> bytes:
     return np.array(xs, dtype="<i8").tobytes()
 
 
+def folded(xs: list[int]) -> list[int]:
+    """``xs`` with each run ``b, b+1, .., b+k`` (k >= 1) written ``b, -k``, as peers send."""
+    out: list[int] = []
+    for x in xs:
+        if out and (out[-1] + 1 == x if out[-1] >= 0 else out[-2] - out[-1] + 1 == x):
+            out[-1:] = [out[-1], -1] if out[-1] >= 0 else [out[-1] - 1]
+        else:
+            out.append(x)
+    return out
+
+
+def block_list(rng: random.Random, n: int, k: int, *, unique: bool) -> bytes:
+    """A valid list of ``k`` entries in [0, n): random, or a run; folded or not."""
+    k = max(1, min(k, n))
+    start = rng.randrange(n - k + 1)
+    xs = list(range(start, start + k)) if rng.random() < 0.3 else some(rng, n, k, unique=unique)
+    return i64s(folded(xs) if rng.random() < 0.5 else xs)
+
+
 def some(rng: random.Random, n: int, k: int, *, unique: bool) -> list[int]:
     k = max(1, min(k, n))
     return rng.sample(range(n), k) if unique else [rng.randrange(n) for _ in range(k)]
@@ -505,8 +539,8 @@ def valid_request(rng: random.Random, srv: Server, write: bool) -> dict[str, Any
     req: dict[str, Any] = {"key": key, "tensors": tensors_sel(rng, m)}
     if m.spec.blocks and (key["type"] == "blocks" or rng.random() < 0.5):
         nb = m.spec.shape[0]
-        blocks = some(rng, nb, rng.randint(1, 6), unique=write or rng.random() < 0.5)
-        req.update(type="blocks", blocks=i64s(blocks), block_bytes=m.unit)
+        blocks = block_list(rng, nb, rng.randint(1, 6), unique=write or rng.random() < 0.5)
+        req.update(type="blocks", blocks=blocks, block_bytes=m.unit)
     else:
         if key["type"] == "blocks":
             key = key_of(rng, srv, m, write=True)  # a slot needs a slot key
@@ -515,8 +549,8 @@ def valid_request(rng: random.Random, srv: Server, write: bool) -> dict[str, Any
         if rng.random() < 0.5:
             cb = rng.choice([c for c in (1, 2, 8, 16, 64) if per_slot % c == 0])
             cb = rng.choice([3, 24]) if rng.random() < 0.1 else cb  # not a whole chunk
-            chunks = some(rng, per_slot // cb, rng.randint(1, 5), unique=write)
-            req.update(type="chunks", chunks=i64s(chunks), chunk_bytes=cb)
+            chunks = block_list(rng, per_slot // cb, rng.randint(1, 5), unique=write)
+            req.update(type="chunks", chunks=chunks, chunk_bytes=cb)
         else:
             size = per_slot if rng.random() < 0.5 else rng.randint(1, per_slot)
             req.update(type="slot", size=size, exact=size == per_slot and rng.random() < 0.5)
@@ -569,7 +603,7 @@ def limits(req: dict[str, Any], srv: Server) -> list[int]:
 
 def mutate_list(rng: random.Random, raw: bytes, limit: int) -> bytes:
     xs = np.frombuffer(raw[: len(raw) // 8 * 8], "<i8").tolist() or [0]
-    choice = rng.randrange(11)
+    choice = rng.randrange(14)
     if choice in (0, 9):
         xs.insert(rng.randrange(len(xs) + 1), rng.choice(xs))  # a duplicate
     elif choice == 1:
@@ -586,6 +620,14 @@ def mutate_list(rng: random.Random, raw: bytes, limit: int) -> bytes:
         xs = xs * rng.choice([limit // len(xs) + 1, 2000])  # too many
     elif choice == 7:
         xs = [limit - 1]
+    elif choice == 11:  # a run after some entry: short, to the cap, past it, past int64
+        i = rng.randrange(len(xs))
+        k = rng.choice([1, 2, limit - 1 - abs(xs[i]), limit, 1 << 20, 2**63 - 1, 2**63])
+        xs.insert(i + 1, -max(1, k))
+    elif choice == 12:  # a run entry first, or two in a row
+        xs = [-rng.randint(1, 3), *xs] if rng.random() < 0.5 else [*xs, -1, -1]
+    elif choice == 13:  # one run that unfolds to the cap, or one more
+        xs = [0, -(limit - 1 + rng.choice([0, 0, 1]))]
     elif choice == 10:  # as many as the cap allows, or one more
         xs = [rng.randrange(max(limit, 1)) for _ in range(limit + rng.choice([0, 0, 1]))]
     else:
@@ -665,7 +707,7 @@ def mutate(rng: random.Random, srv: Server, other: Server, req: dict[str, Any]) 
         elif what == 1:
             bases[i] = rng.choice(m.bases) + m.size - rng.randint(0, 32)
         elif what == 2:
-            bases.append(bases[i] + rng.randint(0, 16))
+            bases.append(min(bases[i] + rng.randint(0, 16), U64))
         elif what == 3:
             bases[i] = rng.choice(m.bases)
         else:
@@ -684,14 +726,14 @@ def mutate(rng: random.Random, srv: Server, other: Server, req: dict[str, Any]) 
 
 def encode(rng: random.Random, req: dict[str, Any]) -> tuple[bytes, str]:
     """The wire bytes of ``req``, sometimes with the envelope mutated."""
-    env: list[Any] = [1, req]
+    env: list[Any] = [2, req]
     choice = rng.randrange(40)
     if choice == 0:
-        env[0] = rng.choice([0, 2, True, 1.0, "1", None, -1])
+        env[0] = rng.choice([0, 1, 3, True, 2.0, "2", None, -1])
     elif choice == 1:
         env.append(rng.choice([0, "x", None]))  # trailing items are ignored
     elif choice == 2:
-        return msgspec.msgpack.encode({"v": 1, "req": req}), "map envelope"
+        return msgspec.msgpack.encode({"v": 2, "req": req}), "map envelope"
     raw = msgspec.msgpack.encode(env)
     if choice == 3:
         return raw[: rng.randrange(len(raw))], "truncated"
@@ -967,7 +1009,7 @@ async def test_one_raw_block_at_any_stride_is_granted() -> None:
     blocks = np.array([0], "<i8").tobytes()
     base = cache.tensors[0].data_ptr()
     req = {"type": "addrs", "bases": [base], "block_bytes": 32, "stride": I64, "blocks": blocks}
-    meta = msgspec.msgpack.encode([1, req])
+    meta = msgspec.msgpack.encode([2, req])
     grant = await service.grant_write(PeerInfo(FUZZER, (HOST, 1)), meta, 32)
     assert grant.status == CODE.LLM_SUCCESS, "block 0 lies at the base whatever the stride"
     assert grant.done is not None

@@ -9,6 +9,8 @@ import pytest
 from aiokv import BlocksCacheKey
 from aiokv import CacheKey
 from aiokv import CacheKeyByIdAndIndex
+from aiokv._remote._protocol import MAX_BLOCKS
+from aiokv._remote._protocol import PROTOCOL
 from aiokv._remote._protocol import AddrsReq
 from aiokv._remote._protocol import BlocksReq
 from aiokv._remote._protocol import ChunksReq
@@ -52,7 +54,7 @@ def _raw(obj: object) -> bytes:
 
 
 GOOD = [
-    1,
+    PROTOCOL,
     {
         "type": "blocks",
         "key": {"type": "blocks", "cluster_id": 1, "model_id": 0},
@@ -66,7 +68,8 @@ GOOD = [
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda m: m.__setitem__(0, 2),  # protocol version
+        lambda m: m.__setitem__(0, 1),  # protocol version 1: block lists without runs
+        lambda m: m.__setitem__(0, 3),
         lambda m: m.__setitem__(0, True),
         lambda m: m.__setitem__(0, 1.0),
         lambda m: m[1].__setitem__("type", "nope"),
@@ -95,6 +98,16 @@ def test_malformed_requests_are_refused(mutate: object) -> None:
         decode(_raw(meta))
 
 
+def test_another_protocol_version_is_refused_with_what_to_do() -> None:
+    meta = GOOD.copy()
+    meta[0] = PROTOCOL - 1
+    with pytest.raises(msgspec.ValidationError, match=r"request protocol version 1; this side"):
+        decode(_raw(meta))
+    meta[0] = True  # not a version at all: msgspec's own words
+    with pytest.raises(msgspec.ValidationError, match=r"\$\[0\]"):
+        decode(_raw(meta))
+
+
 @pytest.mark.parametrize(
     "raw",
     [
@@ -102,8 +115,8 @@ def test_malformed_requests_are_refused(mutate: object) -> None:
         b"\xc1",
         b"\x92\x01",
         b"junk" * 10,
-        _raw({"v": 1}),
-        b"\x92\x01\x81\xa4type\xa4sl\xfft",  # a tag that is not UTF-8
+        _raw({"v": 2}),
+        b"\x92\x02\x81\xa4type\xa4sl\xfft",  # a tag that is not UTF-8
     ],
 )
 def test_garbage_is_refused(raw: bytes) -> None:
@@ -111,7 +124,64 @@ def test_garbage_is_refused(raw: bytes) -> None:
         decode(raw)
 
 
-def test_blocks_of_rejects_bad_lengths_and_negatives() -> None:
-    assert blocks_of(b"\0" * 7) is None
-    assert blocks_of(pack_blocks(np.array([-1], dtype=np.int64))) is None
-    assert blocks_of(b"").tolist() == []  # type: ignore[union-attr]
+def _i64(xs: list[int]) -> bytes:
+    return np.array(xs, dtype="<i8").tobytes()
+
+
+@pytest.mark.parametrize(
+    ("blocks", "wire"),
+    [
+        ([], []),
+        ([7], [7]),
+        ([7, 8], [7, -1]),
+        (list(range(4096)), [0, -4095]),
+        ([5, 1, 2**40], [5, 1, 2**40]),
+        ([9, 3, 4, 5, 0, 1, 8], [9, 3, -2, 0, -1, 8]),
+        ([2**63 - 3, 2**63 - 2, 2**63 - 1], [2**63 - 3, -2]),
+    ],
+)
+def test_block_lists_fold_runs_on_the_wire_and_unfold_exactly(
+    blocks: list[int], wire: list[int]
+) -> None:
+    raw = pack_blocks(np.array(blocks, dtype=np.int64))
+    assert raw == _i64(wire)
+    out = blocks_of(raw)
+    assert out.dtype == np.int64 and out.tolist() == blocks
+
+
+def test_random_block_lists_round_trip_and_never_grow() -> None:
+    rng = np.random.default_rng(0)
+    for n in range(1, 400):
+        runs = [np.arange(s, s + rng.integers(1, 9)) for s in rng.integers(0, 10_000, n // 4 + 1)]
+        for blocks in (rng.permutation(n), np.concatenate(runs), rng.integers(0, 50, n)):
+            raw = pack_blocks(blocks.astype(np.int64))
+            assert len(raw) <= 8 * blocks.size
+            assert blocks_of(raw).tolist() == blocks.tolist()
+
+
+@pytest.mark.parametrize(
+    ("wire", "most", "why"),
+    [
+        ([-1], MAX_BLOCKS, "does not follow a block"),
+        ([3, -1, -1], MAX_BLOCKS, "does not follow a block"),
+        ([3, -(2**63)], MAX_BLOCKS, f"run of more than {MAX_BLOCKS}"),
+        ([3, -(MAX_BLOCKS + 1)], MAX_BLOCKS, f"run of more than {MAX_BLOCKS}"),
+        ([3, -8], 8, "names 9 blocks; at most 8"),
+        ([3, -4, 9, -3], 8, "names 9 blocks; at most 8"),
+        ([1, 2, 3], 2, "names 3 entries; at most 2"),
+        ([2**63 - 2, -2], MAX_BLOCKS, "past the int64 range"),
+        ([0, 2**63 - 2, -2], MAX_BLOCKS, "past the int64 range"),
+    ],
+)
+def test_malformed_block_lists_are_refused_before_they_unfold(
+    wire: list[int], most: int, why: str
+) -> None:
+    with pytest.raises(ValueError, match=why):
+        blocks_of(_i64(wire), most)
+
+
+def test_a_block_list_must_be_whole_int64s() -> None:
+    with pytest.raises(ValueError, match="not a list of int64"):
+        blocks_of(b"\0" * 7)
+    assert blocks_of(b"").tolist() == []
+    assert blocks_of(_i64([3, -2]), 3).tolist() == [3, 4, 5]  # exactly at the cap

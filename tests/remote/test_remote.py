@@ -381,7 +381,7 @@ def _mutations(rng: random.Random, good: dict[str, Any], values: list[Any]) -> b
         field = rng.choice([*where, "type", "extra"])
         where[field] = rng.choice(values)
     try:
-        return msgspec.msgpack.encode([1, req])
+        return msgspec.msgpack.encode([protocol.PROTOCOL, req])
     except OverflowError:  # MessagePack cannot even say it
         return None
 
