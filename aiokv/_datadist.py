@@ -633,11 +633,7 @@ class LLMDataDist:
         op = "check_link_status"
         engine, _ = self._linker_on(op)
         cid = check_int(op, "remote_cluster_id", remote_cluster_id, 0, 2**64 - 1)
-
-        async def check() -> None:
-            self._links.require(op, cid)
-
-        await engine.run(check)
+        await engine.run_sync(self._links.require, op, cid)
 
     # ---- notifications -----------------------------------------------------------------
     async def send_notification(self, cluster_id: int, payload: bytes) -> None:
@@ -767,11 +763,7 @@ class LLMDataDist:
                 ``LLM_PARAM_INVALID`` in legacy mode.
         """
         engine, linker = self._communicator("query_register_mem_status", comm_id)
-
-        async def query() -> RegisterMemStatus:
-            return linker.status(comm_id)
-
-        return await engine.run(query)
+        return await engine.run_sync(linker.status, comm_id)
 
     async def unlink(self, comm_id: int) -> None:
         """Close the links of ``link``'s communicator (or stop it linking) and forget it.

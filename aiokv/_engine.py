@@ -17,6 +17,11 @@ Callers reach it from any thread and any async backend:
 * ``await engine.finish(fn, *args)`` is ``run`` for work past a point of no return:
   never cancelled by the caller, who waits for its end (:func:`completing` is the same
   for a coroutine on the engine loop).
+* ``await engine.run_sync(fn, *args)`` is ``run`` for a plain function that reads or
+  changes engine-owned state without awaiting: it runs as one callback on the engine
+  loop, no task (a hop at the cost of a bare thread hand-off). Cancelled before it ran,
+  it does not run; once it ran, its outcome stands (a result, the cancellation at the
+  caller's next checkpoint).
 * ``engine.call(fn, *args)`` blocks a plain thread the same way (``aiokv.sync``).
 * On the engine thread itself, ``run`` awaits ``fn(*args)`` directly.
 
@@ -205,13 +210,18 @@ class _Call(Generic[T]):
     def result(self) -> T:
         """The task's result; its exception re-raised (cancellation by the engine's own
         shutdown as ``LLMException(LLM_FAILED)``)."""
-        outcome = self.outcome
-        if isinstance(outcome, asyncio.CancelledError):
-            raise _stopped()
-        if isinstance(outcome, BaseException):
-            raise outcome
-        assert outcome is not None
-        return outcome[0]
+        assert self.outcome is not None
+        return _result(self.outcome)
+
+
+def _result(outcome: tuple[T] | BaseException) -> T:
+    """A call's result; its exception re-raised (a cancellation on the engine's side, by
+    its own shutdown, as ``LLMException(LLM_FAILED)``)."""
+    if isinstance(outcome, asyncio.CancelledError):
+        raise _stopped()
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome[0]
 
 
 def _stopped() -> LLMException:
@@ -329,6 +339,42 @@ class Engine:
             start, lambda: calls[0].cancel(), completed=lambda: calls[0].completed
         )
         return calls[0].result()
+
+    async def run_sync(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Await ``fn(*args, **kwargs)`` called on the engine loop as one callback (no
+        task), from any async backend: for a plain function over engine-owned state.
+
+        Raises what ``fn`` raises. Cancelled before the callback ran, it never runs and
+        the cancellation is raised; once it ran, its outcome is the caller's (a result
+        returned, the cancellation then delivered at the next checkpoint).
+        """
+        if self.on_engine():
+            return fn(*args, **kwargs)
+        outcome: list[tuple[T] | BaseException] = []
+        skip = False
+
+        def body(notify: Callable[[], None]) -> None:
+            if skip:
+                outcome.append(asyncio.CancelledError())
+            else:
+                try:
+                    outcome.append((fn(*args, **kwargs),))
+                except BaseException as exc:  # handed to the caller, whatever it is
+                    outcome.append(exc)
+            notify()
+
+        def start(notify: Callable[[], None]) -> None:
+            try:
+                self.submit(lambda: body(notify))
+            except RuntimeError:  # the engine loop is closed
+                raise _stopped() from None
+
+        def cancel() -> None:
+            nonlocal skip
+            skip = True
+
+        await _until_notified(start, cancel, completed=lambda: isinstance(outcome[0], tuple))
+        return _result(outcome[0])
 
     async def finish(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn(*args, **kwargs)`` on the engine to its end, from any async backend:

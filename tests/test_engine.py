@@ -32,6 +32,7 @@ from aiokv import DataType
 from aiokv import LayerSynchronizer
 from aiokv import LLMConfig
 from aiokv import LLMDataDist
+from aiokv import LLMException
 from aiokv import LLMRole
 from aiokv import LLMStatusCode
 from aiokv import Placement
@@ -100,6 +101,72 @@ async def test_cancelling_the_caller_waits_for_the_engine_task(engine: Engine) -
     with pytest.raises(asyncio.CancelledError):
         await task
     assert cleaned.is_set()  # the engine side had ended before the caller saw it
+
+
+async def test_run_sync_calls_a_plain_function_on_the_engine(engine: Engine) -> None:
+    def where(x: int, *, y: int) -> tuple[int, bool]:
+        return x + y, engine.on_engine()
+
+    assert await engine.run_sync(where, 1, y=2) == (3, True)
+
+    def boom() -> None:
+        raise KeyError("bug")
+
+    with pytest.raises(KeyError, match="bug"):
+        await engine.run_sync(boom)
+
+    async def on_the_engine() -> tuple[int, bool]:
+        return await engine.run_sync(where, 4, y=0)  # called at once there
+
+    assert await engine.run(on_the_engine) == (4, True)
+
+
+async def test_run_sync_cancelled_before_it_ran_never_runs(engine: Engine) -> None:
+    hold, held = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def block() -> None:  # keeps the engine loop busy: the call waits behind it
+        held.set()
+        hold.wait(10)
+
+    engine.submit(block)
+    assert await asyncio.to_thread(held.wait, 10)
+    task = asyncio.create_task(engine.run_sync(ran.append, 1))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    hold.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await engine.run_sync(len, ran) == 0  # after the cancelled call's turn: not run
+
+
+async def test_run_sync_cancelled_after_it_ran_keeps_its_result(engine: Engine) -> None:
+    loop = asyncio.get_running_loop()
+    got: list[int] = []
+    task: asyncio.Task[None] | None = None
+
+    def seven() -> int:  # the caller is cancelled while this runs: too late
+        assert task is not None
+        loop.call_soon_threadsafe(task.cancel)
+        return 7
+
+    async def caller() -> None:
+        got.append(await engine.run_sync(seven))
+        await asyncio.sleep(0)  # the next checkpoint: the cancellation comes here
+
+    task = asyncio.create_task(caller())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert got == [7]
+
+
+def test_run_sync_after_the_engine_stopped_says_so() -> None:
+    engine = Engine("aiokv-engine-test")
+    engine.stop()
+    with pytest.raises(LLMException) as err:
+        asyncio.run(engine.run_sync(int))
+    assert err.value.status_code == LLMStatusCode.LLM_FAILED
 
 
 def test_blocking_call_from_threads(engine: Engine) -> None:
