@@ -6,7 +6,7 @@ uint64 ranges, tagged unions, list and byte-string caps — in C, before any loo
 allocation or per-block work. What a request *means* against this side's registry is
 checked afterwards by the peer service.
 
-Block lists travel as little-endian int64 byte strings with runs folded
+Block lists travel as little-endian int64 byte strings, long ones with runs folded
 (:func:`pack_blocks`): an entry ``b >= 0`` names block ``b``; an entry ``-k`` right
 after the entry ``b`` names the ``k`` blocks after it, ``b+1 .. b+k``. A layer-wise
 transfer of 4,096 consecutive blocks sends 16 bytes per layer instead of 32 KiB, and a
@@ -44,6 +44,7 @@ from .._models import CacheKeyByIdAndIndex
 from ._inbox import MAX_NOTIFICATION_BYTES
 
 __all__ = [
+    "FOLD_MIN",
     "MAX_BLOCKS",
     "MAX_TENSORS",
     "PROTOCOL",
@@ -80,6 +81,8 @@ U64 = Annotated[int, msgspec.Meta(ge=0)]
 Count = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 BlockBytes = Annotated[bytes, msgspec.Meta(max_length=8 * MAX_BLOCKS)]
 _INT64_MAX: Final = np.int64(2**63 - 1)
+#: Shortest block list :func:`pack_blocks` folds (see there).
+FOLD_MIN: Final = 1024
 
 
 class KeyByBlocks(msgspec.Struct, frozen=True, tag="blocks"):
@@ -247,14 +250,14 @@ def _version_of(raw: bytes) -> object:
 
 
 def pack_blocks(blocks: Blocks) -> bytes:
-    """A validated block list (entries >= 0) in its wire form: int64 little-endian, each
-    run of two or more consecutive ascending blocks ``b .. b+k`` folded into ``b, -k``."""
+    """A validated block list (entries >= 0) in its wire form: int64 little-endian; in a
+    list of at least :data:`FOLD_MIN` blocks, each run of two or more consecutive
+    ascending blocks ``b .. b+k`` folded into ``b, -k`` (a shorter list is sent as it is:
+    folding it would save a few bytes and cost both sides more than it saves)."""
     arr = np.ascontiguousarray(blocks, dtype="<i8")
-    if arr.size < 2:
+    if arr.size < FOLD_MIN:
         return arr.tobytes()
     step = np.diff(arr) == 1
-    if step.all():  # one run (a layer-wise transfer's usual list)
-        return np.array([arr[0], 1 - arr.size], dtype="<i8").tobytes()
     if not step.any():
         return arr.tobytes()
     first = np.flatnonzero(np.concatenate(([True], ~step)))  # where each run starts
@@ -290,13 +293,6 @@ def blocks_of(raw: bytes, most: int = MAX_BLOCKS) -> Blocks:
         raise ValueError("has a run entry (< 0) that does not follow a block")
     if int(arr.min()) < -most:
         raise ValueError(f"has a run of more than {most} blocks")
-    if arr.size == 2:  # one run (a layer-wise transfer's usual list): no index arrays
-        first, after = int(arr[0]), -int(arr[1])
-        if 1 + after > most:
-            raise ValueError(f"names {1 + after} blocks; at most {most}")
-        if first > _INT64_MAX - after:
-            raise ValueError("has a run past the int64 range")
-        return np.arange(first, first + after + 1, dtype=np.int64)
     firsts = arr[~run]
     more = np.zeros(firsts.size, dtype=np.int64)
     more[np.cumsum(~run)[run] - 1] = -arr[run]

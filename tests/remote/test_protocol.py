@@ -9,6 +9,7 @@ import pytest
 from aiokv import BlocksCacheKey
 from aiokv import CacheKey
 from aiokv import CacheKeyByIdAndIndex
+from aiokv._remote._protocol import FOLD_MIN
 from aiokv._remote._protocol import MAX_BLOCKS
 from aiokv._remote._protocol import PROTOCOL
 from aiokv._remote._protocol import AddrsReq
@@ -128,19 +129,25 @@ def _i64(xs: list[int]) -> bytes:
     return np.array(xs, dtype="<i8").tobytes()
 
 
+N = FOLD_MIN
+TOP = 2**63 - 1
+
+
 @pytest.mark.parametrize(
     ("blocks", "wire"),
     [
         ([], []),
         ([7], [7]),
-        ([7, 8], [7, -1]),
-        (list(range(4096)), [0, -4095]),
-        ([5, 1, 2**40], [5, 1, 2**40]),
-        ([9, 3, 4, 5, 0, 1, 8], [9, 3, -2, 0, -1, 8]),
-        ([2**63 - 3, 2**63 - 2, 2**63 - 1], [2**63 - 3, -2]),
+        ([7, 8], [7, 8]),  # shorter than FOLD_MIN: sent as it is
+        ([*range(N - 1)], [*range(N - 1)]),
+        ([*range(N)], [0, -(N - 1)]),
+        ([*range(4096)], [0, -4095]),
+        ([*range(0, 2 * N, 2)], [*range(0, 2 * N, 2)]),  # no run: as it is
+        ([*range(5000, 5000 + N), 3, *range(10, 10 + N)], [5000, -(N - 1), 3, 10, -(N - 1)]),
+        ([*range(TOP - N + 1, TOP + 1)], [TOP - N + 1, -(N - 1)]),
     ],
 )
-def test_block_lists_fold_runs_on_the_wire_and_unfold_exactly(
+def test_long_block_lists_fold_runs_on_the_wire_and_unfold_exactly(
     blocks: list[int], wire: list[int]
 ) -> None:
     raw = pack_blocks(np.array(blocks, dtype=np.int64))
@@ -149,14 +156,28 @@ def test_block_lists_fold_runs_on_the_wire_and_unfold_exactly(
     assert out.dtype == np.int64 and out.tolist() == blocks
 
 
+@pytest.mark.parametrize(
+    ("wire", "blocks"),
+    [
+        ([7, -1], [7, 8]),
+        ([9, 3, -2, 0, -1, 8], [9, 3, 4, 5, 0, 1, 8]),
+        ([TOP - 2, -2], [TOP - 2, TOP - 1, TOP]),
+    ],
+)
+def test_any_folded_list_unfolds_whatever_its_length(wire: list[int], blocks: list[int]) -> None:
+    assert blocks_of(_i64(wire)).tolist() == blocks
+
+
 def test_random_block_lists_round_trip_and_never_grow() -> None:
     rng = np.random.default_rng(0)
-    for n in range(1, 400):
-        runs = [np.arange(s, s + rng.integers(1, 9)) for s in rng.integers(0, 10_000, n // 4 + 1)]
-        for blocks in (rng.permutation(n), np.concatenate(runs), rng.integers(0, 50, n)):
-            raw = pack_blocks(blocks.astype(np.int64))
-            assert len(raw) <= 8 * blocks.size
-            assert blocks_of(raw).tolist() == blocks.tolist()
+    for n in (1, 2, 63, N - 1, N, N + 1, 3 * N):
+        for _ in range(20):
+            starts = rng.integers(0, 10_000, n // 4 + 1)
+            runs = np.concatenate([np.arange(s, s + rng.integers(1, 9)) for s in starts])[:n]
+            for blocks in (rng.permutation(n), runs, rng.integers(0, 50, n)):
+                raw = pack_blocks(blocks.astype(np.int64))
+                assert len(raw) <= 8 * blocks.size
+                assert blocks_of(raw).tolist() == blocks.tolist()
 
 
 @pytest.mark.parametrize(
