@@ -49,6 +49,7 @@ class Cache:
 
     __slots__ = (
         "__weakref__",
+        "_host_bases",
         "_host_rows",
         "_owner",
         "_rows",
@@ -74,6 +75,7 @@ class Cache:
         self._owner: object | None = None
         self._rows: list[torch.Tensor] | None = None  # memoized views, see rows()
         self._host_rows: list[npt.NDArray[np.uint8]] | None = None
+        self._host_bases: npt.NDArray[np.uint64] | None = None
 
     @property
     def placement(self) -> Placement:
@@ -134,6 +136,15 @@ class Cache:
         if rows is None and self.on_host:
             rows = self._host_rows = [r.numpy() for r in self.rows()]
         return rows
+
+    def host_bases(self) -> npt.NDArray[np.uint64] | None:
+        """:attr:`tensor_addrs` as a ``uint64`` array when the tensors are host memory,
+        else ``None``: where :meth:`~aiokv._layout.ByteLayout.at` finds each tensor's
+        bytes (no Python object per tensor). Built once per cache; do not modify it."""
+        bases = self._host_bases
+        if bases is None and self.on_host:
+            bases = self._host_bases = np.array(self.tensor_addrs, dtype=np.uint64)
+        return bases
 
     def __repr__(self) -> str:
         kind = "blocks" if self.is_blocks_cache else "contiguous"

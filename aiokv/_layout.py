@@ -143,9 +143,26 @@ class ByteLayout:
             and all(b.format == "B" and b.ndim == 1 and len(b) >= self.extent for b in buffers)
             and self._nonempty
         ):
-            return LayoutViews(buffers, self)
+            return LayoutViews(self, list(buffers))
         bounds = self.bounds()
         return [buf[a:b] for buf in buffers for a, b in bounds]
+
+    def at(self, bases: npt.NDArray[np.uint64], size: int) -> LayoutViews:
+        """The runs of each buffer of host memory at ``bases`` (``uint64`` addresses, in
+        order), each at least ``size`` bytes long, as :meth:`views` gives them over
+        views of that memory: a :class:`LayoutViews`, with no Python object per buffer
+        (the bases are an array, e.g. a slice of :meth:`~aiokv._cache.Cache.host_bases`).
+
+        The caller keeps the memory alive and in place while the views are used, and
+        writable where they are written: nothing here can check an address.
+
+        Raises:
+            ValueError: a run outside ``size`` bytes, an empty run, or no run at all (a
+                validated request never has one).
+        """
+        if not (self.runs and self._nonempty and self.extent <= size):
+            raise ValueError(f"{self!r} does not fit buffers of {size} bytes")
+        return LayoutViews(self, bases)
 
     def bounds(self) -> list[tuple[int, int]]:
         """The runs of one buffer as ``(start, end)`` Python ints, in wire order."""
@@ -175,29 +192,38 @@ class ByteLayout:
 
 
 class LayoutViews(Sequence[memoryview]):
-    """:meth:`ByteLayout.views` over flat ``'B'`` buffers: a read-only sequence of the
-    views (flat, non-empty, each inside its buffer), made one at a time when asked for
-    (indexing, iteration), plus their memory as address rows (:meth:`runs`), for
-    transports that move bytes by address without a Python object per run.
+    """:meth:`ByteLayout.views` over flat ``'B'`` buffers (or :meth:`ByteLayout.at` over
+    buffers by address): a read-only sequence of the views (flat, non-empty, each inside
+    its buffer), made one at a time when asked for (indexing, iteration), plus their
+    memory as address rows (:meth:`runs`), for transports that move bytes by address
+    without a Python object per run.
 
-    The buffers' memory must stay alive (and, for :meth:`runs`, in place) while the
-    views or rows are used, as for any view.
+    The buffers' memory must stay alive (and, for :meth:`runs` or buffers by address,
+    in place) while the views or rows are used, as for any view.
 
     Attributes:
         total: bytes over all views.
-        readonly: whether any buffer is read-only.
+        readonly: whether any buffer is read-only (never, for buffers by address).
     """
 
-    __slots__ = ("_bases", "_layout", "readonly", "total")
+    __slots__ = ("_bases", "_buffers", "_count", "_layout", "readonly", "total")
 
-    def __init__(self, buffers: Sequence[memoryview], layout: ByteLayout) -> None:
+    def __init__(
+        self, layout: ByteLayout, buffers: list[memoryview] | npt.NDArray[np.uint64]
+    ) -> None:
         self._layout = layout
-        self._bases = list(buffers)
-        self.total = layout.per_buffer * len(self._bases)
-        self.readonly = any(b.readonly for b in self._bases)
+        if isinstance(buffers, np.ndarray):
+            self._buffers: list[memoryview] | None = None
+            self._bases: npt.NDArray[np.uint64] | None = buffers
+            self.readonly = False
+        else:
+            self._buffers, self._bases = buffers, None
+            self.readonly = any(b.readonly for b in buffers)
+        self._count = len(buffers)
+        self.total = layout.per_buffer * self._count
 
     def __len__(self) -> int:
-        return self._layout.runs * len(self._bases)
+        return self._layout.runs * self._count
 
     @overload
     def __getitem__(self, index: int) -> memoryview: ...
@@ -212,18 +238,29 @@ class LayoutViews(Sequence[memoryview]):
         if not 0 <= index < n:
             raise IndexError("LayoutViews index out of range")
         buf, run = divmod(index, self._layout.runs)
-        return self._bases[buf][int(self._layout.starts[run]) : int(self._layout.ends[run])]
+        return self._view(buf, int(self._layout.starts[run]), int(self._layout.ends[run]))
 
     def __iter__(self) -> Iterator[memoryview]:
         bounds = self._layout.bounds()
-        for buf in self._bases:
+        for buf in range(self._count):
             for a, b in bounds:
-                yield buf[a:b]
+                yield self._view(buf, a, b)
+
+    def _view(self, buf: int, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of buffer ``buf``."""
+        if self._bases is None:
+            assert self._buffers is not None
+            return self._buffers[buf][start:end]
+        addr = int(self._bases[buf]) + start
+        return memoryview((ctypes.c_char * (end - start)).from_address(addr)).cast("B")
 
     def runs(self) -> npt.NDArray[np.uint64]:
         """The views' memory as ``(address, length)`` rows in order, adjacent ones merged
         (numpy: no per-run Python)."""
-        return self._layout.addresses([address_of(b) for b in self._bases])
+        if self._bases is not None:
+            return self._layout.addresses(self._bases)
+        assert self._buffers is not None
+        return self._layout.addresses([address_of(b) for b in self._buffers])
 
 
 def total_bytes(views: Sequence[memoryview]) -> int:

@@ -125,10 +125,6 @@ class Entry:
     revokers: dict[object, Callable[[LLMStatusCode], None]] = field(default_factory=dict)
     #: called (from whichever thread unpins) once ``pins`` drops to 0
     unpinned: list[Callable[[], None]] = field(default_factory=list)
-    #: flat ``'B'`` views of its host tensors' bytes, made at the first grant served
-    #: from them and kept with the entry (the tensors never change; the views are used
-    #: only while a grant pins the memory)
-    host_bytes: list[memoryview] | None = None
 
     @property
     def owned(self) -> bool:

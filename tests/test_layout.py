@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from aiokv._cache import Cache
 from aiokv._layout import ByteLayout
+from aiokv._layout import LayoutViews
 from aiokv._layout import tensor_bytes
 
 
@@ -83,3 +85,50 @@ def test_short_and_long_lists_give_the_same_runs(seed: int, stride: int | None) 
         bytes(pattern[7 + b * step : 7 + b * step + 16]) for b in blocks[:30].tolist()
     )
     assert short.extent == max(7 + b * step + 16 for b in blocks[:30].tolist())
+
+
+def test_views_by_address_match_views_of_the_memory() -> None:
+    """``at``: the same views, in the same order, as ``views`` over the same memory, with
+    writes landing in it, and its runs as address rows; nothing made per buffer."""
+    tensors = [torch.arange(64, dtype=torch.uint8) + 64 * i for i in range(3)]
+    bases = np.array([t.data_ptr() for t in tensors], dtype=np.uint64)
+    layout = ByteLayout.of_blocks(np.array([3, 1, 2], dtype=np.int64), 8)
+    by_addr = layout.at(bases, 64)
+    by_view = layout.views([tensor_bytes(t) for t in tensors])
+    assert isinstance(by_addr, LayoutViews) and not by_addr.readonly
+    assert len(by_addr) == len(by_view) == 6 and by_addr.total == 3 * 24
+    assert [bytes(v) for v in by_addr] == [bytes(v) for v in by_view]
+    assert bytes(by_addr[-1]) == bytes(tensors[2][8:24].numpy())  # blocks 1, 2 merged
+    assert by_addr.runs().tolist() == by_view.runs().tolist()
+    assert by_addr.runs().tolist()[0] == [int(bases[0]) + 24, 8]
+    by_addr[3][:] = b"\xff" * 16  # tensor 1, blocks 1 and 2
+    assert tensors[1][8:24].tolist() == [255] * 16 and tensors[1][:8].tolist() == list(
+        range(64, 72)
+    )
+    with pytest.raises(IndexError):
+        by_addr[6]
+
+
+def test_views_by_address_refuse_what_does_not_fit() -> None:
+    layout = ByteLayout.of_blocks(np.array([7], dtype=np.int64), 8)  # bytes [56, 64)
+    bases = np.zeros(1, dtype=np.uint64)
+    for bad, size in (
+        (layout, 63),
+        (ByteLayout.of_blocks(np.empty(0, dtype=np.int64), 8), 64),
+        (ByteLayout([0, 8], [8, 8]), 64),
+    ):
+        with pytest.raises(ValueError, match="does not fit"):
+            bad.at(bases, size)
+    assert layout.at(bases, 64).total == 8
+
+
+def test_host_bases_of_a_cache() -> None:
+    from aiokv import CacheDesc
+    from aiokv import DataType
+
+    tensors = [torch.zeros(4, 16) for _ in range(3)]
+    cache = Cache(CacheDesc(3, [4, 16], DataType.DT_FLOAT), tensors, is_blocks_cache=True)
+    bases = cache.host_bases()
+    assert bases is not None and bases.dtype == np.uint64
+    assert bases.tolist() == [t.data_ptr() for t in tensors]
+    assert cache.host_bases() is bases  # built once

@@ -29,7 +29,6 @@ from .._engine import completing
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._errors import map_errors
-from .._layout import tensor_bytes
 from .._layout import total_bytes
 from .._stats import PeerCounters
 from ..transport import BY_ADDRESS
@@ -426,9 +425,11 @@ class _Requests:
         """One request: ``part`` between the peer and ``views`` (default: the host
         memory of the cache itself) within ``left`` seconds; whether it moved (see
         :meth:`RemoteClient.transfer`)."""
-        if views is None:
-            cache = self.m.cache
-            views = part.layout.views([tensor_bytes(cache.tensors[t]) for t in part.tensors])
+        if views is None:  # host memory: found by address, no Python object per tensor
+            cache, t = self.m.cache, part.tensors
+            bases = cache.host_bases()
+            assert bases is not None
+            views = part.layout.at(bases[t.start : t.stop : t.step], cache.cache_desc.size)
         moved = await self.client.transfer(
             self.m.op,
             self.m.link,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import torch
 
 from .._cache import Cache
@@ -33,7 +34,7 @@ from .._enums import DataType
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._layout import ByteLayout
-from .._layout import tensor_bytes
+from .._layout import LayoutViews
 from .._layout import total_bytes
 from .._models import CacheKey
 from .._registry import CacheRegistry
@@ -64,6 +65,10 @@ from ._route import Route
 from ._route import route
 
 __all__ = ["PeerService"]
+
+#: where a checked request's buffers are: tensors of the one cache it names, or
+#: ``(entry, tensor, offset)`` of each raw address it names
+_Places = range | list[tuple[Entry, int, int]]
 
 log = logging.getLogger("aiokv.remote")
 
@@ -245,6 +250,7 @@ class PeerService:
                 req = decode(meta)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise _invalid(f"malformed request: {exc}") from None
+            places: _Places
             if isinstance(req, LeaseReq | RevokeReq):
                 return self._lease_req(peer, req, write=write)
             if isinstance(req, NotifyReq):
@@ -257,16 +263,15 @@ class PeerService:
             else:
                 entry, slot, release = self._lookup(req.key)
                 self._check_access(entry, write=write, key=req.key)
-                layout, tensors = self._layout(req, entry.cache, slot, write=write)
+                layout, places = self._layout(req, entry.cache, slot, write=write)
                 entries = [entry]
-                places = [(entry, t, 0) for t in tensors]
                 if write or not req.release:
                     release = None
             device = views = None
             if is_staged(entries[0].cache.tensors[0].device):  # not HOST_VIEWS: see there
                 device = self._device_plan(entries, layout, places, release, direct)
             else:
-                views = layout.views([_host_bytes(e, t, off) for e, t, off in places])
+                views = _host_views(entries[0].cache, layout, places)
         except _Refused as r:
             return self._refuse(peer, write, r.code, str(r))
         try:
@@ -352,7 +357,7 @@ class PeerService:
     def _device_plan(
         entries: list[Entry],
         layout: ByteLayout,
-        places: list[tuple[Entry, int, int]],
+        places: _Places,
         release: CacheKey | None,
         direct: DirectCheck | None,
     ) -> _Device:
@@ -360,6 +365,8 @@ class PeerService:
         transport can reach every buffer so (``direct``), else through host staging, at
         most :data:`~aiokv._copy.MAX_STAGED_BYTES` bytes (the host memory serving it
         needs). The buffers come from validated indices only."""
+        if isinstance(places, range):
+            places = [(entries[0], t, 0) for t in places]
         buffers = [_flat(e, t, off, layout.extent) for e, t, off in places]
         device = buffers[0].device
         if any(b.device != device for b in buffers):
@@ -677,14 +684,17 @@ def _ignore(ok: bool) -> None:
     """``done`` of a grant with nothing to release."""
 
 
-def _host_bytes(entry: Entry, tensor: int, offset: int) -> memoryview:
-    """The bytes of host tensor ``tensor`` of ``entry``'s cache from ``offset`` on (the
-    views of its tensors made once, :attr:`Entry.host_bytes`: ~3 µs each to make)."""
-    views = entry.host_bytes
-    if views is None:  # two threads may both make them: the same views either way
-        views = entry.host_bytes = [tensor_bytes(t) for t in entry.cache.tensors]
-    view = views[tensor]
-    return view[offset:] if offset else view
+def _host_views(cache: Cache, layout: ByteLayout, places: _Places) -> LayoutViews:
+    """The host memory a checked request moves, by address (no Python object per
+    tensor): ``places`` is tensors of ``cache``, or ``(entry, tensor, offset)`` of each
+    checked raw address (whose region, :attr:`~ByteLayout.extent` bytes, lies inside
+    that tensor)."""
+    if isinstance(places, range):
+        bases = cache.host_bases()
+        assert bases is not None
+        return layout.at(bases[places.start : places.stop : places.step], cache.cache_desc.size)
+    addrs = [e.cache.tensors[t].data_ptr() + off for e, t, off in places]
+    return layout.at(np.array(addrs, dtype=np.uint64), layout.extent)
 
 
 def _flat(entry: Entry, tensor: int, offset: int, extent: int) -> torch.Tensor:

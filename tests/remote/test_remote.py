@@ -192,6 +192,36 @@ async def test_single_tensor_cache_without_layer_ranges(
     assert torch.equal(dst.tensors[0][4], src.tensors[0][3])
 
 
+async def test_many_tensors_by_address_exact(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
+    """A cache of more tensors than a link moves as views (the serving side and the
+    requester find every tensor's bytes by address): a pull and a push of some layers
+    move exactly the blocks named, into exactly the tensors named."""
+    p, d = pair
+    desc = CacheDesc(40, [8, 64], DataType.DT_UINT8)  # 20 layers of K and V
+    src = await p.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+    dst = await d.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
+    fill_randn(src, 5)
+    fill_randn(dst, 6)
+    before = snapshot(dst)
+    await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [5, 2], [1, 6])
+    for i, (td, ts) in enumerate(zip(dst.tensors, src.tensors, strict=True)):
+        assert torch.equal(td[1], ts[5]) and torch.equal(td[6], ts[2]), i
+        assert torch.equal(td[[0, 2, 3, 4, 5, 7]], before[i][[0, 2, 3, 4, 5, 7]]), i
+    pushed = snapshot(src)
+    # layers 3..19 of src (tensors 6..39) into layers 1..17 of dst (tensors 2..35)
+    await p.cache_manager.push_blocks(
+        BlocksCacheKey(2, 0),
+        src,
+        [7],
+        [0],
+        src_layer_range=range(3, 20),
+        dst_layer_range=range(1, 18),
+    )
+    for i, td in enumerate(dst.tensors):
+        want = pushed[i + 4][7] if 2 <= i < 36 else before[i][0]
+        assert torch.equal(td[0], want), i
+
+
 async def test_two_models_and_push_blocks(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
     p, d = pair
     m0 = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
