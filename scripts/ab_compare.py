@@ -22,8 +22,9 @@ def _ratios(out: Path, side: str) -> dict[str, list[float]]:
     rows: dict[str, list[float]] = defaultdict(list)
     for d in _runs(out, "latency", side):
         for r in d["latency"]:
-            rows[f"latency {r['block_kib']} KiB pull_us"].append(r["pull_us"])
-            rows[f"latency {r['block_kib']} KiB pull/raw"].append(r["pull_us"] / r["raw_us"])
+            shape = f"{r['block_kib']} KiB x{r.get('tensors', 1)} tensors"
+            rows[f"latency {shape} pull_us"].append(r["pull_us"])
+            rows[f"latency {shape} pull/raw"].append(r["pull_us"] / r["raw_us"])
     for d in _runs(out, "layerwise", side):
         for r in d["layerwise_overhead"]:
             for k in ("by_key_ratio", "by_addrs_ratio"):

@@ -5,7 +5,9 @@ Against the spawned prompt peer, interleaved round by round (medians of each):
 * ``raw``: a raw socket request/response of the same bytes (9-byte request, blocking
   ``recv_into``) — the floor;
 * ``pull``: a 1-block ``pull_blocks`` awaited from the caller's loop (through the
-  engine where there is one);
+  engine where there is one), of a one-tensor cache, and of a 64-tensor cache (a
+  32-layer model's K and V) moving the same 4 KiB in 64 pieces: what each tensor of a
+  request costs;
 * ``sync``: the same call by an ``aiokv.sync`` decoder from a plain thread, timed
   there, after the interleaved rounds (skipped where ``aiokv.sync`` does not exist,
   e.g. on a commit from before the engine).
@@ -45,7 +47,8 @@ from .raw import RawStream
 
 __all__ = ["run_latency_bench"]
 
-BLOCKS = (4 * KIB, 64 * KIB)
+#: (tensors, bytes of one block of one tensor) of each row
+SHAPES = ((1, 4 * KIB), (1, 64 * KIB), (64, 64))
 #: rounds of the engine hop per round of the pulls (a hop is ~100x cheaper)
 HOPS = 10
 
@@ -106,7 +109,7 @@ async def _hop(report: Report, decoder: LLMDataDist, rounds: int) -> None:
     )
 
 
-def _sync_pulls(port: int, block: int, rounds: int) -> list[float] | None:
+def _sync_pulls(port: int, tensors: int, block: int, rounds: int) -> list[float] | None:
     """Seconds of each of ``rounds`` 1-block pulls by an ``aiokv.sync`` decoder of its
     own, called from this (plain) thread; None where ``aiokv.sync`` does not exist."""
     try:
@@ -125,7 +128,7 @@ def _sync_pulls(port: int, block: int, rounds: int) -> list[float] | None:
         if code != sync.LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link to the prompt peer failed: {code.name} {codes}")
         cm = dd.cache_manager
-        dst = cm.allocate_blocks_cache(CacheDesc(1, [4, block], DataType.DT_UINT8))
+        dst = cm.allocate_blocks_cache(CacheDesc(tensors, [4, block], DataType.DT_UINT8))
         key = BlocksCacheKey(PEER_ID, 0)
         times = []
         for r in range(5 + rounds):
@@ -153,11 +156,12 @@ def run_latency_bench(*, quick: bool = False) -> Report:
 
     async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
         cm = decoder.cache_manager
-        async with spawned(lambda: RawStream(max(BLOCKS))) as raw:
-            with steps("latency", len(BLOCKS)) as part:
-                for block in BLOCKS:
-                    with part.step(f"latency {block // KIB} KiB"):
-                        desc = CacheDesc(1, [4, block], DataType.DT_UINT8)
+        async with spawned(lambda: RawStream(max(n * b for n, b in SHAPES))) as raw:
+            with steps("latency", len(SHAPES)) as part:
+                for tensors, per_tensor in SHAPES:
+                    block = tensors * per_tensor
+                    with part.step(f"latency {tensors} x {per_tensor} B"):
+                        desc = CacheDesc(tensors, [4, per_tensor], DataType.DT_UINT8)
                         await peer.cache(desc)
                         dst = await cm.allocate_blocks_cache(desc)
                         key = BlocksCacheKey(PEER_ID, 0)
@@ -168,9 +172,16 @@ def run_latency_bench(*, quick: bool = False) -> Report:
                         times = await interleave(contenders, rounds, warmup=5)
                         await cm.deallocate_blocks_cache(dst)
                         t = {k: median(v) * 1e6 for k, v in times.items()}
-                        row = {"block_kib": block // KIB, "raw_us": t["raw"], "pull_us": t["pull"]}
-                        row["pull_added_us"] = t["pull"] - t["raw"]
-                        sync = await asyncio.to_thread(_sync_pulls, peer.port, block, rounds)
+                        row = {
+                            "block_kib": block // KIB,
+                            "tensors": tensors,
+                            "raw_us": t["raw"],
+                            "pull_us": t["pull"],
+                            "pull_added_us": t["pull"] - t["raw"],
+                        }
+                        sync = await asyncio.to_thread(
+                            _sync_pulls, peer.port, tensors, per_tensor, rounds
+                        )
                         if sync is not None:
                             row["sync_us"] = median(sync) * 1e6
                             row["sync_over_async_us"] = row["sync_us"] - t["pull"]

@@ -120,7 +120,9 @@ def test_latency_bench_times_the_engine_hop_against_a_bare_thread_hand_off() -> 
     assert hop["rounds"] == latency.HOPS * 30
     assert 0 < hop["thread_us"] <= hop["thread_p90_us"]
     assert 0 < hop["hop_us"] <= hop["hop_p90_us"]
-    assert [r["block_kib"] for r in report["latency"]] == [b // 1024 for b in latency.BLOCKS]
+    rows = [(r["tensors"], r["block_kib"]) for r in report["latency"]]
+    assert rows == [(n, n * b // 1024) for n, b in latency.SHAPES]
+    assert all(r["pull_us"] > 0 and r["raw_us"] > 0 for r in report["latency"])
 
 
 def test_layerwise_baseline_is_one_push_of_the_same_contiguous_blocks() -> None:
