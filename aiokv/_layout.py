@@ -175,17 +175,20 @@ class ByteLayout:
 
     def addresses(self, bases: Sequence[int] | npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
         """``(address, length)`` rows of every run over buffers at ``bases``, wire order,
-        adjacent runs merged (numpy: no per-run Python)."""
+        adjacent runs merged (numpy: no per-run Python); a fresh array."""
         starts = np.asarray(self.starts, dtype=np.uint64)
-        lens = np.asarray(self.ends, dtype=np.uint64) - starts
-        addr = (np.asarray(bases, dtype=np.uint64)[:, None] + starts[None, :]).ravel()
-        n = np.tile(lens, len(bases))
-        if addr.size > 1:
+        b = np.asarray(bases, dtype=np.uint64)
+        grid = np.empty((b.size, starts.size, 2), dtype=np.uint64)
+        np.add(b[:, None], starts, out=grid[:, :, 0])
+        np.subtract(np.asarray(self.ends, dtype=np.uint64), starts, out=grid[:, :, 1])
+        rows = grid.reshape(-1, 2)
+        if len(rows) > 1:
+            addr, n = rows[:, 0], rows[:, 1]
             first = np.flatnonzero(addr[1:] != addr[:-1] + n[:-1]) + 1
             if first.size + 1 < addr.size:  # some neighbours: merge them
                 first = np.concatenate(([0], first))
-                addr, n = addr[first], np.add.reduceat(n, first)
-        return np.stack((addr, n), axis=1)
+                rows = np.stack((addr[first], np.add.reduceat(n, first)), axis=1)
+        return rows
 
     def __repr__(self) -> str:
         return f"ByteLayout(runs={self.runs}, per_buffer={self.per_buffer}, extent={self.extent})"

@@ -94,17 +94,23 @@ class RunCursor:
 
     def __init__(self, views: LayoutViews) -> None:
         self._rows = np.ascontiguousarray(views.runs(), dtype=np.uint64)
-        # byte offset just past each row, as int64: searching it for a Python int is
-        # O(log n) (a uint64 array is converted whole first: O(n) per chunk)
-        self._ends = np.cumsum(self._rows[:, 1], dtype=np.int64)
+        # byte offset just past each row, as int64, made at the first partial take:
+        # searching it for a Python int is O(log n) (a uint64 array is converted whole
+        # first: O(n) per chunk)
+        self._ends: npt.NDArray[np.int64] | None = None
         self._pos = 0  # bytes handed out
         self.remaining = views.total
 
     def take_rows(self, n: int) -> npt.NDArray[np.uint64]:
         """``(address, length)`` rows covering the next ``0 < n <= remaining`` bytes (a
         fresh array the caller may change); advances past them."""
+        if not self._pos and n == self.remaining:  # all of it at once (a small payload)
+            self._pos, self.remaining = n, 0
+            return self._rows.copy()
         pos, end = self._pos, self._pos + n
         ends = self._ends
+        if ends is None:
+            ends = self._ends = np.cumsum(self._rows[:, 1], dtype=np.int64)
         i = int(np.searchsorted(ends, pos, side="right"))  # the row holding byte pos
         j = int(np.searchsorted(ends, end, side="left"))  # ... and byte end - 1
         rows = self._rows[i : j + 1].copy()

@@ -177,7 +177,7 @@ class Reader:
             await self._discard(size)
             return
         if self._vec and type(sink.cursor) is RunCursor:
-            await self._recv_rows(sink, sink.cursor.take_rows(size))
+            await self._recv_rows(sink, sink.cursor.take_rows(size), size)
         else:
             await self._recv_views(sink, sink.cursor.take(size), size)
 
@@ -206,13 +206,15 @@ class Reader:
         if not sink.cursor.remaining:
             self._p.filled(sink)
 
-    async def _recv_rows(self, sink: MyOp | PeerOp, rows: npt.NDArray[np.uint64]) -> None:
-        """Receive one DATA chunk into the memory of ``rows`` (``readv``), as
-        :meth:`_on_data` does into views; the rest of the chunk is dropped once ``sink``
-        stops receiving (cancelled mid-chunk)."""
+    async def _recv_rows(
+        self, sink: MyOp | PeerOp, rows: npt.NDArray[np.uint64], size: int
+    ) -> None:
+        """Receive one DATA chunk of ``size`` bytes into the memory of ``rows``
+        (``readv``), as :meth:`_on_data` does into views; the rest of the chunk is
+        dropped once ``sink`` stops receiving (cancelled mid-chunk)."""
         assert sink.cursor is not None
-        pos, sock, left = 0, self._sock, int(rows[:, 1].sum())
-        while pos < len(rows):
+        pos, sock, left = 0, self._sock, size
+        while left:
             if sink.state is not State.RECEIVING:
                 await self._discard(left)
                 return
@@ -224,7 +226,8 @@ class Reader:
             if not k:
                 raise ConnectionResetError("connection closed by peer")
             left -= k
-            pos = advance_rows(rows, pos, k)
+            if left:
+                pos = advance_rows(rows, pos, k)
         if not sink.cursor.remaining:
             self._p.filled(sink)
 
