@@ -49,7 +49,7 @@ class Cache:
 
     __slots__ = (
         "__weakref__",
-        "_host_bases",
+        "_bases",
         "_host_rows",
         "_owner",
         "_rows",
@@ -75,7 +75,7 @@ class Cache:
         self._owner: object | None = None
         self._rows: list[torch.Tensor] | None = None  # memoized views, see rows()
         self._host_rows: list[npt.NDArray[np.uint8]] | None = None
-        self._host_bases: npt.NDArray[np.uint64] | None = None
+        self._bases: npt.NDArray[np.uint64] | None = None
 
     @property
     def placement(self) -> Placement:
@@ -137,14 +137,15 @@ class Cache:
             rows = self._host_rows = [r.numpy() for r in self.rows()]
         return rows
 
-    def host_bases(self) -> npt.NDArray[np.uint64] | None:
-        """:attr:`tensor_addrs` as a ``uint64`` array when the tensors are host memory,
-        else ``None``: where :meth:`~aiokv._layout.ByteLayout.at` finds each tensor's
-        bytes (no Python object per tensor). Built once per cache; do not modify it."""
-        bases = self._host_bases
-        if bases is None and self.on_host:
-            bases = self._host_bases = np.array(self.tensor_addrs, dtype=np.uint64)
-        return bases
+    def bases(self, tensors: range | None = None) -> npt.NDArray[np.uint64]:
+        """:attr:`tensor_addrs` of ``tensors`` (default: all) as a ``uint64`` array: where
+        :meth:`~aiokv._layout.ByteLayout.at` and the lease rows find each tensor's bytes
+        (no Python object per tensor). A view of an array built once per cache; do not
+        modify it."""
+        bases = self._bases
+        if bases is None:
+            bases = self._bases = np.array(self.tensor_addrs, dtype=np.uint64)
+        return bases if tensors is None else bases[tensors.start : tensors.stop : tensors.step]
 
     def __repr__(self) -> str:
         kind = "blocks" if self.is_blocks_cache else "contiguous"

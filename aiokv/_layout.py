@@ -151,7 +151,7 @@ class ByteLayout:
         """The runs of each buffer of host memory at ``bases`` (``uint64`` addresses, in
         order), each at least ``size`` bytes long, as :meth:`views` gives them over
         views of that memory: a :class:`LayoutViews`, with no Python object per buffer
-        (the bases are an array, e.g. a slice of :meth:`~aiokv._cache.Cache.host_bases`).
+        (the bases are an array, e.g. a slice of :meth:`~aiokv._cache.Cache.bases`).
 
         The caller keeps the memory alive and in place while the views are used, and
         writable where they are written: nothing here can check an address.

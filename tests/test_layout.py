@@ -122,13 +122,13 @@ def test_views_by_address_refuse_what_does_not_fit() -> None:
     assert layout.at(bases, 64).total == 8
 
 
-def test_host_bases_of_a_cache() -> None:
+def test_bases_of_a_cache() -> None:
     from aiokv import CacheDesc
     from aiokv import DataType
 
     tensors = [torch.zeros(4, 16) for _ in range(3)]
     cache = Cache(CacheDesc(3, [4, 16], DataType.DT_FLOAT), tensors, is_blocks_cache=True)
-    bases = cache.host_bases()
-    assert bases is not None and bases.dtype == np.uint64
-    assert bases.tolist() == [t.data_ptr() for t in tensors]
-    assert cache.host_bases() is bases  # built once
+    bases = cache.bases()
+    assert bases.dtype == np.uint64 and bases.tolist() == [t.data_ptr() for t in tensors]
+    assert cache.bases() is bases  # built once
+    assert cache.bases(range(1, 3)).tolist() == bases.tolist()[1:]

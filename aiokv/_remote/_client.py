@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-import numpy as np
 import torch
 
 from .._cache import Cache
@@ -187,8 +186,8 @@ class RemoteClient:
             or link.extra(ONE_SIDED) is None
         ):
             return None
-        tensors = [m.cache.tensors[t] for t in m.job.tensors]
-        if route(tensors[0].device, lambda: _addressable(link, tensors)) is Route.STAGED:
+        device = m.cache.tensors[m.job.tensors[0]].device
+        if route(device, lambda: _addressable(link, m.cache, m.job.tensors)) is Route.STAGED:
             return None
         return LeaseKey(req.key, req.tensors, req.block_bytes, m.write)
 
@@ -201,12 +200,10 @@ class RemoteClient:
         held = self.leases.held(m.link, key)
         if held is None:
             return False
-        tensors = [m.cache.tensors[t] for t in job.tensors]  # contiguous, as every cache's
-        bases = np.fromiter((t.data_ptr() for t in tensors), np.uint64, len(tensors))
-        rows = held.rows(job.remote, job.local, bases, write=key.write)
+        rows = held.rows(job.remote, job.local, m.cache.bases(job.tensors), write=key.write)
         if rows is None:
             return False
-        device = tensors[0].device
+        device = m.cache.tensors[job.tensors[0]].device
         if device.type != "cpu":  # routed BY_ADDRESS (a lease is never STAGED): settle first
             with map_errors(m.op):
                 await self._stager.settle(device)
@@ -333,9 +330,7 @@ class _Requests:
         tells."""
         job, cache, link = self.m.job, self.m.cache, self.m.link
         device = cache.tensors[0].device
-        self.way = route(
-            device, lambda: _addressable(link, [cache.tensors[t] for t in job.tensors])
-        )
+        self.way = route(device, lambda: _addressable(link, cache, job.tensors))
         limit = MAX_STAGED_BYTES
         if self.way is Route.STAGED:  # at least PIPELINE parts of 1 MiB to PART_BYTES
             limit = max(min(PART_BYTES, -(-job.nbytes // PIPELINE)), min(PART_BYTES, _MIN_PART))
@@ -426,10 +421,8 @@ class _Requests:
         memory of the cache itself) within ``left`` seconds; whether it moved (see
         :meth:`RemoteClient.transfer`)."""
         if views is None:  # host memory: found by address, no Python object per tensor
-            cache, t = self.m.cache, part.tensors
-            bases = cache.host_bases()
-            assert bases is not None
-            views = part.layout.at(bases[t.start : t.stop : t.step], cache.cache_desc.size)
+            cache = self.m.cache
+            views = part.layout.at(cache.bases(part.tensors), cache.cache_desc.size)
         moved = await self.client.transfer(
             self.m.op,
             self.m.link,
@@ -465,16 +458,17 @@ PIPELINE = 4
 _MIN_PART = 1 << 20
 
 
-def _addressable(link: Link, tensors: list[torch.Tensor]) -> bool:
-    """Whether ``link`` moves all of each (accelerator) tensor by address (its
-    ``BY_ADDRESS`` capability)."""
+def _addressable(link: Link, cache: Cache, tensors: range) -> bool:
+    """Whether ``link`` moves all of each of ``tensors`` of ``cache`` (accelerator
+    memory) by address (its ``BY_ADDRESS`` capability)."""
     by_address = link.extra(BY_ADDRESS)
+    chosen = [cache.tensors[t] for t in tensors]
     return (
         by_address is not None
-        and tensors[0].device.type != "cpu"
+        and chosen[0].device.type != "cpu"
         and all(
             by_address.addressable(str(t.device), t.data_ptr(), t.numel() * t.element_size())
-            for t in tensors
+            for t in chosen
         )
     )
 

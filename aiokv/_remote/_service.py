@@ -690,9 +690,7 @@ def _host_views(cache: Cache, layout: ByteLayout, places: _Places) -> LayoutView
     checked raw address (whose region, :attr:`~ByteLayout.extent` bytes, lies inside
     that tensor)."""
     if isinstance(places, range):
-        bases = cache.host_bases()
-        assert bases is not None
-        return layout.at(bases[places.start : places.stop : places.step], cache.cache_desc.size)
+        return layout.at(cache.bases(places), cache.cache_desc.size)
     addrs = [e.cache.tensors[t].data_ptr() + off for e, t, off in places]
     return layout.at(np.array(addrs, dtype=np.uint64), layout.extent)
 
