@@ -209,14 +209,8 @@ async def test_many_tensors_by_address_exact(pair: tuple[LLMDataDist, LLMDataDis
         assert torch.equal(td[[0, 2, 3, 4, 5, 7]], before[i][[0, 2, 3, 4, 5, 7]]), i
     pushed = snapshot(src)
     # layers 3..19 of src (tensors 6..39) into layers 1..17 of dst (tensors 2..35)
-    await p.cache_manager.push_blocks(
-        BlocksCacheKey(2, 0),
-        src,
-        [7],
-        [0],
-        src_layer_range=range(3, 20),
-        dst_layer_range=range(1, 18),
-    )
+    layers = {"src_layer_range": range(3, 20), "dst_layer_range": range(1, 18)}
+    await p.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, [7], [0], **layers)
     for i, td in enumerate(dst.tensors):
         want = pushed[i + 4][7] if 2 <= i < 36 else before[i][0]
         assert torch.equal(td[0], want), i
