@@ -134,8 +134,10 @@ AnyCursor = Cursor | RunCursor
 
 
 #: A :class:`~aiokv._layout.LayoutViews` of more views than this moves by address; fewer
-#: cost less as views (numpy's fixed cost per call, ~1 µs, exceeds a view's ~0.3 µs).
-_FEW_VIEWS: Final = 32
+#: cost less as views. Address rows cost ~20 µs per payload whatever their count (numpy's
+#: fixed costs); a view made from an address ~1.3 µs each: they tie at ~16
+#: (``scripts/few_views.py``).
+_FEW_VIEWS: Final = 16
 
 
 def cursor_of(views: Sequence[memoryview], total: int) -> AnyCursor:
