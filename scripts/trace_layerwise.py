@@ -21,13 +21,9 @@ import time
 from typing import Any
 
 import aiokv.transport.tcp._link as link_mod
-from aiokv import CacheDesc
-from aiokv import DataType
 from aiokv import LLMDataDist
-from aiokv import TransferConfig
 from aiokv._bench import layerwise
 from aiokv._bench._harness import KIB
-from aiokv._bench._harness import PEER_ID
 from aiokv._bench._harness import PromptPeer
 from aiokv._bench._harness import run_remote
 
@@ -65,11 +61,9 @@ def _ms(xs: list[float]) -> str:
 
 async def _main(peer: PromptPeer, decoder: LLMDataDist) -> None:
     cm = decoder.cache_manager
-    desc = CacheDesc(2 * LAYERS, [COUNT, BLOCK], DataType.DT_UINT8)
-    addrs = await peer.cache(desc)
-    src = await cm.allocate_blocks_cache(desc)
-    idx = list(range(COUNT))
-    cfgs = [TransferConfig(PEER_ID, addrs)]
+    src, cfgs, idx = await layerwise.overlap_setup(
+        cm, peer, layers=LAYERS, block=BLOCK, count=COUNT
+    )
     try:
         for _ in range(2):  # warm-up
             await layerwise._layerwise(cm, src, layerwise.ReleaseAll(), cfgs, idx, idx)

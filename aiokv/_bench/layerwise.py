@@ -53,7 +53,7 @@ from ._harness import run_remote
 from ._harness import time_call
 from ._progress import steps
 
-__all__ = ["SHAPES", "block_lists", "overhead", "overlap", "run_layerwise_bench"]
+__all__ = ["SHAPES", "block_lists", "overhead", "overlap", "overlap_setup", "run_layerwise_bench"]
 
 #: ``(blocks, block bytes)`` per tensor of the overhead benchmark; 32 layers x K,V.
 SHAPES = ((4096, 256), (256, 16 * KIB))
@@ -180,15 +180,23 @@ async def _overhead_row(
     }
 
 
+async def overlap_setup(
+    cm: CacheManager, peer: PromptPeer, *, layers: int, block: int, count: int
+) -> tuple[Cache, list[TransferConfig], list[int]]:
+    """The overlap scenario: a new source cache of ``layers`` x K,V x ``count`` blocks of
+    ``block`` bytes (the caller deallocates it), the peer's new cache of the same shape
+    as the destination by raw addresses, and the blocks moved (all, in order)."""
+    desc = CacheDesc(2 * layers, [count, block], DataType.DT_UINT8)
+    addrs = await peer.cache(desc)
+    src = await cm.allocate_blocks_cache(desc)
+    return src, [TransferConfig(PEER_ID, addrs)], list(range(count))
+
+
 async def overlap(
     report: Report, cm: CacheManager, peer: PromptPeer, *, layers: int, block: int, count: int
 ) -> None:
     """Add the ``layerwise_overlap`` summary: transfer overlapped with simulated compute."""
-    desc = CacheDesc(2 * layers, [count, block], DataType.DT_UINT8)
-    addrs = await peer.cache(desc)
-    src = await cm.allocate_blocks_cache(desc)
-    idx = list(range(count))
-    cfgs = [TransferConfig(PEER_ID, addrs)]
+    src, cfgs, idx = await overlap_setup(cm, peer, layers=layers, block=block, count=count)
     try:
         alone = await interleave(
             {"transfer": lambda: _layerwise(cm, src, ReleaseAll(), cfgs, idx, idx)}, 3
