@@ -21,6 +21,8 @@ from ._checks import param_invalid
 from ._checks import renamed
 from ._cuda_memory import cuda_memory
 from ._enums import Placement
+from ._layout import ByteLayout
+from ._layout import LayoutViews
 from ._models import CacheDesc
 
 __all__ = ["UNTRACKED_ID", "Cache", "KvCache", "wrap_memory"]
@@ -50,9 +52,11 @@ class Cache:
     __slots__ = (
         "__weakref__",
         "_bases",
+        "_block_bytes",
         "_host_rows",
         "_owner",
         "_rows",
+        "_size",
         "cache_desc",
         "cache_id",
         "is_blocks_cache",
@@ -76,6 +80,9 @@ class Cache:
         self._rows: list[torch.Tensor] | None = None  # memoized views, see rows()
         self._host_rows: list[npt.NDArray[np.uint8]] | None = None
         self._bases: npt.NDArray[np.uint64] | None = None
+        # a cache's descriptor is locked (frozen, dims refused): its sizes never change
+        self._size = self.cache_desc.size
+        self._block_bytes = self._size // self.num_blocks
 
     @property
     def placement(self) -> Placement:
@@ -101,12 +108,12 @@ class Cache:
     @property
     def block_bytes(self) -> int:
         """Bytes of one dim-0 row of one tensor."""
-        return self.cache_desc.size // self.num_blocks
+        return self._block_bytes
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of one batch slot of one tensor (a contiguous cache)."""
-        return self.cache_desc.size // self.cache_desc.batch_size
+        return self._size // self.cache_desc.batch_size
 
     @property
     def slots_contiguous(self) -> bool:
@@ -146,6 +153,12 @@ class Cache:
         if bases is None:
             bases = self._bases = np.array(self.tensor_addrs, dtype=np.uint64)
         return bases if tensors is None else bases[tensors.start : tensors.stop : tensors.step]
+
+    def at(self, layout: ByteLayout, tensors: range) -> LayoutViews:
+        """The host memory of ``layout`` in each of ``tensors``, by address
+        (:meth:`~aiokv._layout.ByteLayout.at`: no Python object per tensor). Host
+        caches only; ``ValueError`` for a run past the end of a tensor."""
+        return layout.at(self.bases(tensors), self._size)
 
     def __repr__(self) -> str:
         kind = "blocks" if self.is_blocks_cache else "contiguous"

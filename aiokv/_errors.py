@@ -15,10 +15,8 @@ no failure disappears silently. The argument checks live in :mod:`aiokv._checks`
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
-from collections.abc import Iterator
 from collections.abc import Mapping
 from typing import Any
 
@@ -138,43 +136,56 @@ def _is_device_oom(exc: BaseException) -> bool:
     return type(exc) is RuntimeError and "NPU out of memory" in str(exc)
 
 
-@contextlib.contextmanager
-def map_errors(op: str, default: LLMStatusCode = LLMStatusCode.LLM_FAILED) -> Iterator[None]:
-    """Translate foreign exceptions raised inside the block into ``LLMException``.
+def map_errors(op: str, default: LLMStatusCode = LLMStatusCode.LLM_FAILED) -> _MapErrors:
+    """Translate foreign exceptions raised inside the ``with`` block into ``LLMException``.
 
     Our own errors (``LLMException``, ``TypeError``, ``ValueError``) and cancellation pass
     through untouched. ``TimeoutError`` → ``LLM_TIMEOUT``; ``MemoryError`` →
     ``LLM_OUT_OF_MEMORY``; a device allocator's out-of-memory error →
     ``LLM_DEVICE_OUT_OF_MEMORY``; connection errors → ``LLM_LINK_FAILED``; anything
-    else → ``default``.
+    else → ``default``. (A class, not a generator: it is on every request's path.)
     """
-    try:
-        yield
-    except (LLMException, TypeError, ValueError):
-        raise
-    except TimeoutError as exc:
-        raise LLMException(
-            f"{op}: timed out", status_code=LLMStatusCode.LLM_TIMEOUT, op=op
-        ) from exc
-    except MemoryError as exc:
-        raise LLMException(
+    return _MapErrors(op, default)
+
+
+class _MapErrors:
+    __slots__ = ("default", "op")
+
+    def __init__(self, op: str, default: LLMStatusCode) -> None:
+        self.op = op
+        self.default = default
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None or not isinstance(exc, Exception):  # cancellation passes too
+            return
+        if isinstance(exc, LLMException | TypeError | ValueError):
+            return
+        raise _translated(exc, self.op, self.default) from exc
+
+
+def _translated(exc: Exception, op: str, default: LLMStatusCode) -> LLMException:
+    """The ``LLMException`` that :func:`map_errors` raises for ``exc``."""
+    if isinstance(exc, TimeoutError):
+        return LLMException(f"{op}: timed out", status_code=LLMStatusCode.LLM_TIMEOUT, op=op)
+    if isinstance(exc, MemoryError):
+        return LLMException(
             f"{op}: out of memory", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY, op=op
-        ) from exc
-    except OSError as exc:
+        )
+    if isinstance(exc, OSError):
         code = _OS_CODES.get(exc.errno or 0, default)
         if isinstance(exc, ConnectionError):
             code = LLMStatusCode.LLM_LINK_FAILED
-        raise LLMException(f"{op}: {exc}", status_code=code, op=op) from exc
-    except Exception as exc:
-        if _is_device_oom(exc):
-            raise LLMException(
-                f"{op}: device out of memory",
-                status_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY,
-                op=op,
-            ) from exc
-        raise LLMException(
-            f"{op}: {type(exc).__name__}: {exc}", status_code=default, op=op
-        ) from exc
+        return LLMException(f"{op}: {exc}", status_code=code, op=op)
+    if _is_device_oom(exc):
+        return LLMException(
+            f"{op}: device out of memory",
+            status_code=LLMStatusCode.LLM_DEVICE_OUT_OF_MEMORY,
+            op=op,
+        )
+    return LLMException(f"{op}: {type(exc).__name__}: {exc}", status_code=default, op=op)
 
 
 def status_of(exc: BaseException, log: logging.Logger, what: str) -> LLMStatusCode:

@@ -337,12 +337,14 @@ class CacheRegistry:
             LLMException: as :meth:`pin`; nothing is pinned or recorded then.
         """
         self._pin(entries, False)
-        self.add_revoker(token, revoke, *entries)
+        for e in entries:
+            e.revokers[token] = revoke
 
     @_locked
     def let_go(self, token: object, *entries: Entry) -> None:
         """End a :meth:`hold`: :meth:`drop_revoker` ``token``, then :meth:`unpin`."""
-        self.drop_revoker(token, *entries)
+        for e in entries:
+            e.revokers.pop(token, None)
         self._unpin(entries, False)
 
     def _unpin(self, entries: Sequence[Entry], lease: bool) -> None:

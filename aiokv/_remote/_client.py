@@ -421,8 +421,7 @@ class _Requests:
         memory of the cache itself) within ``left`` seconds; whether it moved (see
         :meth:`RemoteClient.transfer`)."""
         if views is None:  # host memory: found by address, no Python object per tensor
-            cache = self.m.cache
-            views = part.layout.at(cache.bases(part.tensors), cache.cache_desc.size)
+            views = self.m.cache.at(part.layout, part.tensors)
         moved = await self.client.transfer(
             self.m.op,
             self.m.link,

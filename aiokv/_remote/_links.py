@@ -34,10 +34,8 @@ and every read is one atomic dict or set operation (a copy, for :meth:`clusters`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable
-from collections.abc import Iterator
 from typing import Final
 
 from .._enums import LLMStatusCode
@@ -263,19 +261,21 @@ class LinkTable:
             await self._event(cluster_id).wait()
         return link
 
-    @contextlib.contextmanager
-    def request(self, cluster_id: int) -> Iterator[None]:
-        """Count one request of ours in flight to ``cluster_id`` for its duration."""
+    def request(self, cluster_id: int) -> _InFlight:
+        """``with table.request(cid):`` counts one request of ours in flight to
+        ``cluster_id`` for the block's duration."""
+        return _InFlight(self, cluster_id)
+
+    def _enter(self, cluster_id: int) -> None:
         self._busy[cluster_id] = self._busy.get(cluster_id, 0) + 1
-        try:
-            yield
-        finally:
-            left = self._busy[cluster_id] - 1
-            if left:
-                self._busy[cluster_id] = left
-            else:
-                del self._busy[cluster_id]
-                self._wake(cluster_id)
+
+    def _leave(self, cluster_id: int) -> None:
+        left = self._busy[cluster_id] - 1
+        if left:
+            self._busy[cluster_id] = left
+        else:
+            del self._busy[cluster_id]
+            self._wake(cluster_id)
 
     async def drained(self, cluster_id: int) -> None:
         """Wait until no request of ours to ``cluster_id`` is in flight."""
@@ -292,6 +292,22 @@ class LinkTable:
         event = self._changed.pop(cluster_id, None)
         if event is not None:
             event.set()
+
+
+class _InFlight:
+    """:meth:`LinkTable.request`'s context manager (a class: it is on every request's path)."""
+
+    __slots__ = ("_cid", "_table")
+
+    def __init__(self, table: LinkTable, cluster_id: int) -> None:
+        self._table = table
+        self._cid = cluster_id
+
+    def __enter__(self) -> None:
+        self._table._enter(self._cid)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._table._leave(self._cid)
 
 
 def _unfiled(cid: int, claimant: Link) -> None:

@@ -690,7 +690,7 @@ def _host_views(cache: Cache, layout: ByteLayout, places: _Places) -> LayoutView
     checked raw address (whose region, :attr:`~ByteLayout.extent` bytes, lies inside
     that tensor)."""
     if isinstance(places, range):
-        return layout.at(cache.bases(places), cache.cache_desc.size)
+        return cache.at(layout, places)
     addrs = [e.cache.tensors[t].data_ptr() + off for e, t, off in places]
     return layout.at(np.array(addrs, dtype=np.uint64), layout.extent)
 
