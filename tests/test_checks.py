@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
+
 import numpy as np
 import pytest
 
@@ -11,6 +14,7 @@ from aiokv._checks import MAX_BLOCK_INDEX
 from aiokv._checks import check_blocks
 from aiokv._checks import check_unique
 from aiokv._checks import duplicated
+from aiokv._errors import map_errors
 
 
 def test_check_blocks_returns_a_read_only_int64_array() -> None:
@@ -79,3 +83,40 @@ def test_check_unique_refuses_a_repeat() -> None:
     with pytest.raises(LLMException) as err:
         check_unique("op", "a block", np.array([5, 1, 5]))
     assert err.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
+
+
+@pytest.mark.parametrize(
+    ("raised", "code"),
+    [
+        (TimeoutError("slow"), LLMStatusCode.LLM_TIMEOUT),
+        (MemoryError(), LLMStatusCode.LLM_OUT_OF_MEMORY),
+        (ConnectionResetError("reset"), LLMStatusCode.LLM_LINK_FAILED),
+        (OSError(errno.ENOMEM, "no memory"), LLMStatusCode.LLM_OUT_OF_MEMORY),
+        (OSError(errno.EACCES, "denied"), LLMStatusCode.LLM_PARAM_INVALID),  # the default
+        (RuntimeError("boom"), LLMStatusCode.LLM_PARAM_INVALID),
+    ],
+)
+def test_map_errors_translates_foreign_errors(raised: Exception, code: LLMStatusCode) -> None:
+    with pytest.raises(LLMException) as info, map_errors("op", LLMStatusCode.LLM_PARAM_INVALID):
+        raise raised
+    assert info.value.status_code is code
+    assert info.value.__cause__ is raised
+    assert str(info.value).startswith("op: ")
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        LLMException("ours", status_code=LLMStatusCode.LLM_LINK_BUSY),
+        TypeError("t"),
+        ValueError("v"),
+        asyncio.CancelledError(),
+        KeyboardInterrupt(),
+    ],
+)
+def test_map_errors_lets_ours_and_cancellation_through(raised: BaseException) -> None:
+    with pytest.raises(type(raised)) as info, map_errors("op"):
+        raise raised
+    assert info.value is raised
+    with map_errors("op"):  # and a block that raises nothing is untouched
+        pass

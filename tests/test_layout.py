@@ -132,3 +132,14 @@ def test_bases_of_a_cache() -> None:
     assert bases.dtype == np.uint64 and bases.tolist() == [t.data_ptr() for t in tensors]
     assert cache.bases() is bases  # built once
     assert cache.bases(range(1, 3)).tolist() == bases.tolist()[1:]
+    assert cache.block_bytes == 64 and cache.slot_bytes == 64  # one row of 16 floats
+    views = cache.at(ByteLayout.of_blocks(np.array([3, 1]), 64), range(1, 3))
+    assert len(views) == 4 and views.total == 256  # a run per block per tensor
+    for view in views:
+        view[:] = b"\x01" * 64
+    # the bytes landed in blocks 3 and 1 of tensors 1 and 2, and nowhere else
+    assert not tensors[0].any()
+    for t in tensors[1:]:
+        assert t[[1, 3]].view(torch.uint8).eq(1).all() and not t[[0, 2]].any()
+    with pytest.raises(ValueError, match="does not fit"):  # past a tensor's end
+        cache.at(ByteLayout.of_blocks(np.array([4]), 64), range(3))
