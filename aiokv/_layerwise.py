@@ -200,20 +200,6 @@ def plan(
     return LayerPlan(layers, send)
 
 
-async def _sync(sync: LayerSynchronizer, portal: Portal, layer: int) -> LLMStatusCode:
-    fn: Any = sync.synchronize_layer
-    try:
-        if inspect.iscoroutinefunction(fn):
-            got = await portal.run(fn, layer, None)
-        else:
-            got = await portal.call(lambda: fn(layer, None), _label(sync, layer))
-            if inspect.isawaitable(got):  # a def returning an awaitable: the caller's
-                got = await portal.run(_awaited, got)
-    except Exception as exc:
-        return status_of(exc, log, f"synchronize_layer({layer})")
-    return _code_of(got)
-
-
 def _code_of(got: Any) -> LLMStatusCode:
     return Code.LLM_SUCCESS if got is True else Code.LLM_PARAM_INVALID
 
@@ -235,10 +221,12 @@ Released = tuple[int, list[int], LLMStatusCode]
 
 
 class _Feed:
-    """A ``def`` synchronizer called for consecutive layers by ONE job on the engine's
-    synchronizer lane, which calls it for layer ``i + 1`` as soon as it returned for
-    layer ``i`` and posts each outcome to the engine loop: no thread hop per layer (on a
-    busy engine each hop waited for the loop, and delayed every later layer's send).
+    """A synchronizer called for consecutive layers by ONE job, which calls it for layer
+    ``i + 1`` as soon as it returned for layer ``i`` and posts each outcome to the
+    engine loop: no round trip through the engine per layer (on a busy engine each one
+    waited for the loop, and delayed every later layer's send). A ``def`` one is called
+    by a job on the engine's synchronizer lane (:meth:`feed`); an ``async def`` one by a
+    coroutine on the caller's loop (:meth:`feed_async`, run through the portal).
 
     The job (:meth:`feed`) decides which layers are wanted as the engine did: a layer
     no destination still needs (each one failed: a synchronizer's ``False`` or error,
@@ -264,7 +252,8 @@ class _Feed:
         self._loop = asyncio.get_running_loop()
         self.failed: set[int] = set()  # destinations a synchronizer failed (engine: after a job)
         self.stopped = False
-        self.job: concurrent.futures.Future[None] | None = None
+        self.job: concurrent.futures.Future[None] | asyncio.Future[None] | None = None
+        self.error: BaseException | None = None  # what ended an async feed early
         self.queue: asyncio.Queue[tuple[int, list[int], Any, bool] | None] = asyncio.Queue()
 
     def wanting(self, layer: int) -> list[int]:
@@ -298,6 +287,53 @@ class _Feed:
             if waits:
                 return
         self._post(None)
+
+    async def feed_async(self, start: int, stop: int) -> None:
+        """On the caller's loop: await the ``async def`` synchronizer for the wanted
+        layers of ``[start, stop)`` in order, posting ``(layer, wanting, got is True,
+        False)``, or ``(layer, wanting, exc, True)``, for each; the job running it
+        posts the end (:meth:`start_async`)."""
+        for layer in range(start, stop):
+            if self.stopped:
+                return
+            wanting = self.wanting(layer)
+            if not wanting:
+                continue
+            try:
+                ok = await self._fn(layer, None) is True
+            except Exception as exc:  # handed to the engine; a cancellation ends the feed
+                self.failed.update(wanting)
+                self._post((layer, wanting, exc, True))
+                continue
+            if not ok:
+                self.failed.update(wanting)
+            self._post((layer, wanting, ok, False))
+
+    def start_async(self, portal: Portal, first: int, stop: int) -> None:
+        """Start, on the engine loop, the job awaiting :meth:`feed_async` through
+        ``portal``; it posts ``None`` when that ends, and keeps in :attr:`error` what
+        ended it early (the portal's loop closed, a cancellation). Never fails to start."""
+
+        async def job() -> None:
+            try:
+                await portal.run(self.feed_async, first, stop)
+            except BaseException as exc:  # handed to the engine: see error
+                self.error = exc
+            finally:
+                self._post(None)
+
+        self.job = asyncio.ensure_future(job())
+
+    def never_asked(self, start: int, stop: int, exc: Exception) -> list[Released]:
+        """The wanted layers of ``[start, stop)`` that no synchronizer call will
+        release (``exc`` ended the feeding): each fails its destinations with
+        ``exc``'s code."""
+        out: list[Released] = []
+        for layer in range(start, stop):
+            if wanting := self.wanting(layer):
+                self.failed.update(wanting)
+                out.append((layer, wanting, status_of(exc, log, f"synchronize_layer({layer})")))
+        return out
 
     def _post(self, item: tuple[int, list[int], Any, bool] | None) -> None:
         with contextlib.suppress(RuntimeError):  # the engine loop is closed: nobody waits
@@ -348,28 +384,32 @@ async def _released(
     released it (or failed it): ``(layer, wanting, code)``."""
     first = min(p.layers.start for p in plans)
     last = max(p.layers.stop for p in plans)
-    if inspect.iscoroutinefunction(sync.synchronize_layer):
-        for layer in range(first, last):
-            wanting = [j for j, p in enumerate(plans) if layer in p.layers and results[j] is None]
-            if wanting:
-                yield layer, wanting, await _sync(sync, portal, layer)
-        return
     feed = _Feed(sync, portal.lane, plans, results)
+    is_async = inspect.iscoroutinefunction(sync.synchronize_layer)
     try:
         start: int | None = first
         while start is not None:
-            if (closed := feed.start(start, last)) is not None:
-                for layer in range(start, last):
-                    if wanting := feed.wanting(layer):
-                        feed.failed.update(wanting)
-                        yield layer, wanting, status_of(closed, log, f"synchronize_layer({layer})")
+            closed = None
+            if is_async:
+                feed.start_async(portal, start, last)
+            else:
+                closed = feed.start(start, last)
+            if closed is not None:
+                for released in feed.never_asked(start, last, closed):
+                    yield released
                 return
-            start = None
+            after, start = start, None
             while (item := await feed.queue.get()) is not None:
+                after = item[0] + 1
                 yield item[0], item[1], await feed.code(portal, item)
                 if inspect.isawaitable(item[2]):  # its job has ended: a new one goes on
-                    start = item[0] + 1
+                    start = after
                     break
+            if feed.error is not None and not feed.stopped:  # an async feed ended early
+                if not isinstance(feed.error, Exception):
+                    raise feed.error
+                for released in feed.never_asked(after, last, feed.error):
+                    yield released
     finally:
         feed.stop()
 

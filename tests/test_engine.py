@@ -394,6 +394,42 @@ async def test_a_def_synchronizer_is_called_for_the_next_layer_without_the_engin
     assert asked == [0, 1, 2]
 
 
+async def test_an_async_synchronizer_is_called_for_the_next_layer_without_the_engine_loop() -> None:
+    """The same for an ``async def`` synchronizer, called on the caller's loop: its call
+    for layer 1 does not wait for the engine to take layer 0's answer (with the engine
+    loop held until that call, layer 1 is still asked for); a False for layer 2 fails
+    the destination and no later layer is asked for."""
+    layers = 4
+    release = threading.Event()
+    held: list[bool] = []
+    asked: list[int] = []
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    def hold() -> None:  # on the engine loop: nothing else runs there meanwhile
+        held.append(release.wait(10))
+
+    async with layerwise(layers) as (manager, src, _):
+        engine = manager._engine
+
+        class Holding:
+            async def synchronize_layer(
+                self, layer_index: int, timeout_in_millis: int | None
+            ) -> bool:
+                asked.append(layer_index)
+                loops.append(asyncio.get_running_loop())
+                if layer_index == 0:
+                    engine.loop.call_soon_threadsafe(hold)
+                    await asyncio.sleep(0.05)  # the engine takes the hold first
+                elif layer_index == 1:
+                    release.set()
+                return layer_index < 2
+
+        task = send_all(manager, src, Holding())
+        assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
+    assert held == [True]  # released by the call for layer 1, not by the 10 s wait
+    assert asked == [0, 1, 2] and loops == [asyncio.get_running_loop()] * 3
+
+
 async def test_a_def_synchronizer_returning_awaitables_is_awaited_layer_after_layer() -> None:
     """A ``def`` returning an awaitable: each is awaited on the caller's loop before the
     next layer is asked for; a False stops the layers after it, and the layers released
