@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ._enums import LLMStatusCode
@@ -148,12 +149,10 @@ def map_errors(op: str, default: LLMStatusCode = LLMStatusCode.LLM_FAILED) -> _M
     return _MapErrors(op, default)
 
 
+@dataclass(slots=True)
 class _MapErrors:
-    __slots__ = ("default", "op")
-
-    def __init__(self, op: str, default: LLMStatusCode) -> None:
-        self.op = op
-        self.default = default
+    op: str
+    default: LLMStatusCode
 
     def __enter__(self) -> None:
         return None

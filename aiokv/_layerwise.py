@@ -25,6 +25,7 @@ from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Coroutine
 from collections.abc import Generator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from typing import Protocol
@@ -264,16 +265,20 @@ class _Feed:
             if layer in p.layers and self._results[j] is None and j not in self.failed
         ]
 
+    def _to_ask(self, start: int, stop: int) -> Iterator[tuple[int, list[int]]]:
+        """The layers of ``[start, stop)`` to ask for, in order, each with the
+        destinations that want it (found just before it is asked), until stopped."""
+        for layer in range(start, stop):
+            if self.stopped:
+                return
+            if wanting := self.wanting(layer):
+                yield layer, wanting
+
     def feed(self, start: int, stop: int) -> None:
         """On a lane thread: call the synchronizer for the wanted layers of
         ``[start, stop)`` in order, posting ``(layer, wanting, outcome, raised)`` for
         each, then ``None`` (unless it stopped early)."""
-        for layer in range(start, stop):
-            if self.stopped:
-                return
-            wanting = self.wanting(layer)
-            if not wanting:
-                continue
+        for layer, wanting in self._to_ask(start, stop):
             self._lane.relabel(_label(self._sync, layer))
             raised = False
             try:
@@ -286,19 +291,15 @@ class _Feed:
             self._post((layer, wanting, got, raised))
             if waits:
                 return
-        self._post(None)
+        if not self.stopped:
+            self._post(None)
 
     async def feed_async(self, start: int, stop: int) -> None:
         """On the caller's loop: await the ``async def`` synchronizer for the wanted
         layers of ``[start, stop)`` in order, posting ``(layer, wanting, got is True,
         False)``, or ``(layer, wanting, exc, True)``, for each; the job running it
         posts the end (:meth:`start_async`)."""
-        for layer in range(start, stop):
-            if self.stopped:
-                return
-            wanting = self.wanting(layer)
-            if not wanting:
-                continue
+        for layer, wanting in self._to_ask(start, stop):
             try:
                 ok = await self._fn(layer, None) is True
             except Exception as exc:  # handed to the engine; a cancellation ends the feed

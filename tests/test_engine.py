@@ -362,72 +362,54 @@ async def test_blocking_def_synchronizer_runs_off_the_loops_and_overlaps() -> No
     assert took < layers * compute_s + 0.5, f"{took:.2f} s"
 
 
-async def test_a_def_synchronizer_is_called_for_the_next_layer_without_the_engine_loop() -> None:
-    """A ``def`` synchronizer's calls for consecutive layers do not each wait for the
-    engine loop (a hop per layer, which delayed every later send on a busy engine): with
+@pytest.mark.parametrize("kind", ["def", "async def"])
+async def test_a_synchronizer_is_called_for_the_next_layer_without_the_engine_loop(
+    kind: str,
+) -> None:
+    """A synchronizer's calls for consecutive layers do not each wait for the engine
+    loop (a round trip per layer, which delayed every later send on a busy engine): with
     the loop held by a callback that only the call for layer 1 releases, layer 1 is
     still asked for; a False for layer 2 fails the destination and no later layer is
-    asked for, as before."""
+    asked for, as before. A ``def`` runs on a lane thread, an ``async def`` on the
+    caller's loop."""
     layers = 4
     release = threading.Event()
     held: list[bool] = []
-    asked: list[int] = []
+    asked: list[tuple[int, asyncio.AbstractEventLoop | None]] = []
 
     def hold() -> None:  # on the engine loop: nothing else runs there meanwhile
         held.append(release.wait(10))
 
-    async with layerwise(layers) as (manager, src, _):
-        engine = manager._engine
+    def ask(layer_index: int) -> bool:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        asked.append((layer_index, loop))
+        if layer_index == 0:
+            engine.loop.call_soon_threadsafe(hold)
+        elif layer_index == 1:
+            release.set()
+        return layer_index < 2
 
-        class Holding:
-            def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
-                asked.append(layer_index)
-                if layer_index == 0:
-                    engine.loop.call_soon_threadsafe(hold)
-                elif layer_index == 1:
-                    release.set()
-                return layer_index < 2
+    class Blocking:
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            return ask(layer_index)
 
-        task = send_all(manager, src, Holding())
-        assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
-    assert held == [True]  # released by the call for layer 1, not by the 10 s wait
-    assert asked == [0, 1, 2]
-
-
-async def test_an_async_synchronizer_is_called_for_the_next_layer_without_the_engine_loop() -> None:
-    """The same for an ``async def`` synchronizer, called on the caller's loop: its call
-    for layer 1 does not wait for the engine to take layer 0's answer (with the engine
-    loop held until that call, layer 1 is still asked for); a False for layer 2 fails
-    the destination and no later layer is asked for."""
-    layers = 4
-    release = threading.Event()
-    held: list[bool] = []
-    asked: list[int] = []
-    loops: list[asyncio.AbstractEventLoop] = []
-
-    def hold() -> None:  # on the engine loop: nothing else runs there meanwhile
-        held.append(release.wait(10))
+    class Async:
+        async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            ok = ask(layer_index)
+            if layer_index == 0:
+                await asyncio.sleep(0.05)  # the engine takes the hold before the answer
+            return ok
 
     async with layerwise(layers) as (manager, src, _):
         engine = manager._engine
-
-        class Holding:
-            async def synchronize_layer(
-                self, layer_index: int, timeout_in_millis: int | None
-            ) -> bool:
-                asked.append(layer_index)
-                loops.append(asyncio.get_running_loop())
-                if layer_index == 0:
-                    engine.loop.call_soon_threadsafe(hold)
-                    await asyncio.sleep(0.05)  # the engine takes the hold first
-                elif layer_index == 1:
-                    release.set()
-                return layer_index < 2
-
-        task = send_all(manager, src, Holding())
+        task = send_all(manager, src, Blocking() if kind == "def" else Async())
         assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
     assert held == [True]  # released by the call for layer 1, not by the 10 s wait
-    assert asked == [0, 1, 2] and loops == [asyncio.get_running_loop()] * 3
+    where = None if kind == "def" else asyncio.get_running_loop()
+    assert asked == [(0, where), (1, where), (2, where)]
 
 
 async def test_a_def_synchronizer_returning_awaitables_is_awaited_layer_after_layer() -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Final
 
 from .._enums import LLMStatusCode
@@ -294,20 +295,18 @@ class LinkTable:
             event.set()
 
 
+@dataclass(slots=True)
 class _InFlight:
     """:meth:`LinkTable.request`'s context manager (a class: it is on every request's path)."""
 
-    __slots__ = ("_cid", "_table")
-
-    def __init__(self, table: LinkTable, cluster_id: int) -> None:
-        self._table = table
-        self._cid = cluster_id
+    table: LinkTable
+    cluster_id: int
 
     def __enter__(self) -> None:
-        self._table._enter(self._cid)
+        self.table._enter(self.cluster_id)
 
     def __exit__(self, *exc_info: object) -> None:
-        self._table._leave(self._cid)
+        self.table._leave(self.cluster_id)
 
 
 def _unfiled(cid: int, claimant: Link) -> None:
