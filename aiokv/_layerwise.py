@@ -310,10 +310,11 @@ class _Feed:
                 self.failed.update(wanting)
             self._post((layer, wanting, ok, False))
 
-    def start_async(self, portal: Portal, first: int, stop: int) -> None:
+    def start_async(self, portal: Portal, first: int, stop: int) -> RuntimeError | None:
         """Start, on the engine loop, the job awaiting :meth:`feed_async` through
         ``portal``; it posts ``None`` when that ends, and keeps in :attr:`error` what
-        ended it early (the portal's loop closed, a cancellation). Never fails to start."""
+        ended it early (the portal's loop closed, a cancellation). Returns None: it
+        always starts (the signature of :meth:`start`)."""
 
         async def job() -> None:
             try:
@@ -324,6 +325,7 @@ class _Feed:
                 self._post(None)
 
         self.job = asyncio.ensure_future(job())
+        return None
 
     def never_asked(self, start: int, stop: int, exc: Exception) -> list[Released]:
         """The wanted layers of ``[start, stop)`` that no synchronizer call will
@@ -390,11 +392,7 @@ async def _released(
     try:
         start: int | None = first
         while start is not None:
-            closed = None
-            if is_async:
-                feed.start_async(portal, start, last)
-            else:
-                closed = feed.start(start, last)
+            closed = feed.start_async(portal, start, last) if is_async else feed.start(start, last)
             if closed is not None:
                 for released in feed.never_asked(start, last, closed):
                     yield released

@@ -337,14 +337,12 @@ class CacheRegistry:
             LLMException: as :meth:`pin`; nothing is pinned or recorded then.
         """
         self._pin(entries, False)
-        for e in entries:
-            e.revokers[token] = revoke
+        _add_revoker(token, revoke, entries)
 
     @_locked
     def let_go(self, token: object, *entries: Entry) -> None:
         """End a :meth:`hold`: :meth:`drop_revoker` ``token``, then :meth:`unpin`."""
-        for e in entries:
-            e.revokers.pop(token, None)
+        _drop_revoker(token, entries)
         self._unpin(entries, False)
 
     def _unpin(self, entries: Sequence[Entry], lease: bool) -> None:
@@ -371,14 +369,12 @@ class CacheRegistry:
         self, token: object, revoke: Callable[[LLMStatusCode], None], *entries: Entry
     ) -> None:
         """Record how to end an operation on ``entries`` early (:meth:`revoke`)."""
-        for e in entries:
-            e.revokers[token] = revoke
+        _add_revoker(token, revoke, entries)
 
     @_locked
     def drop_revoker(self, token: object, *entries: Entry) -> None:
         """The operation ``token`` ended; it can no longer be revoked."""
-        for e in entries:
-            e.revokers.pop(token, None)
+        _drop_revoker(token, entries)
 
     @_locked
     def revoke(self, entry: Entry, status: LLMStatusCode) -> int:
@@ -421,3 +417,17 @@ class CacheRegistry:
             pins=sum(e.pins - e.leases for e in live),
             leases=sum(e.leases for e in live),
         )
+
+
+def _add_revoker(
+    token: object, revoke: Callable[[LLMStatusCode], None], entries: Sequence[Entry]
+) -> None:
+    """:meth:`CacheRegistry.add_revoker`'s step, the registry's lock held."""
+    for e in entries:
+        e.revokers[token] = revoke
+
+
+def _drop_revoker(token: object, entries: Sequence[Entry]) -> None:
+    """:meth:`CacheRegistry.drop_revoker`'s step, the registry's lock held."""
+    for e in entries:
+        e.revokers.pop(token, None)
