@@ -3,13 +3,14 @@
 ``CacheManager.transfer_cache_async`` validates everything, then :func:`plan` turns each
 destination into a :class:`LayerPlan` ONCE: validated block lists, the source
 :class:`~aiokv._layout.ByteLayout`, the encoded block list and the link. Sending a
-layer then costs one request and one slice per run — no re-validation and no per-block
-objects (device memory: one staged copy per layer, see :mod:`aiokv._copy._staging`).
-:func:`run_layers` walks the layers in order:
+run of layers then costs one request and one slice per run — no re-validation and no
+per-block objects (device memory: one staged copy per layer, see
+:mod:`aiokv._copy._staging`). :func:`run_layers` walks the layers in order:
 it awaits ``layer_synchronizer.synchronize_layer(i, None)`` (the model saying "layer i
 is written"; waited for as long as it takes, as llm_datadist), starts layer i's sends in
-its task group, and goes on to wait for layer i + 1 while they run; each send is bounded
-by ``sync_kv_timeout``. Each destination gets one result code.
+its task group, and goes on to wait for layer i + 1 while they run; layers released
+together (already written when asked for) go to a destination in one request. Each send
+is bounded by ``sync_kv_timeout``. Each destination gets one result code.
 """
 
 from __future__ import annotations
@@ -96,10 +97,11 @@ class LayerSynchronizer(Protocol):
 
 @dataclass(slots=True)
 class LayerPlan:
-    """One destination: which source layers it needs and how to send one of them."""
+    """One destination: which source layers it needs, and how to send a run of
+    consecutive ones of them in one request."""
 
     layers: range
-    send: Callable[[int], Coroutine[Any, Any, None]]
+    send: Callable[[range], Coroutine[Any, Any, None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,8 +171,8 @@ def plan(
 
         dtype = int(src.cache_desc.data_type)
 
-        def request(layer: int) -> Request:
-            sel = Tensors(2, (layer + shift, layer + shift + 1), 2, dtype)
+        def request(run: range) -> Request:
+            sel = Tensors(2 * len(run), (run.start + shift, run.stop + shift), 2, dtype)
             if isinstance(wkey, KeyByBlocks):
                 return BlocksReq(wkey, sel, packed, src.block_bytes)
             assert isinstance(wkey, KeyById)
@@ -186,16 +188,16 @@ def plan(
         addrs = list(cfg.dst_addrs)
         packed = pack_blocks(source.dsts)
 
-        def request(layer: int) -> Request:
-            i = 2 * (layer - layers.start)
+        def request(run: range) -> Request:
+            bases = addrs[2 * (run.start - layers.start) : 2 * (run.stop - layers.start)]
             if paged:
-                return AddrsReq(addrs[i : i + 2], src.block_bytes, source.dst_block_bytes, packed)
-            return AddrsReq(addrs[i : i + 2], src.slot_bytes, src.slot_bytes)
+                return AddrsReq(bases, src.block_bytes, source.dst_block_bytes, packed)
+            return AddrsReq(bases, src.slot_bytes, src.slot_bytes)
 
         about = {"cluster": cfg.dst_cluster_id}
 
-    async def send(layer: int) -> None:
-        job = transfer(request(layer), range(2 * layer, 2 * layer + 2))
+    async def send(run: range) -> None:
+        job = transfer(request(run), range(2 * run.start, 2 * run.stop))
         await client.move(Move(op, link, src, job, write=True, about=about))
 
     return LayerPlan(layers, send)
@@ -382,9 +384,10 @@ async def _released(
     portal: Portal,
     plans: list[LayerPlan],
     results: list[Code | None],
-) -> AsyncGenerator[Released, None]:
+) -> AsyncGenerator[tuple[int, list[int], LLMStatusCode, bool], None]:
     """Each layer some destination still needs, in order, once its synchronizer
-    released it (or failed it): ``(layer, wanting, code)``."""
+    released it (or failed it): ``(layer, wanting, code, more)``; ``more``: the outcome
+    of a later layer is already here (the next one comes without waiting)."""
     first = min(p.layers.start for p in plans)
     last = max(p.layers.stop for p in plans)
     feed = _Feed(sync, portal.lane, plans, results)
@@ -395,12 +398,13 @@ async def _released(
             closed = feed.start_async(portal, start, last) if is_async else feed.start(start, last)
             if closed is not None:
                 for released in feed.never_asked(start, last, closed):
-                    yield released
+                    yield *released, False
                 return
             after, start = start, None
             while (item := await feed.queue.get()) is not None:
                 after = item[0] + 1
-                yield item[0], item[1], await feed.code(portal, item)
+                code = await feed.code(portal, item)
+                yield item[0], item[1], code, not feed.queue.empty()
                 if inspect.isawaitable(item[2]):  # its job has ended: a new one goes on
                     start = after
                     break
@@ -408,7 +412,7 @@ async def _released(
                 if not isinstance(feed.error, Exception):
                     raise feed.error
                 for released in feed.never_asked(after, last, feed.error):
-                    yield released
+                    yield *released, False
     finally:
         feed.stop()
 
@@ -421,35 +425,59 @@ async def run_layers(
 ) -> None:
     """Walk the layers in order, overlapping each layer's sends with the next wait.
 
+    Layers released together go together: the consecutive layers a destination needs
+    whose outcomes the engine takes in one go (nothing to wait for in between: their
+    synchronizer returned before the engine got to them) are sent to it in ONE request,
+    started once no further outcome is waiting. A layer released on its own (the model
+    still computing the next one) is sent at once, alone.
+
     ``results[j]`` gets plan j's code as soon as it is known (the first failure, or
     ``LLM_SUCCESS`` as soon as its last layer landed: a destination that completed is
-    reported so even if the transfer is cancelled afterwards). The sends run in a task
-    group owned by this coroutine: cancelling it cancels them and waits for them to end.
-    A ``def`` synchronizer is called by one job on the synchronizer lane for
-    consecutive layers (:class:`_Feed`).
+    reported so even if the transfer is cancelled afterwards). A failure does not take
+    back the layers released before it: they are sent as they would have been. The
+    sends run in a task group owned by this coroutine: cancelling it cancels them and
+    waits for them to end; layers released but not sent yet are then never sent. A
+    ``def`` synchronizer is called by one job on the synchronizer lane for consecutive
+    layers (:class:`_Feed`).
     """
     left = [len(p.layers) for p in plans]  # layers of each plan not landed yet
+    runs: dict[int, range] = {}  # destination -> layers released together, not sent yet
 
-    async def send(j: int, layer: int) -> None:
+    async def send(j: int, run: range) -> None:
         try:
-            await plans[j].send(layer)
+            await plans[j].send(run)
         except Exception as exc:
             if results[j] is None:
-                results[j] = status_of(exc, log, f"layer {layer} to destination {j}")
+                what = f"layers {run.start}-{run.stop - 1} to destination {j}"
+                results[j] = status_of(exc, log, what)
             return
-        left[j] -= 1
+        left[j] -= len(run)
         if not left[j] and results[j] is None:
             results[j] = Code.LLM_SUCCESS
 
     async with asyncio.TaskGroup() as group:
+
+        def flush() -> None:
+            for j, run in runs.items():
+                group.create_task(send(j, run))
+            runs.clear()
+
         released = _released(sync, portal, plans, results)
         try:
-            async for layer, wanting, code in released:
+            async for layer, wanting, code, more in released:
                 for j in wanting:
+                    run = runs.get(j)
                     if code != Code.LLM_SUCCESS:
                         results[j] = code
+                    elif run is not None and run.stop == layer:
+                        runs[j] = range(run.start, layer + 1)
                     else:
-                        group.create_task(send(j, layer))
+                        if run is not None:
+                            group.create_task(send(j, run))
+                        runs[j] = range(layer, layer + 1)
+                if not more:
+                    flush()
+            flush()
         finally:
             await released.aclose()
     for j, r in enumerate(results):

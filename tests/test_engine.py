@@ -307,10 +307,12 @@ def test_core_flows_under_trio() -> None:
 
 
 @contextlib.asynccontextmanager
-async def layerwise(layers: int) -> AsyncIterator[tuple[CacheManager, Cache, Cache]]:
-    """``(prompt's manager, source, destination)``: a prompt linked to a decoder, and on
-    each a host blocks cache of ``layers`` layers (two tensors a layer), the decoder's
-    under ``BlocksCacheKey(2, 0)``."""
+async def layerwise(
+    layers: int,
+) -> AsyncIterator[tuple[CacheManager, Cache, Cache, LLMDataDist]]:
+    """``(prompt's manager, source, destination, prompt)``: a prompt linked to a
+    decoder, and on each a host blocks cache of ``layers`` layers (two tensors a layer),
+    the decoder's under ``BlocksCacheKey(2, 0)``."""
     desc = CacheDesc(2 * layers, [BLOCKS, 4096], DataType.DT_UINT8, Placement.HOST)
     async with (
         LLMDataDist(LLMRole.PROMPT, 1, config()) as p,
@@ -319,7 +321,7 @@ async def layerwise(layers: int) -> AsyncIterator[tuple[CacheManager, Cache, Cac
         dst = await d.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
         code, _ = await p.link_clusters([info(2, d.listen_address)])
         assert code == CODE.LLM_SUCCESS
-        yield p.cache_manager, await p.cache_manager.allocate_blocks_cache(desc), dst
+        yield p.cache_manager, await p.cache_manager.allocate_blocks_cache(desc), dst, p
 
 
 def send_all(manager: CacheManager, src: Cache, synchronizer: LayerSynchronizer) -> CacheTask:
@@ -340,7 +342,7 @@ async def test_blocking_def_synchronizer_runs_off_the_loops_and_overlaps() -> No
             time.sleep(compute_s)  # e.g. waiting on a device event
             return True
 
-    async with layerwise(layers) as (manager, src, _):
+    async with layerwise(layers) as (manager, src, _, _):
         ticks = 0
 
         async def ticker() -> None:  # the caller's loop stays free meanwhile
@@ -403,7 +405,7 @@ async def test_a_synchronizer_is_called_for_the_next_layer_without_the_engine_lo
                 await asyncio.sleep(0.05)  # the engine takes the hold before the answer
             return ok
 
-    async with layerwise(layers) as (manager, src, _):
+    async with layerwise(layers) as (manager, src, _, _):
         engine = manager._engine
         task = send_all(manager, src, Blocking() if kind == "def" else Async())
         assert await task.get_results() == [CODE.LLM_PARAM_INVALID]
@@ -431,7 +433,7 @@ async def test_a_def_synchronizer_returning_awaitables_is_awaited_layer_after_la
             asked.append(layer_index)
             return ready(layer_index)
 
-    async with layerwise(layers) as (manager, src, dst):
+    async with layerwise(layers) as (manager, src, dst, _):
         for i, t in enumerate(src.tensors):
             t.fill_(i + 1)
         task = send_all(manager, src, Deferring())
@@ -439,6 +441,51 @@ async def test_a_def_synchronizer_returning_awaitables_is_awaited_layer_after_la
         assert asked == [0, 1, 2] and loops == [caller] * 3
         for i, t in enumerate(dst.tensors):  # layers 0 and 1 (tensors 0-3) landed
             assert bool((t == i + 1).all()) == (i < 4)
+
+
+async def test_layers_released_together_go_in_one_request_a_layer_released_alone_alone() -> None:
+    """The layers whose synchronizer returned before the engine took any of them go to
+    the destination in ONE request; a layer released once the model computed it (the
+    request before it already sent) goes on its own. Every byte lands either way."""
+    layers = 6
+    release = threading.Event()
+    go = {layer: threading.Event() for layer in (3, 4, 5)}
+    held: list[bool] = []
+
+    def hold() -> None:  # on the engine loop: queued before layer 0's outcome
+        held.append(release.wait(10))
+
+    class Paced:
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            if layer_index == 0:
+                engine.loop.call_soon_threadsafe(hold)
+            if layer_index in go:  # layers 0-2 were posted while the engine was held
+                release.set()
+                assert go[layer_index].wait(10)
+            return True
+
+    async with layerwise(layers) as (manager, src, dst, prompt):
+        engine = manager._engine
+        for i, t in enumerate(src.tensors):
+            t.fill_(i + 1)
+
+        def started() -> int:
+            stats = prompt.statistics().links[2].requests
+            return stats.ops + stats.in_flight
+
+        task = send_all(manager, src, Paced())
+        for n, layer in enumerate(go, start=1):
+            for _ in range(1000):  # the request(s) before this layer: sent by now
+                if started() >= n:
+                    break
+                await asyncio.sleep(0.01)
+            assert started() == n
+            go[layer].set()
+        assert await task.get_results() == [CODE.LLM_SUCCESS]
+        assert started() == 1 + len(go)  # layers 0-2 in one request, then one each
+        assert held == [True]
+        for i, t in enumerate(dst.tensors):
+            assert bool((t == i + 1).all())
 
 
 # --------------------------------------------------------------------------- lifecycle

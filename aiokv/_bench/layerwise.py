@@ -11,7 +11,10 @@ with compute.
   blocks (:func:`block_lists`: one run per tensor on each side), so the layer-wise
   transfer sends ``layers`` requests of one layer's K,V runs each and the push ONE
   request of all of them, and ``t_transfer_cache_async / t_push_blocks`` is the cost of
-  the per-layer requests alone (target ≤ 1.1). Interleaved rounds, medians. Shapes:
+  the per-layer requests alone (target ≤ 1.1). Layers ready at once go in fewer
+  requests (those the engine takes together go in one): each row says how many one
+  transfer made (``by_key_requests``, ``by_addrs_requests``, from the decoder's
+  statistics, in the verifying run). Interleaved rounds, medians. Shapes:
   32 layers × K,V of 4,096 blocks of 256 B (64 MiB), and of 256 blocks of 16 KiB
   (256 MiB). After the timed rounds every contender runs once more into a zeroed
   destination and the peer's digest of the destination blocks must equal the digest of
@@ -53,7 +56,15 @@ from ._harness import run_remote
 from ._harness import time_call
 from ._progress import steps
 
-__all__ = ["SHAPES", "block_lists", "overhead", "overlap", "overlap_setup", "run_layerwise_bench"]
+__all__ = [
+    "SHAPES",
+    "block_lists",
+    "overhead",
+    "overlap",
+    "overlap_setup",
+    "requests_to_peer",
+    "run_layerwise_bench",
+]
 
 #: ``(blocks, block bytes)`` per tensor of the overhead benchmark; 32 layers x K,V.
 SHAPES = ((4096, 256), (256, 16 * KIB))
@@ -114,36 +125,57 @@ async def _layerwise(
         raise RuntimeError(f"transfer_cache_async failed: {codes}")
 
 
+def requests_to_peer(decoder: LLMDataDist) -> Callable[[], int]:
+    """How many requests ``decoder`` has started to the prompt peer so far."""
+
+    def started() -> int:
+        stats = decoder.statistics().links[PEER_ID].requests
+        return stats.ops + stats.in_flight
+
+    return started
+
+
 async def overhead(
     report: Report,
     cm: CacheManager,
     peer: PromptPeer,
     *,
+    requests: Callable[[], int],
     rounds: int,
     shapes: Sequence[tuple[int, int]] = SHAPES,
     layers: int = LAYERS,
 ) -> None:
-    """Add the ``layerwise_overhead`` table to ``report``: one row per shape.
+    """Add the ``layerwise_overhead`` table to ``report``: one row per shape;
+    ``requests`` counts the requests made to the peer (:func:`requests_to_peer`).
 
     Raises:
         AssertionError: a contender left wrong bytes at the destination.
     """
     rows = report.table(
         "layerwise_overhead",
-        f"transfer_cache_async (every layer ready at once, {layers} requests) vs ONE "
-        f"push_blocks of the same bytes, {layers} layers x K,V, the same contiguous blocks "
-        f"(one run per tensor); ms = median; ratio = t / t_push_blocks (target <= 1.1)",
+        f"transfer_cache_async (every layer ready at once) vs ONE push_blocks of the same "
+        f"bytes, {layers} layers x K,V, the same contiguous blocks (one run per tensor); "
+        f"ms = median; ratio = t / t_push_blocks (target <= 1.1); requests = requests one "
+        f"layer-wise transfer made (layers taken together go in one)",
     )
     with steps("layer-wise overhead", len(shapes)) as part:
         for count, block in shapes:
             with part.step(f"layer-wise overhead {count} x {block} B"):
-                rows.append(await _overhead_row(cm, peer, count, block, layers, rounds))
+                row = await _overhead_row(cm, peer, requests, count, block, layers, rounds)
+                rows.append(row)
 
 
 async def _overhead_row(
-    cm: CacheManager, peer: PromptPeer, count: int, block: int, layers: int, rounds: int
+    cm: CacheManager,
+    peer: PromptPeer,
+    requests: Callable[[], int],
+    count: int,
+    block: int,
+    layers: int,
+    rounds: int,
 ) -> dict[str, Any]:
-    """One shape of :func:`overhead`: time the three contenders, then verify each."""
+    """One shape of :func:`overhead`: time the three contenders, then verify each (and
+    count its requests)."""
     key = BlocksCacheKey(PEER_ID, 0)
     desc = CacheDesc(2 * layers, [2 * count, block], DataType.DT_UINT8)
     addrs = await peer.cache(desc)
@@ -160,9 +192,12 @@ async def _overhead_row(
         }
         t = {k: median(v) for k, v in (await interleave(contenders, rounds)).items()}
         want = await asyncio.to_thread(digest, src, srcs)
+        made: dict[str, int] = {}
         for name, fn in contenders.items():
             await peer.clear()
+            before = requests()
             await time_call(fn)
+            made[name] = requests() - before
             if await peer.digest(dsts) != want:
                 raise AssertionError(f"layer-wise benchmark: {name} delivered wrong bytes")
     finally:
@@ -176,6 +211,8 @@ async def _overhead_row(
         "by_key_ratio": t["by_key"] / t["push_blocks"],
         "by_addrs_ms": t["by_addrs"] * 1e3,
         "by_addrs_ratio": t["by_addrs"] / t["push_blocks"],
+        "by_key_requests": made["by_key"],
+        "by_addrs_requests": made["by_addrs"],
         "verified": True,
     }
 
@@ -250,7 +287,10 @@ def run_layerwise_bench(
 
     async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
         cm = decoder.cache_manager
-        await overhead(report, cm, peer, rounds=rounds, shapes=shapes, layers=layers)
+        started = requests_to_peer(decoder)
+        await overhead(
+            report, cm, peer, requests=started, rounds=rounds, shapes=shapes, layers=layers
+        )
         await overlap(report, cm, peer, layers=layers, block=64 * KIB, count=32)
 
     run_remote(main, pool_bytes)

@@ -74,6 +74,7 @@ from ._pki import make_pki
 from ._progress import steps
 from .layerwise import overhead
 from .layerwise import overlap
+from .layerwise import requests_to_peer
 from .mooncake import Peers
 from .mooncake import missing
 from .mooncake import mooncake_contenders
@@ -529,7 +530,7 @@ def run_transfer_bench(
         layers = 16 if quick else 32
         await overlap(report, cm, peer, layers=layers, block=64 * KIB, count=32)
         if not quick:
-            await overhead(report, cm, peer, rounds=7)
+            await overhead(report, cm, peer, requests=requests_to_peer(decoder), rounds=7)
         await _concurrent(report, peer, links=8, transfers=400 if quick else 1000)
 
     run_remote(main, start=start)

@@ -53,7 +53,10 @@ class LayerWise(ManagerBase):
         For each layer in order (layer ``i`` = tensors ``2i, 2i+1``) the task awaits
         ``layer_synchronizer.synchronize_layer(i, None)`` (for as long as it takes) and
         then sends that layer to every destination needing it, each send bounded by
-        ``sync_kv_timeout``, so layer i moves while layer i+1 computes.
+        ``sync_kv_timeout``, so layer i moves while layer i+1 computes. Layers that are
+        released together (written already when asked for: their synchronizer returns
+        before the task gets to them) go to a destination in one request of all of
+        them, as one ``push_blocks`` of those layers would.
 
         Destinations: a ``TransferConfig`` names raw tensor addresses registered on the
         peer (``dst_addrs[j]`` for the j-th tensor of ``src_layer_range``), checked by the

@@ -84,6 +84,8 @@ def test_layerwise_bench_verifies_and_reports_every_shape() -> None:
         assert r["push_blocks_ms"] > 0
         assert r["by_key_ratio"] == pytest.approx(r["by_key_ms"] / r["push_blocks_ms"])
         assert r["by_addrs_ratio"] == pytest.approx(r["by_addrs_ms"] / r["push_blocks_ms"])
+        # one request at least, one per layer at most (layers taken together go in one)
+        assert 1 <= r["by_key_requests"] <= 2 and 1 <= r["by_addrs_requests"] <= 2
     overlap = report.as_dict()["layerwise_overlap"]
     assert overlap["layers"] == 2 and overlap["mib"] == 2 * 2 * 32 * 64 / 1024
     assert overlap["ratio"] == pytest.approx(
@@ -131,7 +133,10 @@ def test_layerwise_baseline_is_one_push_of_the_same_contiguous_blocks() -> None:
 
     async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
         cm: Any = _Recorder(decoder.cache_manager)
-        await layerwise.overhead(Report("x"), cm, peer, rounds=1, shapes=TINY[:1], layers=2)
+        started = layerwise.requests_to_peer(decoder)
+        await layerwise.overhead(
+            Report("x"), cm, peer, requests=started, rounds=1, shapes=TINY[:1], layers=2
+        )
         calls.extend(cm.calls)
 
     run_remote(main, pool_bytes=1 << 24)
@@ -165,7 +170,10 @@ class _PushDropsBytes:
 def test_layerwise_bench_fails_on_a_fast_wrong_result() -> None:
     async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
         cm: Any = _PushDropsBytes(decoder.cache_manager)
-        await layerwise.overhead(Report("x"), cm, peer, rounds=1, shapes=TINY[:1], layers=2)
+        started = layerwise.requests_to_peer(decoder)
+        await layerwise.overhead(
+            Report("x"), cm, peer, requests=started, rounds=1, shapes=TINY[:1], layers=2
+        )
 
     with pytest.raises(AssertionError, match="push_blocks delivered wrong bytes"):
         run_remote(main, pool_bytes=1 << 24)
