@@ -156,7 +156,8 @@ async def overhead(
         f"transfer_cache_async (every layer ready at once) vs ONE push_blocks of the same "
         f"bytes, {layers} layers x K,V, the same contiguous blocks (one run per tensor); "
         f"ms = median; ratio = t / t_push_blocks (target <= 1.1); requests = requests one "
-        f"layer-wise transfer made (layers taken together go in one)",
+        f"layer-wise transfer made (layers taken together go in one; a send over 64 MiB "
+        f"is cut into 64 MiB requests, as a push is)",
     )
     with steps("layer-wise overhead", len(shapes)) as part:
         for count, block in shapes:
