@@ -96,6 +96,7 @@ def main(rounds: int) -> None:
                         await cm.pull_blocks(key, dst, [1], [2])  # noqa: B023
 
                 pid = peer.proc.pid
+                assert pid is not None  # started
                 cpu = {
                     "caller": await _cpu_per_pull(in_a_row, IN_A_ROW, pid),
                     "engine": await engine.run(_cpu_per_pull, in_a_row, IN_A_ROW, pid),
