@@ -36,6 +36,7 @@ from aiokv import LLMException
 from aiokv import LLMRole
 from aiokv import LLMStatusCode
 from aiokv import Placement
+from aiokv import TransferConfig
 from aiokv import TransferWithCacheKeyConfig
 from aiokv._engine import Engine
 from aiokv.testing import cluster_info as info
@@ -443,10 +444,14 @@ async def test_a_def_synchronizer_returning_awaitables_is_awaited_layer_after_la
             assert bool((t == i + 1).all()) == (i < 4)
 
 
-async def test_layers_released_together_go_in_one_request_a_layer_released_alone_alone() -> None:
+@pytest.mark.parametrize("by", ["key", "addrs"])
+async def test_layers_released_together_go_in_one_request_a_layer_released_alone_alone(
+    by: str,
+) -> None:
     """The layers whose synchronizer returned before the engine took any of them go to
     the destination in ONE request; a layer released once the model computed it (the
-    request before it already sent) goes on its own. Every byte lands either way."""
+    request before it already sent) goes on its own. Every byte lands either way, by
+    key and by raw addresses (a run's addresses: two per layer, in order)."""
     layers = 6
     release = threading.Event()
     go = {layer: threading.Event() for layer in (3, 4, 5)}
@@ -473,7 +478,12 @@ async def test_layers_released_together_go_in_one_request_a_layer_released_alone
             stats = prompt.statistics().links[2].requests
             return stats.ops + stats.in_flight
 
-        task = send_all(manager, src, Paced())
+        if by == "key":
+            task = send_all(manager, src, Paced())
+        else:
+            blocks = list(range(BLOCKS))
+            cfg = TransferConfig(2, dst.tensor_addrs)
+            task = manager.transfer_cache_async(src, Paced(), [cfg], blocks, blocks)
         for n, layer in enumerate(go, start=1):
             for _ in range(1000):  # the request(s) before this layer: sent by now
                 if started() >= n:
