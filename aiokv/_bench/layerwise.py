@@ -8,11 +8,10 @@ with compute.
   (``TransferConfig`` with the peer's registered tensor addresses), against ONE
   ``push_blocks`` of the same bytes laid out the same way: every contender moves the
   same contiguous source blocks of every tensor into the same contiguous destination
-  blocks (:func:`block_lists`: one run per tensor on each side), so the layer-wise
-  transfer sends ``layers`` requests of one layer's K,V runs each and the push ONE
-  request of all of them, and ``t_transfer_cache_async / t_push_blocks`` is the cost of
-  the per-layer requests alone (target ≤ 1.1). Layers ready at once go in fewer
-  requests (those the engine takes together go in one): each row says how many one
+  blocks (:func:`block_lists`: one run per tensor on each side), and
+  ``t_transfer_cache_async / t_push_blocks`` is the cost of sending layer-wise over one
+  push (target ≤ 1.1). The layers the engine takes together go in one request, so with
+  every layer ready the transfer makes as few as the push; each row says how many one
   transfer made (``by_key_requests``, ``by_addrs_requests``, from the decoder's
   statistics, in the verifying run). Interleaved rounds, medians. Shapes:
   32 layers × K,V of 4,096 blocks of 256 B (64 MiB), and of 256 blocks of 16 KiB
