@@ -13,6 +13,8 @@ from typing import Any
 from aiokv._bench import transfer
 from aiokv._bench._harness import Report
 from aiokv._bench._harness import run_remote
+from aiokv._bench.mooncake import Peers
+from aiokv._bench.raw import RawStream
 
 KIB = 1 << 10
 ROWS = [(16 * KIB, 256), (64 * KIB, 64)] * 2
@@ -22,7 +24,8 @@ def main() -> None:
     report = Report("small-rows", {})
 
     async def run(peer: Any, decoder: Any) -> None:
-        await transfer._throughput(report, decoder.cache_manager, peer, ROWS)
+        pair = (decoder.cache_manager, peer)
+        await transfer._throughput(report, pair, ROWS, None, None, RawStream, Peers())
 
     run_remote(run)
     report.render()

@@ -16,6 +16,7 @@ given by address (``ByteLayout.at``, as every remote transfer's), the best of th
 from __future__ import annotations
 
 import timeit
+from functools import partial
 
 import numpy as np
 import torch
@@ -53,7 +54,7 @@ def main() -> None:
     number = 20_000
     for n in (1, 2, 4, 8, 12, 16, 24, 32, 64):
         t = {
-            name: min(timeit.repeat(lambda f=f, n=n: f(n), number=number, repeat=3)) / number * 1e6
+            name: min(timeit.repeat(partial(f, n), number=number, repeat=3)) / number * 1e6
             for name, f in (("views", views), ("rows", rows))
         }
         print(f"{n:3d} buffers: views {t['views']:6.1f} µs, rows {t['rows']:6.1f} µs")

@@ -94,7 +94,7 @@ async def _request_cost(decoder: Any, cache: Any, key: BlocksCacheKey) -> float:
             for _ in range(ROUNDS):
                 t0 = time.perf_counter()
                 for _ in range(N):
-                    await plan.send(3)
+                    await plan.send(range(3, 4))
                 best = min(best, (time.perf_counter() - t0) / N * 1e6)
             return best
         finally:

@@ -29,7 +29,7 @@ def main(tries: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "test_nothing.py").write_text("def test_nothing():\n    pass\n")
         pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider", tmp]
-        pairs = {
+        pairs: dict[str, tuple[list[str], list[str]]] = {
             "aiokv --version": (["-c", CLI, "--version"], ["-c", "pass"]),
             "aiokv --help": (["-c", CLI, "--help"], ["-c", "pass"]),
             "pytest with the plugin": (pytest, [*pytest, "-p", "no:aiokv"]),
@@ -39,8 +39,8 @@ def main(tries: int) -> None:
             for name, (it, base) in pairs.items():
                 best[name][0] = min(best[name][0], _seconds(it, tmp))
                 best[name][1] = min(best[name][1], _seconds(base, tmp))
-    for name, (it, base) in best.items():
-        print(f"{name:24} {it:6.3f} s  baseline {base:6.3f} s  adds {it - base:+.3f} s")
+    for name, (it_s, base_s) in best.items():
+        print(f"{name:24} {it_s:6.3f} s  baseline {base_s:6.3f} s  adds {it_s - base_s:+.3f} s")
 
 
 if __name__ == "__main__":

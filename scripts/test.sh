@@ -32,9 +32,12 @@ if [ -n "${AIOKV_FLOORS_VENV:-}" ]; then
 fi
 source "$scripts/_setup.sh" dev
 set -x
-ruff check aiokv tests
-ruff format --check aiokv tests
+ruff check aiokv tests scripts examples
+ruff format --check aiokv tests scripts examples
 mypy --strict aiokv
+# the scripts docs/benchmarks.md cites, and the examples (vLLM's need vLLM: its own job)
+mypy --strict scripts
+mypy --strict examples --exclude examples/vllm/
 lint-imports
 { set +x; } 2>/dev/null
 failed=()

@@ -42,10 +42,10 @@ marks: dict[str, float] = {}
 def _wrap() -> None:
     transfer = client_mod.RemoteClient.transfer
 
-    async def traced(self: Any, *args: Any, **kwargs: Any) -> None:
+    async def traced(self: Any, *args: Any, **kwargs: Any) -> bool:
         marks["task"] = time.perf_counter()
         try:
-            await transfer(self, *args, **kwargs)
+            return await transfer(self, *args, **kwargs)
         finally:
             marks["transfer_end"] = time.perf_counter()
 
@@ -86,7 +86,7 @@ def _wrap() -> None:
         await until_notified(traced_start, *args, **kwargs)
 
     engine_mod._until_notified = traced_until
-    engine_mod._Call.__init__ = init  # type: ignore[method-assign]
+    engine_mod._Call.__init__ = init  # type: ignore[method-assign, assignment]
     engine_mod._Call._start = start  # type: ignore[method-assign]
     engine_mod._Call._end = end  # type: ignore[method-assign]
 
