@@ -214,6 +214,63 @@ class _Call(Generic[T]):
         return _result(self.outcome)
 
 
+class _SyncCall(Generic[T]):
+    """One plain function called on the engine loop, as one callback, for a caller on
+    another thread (:meth:`Engine.run_sync`).
+
+    ``notify`` is called exactly once, from the engine thread, after the callback ran or
+    was skipped (cancelled before it ran), as the callback's last step; ``outcome`` is
+    set before.
+    """
+
+    __slots__ = ("_args", "_fn", "_kwargs", "_notify", "_skip", "outcome")
+
+    def __init__(
+        self,
+        engine: Engine,
+        fn: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        notify: Callable[[], None],
+    ) -> None:
+        self._fn = fn
+        self._args = args
+        self._kwargs = kwargs
+        self._notify = notify
+        self._skip = False
+        self.outcome: tuple[T] | BaseException | None = None
+        try:
+            engine.submit(self._body)
+        except RuntimeError:  # the engine loop is closed
+            raise _stopped() from None
+
+    def _body(self) -> None:
+        if self._skip:
+            self.outcome = asyncio.CancelledError()
+        else:
+            try:
+                self.outcome = (self._fn(*self._args, **self._kwargs),)
+            except BaseException as exc:  # handed to the caller, whatever it is
+                self.outcome = exc
+        self._fn = self._args = self._kwargs = None  # type: ignore[assignment]
+        self._notify()
+
+    @property
+    def completed(self) -> bool:
+        """Whether the function ran and returned (not raised, not skipped)."""
+        return isinstance(self.outcome, tuple)
+
+    def cancel(self) -> None:
+        """The caller's thread: skip the function unless it has started (a callback
+        cannot be stopped once it runs; its outcome then stands)."""
+        self._skip = True
+
+    def result(self) -> T:
+        """As :meth:`_Call.result`."""
+        assert self.outcome is not None
+        return _result(self.outcome)
+
+
 def _result(outcome: tuple[T] | BaseException) -> T:
     """A call's result; its exception re-raised (a cancellation on the engine's side, by
     its own shutdown, as ``LLMException(LLM_FAILED)``)."""
@@ -350,31 +407,15 @@ class Engine:
         """
         if self.on_engine():
             return fn(*args, **kwargs)
-        outcome: list[tuple[T] | BaseException] = []
-        skip = False
-
-        def body(notify: Callable[[], None]) -> None:
-            if skip:
-                outcome.append(asyncio.CancelledError())
-            else:
-                try:
-                    outcome.append((fn(*args, **kwargs),))
-                except BaseException as exc:  # handed to the caller, whatever it is
-                    outcome.append(exc)
-            notify()
+        calls: list[_SyncCall[T]] = []
 
         def start(notify: Callable[[], None]) -> None:
-            try:
-                self.submit(lambda: body(notify))
-            except RuntimeError:  # the engine loop is closed
-                raise _stopped() from None
+            calls.append(_SyncCall(self, fn, args, kwargs, notify))
 
-        def cancel() -> None:
-            nonlocal skip
-            skip = True
-
-        await _until_notified(start, cancel, completed=lambda: isinstance(outcome[0], tuple))
-        return _result(outcome[0])
+        await _until_notified(
+            start, lambda: calls[0].cancel(), completed=lambda: calls[0].completed
+        )
+        return calls[0].result()
 
     async def finish(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run ``fn(*args, **kwargs)`` on the engine to its end, from any async backend:
@@ -501,6 +542,36 @@ class Engine:
         self._thread.join()
 
 
+class _Wake:
+    """An asyncio caller's side of a hop: :meth:`notify` (any thread, once) wakes the
+    current :attr:`waiter` and sets :attr:`ended`.
+
+    The notifying thread does nothing after scheduling the wake-up: whatever it ran next
+    would hold the GIL while the caller's thread wakes, on the caller's critical path. A
+    ``contextlib.suppress`` exited there cost each hop ~2.5 µs (docs/benchmarks.md, "The
+    engine hop").
+    """
+
+    __slots__ = ("ended", "loop", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.ended = False
+        self.waiter: asyncio.Future[None] = loop.create_future()
+
+    def notify(self) -> None:
+        """Any thread: wake the caller (nothing if its loop is closed)."""
+        try:  # noqa: SIM105  (not contextlib.suppress: see the class docstring)
+            self.loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the caller's loop is gone
+            pass
+
+    def _wake(self) -> None:  # on the caller's loop
+        self.ended = True
+        if not self.waiter.done():
+            self.waiter.set_result(None)
+
+
 async def _until_notified(
     start: Callable[[Callable[[], None]], None],
     cancel: Callable[[], None],
@@ -515,30 +586,18 @@ async def _until_notified(
     cancellation comes again at the caller's next checkpoint (:func:`redeliver`; trio
     and anyio scopes by themselves) — else re-raise."""
     if on_asyncio():
-        loop = asyncio.get_running_loop()
-        ended = False
-        waiter = loop.create_future()
-
-        def wake() -> None:  # on the caller's loop
-            nonlocal ended
-            ended = True
-            if not waiter.done():
-                waiter.set_result(None)
-
-        def notify() -> None:
-            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
-                loop.call_soon_threadsafe(wake)
-
-        start(notify)
+        wake = _Wake(asyncio.get_running_loop())
+        start(wake.notify)
         try:
-            await waiter
+            await wake.waiter
         except asyncio.CancelledError as exc:
             cancel()
             caught: asyncio.CancelledError | None = None
-            while shield and not ended:  # shielded: wait for the real end, however often cancelled
-                waiter = loop.create_future()
+            # shielded: wait for the real end, however often cancelled
+            while shield and not wake.ended:
+                wake.waiter = wake.loop.create_future()
                 try:
-                    await waiter
+                    await wake.waiter
                 except asyncio.CancelledError as again:
                     caught = again
             if not (shield and completed()):
