@@ -42,6 +42,7 @@ import warnings
 from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Coroutine
+from functools import partial
 from typing import Any
 from typing import Final
 from typing import Generic
@@ -133,14 +134,50 @@ def _new_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-class _Call(Generic[T]):
-    """One coroutine run on the engine loop for a caller on another thread.
+class _Outcome(Generic[T]):
+    """What a caller on another thread awaits of the engine: ``notify`` is called exactly
+    once, from the engine thread, as the work's last step; ``outcome`` is set before."""
 
-    ``notify`` is called exactly once (from the engine thread) when the task has ended,
-    whether it finished, failed or was cancelled; ``outcome`` is set before.
-    """
+    __slots__ = ("_notify", "outcome")
 
-    __slots__ = ("_args", "_cancelled", "_ended", "_fn", "_loop", "_notify", "_task", "outcome")
+    def __init__(self, notify: Callable[[], None]) -> None:
+        self._notify = notify
+        self.outcome: tuple[T] | BaseException | None = None
+
+    @staticmethod
+    def _submit(engine: Engine, callback: Callable[[], None]) -> None:
+        """Schedule ``callback()`` on ``engine``'s loop (what starts the work).
+
+        Raises:
+            LLMException: ``LLM_FAILED``, the engine has ended.
+        """
+        try:
+            engine.submit(callback)
+        except RuntimeError:  # the engine loop is closed
+            raise _stopped() from None
+
+    def _settle(self, outcome: tuple[T] | BaseException) -> None:
+        """The engine thread: the work ended with ``outcome``; wake the caller, last."""
+        self.outcome = outcome
+        self._notify()
+
+    @property
+    def completed(self) -> bool:
+        """Whether the work has ended with a result (not an error, not cancelled)."""
+        return isinstance(self.outcome, tuple)
+
+    def result(self) -> T:
+        """The work's result; its exception re-raised (cancellation by the engine's own
+        shutdown as ``LLMException(LLM_FAILED)``)."""
+        assert self.outcome is not None
+        return _result(self.outcome)
+
+
+class _Call(_Outcome[T]):
+    """One coroutine run on the engine loop for a caller on another thread: ``notify``
+    follows the task's end, whether it finished, failed or was cancelled."""
+
+    __slots__ = ("_args", "_cancelled", "_ended", "_fn", "_loop", "_task")
 
     def __init__(
         self,
@@ -149,18 +186,14 @@ class _Call(Generic[T]):
         args: tuple[Any, ...],
         notify: Callable[[], None],
     ) -> None:
+        super().__init__(notify)
         self._loop = engine.loop
         self._fn = fn
         self._args = args
-        self._notify = notify
         self._task: asyncio.Task[None] | None = None
         self._cancelled = False
         self._ended = False
-        self.outcome: tuple[T] | BaseException | None = None
-        try:
-            engine.submit(self._start)
-        except RuntimeError:  # the engine loop is closed
-            raise _stopped() from None
+        self._submit(engine, self._start)
 
     def _start(self) -> None:
         if self._cancelled:
@@ -188,14 +221,8 @@ class _Call(Generic[T]):
 
     def _end(self, outcome: tuple[T] | BaseException) -> None:
         self._ended = True
-        self.outcome = outcome
         self._fn = self._args = None  # type: ignore[assignment]  # drop references
-        self._notify()
-
-    @property
-    def completed(self) -> bool:
-        """Whether the task has ended with a result (not an error, not cancelled)."""
-        return isinstance(self.outcome, tuple)
+        self._settle(outcome)
 
     def cancel(self) -> None:
         """Any thread: cancel the engine task (or keep it from starting)."""
@@ -207,68 +234,36 @@ class _Call(Generic[T]):
         if self._task is not None:
             self._task.cancel()
 
-    def result(self) -> T:
-        """The task's result; its exception re-raised (cancellation by the engine's own
-        shutdown as ``LLMException(LLM_FAILED)``)."""
-        assert self.outcome is not None
-        return _result(self.outcome)
 
+class _SyncCall(_Outcome[T]):
+    """One plain function ``fn()`` called on the engine loop, as one callback, for a
+    caller on another thread (:meth:`Engine.run_sync`): ``notify`` follows the call, or
+    its skipping (cancelled before it ran)."""
 
-class _SyncCall(Generic[T]):
-    """One plain function called on the engine loop, as one callback, for a caller on
-    another thread (:meth:`Engine.run_sync`).
+    __slots__ = ("_fn", "_skip")
 
-    ``notify`` is called exactly once, from the engine thread, after the callback ran or
-    was skipped (cancelled before it ran), as the callback's last step; ``outcome`` is
-    set before.
-    """
-
-    __slots__ = ("_args", "_fn", "_kwargs", "_notify", "_skip", "outcome")
-
-    def __init__(
-        self,
-        engine: Engine,
-        fn: Callable[..., T],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        notify: Callable[[], None],
-    ) -> None:
-        self._fn = fn
-        self._args = args
-        self._kwargs = kwargs
-        self._notify = notify
+    def __init__(self, engine: Engine, fn: Callable[[], T], notify: Callable[[], None]) -> None:
+        super().__init__(notify)
+        self._fn: Callable[[], T] | None = fn
         self._skip = False
-        self.outcome: tuple[T] | BaseException | None = None
-        try:
-            engine.submit(self._body)
-        except RuntimeError:  # the engine loop is closed
-            raise _stopped() from None
+        self._submit(engine, self._body)
 
     def _body(self) -> None:
-        if self._skip:
-            self.outcome = asyncio.CancelledError()
-        else:
-            try:
-                self.outcome = (self._fn(*self._args, **self._kwargs),)
-            except BaseException as exc:  # handed to the caller, whatever it is
-                self.outcome = exc
-        self._fn = self._args = self._kwargs = None  # type: ignore[assignment]
-        self._notify()
-
-    @property
-    def completed(self) -> bool:
-        """Whether the function ran and returned (not raised, not skipped)."""
-        return isinstance(self.outcome, tuple)
+        fn, self._fn = self._fn, None  # drop the reference
+        self._settle(asyncio.CancelledError() if self._skip or fn is None else _called(fn))
 
     def cancel(self) -> None:
         """The caller's thread: skip the function unless it has started (a callback
         cannot be stopped once it runs; its outcome then stands)."""
         self._skip = True
 
-    def result(self) -> T:
-        """As :meth:`_Call.result`."""
-        assert self.outcome is not None
-        return _result(self.outcome)
+
+def _called(fn: Callable[[], T]) -> tuple[T] | BaseException:
+    """``fn()``'s result (in a 1-tuple), or what it raised, whatever it is."""
+    try:
+        return (fn(),)
+    except BaseException as exc:  # handed to the caller
+        return exc
 
 
 def _result(outcome: tuple[T] | BaseException) -> T:
@@ -407,10 +402,11 @@ class Engine:
         """
         if self.on_engine():
             return fn(*args, **kwargs)
+        bound = partial(fn, *args, **kwargs) if args or kwargs else fn
         calls: list[_SyncCall[T]] = []
 
         def start(notify: Callable[[], None]) -> None:
-            calls.append(_SyncCall(self, fn, args, kwargs, notify))
+            calls.append(_SyncCall(self, bound, notify))
 
         await _until_notified(
             start, lambda: calls[0].cancel(), completed=lambda: calls[0].completed
