@@ -87,19 +87,17 @@ from .remote import RemoteRawStream
 
 __all__ = ["run_transfer_bench"]
 
+#: (block bytes, blocks) of each row: per block size, its block counts
 GRID = [
-    (4 * KIB, 1024),
-    (4 * KIB, 4096),
-    (4 * KIB, 16384),
-    (16 * KIB, 256),
-    (16 * KIB, 1024),
-    (16 * KIB, 4096),
-    (16 * KIB, 16384),
-    (64 * KIB, 64),
-    (64 * KIB, 1024),
-    (256 * KIB, 256),
-    (1 * MIB, 64),
-    (1 * MIB, 128),
+    (block, count)
+    for block, counts in (
+        (4 * KIB, (1024, 4096, 16384)),
+        (16 * KIB, (256, 1024, 4096, 16384)),
+        (64 * KIB, (64, 1024)),
+        (256 * KIB, (256,)),
+        (1 * MIB, (64, 128)),
+    )
+    for count in counts
 ]
 QUICK = [(16 * KIB, 1024), (64 * KIB, 256), (1 * MIB, 64)]
 #: Consecutive pulls timed after each row's rounds, for the tail figure.

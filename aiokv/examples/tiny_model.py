@@ -137,6 +137,35 @@ class TinyDecoder:
         gate, up = (self._norm(x) @ w_in).chunk(2, dim=-1)
         return x + (F.silu(gate) * up) @ w_out
 
+    def _layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rows: list[int],
+        spans: Sequence[tuple[Sequence[int], int, int]],
+        kv: Sequence[torch.Tensor],
+        on_layer: Callable[[int], None] = lambda layer: None,
+    ) -> torch.Tensor:
+        """Every layer over the packed tokens ``x`` (at ``positions``; their K, V go to
+        cache ``rows``). Request ``j``'s ``spans[j] = (table, queries, cached)``: its next
+        ``queries`` tokens of ``x`` attend to its first ``cached`` tokens in the cache
+        (itself included; causally among themselves). ``on_layer(i)``: after layer
+        ``i``'s K, V are stored."""
+        for layer in range(self.config.layers):
+            q, k, v = self._qkv(layer, x, positions)
+            self._store(kv, layer, rows, k, v)
+            on_layer(layer)
+            parts, start = [], 0
+            for table, queries, cached in spans:
+                kk, vv = self._load(kv, layer, table, cached)
+                o = F.scaled_dot_product_attention(
+                    q[start : start + queries].transpose(0, 1), kk, vv, is_causal=queries > 1
+                )
+                parts.append(o.transpose(0, 1).reshape(queries, -1))
+                start += queries
+            x = self._finish(layer, x, torch.cat(parts))
+        return x
+
     def _logits_argmax(self, h: torch.Tensor) -> list[int]:
         return [int(t) for t in (self._norm(h) @ self.head).argmax(-1).tolist()]
 
@@ -162,20 +191,8 @@ class TinyDecoder:
         tokens = torch.tensor([t for p in prompts for t in p], device=self.device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
         rows = [r for tab, n in zip(tables, lens, strict=True) for r in slots(tab, 0, n, bs)]
-        x = self.embed[tokens]
-        for layer in range(self.config.layers):
-            q, k, v = self._qkv(layer, x, positions)
-            self._store(kv, layer, rows, k, v)
-            on_layer(layer)
-            parts, start = [], 0
-            for tab, n in zip(tables, lens, strict=True):
-                kk, vv = self._load(kv, layer, tab, n)
-                o = F.scaled_dot_product_attention(
-                    q[start : start + n].transpose(0, 1), kk, vv, is_causal=True
-                )
-                parts.append(o.transpose(0, 1).reshape(n, -1))
-                start += n
-            x = self._finish(layer, x, torch.cat(parts))
+        spans = [(tab, n, n) for tab, n in zip(tables, lens, strict=True)]
+        x = self._layers(self.embed[tokens], positions, rows, spans, kv, on_layer)
         last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))], device=self.device)
         return self._logits_argmax(x[last])
 
@@ -194,16 +211,8 @@ class TinyDecoder:
         positions = torch.tensor(list(lengths), device=self.device)
         rows = [slots(tab, n, n + 1, bs)[0] for tab, n in zip(tables, lengths, strict=True)]
         x = self.embed[torch.tensor(list(tokens), device=self.device)]
-        for layer in range(self.config.layers):
-            q, k, v = self._qkv(layer, x, positions)
-            self._store(kv, layer, rows, k, v)
-            parts = []
-            for j, (tab, n) in enumerate(zip(tables, lengths, strict=True)):
-                kk, vv = self._load(kv, layer, tab, n + 1)
-                o = F.scaled_dot_product_attention(q[j : j + 1].transpose(0, 1), kk, vv)
-                parts.append(o.transpose(0, 1).reshape(1, -1))
-            x = self._finish(layer, x, torch.cat(parts))
-        return self._logits_argmax(x)
+        spans = [(tab, 1, n + 1) for tab, n in zip(tables, lengths, strict=True)]
+        return self._logits_argmax(self._layers(x, positions, rows, spans, kv))
 
     def generate(
         self,
