@@ -543,9 +543,9 @@ class _Wake:
     current :attr:`waiter` and sets :attr:`ended`.
 
     The notifying thread does nothing after scheduling the wake-up: whatever it ran next
-    would hold the GIL while the caller's thread wakes, on the caller's critical path. A
-    ``contextlib.suppress`` exited there cost each hop ~2.5 µs (docs/benchmarks.md, "The
-    engine hop").
+    would hold the GIL while the caller's thread wakes, on the caller's critical path (a
+    ``contextlib.suppress`` exited there was measurable: docs/benchmarks.md, "Nothing on
+    the engine thread after the wake-up").
     """
 
     __slots__ = ("ended", "loop", "waiter")
