@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 from typing import Final
 from typing import NoReturn
@@ -29,6 +30,7 @@ from ._errors import NoneArgumentError
 __all__ = [
     "MAX_BLOCK_INDEX",
     "UINT64_MAX",
+    "BlockList",
     "Blocks",
     "check_blocks",
     "check_index",
@@ -55,6 +57,10 @@ _FEW_BLOCKS: Final = 32
 
 #: A validated block list: a read-only int64 array.
 Blocks = npt.NDArray[np.int64]
+#: A block list as callers give it: a list or tuple of ``int``, or a 1-D numpy array of
+#: an integer dtype (checked and copied with a few numpy calls instead of a Python pass
+#: over every entry: engines keep block tables as arrays).
+BlockList = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 
 def param_invalid(op: str, reason: str) -> NoReturn:
@@ -127,16 +133,22 @@ def check_list(op: str, name: str, value: Any, item: type | tuple[type, ...]) ->
 def check_blocks(op: str, name: str, value: Any, nblocks: int) -> Blocks:
     """Return the block list ``value`` as an int64 array, every entry in ``[0, nblocks)``.
 
+    ``value``: a list or tuple of ``int`` (not ``bool``), or a 1-D numpy array of an
+    integer dtype (not ``bool``), which is copied: the caller may change it once the
+    call returns or while its operation runs.
+
     Args:
         nblocks: how many blocks the cache has; :data:`MAX_BLOCK_INDEX` + 1 for a peer's
             cache whose size only the peer knows (it checks again).
 
     Raises:
-        NoneArgumentError / TypeError: not a list/tuple of ints.
+        NoneArgumentError / TypeError: not a list/tuple of ints nor a 1-D integer array.
         LLMException: ``LLM_PARAM_INVALID`` for an entry out of ``[0, nblocks)``,
             negative or too big alike (one error, one wording).
     """
     bound = str(nblocks) if nblocks <= MAX_BLOCK_INDEX else "the peer cache's block count"
+    if isinstance(value, np.ndarray):
+        return _block_array(op, name, value, nblocks, bound)
     check_instance(op, name, value, (list, tuple))
     if not set(map(type, value)) <= {int}:  # plain ints (the usual case) need no loop
         for i, b in enumerate(value):
@@ -159,14 +171,34 @@ def check_blocks(op: str, name: str, value: Any, nblocks: int) -> Blocks:
             arr.flags.writeable = False
             return arr
         lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0:
-        param_invalid(op, f"{name} entry {lo} is out of range [0, {bound})")
-    if hi >= nblocks:
-        param_invalid(op, f"{name} entry {hi} is out of range [0, {bound})")
+    _check_bounds(op, name, lo, hi, nblocks, bound)
     if arr is None:
         arr = np.array(value, dtype=np.int64)  # in [0, nblocks <= 2**63): fits
     arr.flags.writeable = False
     return arr
+
+
+def _block_array(op: str, name: str, value: npt.NDArray[Any], nblocks: int, bound: str) -> Blocks:
+    """:func:`check_blocks` of a numpy array: two reductions and one copy."""
+    if value.ndim != 1 or value.dtype.kind not in "iu":
+        raise TypeError(
+            f"{op}: {name} must be a list or tuple of int or a 1-D integer array, "
+            f"got a {value.ndim}-D array of {value.dtype}"
+        )
+    if value.size:
+        _check_bounds(op, name, int(value.min()), int(value.max()), nblocks, bound)
+    arr = value.astype(np.int64)  # a copy, and in [0, nblocks <= 2**63): fits
+    arr.flags.writeable = False
+    return arr
+
+
+def _check_bounds(op: str, name: str, lo: int, hi: int, nblocks: int, bound: str) -> None:
+    """Refuse a block list whose smallest entry ``lo`` or largest ``hi`` is outside
+    ``[0, nblocks)``, naming it."""
+    if lo < 0:
+        param_invalid(op, f"{name} entry {lo} is out of range [0, {bound})")
+    if hi >= nblocks:
+        param_invalid(op, f"{name} entry {hi} is out of range [0, {bound})")
 
 
 def duplicated(values: Blocks) -> bool:

@@ -1,13 +1,15 @@
 """Where a pull of many blocks spends its time, on both sides of the link.
 
-``PYTHONPATH=. python scripts/trace_pull.py [BLOCK_KIB] [COUNTS] [PAUSE_MS]`` (repository
-root, Linux): pulls of ``COUNT`` scattered blocks of ``BLOCK_KIB`` KiB (default 4, counts
-``1,256,1024,4096,16384``; every other block of twice as many, shuffled, as ``aiokv bench
-transfer`` moves them) from the spawned prompt peer, 60 per count (the first 10 not
-counted), back to back or ``PAUSE_MS`` apart. Functions of both processes are wrapped
-to take ``time.perf_counter_ns`` marks (``CLOCK_MONOTONIC``: one clock for both on
-Linux); the peer's marks reach this process through a file that a thread of the peer
-writes every 0.2 s. Prints, per count, the median µs of each stretch of a pull:
+``PYTHONPATH=. python scripts/trace_pull.py [--arrays] [BLOCK_KIB] [COUNTS] [PAUSE_MS]``
+(repository root, Linux): pulls of ``COUNT`` scattered blocks of ``BLOCK_KIB`` KiB
+(default 4, counts ``1,256,1024,4096,16384``; every other block of twice as many,
+shuffled, as ``aiokv bench transfer`` moves them) from the spawned prompt peer, 60 per
+count (the first 10 not counted), back to back or ``PAUSE_MS`` apart; the block lists
+are lists of ``int``, or int64 numpy arrays with ``--arrays``. Functions of both
+processes are wrapped to take ``time.perf_counter_ns`` marks (``CLOCK_MONOTONIC``: one
+clock for both on Linux); the peer's marks reach this process through a file that a
+thread of the peer writes every 0.2 s. Prints, per count, the median µs of each
+stretch of a pull:
 
 * ``checks``: the caller's argument checks and planning, up to the hand-over;
 * ``hop_in``: the hand-over until the engine runs ``RemoteClient.move``;
@@ -36,6 +38,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+import numpy as np
 
 from aiokv import BlocksCacheKey
 from aiokv import LLMDataDist
@@ -144,7 +148,7 @@ def _stretches(t0: int, t9: int, peer: tuple[int, int], raw_ns: int) -> tuple[fl
     return tuple(v / 1000 for v in ns)
 
 
-def main(block: int, counts: list[int], pause_s: float) -> None:
+def main(block: int, counts: list[int], pause_s: float, arrays: bool) -> None:
     async def bench(peer: PromptPeer, decoder: LLMDataDist) -> None:
         cm = decoder.cache_manager
         key = BlocksCacheKey(PEER_ID, 0)
@@ -152,6 +156,9 @@ def main(block: int, counts: list[int], pause_s: float) -> None:
             for count in counts:
                 srcs, dsts = scattered(count, seed=count), scattered(count, seed=count + 1)
                 dst = await transfer._checked_pull((cm, peer), block, srcs, dsts, "")
+                given: tuple[Any, Any] = (srcs, dsts)
+                if arrays:
+                    given = (np.array(srcs, dtype=np.int64), np.array(dsts, dtype=np.int64))
                 await asyncio.to_thread(raw.blocks, block, srcs, dsts)
                 spans: list[tuple[int, int, dict[str, int], int]] = []
                 for _ in range(ROUNDS):
@@ -160,7 +167,7 @@ def main(block: int, counts: list[int], pause_s: float) -> None:
                     r1 = time.perf_counter_ns()
                     marks.clear()
                     t0 = time.perf_counter_ns()
-                    await cm.pull_blocks(key, dst, srcs, dsts)
+                    await cm.pull_blocks(key, dst, *given)
                     spans.append((t0, time.perf_counter_ns(), dict(marks), r1 - r0))
                     if pause_s:
                         await asyncio.sleep(pause_s)
@@ -176,8 +183,9 @@ def main(block: int, counts: list[int], pause_s: float) -> None:
                     marks.update(m)
                     rows.append(_stretches(t0, t9, peer_marks[:2], raw_ns))
                 med = [statistics.median(r[i] for r in rows) for i in range(len(STRETCHES))]
+                kind = ", arrays" if arrays else ""
                 print(
-                    f"{block // KIB} KiB x {count} ({len(rows)} pulls): "
+                    f"{block // KIB} KiB x {count} ({len(rows)} pulls{kind}): "
                     + "  ".join(f"{n} {v:.0f}" for n, v in zip(STRETCHES, med, strict=True))
                     + "  (median µs)",
                     flush=True,
@@ -206,13 +214,13 @@ if __name__ == "__mp_main__":  # the spawned peer runs this module under that na
 
 if __name__ == "__main__":
     _wrap_requester()
+    args = [a for a in sys.argv[1:] if a != "--arrays"]
     try:
         main(
-            int(sys.argv[1]) * KIB if len(sys.argv) > 1 else 4 * KIB,
-            [int(c) for c in sys.argv[2].split(",")]
-            if len(sys.argv) > 2
-            else [1, 256, 1024, 4096, 16384],
-            float(sys.argv[3]) / 1000 if len(sys.argv) > 3 else 0.0,
+            int(args[0]) * KIB if args else 4 * KIB,
+            [int(c) for c in args[1].split(",")] if len(args) > 1 else [1, 256, 1024, 4096, 16384],
+            float(args[2]) / 1000 if len(args) > 2 else 0.0,
+            "--arrays" in sys.argv,
         )
     finally:
         if os.path.exists(PEER_FILE):

@@ -30,6 +30,49 @@ def test_check_blocks_refuses_what_is_not_an_int(bad: list[object]) -> None:
         check_blocks("op", "blocks", bad, 8)
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int32", "int64", "uint16", "uint64"])
+def test_check_blocks_takes_integer_arrays_as_a_copy(dtype: str) -> None:
+    given = np.array([9, 3, 0, 7, 1], dtype=dtype)
+    arr = check_blocks("op", "blocks", given, 10)
+    assert arr.dtype == np.int64 and arr.tolist() == [9, 3, 0, 7, 1]
+    assert not arr.flags.writeable and not np.shares_memory(arr, given)
+    given[0] = 2  # the caller's array is theirs again once the call returned
+    assert arr[0] == 9
+    column = np.arange(40, dtype=dtype).reshape(20, 2)[:, 1]  # 1-D, strided
+    assert check_blocks("op", "blocks", column, 40).tolist() == list(range(1, 40, 2))
+    assert check_blocks("op", "blocks", np.empty(0, dtype=dtype), 8).size == 0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.array([1, 0], dtype=bool),
+        np.array([1.0, 2.0]),
+        np.array([[1, 2], [3, 4]]),
+        np.array([1, 2], dtype=object),
+        np.array(3),
+    ],
+)
+def test_check_blocks_refuses_arrays_that_are_not_1d_integers(bad: np.ndarray) -> None:
+    with pytest.raises(TypeError, match="1-D integer array"):
+        check_blocks("op", "blocks", bad, 8)
+
+
+@pytest.mark.parametrize(
+    ("bad", "worst"),
+    [
+        (np.array([0, -3, 2]), -3),
+        (np.array([0, 8, 9], dtype=np.int32), 9),
+        (np.array([1, 2**64 - 1], dtype=np.uint64), 2**64 - 1),
+    ],
+)
+def test_check_blocks_refuses_array_entries_out_of_range(bad: np.ndarray, worst: int) -> None:
+    with pytest.raises(LLMException) as err:
+        check_blocks("op", "blocks", bad, 8)
+    assert err.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
+    assert f"entry {worst} is out of range [0, 8)" in str(err.value)
+
+
 @pytest.mark.parametrize("bad", [[0, -1], [2**63], [1, 2**64], [-(2**70), 1]])
 def test_check_blocks_refuses_entries_outside_int64_range(bad: list[int]) -> None:
     # negative or too big: the one error and wording of an entry past the end

@@ -11,6 +11,7 @@ import numpy as np
 
 from .._cache import Cache
 from .._checks import MAX_BLOCK_INDEX
+from .._checks import BlockList
 from .._checks import check_blocks
 from .._checks import check_instance
 from .._checks import check_int
@@ -39,8 +40,8 @@ class LayerWise(ManagerBase):
         src_cache: Cache,
         layer_synchronizer: LayerSynchronizer,
         transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
-        src_block_indices: Sequence[int] | None = None,
-        dst_block_indices: Sequence[int] | None = None,
+        src_block_indices: BlockList | None = None,
+        dst_block_indices: BlockList | None = None,
         dst_block_memory_size: int | None = None,
     ) -> CacheTask:
         """Start a layer-wise transfer of ``src_cache`` and return its ``CacheTask`` at once.
@@ -143,6 +144,7 @@ class LayerWise(ManagerBase):
             raise
 
 
-def _no_blocks(indices: Sequence[int] | None) -> bool:
-    """Whether a block-index argument is absent (``None`` or an empty list/tuple)."""
-    return indices is None or (isinstance(indices, list | tuple) and not indices)
+def _no_blocks(indices: BlockList | None) -> bool:
+    """Whether a block-index argument is absent (``None``, or an empty list, tuple or
+    array)."""
+    return indices is None or (isinstance(indices, list | tuple | np.ndarray) and not len(indices))

@@ -15,6 +15,7 @@ import torch
 from .._cache import Cache
 from .._checks import MAX_BLOCK_INDEX
 from .._checks import UINT64_MAX
+from .._checks import BlockList
 from .._checks import check_blocks
 from .._checks import check_index
 from .._checks import check_instance
@@ -137,7 +138,7 @@ class LocalCopies(ManagerBase):
         with self._pinned(de, se), map_errors(op):
             await self._copy(self._scheduler.copy_many, pairs)
 
-    async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, Sequence[int]]) -> None:
+    async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, BlockList]) -> None:
         """Copy blocks within one blocks cache, one source to many destinations
         (copy-on-write forks): ``{src_block: [dst_block, ...]}``, for every tensor.
 
@@ -169,8 +170,8 @@ class LocalCopies(ManagerBase):
         self,
         src_cache: Cache,
         dst_cache: Cache,
-        src_blocks: Sequence[int],
-        dst_blocks_list: Sequence[Sequence[int]],
+        src_blocks: BlockList,
+        dst_blocks_list: Sequence[BlockList],
     ) -> None:
         """llm_datadist's ``CopyKvBlocks``: copy ``src_blocks`` of ``src_cache`` to each list
         in ``dst_blocks_list`` of ``dst_cache`` (``dst_list[i]`` gets ``src_blocks[i]``).

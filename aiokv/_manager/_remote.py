@@ -4,13 +4,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .._cache import Cache
 from .._checks import MAX_BLOCK_INDEX
+from .._checks import BlockList
 from .._checks import check_blocks
 from .._checks import check_index
 from .._checks import check_instance
@@ -165,8 +165,8 @@ class RemoteTransfers(ManagerBase):
         self,
         src_cache_key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex,
         dst_cache: Cache,
-        src_blocks: Sequence[int] = (),
-        dst_blocks: Sequence[int] = (),
+        src_blocks: BlockList = (),
+        dst_blocks: BlockList = (),
         *,
         src_layer_range: range | None = None,
         dst_layer_range: range | None = None,
@@ -263,8 +263,8 @@ class RemoteTransfers(ManagerBase):
         self,
         dst_cache_key: BlocksCacheKey,
         src_cache: Cache,
-        src_blocks: Sequence[int] = (),
-        dst_blocks: Sequence[int] = (),
+        src_blocks: BlockList = (),
+        dst_blocks: BlockList = (),
         src_layer_range: range | None = None,
         dst_layer_range: range | None = None,
         tensor_num_per_layer: int = 2,

@@ -179,6 +179,37 @@ async def test_pull_blocks_exact(pair: tuple[LLMDataDist, LLMDataDist], dtype: D
     assert torch.equal(dst.tensors[4][7], before[4][7])
 
 
+async def test_block_lists_as_numpy_arrays(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
+    """Block lists given as integer numpy arrays (an engine's block table) move the same
+    blocks as lists: a pull, a push and a layer-wise transfer."""
+    p, d = pair
+    src = await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+    dst = await d.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(2, 0))
+    fill_randn(src, 11)
+    table = np.array([[3, 0], [17, 1], [31, 2]], dtype=np.int32)  # (peer block, ours) rows
+    await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, table[:, 0], table[:, 1])
+    for td, ts in zip(dst.tensors, src.tensors, strict=True):
+        assert torch.equal(td[[0, 1, 2]], ts[[3, 17, 31]])
+    fill_randn(src, 12)
+    srcs, dsts = np.array([5, 6], dtype=np.uint32), np.array([10, 11])
+    await p.cache_manager.push_blocks(BlocksCacheKey(2, 0), src, srcs, dsts)
+    for td, ts in zip(dst.tensors, src.tensors, strict=True):
+        assert torch.equal(td[10:12], ts[5:7])
+    fill_randn(src, 13)
+    sync = Releaser(3)
+    for e in sync.ready:
+        e.set()
+    config = TransferWithCacheKeyConfig(BlocksCacheKey(2, 0), range(0, 3), range(0, 3))
+    task = p.cache_manager.transfer_cache_async(
+        src, sync, [config], np.array([7, 8]), np.array([20, 21], dtype=np.int16)
+    )
+    assert await task.get_results() == [CODE.LLM_SUCCESS]
+    for td, ts in zip(dst.tensors, src.tensors, strict=True):
+        assert torch.equal(td[20:22], ts[7:9])
+    with pytest.raises(TypeError, match="1-D integer array"):
+        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, np.array([1.0]), np.array([1]))
+
+
 async def test_single_tensor_cache_without_layer_ranges(
     pair: tuple[LLMDataDist, LLMDataDist],
 ) -> None:
