@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from _helpers import fill_randn
@@ -363,6 +364,23 @@ async def test_copy_kv_blocks_all_directions(cm: CacheManager) -> None:
     with pytest.raises(LLMException) as ei:
         await cm.copy_kv_blocks(host, host, [1], [[2]])
     assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+
+
+async def test_local_copies_take_block_arrays(cm: CacheManager) -> None:
+    """copy_blocks and copy_kv_blocks take 1-D integer arrays where they take lists."""
+    dev = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 32))
+    host = await cm.allocate_blocks_cache(blocks_desc(Placement.HOST, 32))
+    fill_randn(dev, 1)
+    before = snapshot(dev)
+    await cm.copy_blocks(dev, {1: np.array([2, 3], dtype=np.int32)})
+    for i, t in enumerate(dev.tensors):
+        assert torch.equal(t[2], before[i][1]) and torch.equal(t[3], before[i][1])
+    srcs = np.array([4, 5, 6], dtype=np.uint8)
+    await cm.copy_kv_blocks(dev, host, srcs, [np.array([30, 31, 0])])
+    for td, ts in zip(host.tensors, dev.tensors, strict=True):
+        assert torch.equal(td[[30, 31, 0]], ts[[4, 5, 6]])
+    with pytest.raises(TypeError):
+        await cm.copy_blocks(dev, {1: np.array([2.0])})
 
 
 async def test_swap_in_and_out_coalesced_and_random(cm: CacheManager) -> None:
