@@ -356,7 +356,8 @@ async def _tails(contenders: dict[str, Any]) -> tuple[list[float], list[float]]:
 def _per_block(report: Report, rows: list[dict[str, Any]]) -> None:
     """The slope table (per block size, the overhead per added block between
     consecutive counts) and the summary of the per-block goals over the rows of 4-16 KiB
-    blocks at 1,024-16,384 blocks: slope, ratio to the raw stream, tail."""
+    blocks at 1,024-16,384 blocks: slope, ratio to the raw stream (and, where measured,
+    to the raw stream between the same blocks, the kernel's floor), tail."""
     slopes = _slopes(rows)
     if slopes:
         report.table(
@@ -370,12 +371,26 @@ def _per_block(report: Report, rows: list[dict[str, Any]]) -> None:
     steep = [r for r in slopes if r["block_kib"] in sizes and lo <= r["from"] and r["to"] <= hi]
     if not picked:
         return
-    report.summary(
-        "per_block_goals",
+    floor: dict[str, float] = {}
+    template = (
         "4-16 KiB x 1,024-16,384 blocks, worst row: slope pull {slope_pull:.2f} push "
         "{slope_push:.2f} us/block (goal <= 0.5); vs raw stream pull {pull_ratio:.2f} push "
-        "{push_ratio:.2f} (goal >= 0.9); tail of {pulls} pulls {tail:.2f} x median (goal "
-        "<= 1.3; the raw stream's, same rounds: {raw_tail:.2f})",
+        "{push_ratio:.2f} (goal >= 0.9)"
+    )
+    if all("pull_vs_raw_blocks" in r for r in picked):  # (not across hosts)
+        template += (
+            "; vs the same blocks' raw stream (itself {floor:.2f} of the raw stream) pull "
+            "{pull_floor:.2f} push {push_floor:.2f}"
+        )
+        floor = {
+            "floor": min(r["raw_blocks_gbps"] / r["raw_gbps"] for r in picked),
+            "pull_floor": min(r["pull_vs_raw_blocks"] for r in picked),
+            "push_floor": min(r["push_vs_raw_blocks"] for r in picked),
+        }
+    report.summary(
+        "per_block_goals",
+        template + "; tail of {pulls} pulls {tail:.2f} x median (goal <= 1.3; the raw "
+        "stream's, same rounds: {raw_tail:.2f})",
         slope_pull=max((r["pull_us"] for r in steep), default=float("nan")),
         slope_push=max((r["push_us"] for r in steep), default=float("nan")),
         pull_ratio=min(r["pull_ratio"] for r in picked),
@@ -383,6 +398,7 @@ def _per_block(report: Report, rows: list[dict[str, Any]]) -> None:
         pulls=TAIL_PULLS,
         tail=max(r["pull_tail"] for r in picked),
         raw_tail=max(r["raw_tail"] for r in picked),
+        **floor,
     )
 
 

@@ -205,6 +205,10 @@ def test_per_block_slopes_cancel_the_per_call_cost() -> None:
             "raw_blocks_us_per_block": 1.0,
             "pull_tail": 1.1,
             "raw_tail": 1.05,
+            "raw_gbps": 2.0,
+            "raw_blocks_gbps": 1.6 if count == 4096 else 1.8,
+            "pull_vs_raw_blocks": 0.9 - count / 65536,
+            "push_vs_raw_blocks": 1.1,
         }
 
     rows = [
@@ -231,6 +235,13 @@ def test_per_block_slopes_cancel_the_per_call_cost() -> None:
     assert goals["pull_ratio"] == pytest.approx(0.5 + 1024 / 65536)
     assert goals["tail"] == pytest.approx(1.7)
     assert goals["raw_tail"] == pytest.approx(1.4)
+    # against the kernel's floor: the same rows' worst
+    assert goals["floor"] == pytest.approx(0.8)
+    assert goals["pull_floor"] == pytest.approx(0.9 - 4096 / 65536)
+    assert goals["push_floor"] == pytest.approx(1.1)
+    out = io.StringIO()  # and the rendered line says it
+    report.render(Console(file=out, width=400))
+    assert "vs the same blocks' raw stream (itself 0.80 of the raw stream)" in out.getvalue()
 
 
 def test_raw_blocks_moves_every_block_into_place() -> None:
