@@ -51,8 +51,8 @@ def run_parties(
 
     ``env`` is added to every party's environment, ``party_env[name]`` to that party's.
     If a port picked free was taken meanwhile (another process's ephemeral port: a party
-    says ``EADDRINUSE``) -- a race of the harness, not of the client -- all run once more
-    on fresh ports (the ``PORTS_*_PORT`` keys of ``env``).
+    says so, see :func:`_port_taken`) -- a race of the harness, not of the client -- all
+    run once more on fresh ports (the ``PORTS_*_PORT`` keys of ``env``).
     """
     # the ported clients put their caches in host memory (where llm_datadist's samples use
     # the NPU): on a host with an accelerator, device_type "auto" would pick it
@@ -64,9 +64,15 @@ def run_parties(
             env = {**env, **dict(zip(keys, map(str, free_ports(len(keys))), strict=True))}
         envs = {name: {**base, **env, **(party_env or {}).get(name, {})} for name in parties}
         results = _run_once(parties, envs, timeout)
-        if not any("EADDRINUSE" in r.output for r in results.values()):
+        if not any(_port_taken(r.output) for r in results.values()):
             break
     return results
+
+
+def _port_taken(output: str) -> bool:
+    """Whether a party failed to bind a port (errno's name, or its message as Python's
+    ``OSError`` words it: ``[Errno 98] Address already in use``)."""
+    return "EADDRINUSE" in output or "Address already in use" in output
 
 
 def _run_once(
