@@ -147,4 +147,6 @@ class LayerWise(ManagerBase):
 def _no_blocks(indices: BlockList | None) -> bool:
     """Whether a block-index argument is absent (``None``, or an empty list, tuple or
     array)."""
-    return indices is None or (isinstance(indices, list | tuple | np.ndarray) and not len(indices))
+    if isinstance(indices, np.ndarray):
+        return not indices.size
+    return indices is None or (isinstance(indices, list | tuple) and not indices)

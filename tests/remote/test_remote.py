@@ -208,6 +208,8 @@ async def test_block_lists_as_numpy_arrays(pair: tuple[LLMDataDist, LLMDataDist]
         assert torch.equal(td[20:22], ts[7:9])
     with pytest.raises(TypeError, match="1-D integer array"):
         await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, np.array([1.0]), np.array([1]))
+    with pytest.raises(TypeError, match="1-D integer array"):  # 0-D: refused, not len()'s error
+        p.cache_manager.transfer_cache_async(src, sync, [config], np.array(7), np.array([20]))
 
 
 async def test_single_tensor_cache_without_layer_ranges(
