@@ -371,26 +371,13 @@ def _per_block(report: Report, rows: list[dict[str, Any]]) -> None:
     steep = [r for r in slopes if r["block_kib"] in sizes and lo <= r["from"] and r["to"] <= hi]
     if not picked:
         return
-    floor: dict[str, float] = {}
-    template = (
-        "4-16 KiB x 1,024-16,384 blocks, worst row: slope pull {slope_pull:.2f} push "
-        "{slope_push:.2f} us/block (goal <= 0.5); vs raw stream pull {pull_ratio:.2f} push "
-        "{push_ratio:.2f} (goal >= 0.9)"
-    )
-    if all("pull_vs_raw_blocks" in r for r in picked):  # (not across hosts)
-        template += (
-            "; vs the same blocks' raw stream (itself {floor:.2f} of the raw stream) pull "
-            "{pull_floor:.2f} push {push_floor:.2f}"
-        )
-        floor = {
-            "floor": min(r["raw_blocks_gbps"] / r["raw_gbps"] for r in picked),
-            "pull_floor": min(r["pull_vs_raw_blocks"] for r in picked),
-            "push_floor": min(r["push_vs_raw_blocks"] for r in picked),
-        }
+    floor_text, floor = _against_floor(picked)
     report.summary(
         "per_block_goals",
-        template + "; tail of {pulls} pulls {tail:.2f} x median (goal <= 1.3; the raw "
-        "stream's, same rounds: {raw_tail:.2f})",
+        "4-16 KiB x 1,024-16,384 blocks, worst row: slope pull {slope_pull:.2f} push "
+        "{slope_push:.2f} us/block (goal <= 0.5); vs raw stream pull {pull_ratio:.2f} push "
+        "{push_ratio:.2f} (goal >= 0.9)" + floor_text + "; tail of {pulls} pulls {tail:.2f} x "
+        "median (goal <= 1.3; the raw stream's, same rounds: {raw_tail:.2f})",
         slope_pull=max((r["pull_us"] for r in steep), default=float("nan")),
         slope_push=max((r["push_us"] for r in steep), default=float("nan")),
         pull_ratio=min(r["pull_ratio"] for r in picked),
@@ -399,6 +386,23 @@ def _per_block(report: Report, rows: list[dict[str, Any]]) -> None:
         tail=max(r["pull_tail"] for r in picked),
         raw_tail=max(r["raw_tail"] for r in picked),
         **floor,
+    )
+
+
+def _against_floor(picked: list[dict[str, Any]]) -> tuple[str, dict[str, float]]:
+    """The summary's part on the raw stream between the same blocks (the kernel's floor)
+    and its values, worst of ``picked``; nothing where it was not measured (across
+    hosts)."""
+    if not all("pull_vs_raw_blocks" in r for r in picked):
+        return "", {}
+    return (
+        "; vs the same blocks' raw stream (itself {floor:.2f} of the raw stream) pull "
+        "{pull_floor:.2f} push {push_floor:.2f}",
+        {
+            "floor": min(r["raw_blocks_gbps"] / r["raw_gbps"] for r in picked),
+            "pull_floor": min(r["pull_vs_raw_blocks"] for r in picked),
+            "push_floor": min(r["push_vs_raw_blocks"] for r in picked),
+        },
     )
 
 
