@@ -129,8 +129,10 @@ def _peer_marks() -> None:
     threading.Thread(target=flush, daemon=True).start()
 
 
-def _stretches(t0: int, t9: int, peer: tuple[int, int], raw_ns: int) -> tuple[float, ...]:
-    m = marks
+def _stretches(
+    m: dict[str, int], t0: int, t9: int, peer: tuple[int, int], raw_ns: int
+) -> tuple[float, ...]:
+    """One pull's stretches in µs, from this side's marks ``m`` and the peer's."""
     srv, grant = peer
     ns = (
         m["move>"] - t0,
@@ -179,9 +181,7 @@ def main(block: int, counts: list[int], pause_s: float, arrays: bool) -> None:
                     peer_marks = next((p for p in served if t0 <= p[0] <= t9), None)
                     if peer_marks is None:
                         continue
-                    marks.clear()
-                    marks.update(m)
-                    rows.append(_stretches(t0, t9, peer_marks[:2], raw_ns))
+                    rows.append(_stretches(m, t0, t9, peer_marks[:2], raw_ns))
                 med = [statistics.median(r[i] for r in rows) for i in range(len(STRETCHES))]
                 kind = ", arrays" if arrays else ""
                 print(
