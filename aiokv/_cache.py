@@ -43,8 +43,10 @@ class Cache:
             ``-1`` for ``create_cpu_cache``, which no ``LLMDataDist`` tracks.
         cache_desc: its descriptor (a copy of the one it was made with, whose dims
             ``update_dim`` may no longer change).
-        tensors: the tensors (views of a pool region, or of user memory).
-        tensor_addrs: ``data_ptr()`` of each tensor.
+        tensors: the tensors (views of a pool region, or of user memory); empty once
+            the memory of an allocated cache went back to its pool (at its
+            ``deallocate_*``, or later while a ``CacheKey`` still holds it).
+        tensor_addrs: ``data_ptr()`` of each tensor (empty with ``tensors``).
         is_blocks_cache: a paged cache (dim 0 is the block index).
         placement: ``HOST`` or ``DEVICE``.
     """
@@ -83,6 +85,15 @@ class Cache:
         # a cache's descriptor is locked (frozen, dims refused): its sizes never change
         self._size = self.cache_desc.size
         self._block_bytes = self._size // self.num_blocks
+
+    def _memory_freed(self) -> None:
+        """Its pool memory went back to the pool (the registry, once the last reference
+        is dropped): ``tensors`` and ``tensor_addrs`` become empty, as llm_datadist
+        empties ``tensor_addrs``, so that the released cache no longer reaches memory
+        that another cache may be given."""
+        self.tensors = []
+        self._rows = self._host_rows = None
+        self._bases = None
 
     @property
     def placement(self) -> Placement:

@@ -400,6 +400,8 @@ class CacheRegistry:
                 self.on_deregister(t.data_ptr(), e.cache.cache_desc.size)
         for pool, span in e.spans:
             pool.free(span)
+        if e.spans:
+            e.cache._memory_freed()
         del self.entries[e.cache.cache_id]
 
     @_locked

@@ -252,9 +252,28 @@ async def test_deallocate_defers_while_pinned(cm: CacheManager) -> None:
     s = cm.statistics()
     assert (s.caches, s.released, s.pins) == (2, 2, 2)
     assert used(cm) == held  # the in-flight swap still uses both
+    assert len(src.tensors) == len(dst.tensors) == 4  # their memory is still in use
     await task
     assert stats(cm) == NOTHING
     assert used(cm) == (0, 0)
+    assert src.tensors == dst.tensors == [] and src.tensor_addrs == []  # back in the pools
+
+
+async def test_a_released_cache_no_longer_reaches_pool_memory(cm: CacheManager) -> None:
+    """The memory of a released cache goes to the next allocation: the released
+    ``Cache`` no longer hands out views of it (llm_datadist empties its addresses)."""
+    a = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE))
+    addrs = a.tensor_addrs
+    await cm.deallocate_blocks_cache(a)
+    assert a.tensors == [] and a.tensor_addrs == [] and a.per_device_tensor_addrs == [[]]
+    b = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE))
+    assert b.tensor_addrs == addrs  # the same memory, now b's
+    with pytest.raises(LLMException) as ei:
+        await cm.copy_blocks(a, {0: [1]})
+    assert ei.value.status_code == CODE.LLM_KV_CACHE_NOT_EXIST
+    await cm.deallocate_blocks_cache(a)  # a no-op, as before
+    assert len(b.tensors) == 4
+    await cm.deallocate_blocks_cache(b)
 
 
 # ---- user memory ------------------------------------------------------------------------------

@@ -290,25 +290,28 @@ async def test_pull_cache_releases_the_key(pair: tuple[LLMDataDist, LLMDataDist]
     k0, k1 = CacheKey(1, req_id=10), CacheKey(1, req_id=11)
     src = await p.cache_manager.allocate_cache(desc, [k0, k1])
     fill_randn(src, 6)
+    kept = list(src.tensors)  # its memory, read below while the keys hold it
     await p.cache_manager.deallocate_cache(src)
     held = p.cache_manager.get_pool_stats()
     assert held is not None and held.used > 0
+    assert len(src.tensors) == 4  # the keys still hold its memory
     dst = await d.cache_manager.allocate_cache(CacheDesc(4, [3, 1024], DataType.DT_FLOAT16))
     await d.cache_manager.pull_cache(k1, dst, 2)
-    assert all(torch.equal(td[2], ts[1]) for td, ts in zip(dst.tensors, src.tensors, strict=True))
+    assert all(torch.equal(td[2], ts[1]) for td, ts in zip(dst.tensors, kept, strict=True))
     await raises(CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_cache(k1, dst, 0))
     # chunks of the contiguous slot into blocks; releases k0 -> memory goes back
     blocks = await d.cache_manager.allocate_blocks_cache(
         CacheDesc(4, [8, 256], DataType.DT_FLOAT16)
     )
     await d.cache_manager.pull_blocks(k0, blocks, dst_blocks=[5, 6, 7, 0])
-    for tb, ts in zip(blocks.tensors, src.tensors, strict=True):
+    for tb, ts in zip(blocks.tensors, kept, strict=True):
         assert torch.equal(tb[[5, 6, 7, 0]].reshape(-1), ts[0])
     await raises(
         CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_cache(k0, dst, 0)
     )  # a round trip
     after = p.cache_manager.get_pool_stats()
     assert after is not None and after.used == 0
+    assert src.tensors == [] and src.tensor_addrs == []  # its memory is back in the pool
 
 
 async def test_pull_and_push_by_id(pair: tuple[LLMDataDist, LLMDataDist]) -> None:
