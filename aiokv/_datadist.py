@@ -611,8 +611,9 @@ class LLMDataDist:
 
     def link_failure(self, remote_cluster_id: int) -> str | None:
         """Why the last attempt to link ``remote_cluster_id`` failed (``link_clusters``,
-        or ``link``'s communicator), e.g. ``"127.0.0.1:26000: connection refused"``;
-        ``None`` if it did not fail, or a link to that cluster came up since. aiokv's
+        or ``link``'s communicator), e.g. ``"127.0.0.1:26000: connection refused"``, else
+        why its last link ended without this side unlinking it (``"link ended: closed
+        by peer"``); ``None`` if neither, or a link to that cluster came up since. aiokv's
         addition: ``link_clusters`` returns only ``LLM_LINK_FAILED`` (llm_datadist's
         shape) and logs the reason at WARNING on the ``aiokv.links`` logger; operations
         on that cluster name it in their ``LLM_NOT_YET_LINK`` error.

@@ -4,6 +4,7 @@ both sides, config errors list the valid choices, lifecycle words fit the caller
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -75,6 +76,41 @@ async def test_link_failure_clears_once_linked() -> None:
         right = cluster_info(1, p.listen_address)
         assert (await d.link_clusters([right]))[0] == CODE.LLM_SUCCESS
         assert d.link_failure(1) is None
+
+
+async def test_a_link_that_ended_keeps_its_reason() -> None:
+    """The peer went away (here: it finalized): operations on its cluster say the link
+    ended and why, not "call link_clusters first"; a new link clears it, and a link this
+    side unlinks leaves nothing to report."""
+    async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config()) as (p, d):
+        dst = await d.cache_manager.allocate_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8))
+        pull = d.cache_manager.pull_blocks
+        await p.finalize()
+        for _ in range(500):  # until this side saw the link end
+            if not d.linked_clusters():
+                break
+            await asyncio.sleep(0.01)
+        assert d.linked_clusters() == []
+        reason = d.link_failure(1)
+        assert reason is not None and reason.startswith("link ended: ")
+        assert "closed by peer" in reason  # a CLOSE frame, or the connection's end
+        exc = await raises(
+            CODE.LLM_NOT_YET_LINK,
+            pull(BlocksCacheKey(1, 0), dst, [0], [0]),
+            f"cluster 1 is not linked: its link ended ({reason.removeprefix('link ended: ')})",
+            "call link_clusters to link it again",
+        )
+        assert "call link_clusters first" not in str(exc)
+    async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config()) as (p, d):
+        assert d.link_failure(1) is None
+        assert (await d.unlink_clusters([cluster_info(1, p.listen_address)]))[0] == CODE.LLM_SUCCESS
+        assert d.link_failure(1) is None  # unlinked here: nothing ended by itself
+        dst = await d.cache_manager.allocate_blocks_cache(CacheDesc(1, [4, 64], DataType.DT_INT8))
+        await raises(
+            CODE.LLM_NOT_YET_LINK,
+            d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0]),
+            "call link_clusters first",
+        )
 
 
 async def test_wrong_cluster_at_the_address_names_both(caplog: pytest.LogCaptureFixture) -> None:

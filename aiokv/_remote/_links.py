@@ -69,6 +69,7 @@ class LinkTable:
         self._busy: dict[int, int] = {}  # cluster -> requests of ours in flight
         self._changed: dict[int, asyncio.Event] = {}  # woken when a link is filed / a request ends
         self._failures: dict[int, str] = {}  # cluster -> why its last link attempt failed
+        self._lost: dict[int, str] = {}  # cluster -> why its link ended (none filed since)
 
     def live(self, cluster_id: int) -> Link | None:
         """The live link filed for ``cluster_id``, held or not."""
@@ -87,6 +88,14 @@ class LinkTable:
         """
         link = self.get(cluster_id)
         failure = self._failures.get(cluster_id)
+        lost = self._lost.get(cluster_id)
+        if link is None and lost is not None and failure is None:
+            raise LLMException(
+                f"{op}: cluster {cluster_id} is not linked: its link ended ({lost}); "
+                "call link_clusters to link it again",
+                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+                op=op,
+            )
         if link is None and failure is not None:
             raise LLMException(
                 f"{op}: cluster {cluster_id} is not linked: the last attempt to link it "
@@ -108,9 +117,12 @@ class LinkTable:
         self._failures[cluster_id] = reason
 
     def failure(self, cluster_id: int) -> str | None:
-        """Why the last attempt to link ``cluster_id`` failed; None if it did not, or a
-        link to it was filed since."""
-        return self._failures.get(cluster_id)
+        """Why the last attempt to link ``cluster_id`` failed, else why its last link
+        ended (``"link ended: ..."``); None if neither, or a link to it was filed since."""
+        failure = self._failures.get(cluster_id)
+        if failure is None and cluster_id in self._lost:
+            failure = f"link ended: {self._lost[cluster_id]}"
+        return failure
 
     def add(self, link: Link, *, ours: bool = False) -> None:
         """File ``link`` under its peer's cluster id, by the rule in the module docstring.
@@ -137,6 +149,7 @@ class LinkTable:
         new = self._links.get(cid) is not link
         self._links[cid] = link
         self._failures.pop(cid, None)
+        self._lost.pop(cid, None)
         self._wake(cid)
         if new:  # the transport reports a link this side opened, then the linker files it
             self._counters.up(cid)
@@ -208,12 +221,16 @@ class LinkTable:
             self._ours.discard(cid)
             self._dialed.discard(cid)
             self._counters.down(cid)
-            log.info("link to cluster %d down", cid)
+            why = link.why_broken or "broken or closed"
+            if why != "closed locally":  # an unlink, a finalize: nothing to report
+                self._lost[cid] = why
+            log.info("link to cluster %d down (%s)", cid, why)
 
     def pop(self, cluster_id: int) -> Link | None:
         """Remove and return the link filed for ``cluster_id`` (live or not), if any."""
         self._ours.discard(cluster_id)
         self._dialed.discard(cluster_id)
+        self._lost.pop(cluster_id, None)
         link = self._links.pop(cluster_id, None)
         if link is not None:
             self._counters.down(cluster_id)

@@ -61,6 +61,8 @@ from ._base import refusal
 __all__ = ["LocalTransport"]
 
 _log = logging.getLogger("aiokv.transport.local")
+# reasons of a local close: the other end reads "closed by peer" (as over TCP)
+_CLOSED = ("closed locally", "transport closed")
 _S = LLMStatusCode
 _CHUNK_BYTES: Final = 4 << 20  # copied per loop step
 _SLICE_COST: Final = _CHUNK_BYTES >> 12  # one slice costs this much: ≤ 4096 slices per step
@@ -224,6 +226,7 @@ class _LocalLink(Link):
         self._other = self
         self._ops: set[_Op] = set()  # requests started at this end
         self._broken = False
+        self._why_broken = ""
 
     def __repr__(self) -> str:
         state = "broken" if self._broken else "up"
@@ -232,6 +235,10 @@ class _LocalLink(Link):
     @property
     def broken(self) -> bool:
         return self._broken
+
+    @property
+    def why_broken(self) -> str:
+        return self._why_broken
 
     async def read(self, meta: bytes, into: Payload, *, timeout: float) -> None:
         await self._request("Link.read", meta, into, timeout, is_read=True)
@@ -407,6 +414,8 @@ class _LocalLink(Link):
         ends = (self, self._other)
         for end in ends:
             end._broken = True
+        self._why_broken = reason
+        self._other._why_broken = "closed by peer" if reason.startswith(_CLOSED) else reason
         for end in ends:
             ops, end._ops = end._ops, set()
             for op in ops:

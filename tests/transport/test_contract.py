@@ -611,6 +611,12 @@ async def test_closing_fails_pending_ops(pair: Pair, closer: str) -> None:
     await until(lambda: pair.link_a.broken and pair.link_b.broken)
     assert pair.lost_a == [pair.link_a] and pair.lost_b == [pair.link_b]  # once per side
     assert pair.a.links() == [] and pair.b.links() == []
+    # each end says why, for a person: the closing end its own close, the other its peer's
+    closing, other = (
+        (pair.link_a, pair.link_b) if closer == "own-link" else (pair.link_b, pair.link_a)
+    )
+    assert closing.why_broken in ("closed locally", "transport closed")
+    assert "closed by peer" in other.why_broken
     await asyncio.wait_for(pair.hb.hung_cancelled.wait(), 5)
     for link in (pair.link_a, pair.link_b):
         await raises(Code.LLM_LINK_FAILED, link.read(js({}), [], timeout=1))

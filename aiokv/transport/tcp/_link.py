@@ -117,6 +117,7 @@ class TcpLink(Link):
         self._io = io
         self._sock = io.sock
         self._broken = False
+        self._why_broken = ""
         # the protocol's state (request ids, requests, reply backlog): see _protocol
         self._p = LinkProtocol(
             self,
@@ -146,6 +147,10 @@ class TcpLink(Link):
     @property
     def broken(self) -> bool:
         return self._broken
+
+    @property
+    def why_broken(self) -> str:
+        return self._why_broken
 
     @property
     def heard(self) -> bool:
@@ -574,6 +579,7 @@ class TcpLink(Link):
         if self._broken:
             return
         self._broken = True
+        self._why_broken = reason
         _log.debug("%r: %s", self, reason)
         self._io.close()
         self._w.clear()
