@@ -209,7 +209,7 @@ def demo(
     )
     try:
         run_demo(opts)
-    except ValueError as exc:  # an option out of range, found before anything started
+    except ValueError as exc:  # an option out of range, a --device this machine lacks
         _fail("demo", str(exc))
     except DemoError as exc:
         _fail("demo", str(exc), 1)
