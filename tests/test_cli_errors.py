@@ -201,3 +201,17 @@ def test_demo_over_nixl_without_nixl_names_the_extra_before_any_process(
     line = _one_line(result.output)
     assert line.startswith("aiokv demo: --backend nixl: ") and "aiokv[nixl]" in line
     assert not multiprocessing.active_children()
+
+
+def test_bench_device_without_an_accelerator_is_one_line_with_one_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiokv._copy import _device
+
+    monkeypatch.setattr(_device, "_device_count", lambda kind: 0)  # no CUDA, no NPU here
+    result = CliRunner().invoke(app, ["bench", "device", "--quick"])
+    assert result.exit_code == 1
+    assert _one_line(result.output) == (
+        "aiokv bench device: needs an accelerator: cuda:0 requested but cuda is not "
+        "available (aiokv info lists this machine's devices)"
+    )
