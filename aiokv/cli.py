@@ -1,5 +1,5 @@
 """The ``aiokv`` command: ``aiokv demo``, ``aiokv info`` and ``aiokv bench ...`` (local,
-transfer, layerwise, latency, raw, vllm). Ctrl-C ends any of them within a second.
+transfer, layerwise, latency, raw, device, vllm). Ctrl-C ends any of them within a second.
 
 Every argument is checked before any work starts; an error is one line on stderr that
 names the fix (exit status 2 for a bad argument, 1 for a failure while running), with a
@@ -10,6 +10,7 @@ one is escaped (:func:`_text`), or rich would take ``[nixl]`` for a style and dr
 from __future__ import annotations
 
 import errno
+import inspect
 import json
 import os
 import socket
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from typing import Annotated
 from typing import NoReturn
+from typing import TypeVar
 
 import typer
 
@@ -35,9 +37,27 @@ def _text(help_text: str) -> str:
 HELP = _text(
     "aiokv: asyncio-first KV-cache transfer (llm_datadist's API). Commands: aiokv demo "
     "(a model served prefill → decode), aiokv info (devices, transports, versions), "
-    "aiokv bench [local|transfer|layerwise|latency|raw|device]. Ctrl-C ends any of them "
-    "within a second."
+    "aiokv bench [local|transfer|device|layerwise|latency|raw|vllm]. Ctrl-C ends any of "
+    "them within a second."
 )
+
+Command = TypeVar("Command", bound=Callable[..., None])
+
+
+def _command(group: typer.Typer, name: str | None = None) -> Callable[[Command], Command]:
+    """``group.command(name)``, its help the function's docstring with each paragraph on
+    one line, ``[`` escaped: rich keeps a help text's single line breaks in a group's list
+    of commands (``aiokv bench --help``), which would then break where the source does."""
+
+    def register(command: Command) -> Command:
+        paragraphs = (inspect.getdoc(command) or "").split("\n\n")
+        group.command(name, help=_text("\n\n".join(" ".join(p.split()) for p in paragraphs)))(
+            command
+        )
+        return command
+
+    return register
+
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich", help=HELP)
 bench_app = typer.Typer(
@@ -151,7 +171,7 @@ class DemoDevice(StrEnum):
     npu = "npu"
 
 
-@app.command()
+@_command(app)
 def demo(
     prompts: Annotated[int, typer.Option(help="Requests in the batch.")] = 4,
     prompt_len: Annotated[int, typer.Option(help="Longest prompt (others down to half).")] = 96,
@@ -189,7 +209,7 @@ def demo(
     )
     try:
         run_demo(opts)
-    except ValueError as exc:  # an option out of range, found before anything started
+    except ValueError as exc:  # an option out of range, a --device this machine lacks
         _fail("demo", str(exc))
     except DemoError as exc:
         _fail("demo", str(exc), 1)
@@ -235,7 +255,7 @@ def _root(
     """The options before the command (``--version``, ``--debug``)."""
 
 
-@app.command()
+@_command(app)
 def info(as_json: Json = False) -> None:
     """Devices (cpu, cuda, npu), transports (tcp, tls, nixl: available or why not,
     NIXL/UCX versions), versions and the event loop."""
@@ -249,7 +269,7 @@ def info(as_json: Json = False) -> None:
         render(found)
 
 
-@bench_app.command("local")
+@_command(bench_app, "local")
 def bench_local(quick: Quick = False, as_json: Json = False, plot: Plot = None) -> None:
     """swap_blocks of N paged blocks vs the best plain-torch method; small-op latency."""
     from ._bench.local import run_local_bench
@@ -356,7 +376,7 @@ def _transfer_target(
     return _address("--connect", connect) if connect is not None else None
 
 
-@bench_app.command("transfer")
+@_command(bench_app, "transfer")
 def bench_transfer(
     quick: Quick = False,
     as_json: Json = False,
@@ -416,7 +436,7 @@ DeviceBackendOpt = Annotated[
 ]
 
 
-@bench_app.command("device")
+@_command(bench_app, "device")
 def bench_device(
     quick: Quick = False,
     as_json: Json = False,
@@ -432,7 +452,7 @@ def bench_device(
     )
 
 
-@bench_app.command("layerwise")
+@_command(bench_app, "layerwise")
 def bench_layerwise(quick: Quick = False, as_json: Json = False, plot: Plot = None) -> None:
     """transfer_cache_async (by key, by raw addresses) vs one push_blocks of the same bytes."""
     from ._bench.layerwise import run_layerwise_bench
@@ -440,7 +460,7 @@ def bench_layerwise(quick: Quick = False, as_json: Json = False, plot: Plot = No
     _run_bench("layerwise", lambda: run_layerwise_bench(quick=quick), as_json, plot)
 
 
-@bench_app.command("latency")
+@_command(bench_app, "latency")
 def bench_latency(quick: Quick = False, as_json: Json = False, plot: Plot = None) -> None:
     """One-block pull_blocks (async and aiokv.sync) vs a raw socket request/response."""
     from ._bench.latency import run_latency_bench
@@ -448,7 +468,7 @@ def bench_latency(quick: Quick = False, as_json: Json = False, plot: Plot = None
     _run_bench("latency", lambda: run_latency_bench(quick=quick), as_json, plot)
 
 
-@bench_app.command("raw")
+@_command(bench_app, "raw")
 def bench_raw(quick: Quick = False, as_json: Json = False, plot: Plot = None) -> None:
     """Transport level: Link.read / Link.write of scattered blocks vs a raw socket stream."""
     from ._bench.raw import run_raw_bench
@@ -456,7 +476,7 @@ def bench_raw(quick: Quick = False, as_json: Json = False, plot: Plot = None) ->
     _run_bench("raw", lambda: run_raw_bench(quick=quick), as_json, plot)
 
 
-@bench_app.command("vllm")
+@_command(bench_app, "vllm")
 def bench_vllm(
     quick: Quick = False,
     as_json: Json = False,

@@ -7,8 +7,10 @@ import os
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -149,19 +151,32 @@ def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback() -> None
     assert "Traceback" in debug.stderr and "the probe broke" in debug.stderr
 
 
-def test_demo_on_a_device_this_machine_lacks_is_one_line_before_any_process(
-    monkeypatch: pytest.MonkeyPatch,
+def _unless(missing: str, find_spec: Callable[..., object], name: str, *args: object) -> object:
+    return None if name == missing else find_spec(name, *args)
+
+
+@pytest.mark.parametrize(
+    ("device", "says"),
+    [
+        ("cuda", "no CUDA device here; use --device auto or cpu"),
+        ("npu", "torch_npu is not installed; use --device auto or cpu"),
+    ],
+)
+def test_demo_on_a_device_this_machine_lacks_is_a_usage_error_before_any_process(
+    device: str, says: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import importlib.util
     import multiprocessing
 
     import torch
 
+    find_spec = importlib.util.find_spec
+    no_npu = partial(_unless, "torch_npu", find_spec)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    result = CliRunner().invoke(app, ["demo", "--device", "cuda"])
-    assert result.exit_code == 1
-    assert _one_line(result.output) == (
-        "aiokv demo: --device cuda: no CUDA device here; use --device auto or cpu"
-    )
+    monkeypatch.setattr(importlib.util, "find_spec", no_npu)  # as if torch_npu were missing
+    result = CliRunner().invoke(app, ["demo", "--device", device])
+    assert result.exit_code == 2  # like any bad argument value: another --device fixes it
+    assert _one_line(result.output) == f"aiokv demo: --device {device}: {says}"
     assert not multiprocessing.active_children()
 
 
@@ -186,3 +201,17 @@ def test_demo_over_nixl_without_nixl_names_the_extra_before_any_process(
     line = _one_line(result.output)
     assert line.startswith("aiokv demo: --backend nixl: ") and "aiokv[nixl]" in line
     assert not multiprocessing.active_children()
+
+
+def test_bench_device_without_an_accelerator_is_one_line_with_one_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiokv._copy import _device
+
+    monkeypatch.setattr(_device, "_device_count", lambda kind: 0)  # no CUDA, no NPU here
+    result = CliRunner().invoke(app, ["bench", "device", "--quick"])
+    assert result.exit_code == 1
+    assert _one_line(result.output) == (
+        "aiokv bench device: needs an accelerator: cuda:0 requested but cuda is not "
+        "available (aiokv info lists this machine's devices)"
+    )

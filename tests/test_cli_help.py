@@ -62,3 +62,23 @@ def test_extras_in_brackets_survive() -> None:
     assert "nixl needs aiokv[nixl]." in demo
     transfer = _flat(CliRunner(env=WIDE).invoke(app, ["bench", "transfer", "--help"]).output)
     assert "(needs aiokv[nixl])" in transfer and "matplotlib: aiokv[plot]" in transfer
+
+
+@pytest.mark.parametrize("group", [(), ("bench",)], ids=["aiokv", "bench"])
+def test_a_command_list_reflows_each_summary_to_the_terminal(group: tuple[str, ...]) -> None:
+    """No line break of the source survives into ``aiokv [bench] --help``'s list of
+    commands: on a wide terminal each summary is one line (not cut where the docstring
+    was)."""
+    shown = CliRunner(env=WIDE).invoke(app, [*group, "--help"])
+    assert shown.exit_code == 0, shown.output
+    lines = [_flat(line) for line in shown.output.splitlines()]
+    for name, command in dict(COMMANDS)[group].commands.items():
+        summary = _written((command.help or "").split("\n\n")[0])
+        assert "\n" not in (command.help or "").split("\n\n")[0], name
+        assert any(summary in line for line in lines), (name, summary, shown.output)
+
+
+def test_the_top_level_help_names_every_bench_command() -> None:
+    names = "|".join(dict(COMMANDS)[("bench",)].commands)
+    shown = CliRunner(env=WIDE).invoke(app, ["--help"])
+    assert f"aiokv bench [{names}]" in _flat(shown.output)

@@ -9,6 +9,9 @@ import sys
 import tomllib
 from pathlib import Path
 
+from _helpers import checkout_env
+from _helpers import run_python
+
 import aiokv
 from aiokv._console import CLI_MODULES
 
@@ -52,6 +55,13 @@ def test_script_runs_the_cli() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"aiokv {aiokv.__version__}"
+
+
+def test_python_m_aiokv_runs_the_cli() -> None:
+    done = run_python("-m", "aiokv", "--help", env=checkout_env(COLUMNS="100"), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Usage: python -m aiokv [OPTIONS] COMMAND" in done.stdout
+    assert all(command in done.stdout for command in ("demo", "info", "bench"))
 
 
 def test_one_version_source() -> None:

@@ -11,7 +11,7 @@ from types import ModuleType
 import aiokv
 
 #: modules that are programs (the CLI, the demo, benchmarks, examples), not libraries
-SCRIPTS = ("aiokv.cli", "aiokv._demo", "aiokv._bench", "aiokv.examples")
+SCRIPTS = ("aiokv.__main__", "aiokv.cli", "aiokv._demo", "aiokv._bench", "aiokv.examples")
 
 
 #: modules that import an optional dependency (module -> the dependency): checked only

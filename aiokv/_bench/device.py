@@ -78,9 +78,10 @@ def run_device_bench(
         device_type = "cuda"  # NIXL registers CUDA memory only
     try:
         device = resolve_device(device_type, 0)
-    except LLMException as exc:
+    except LLMException as exc:  # the command prints "aiokv bench device: " before this
+        why = str(exc).removeprefix("resolve_device: ")
         raise LLMException(
-            f"aiokv bench device needs an accelerator: {exc}",
+            f"needs an accelerator: {why} (aiokv info lists this machine's devices)",
             status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
         ) from None
     kind: DeviceKind = "npu" if device.type == "npu" else "cuda"

@@ -302,6 +302,19 @@ def _family(host: str) -> socket.AddressFamily:
 # ------------------------------------------------------------------------- driving side
 
 
+def _connect(host: str, port: int, timeout: float) -> socket.socket:
+    """A connection to the listener at ``host:port``; if it cannot be made, an
+    ``OSError`` that names the address and says to start the listener there first."""
+    try:
+        return socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        why = exc.strerror or str(exc) or type(exc).__name__
+        raise ConnectionError(
+            f"--connect {host}:{port}: {why[:1].lower()}{why[1:]}: start "
+            "'aiokv bench transfer --listen HOST:PORT' on that host first"
+        ) from exc
+
+
 class RemotePeer(PromptPeer):
     """A :class:`~._harness.PromptPeer` served by ``aiokv bench transfer --listen`` on
     another host: the same requests over its control connection (blocking to start,
@@ -315,7 +328,7 @@ class RemotePeer(PromptPeer):
     def __init__(self, host: str, port: int, timeout: float = 30) -> None:
         # no child process: Peer.__init__ is not called; request/stop are replaced
         self.host = host
-        self._sock = socket.create_connection((host, port), timeout=timeout)
+        self._sock = _connect(host, port, timeout)
         self._sock.settimeout(None)
         self._sock.sendall(b"c")
         self._file = self._sock.makefile("rb")
@@ -354,7 +367,7 @@ class RemoteRawStream(RawStream):
 
     def __init__(self, host: str, port: int, max_bytes: int) -> None:
         self._buf = memoryview(_filled(max_bytes, 0x5A))
-        self._sock = socket.create_connection((host, port), timeout=30)
+        self._sock = _connect(host, port, 30)
         self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._sock.sendall(b"r" + max_bytes.to_bytes(8, "little"))

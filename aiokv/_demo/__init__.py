@@ -36,8 +36,9 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> DemoResult:
     """Run the demo, print its report on ``console`` and return what it measured.
 
     Raises:
-        ValueError: an option out of range.
-        DemoError: a process failed or stopped answering.
+        ValueError: an option out of range, or a ``--device`` this machine lacks.
+        DemoError: NIXL missing for ``--backend nixl``, or a process failed or stopped
+            answering.
         DemoMismatch: a decoder's tokens differ from the colocated run's (after the
             report, which shows which).
     """

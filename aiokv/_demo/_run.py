@@ -239,9 +239,10 @@ def reap_tracker() -> None:
 
 
 def check_environment(opts: DemoOptions) -> None:
-    """Raise :class:`DemoError` (one line, naming the fix) when this machine cannot run
-    ``opts``: ``--backend nixl`` without NIXL, ``--device cuda`` / ``npu`` without one.
-    Called before any process starts."""
+    """Raise (one line, naming the fix) when this machine cannot run ``opts``:
+    :class:`DemoError` for ``--backend nixl`` without NIXL (an install to make),
+    ``ValueError`` for ``--device cuda`` / ``npu`` without one (another ``--device`` to
+    pick: a usage error, like an option out of range). Called before any process starts."""
     if opts.backend != "tcp":
         try:
             get_transport(opts.backend)
@@ -251,12 +252,12 @@ def check_environment(opts: DemoOptions) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise DemoError("--device cuda: no CUDA device here; use --device auto or cpu")
+            raise ValueError("--device cuda: no CUDA device here; use --device auto or cpu")
     if opts.device == "npu":
         import importlib.util
 
         if importlib.util.find_spec("torch_npu") is None:
-            raise DemoError("--device npu: torch_npu is not installed; use --device auto or cpu")
+            raise ValueError("--device npu: torch_npu is not installed; use --device auto or cpu")
 
 
 def collect(opts: DemoOptions) -> DemoResult:
@@ -264,7 +265,7 @@ def collect(opts: DemoOptions) -> DemoResult:
     :attr:`DemoResult.all_identical`).
 
     Raises:
-        ValueError: an option out of range.
+        ValueError: an option out of range, or a ``--device`` this machine lacks.
         DemoError: this machine cannot run ``opts`` (:func:`check_environment`), or a
             process failed or stopped answering.
     """

@@ -36,7 +36,7 @@ def test_without_cuda_the_nixl_mode_fails_as_the_tcp_mode_does() -> None:
     nixl = runner.invoke(app, ["bench", "device", "--backend", "nixl", "--json"])
     assert nixl.exit_code == tcp.exit_code == 1
     assert nixl.output == tcp.output
-    assert nixl.output.strip().startswith("aiokv bench device: aiokv bench device needs an")
+    assert nixl.output.strip().startswith("aiokv bench device: needs an accelerator: ")
     assert "Traceback" not in nixl.output
 
 
