@@ -42,6 +42,7 @@ __all__ = [
     "duplicated",
     "param_invalid",
     "renamed",
+    "repeated",
     "tensor_range",
 ]
 
@@ -149,7 +150,13 @@ def check_blocks(op: str, name: str, value: Any, nblocks: int) -> Blocks:
     bound = str(nblocks) if nblocks <= MAX_BLOCK_INDEX else "the peer cache's block count"
     if isinstance(value, np.ndarray):
         return _block_array(op, name, value, nblocks, bound)
-    check_instance(op, name, value, (list, tuple))
+    if not isinstance(value, (list, tuple)):
+        check_instance(op, name, value, object)  # None: NoneArgumentError
+        raise TypeError(
+            f"{op}: {name} must be a list or tuple of int or a 1-D integer numpy array, got "
+            f"{type(value).__name__}"
+            + (" (a torch tensor: pass t.tolist() or t.numpy())" if _is_tensor(value) else "")
+        )
     if not set(map(type, value)) <= {int}:  # plain ints (the usual case) need no loop
         for i, b in enumerate(value):
             if isinstance(b, bool) or not isinstance(b, int):
@@ -178,11 +185,16 @@ def check_blocks(op: str, name: str, value: Any, nblocks: int) -> Blocks:
     return arr
 
 
+def _is_tensor(value: object) -> bool:
+    """Whether ``value`` is a torch tensor (without importing torch for the question)."""
+    return type(value).__module__.startswith("torch") and hasattr(value, "numpy")
+
+
 def _block_array(op: str, name: str, value: npt.NDArray[Any], nblocks: int, bound: str) -> Blocks:
     """:func:`check_blocks` of a numpy array: two reductions and one copy."""
     if value.ndim != 1 or value.dtype.kind not in "iu":
         raise TypeError(
-            f"{op}: {name} must be a list or tuple of int or a 1-D integer array, "
+            f"{op}: {name} must be a list or tuple of int or a 1-D integer numpy array, "
             f"got a {value.ndim}-D array of {value.dtype}"
         )
     if value.size:
@@ -213,10 +225,20 @@ def duplicated(values: Blocks) -> bool:
     return bool((ordered[1:] == ordered[:-1]).any())
 
 
+def repeated(values: Blocks) -> int | None:
+    """The smallest entry the non-negative ``values`` name twice; None if none is
+    (:func:`duplicated`'s cost; a sort only when there is one)."""
+    if not duplicated(values):
+        return None
+    ordered = np.sort(values)
+    return int(ordered[1:][ordered[1:] == ordered[:-1]][0])
+
+
 def check_unique(op: str, what: str, values: Blocks) -> None:
-    """Refuse a list naming the same entry twice (``LLM_PARAM_INVALID``)."""
-    if duplicated(values):
-        param_invalid(op, f"{what} appears twice")
+    """Refuse a list naming the same entry twice (``LLM_PARAM_INVALID``, naming the
+    smallest such entry)."""
+    if (twice := repeated(values)) is not None:
+        param_invalid(op, f"{what} appears twice: {twice}")
 
 
 def check_layer_range(op: str, name: str, value: Any) -> range | None:

@@ -172,7 +172,12 @@ class LLMDataDist:
         """
         mgr = self._require("cache_manager")
         if isinstance(mgr, KvCacheManager):
-            param_invalid("cache_manager", "enable_cache_manager is False; use kv_cache_manager")
+            param_invalid(
+                "cache_manager",
+                "enable_cache_manager is False (llm_datadist's legacy mode): use "
+                "kv_cache_manager, or set LLMConfig.enable_cache_manager = True for "
+                "cache_manager",
+            )
         return mgr
 
     @property
@@ -875,7 +880,8 @@ def _warn_twins(dd: LLMDataDist) -> None:
         f"LLMDataDist {dd._cluster_id} initialized while another instance with cluster id "
         f"{dd._cluster_id} is still initialized, holding its pools, listener and threads: "
         "finalize the old one (its finalize(), or create it in a `with` / `async with` "
-        "LLMDataDist(...) block)"
+        "LLMDataDist(...) block); if both are meant to run, give each its own cluster id "
+        "(peers tell clusters apart by it, and one cannot link the other)"
     )
     warnings.warn(msg, ResourceWarning, stacklevel=4)
     log.warning("%s", msg)

@@ -25,6 +25,7 @@ from pydantic import ConfigDict
 from pydantic import Field
 from pydantic import PrivateAttr
 from pydantic import ValidationError
+from pydantic import ValidationInfo
 from pydantic import field_validator
 from pydantic import model_validator
 
@@ -530,10 +531,14 @@ class MemInfo(Model):
         return f"MemInfo(mem_type={self.mem_type}, addr={self.addr}, size={self.size})"
 
 
-def _check_range(v: Any) -> Any:
+def _check_range(model: str, v: Any, info: ValidationInfo) -> Any:
+    """A layer range field's value: ``None`` or a non-empty ``range`` with step 1 from
+    >= 0. A ``TypeError`` leaves pydantic as it is, so it names the model and field
+    itself; the ``ValueError`` is wrapped with them (:func:`_translate`)."""
     if v is not None:
+        name = f"{model}: {info.field_name}"
         if not isinstance(v, range):
-            raise TypeError(f"layer range must be range or None, got {type(v).__name__}")
+            raise TypeError(f"{name} must be a range or None, got {type(v).__name__}")
         if v.step != 1 or v.start < 0 or len(v) == 0:
             raise ValueError(f"layer range {v} must be non-empty, non-negative, step 1")
     return v
@@ -596,7 +601,7 @@ class TransferConfig(Model):
         return v
 
     _layers = field_validator("src_layer_range", mode="before")(
-        classmethod(lambda cls, v: _check_range(v))
+        classmethod(lambda cls, v, info: _check_range(cls.__name__, v, info))
     )
 
     @property
@@ -626,7 +631,7 @@ class TransferWithCacheKeyConfig(Model):
     src_batch_index: int = Field(default=0, ge=0)
 
     _layers = field_validator("src_layer_range", "dst_layer_range", mode="before")(
-        classmethod(lambda cls, v: _check_range(v))
+        classmethod(lambda cls, v, info: _check_range(cls.__name__, v, info))
     )
 
     @property

@@ -7,9 +7,11 @@ import errno
 
 import numpy as np
 import pytest
+import torch
 
 from aiokv import LLMException
 from aiokv import LLMStatusCode
+from aiokv import NoneArgumentError
 from aiokv._checks import MAX_BLOCK_INDEX
 from aiokv._checks import check_blocks
 from aiokv._checks import check_unique
@@ -54,7 +56,7 @@ def test_check_blocks_takes_integer_arrays_as_a_copy(dtype: str) -> None:
     ],
 )
 def test_check_blocks_refuses_arrays_that_are_not_1d_integers(bad: np.ndarray) -> None:
-    with pytest.raises(TypeError, match="1-D integer array"):
+    with pytest.raises(TypeError, match="1-D integer numpy array"):
         check_blocks("op", "blocks", bad, 8)
 
 
@@ -126,6 +128,21 @@ def test_check_unique_refuses_a_repeat() -> None:
     with pytest.raises(LLMException) as err:
         check_unique("op", "a block", np.array([5, 1, 5]))
     assert err.value.status_code is LLMStatusCode.LLM_PARAM_INVALID
+    assert "a block appears twice: 5" in str(err.value)  # which one
+    with pytest.raises(LLMException, match=r"appears twice: 2$"):  # the smallest of several
+        check_unique("op", "a block", np.array([9, 2, 9, 2, 40_000]))
+
+
+@pytest.mark.parametrize("bad", [{1, 2}, "12", 3, range(2), torch.tensor([1, 2])])
+def test_check_blocks_names_what_a_block_list_may_be(bad: object) -> None:
+    with pytest.raises(TypeError) as err:
+        check_blocks("op", "blocks", bad, 8)
+    assert "op: blocks must be a list or tuple of int or a 1-D integer numpy array" in str(
+        err.value
+    )
+    assert ("t.tolist() or t.numpy()" in str(err.value)) == isinstance(bad, torch.Tensor)
+    with pytest.raises(NoneArgumentError):
+        check_blocks("op", "blocks", None, 8)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,8 @@ from aiokv import LLMDataDist
 from aiokv import LLMException
 from aiokv import LLMRole
 from aiokv import LLMStatusCode
+from aiokv import TransferConfig
+from aiokv import TransferWithCacheKeyConfig
 from aiokv._config import InvalidOptionError
 from aiokv.testing import cluster_info
 from aiokv.testing import linked_pair
@@ -111,6 +113,18 @@ async def test_a_link_that_ended_keeps_its_reason() -> None:
             d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0]),
             "call link_clusters first",
         )
+
+
+async def test_a_cluster_cannot_link_its_own_id() -> None:
+    """Linking this side's own cluster id (itself, or a twin given the same id) fails
+    before connecting, and says why."""
+    async with LLMDataDist(LLMRole.MIX, 3, config(listen_ip_info="127.0.0.1:0")) as m:
+        code, codes = await m.link_clusters([cluster_info(3, m.listen_address)])
+        assert (code, codes) == (CODE.LLM_LINK_FAILED, [CODE.LLM_LINK_FAILED])
+        reason = m.link_failure(3)
+        assert reason is not None and "own cluster id" in reason
+        assert m.linked_clusters() == [] and m._transport is not None
+        assert m._transport.links() == []  # nothing was connected
 
 
 async def test_wrong_cluster_at_the_address_names_both(caplog: pytest.LogCaptureFixture) -> None:
@@ -202,6 +216,28 @@ def test_negative_block_index_is_the_same_error_as_past_the_end(sync_cm: Any, ba
     msg = _param_invalid(lambda: sync_cm.copy_blocks(a, {0: [bad]}))
     assert f"entry {bad} is out of range [0, 4)" in msg
     assert "9223372036854775807" not in msg
+
+
+def test_a_repeated_destination_block_is_named(sync_cm: Any) -> None:
+    a = sync_cm.allocate_blocks_cache(CacheDesc(1, [8, 64], DataType.DT_INT8))
+    msg = _param_invalid(lambda: sync_cm.copy_blocks(a, {0: [3, 5, 3]}))
+    assert "appears twice: 3" in msg
+
+
+@pytest.mark.parametrize("config_type", [TransferConfig, TransferWithCacheKeyConfig])
+def test_a_layer_range_of_the_wrong_type_names_the_model_and_field(config_type: Any) -> None:
+    args = (2, [1]) if config_type is TransferConfig else (BlocksCacheKey(2),)
+    with pytest.raises(TypeError) as err:
+        config_type(*args, [0, 1])
+    name = config_type.__name__
+    assert str(err.value) == f"{name}: src_layer_range must be a range or None, got list"
+
+
+def test_cache_manager_in_legacy_mode_says_how_to_get_one() -> None:
+    cfg = config(enable_cache_manager=False)
+    with llm_datadist.LLMDataDist(llm_datadist.LLMRole.PROMPT, 1, cfg) as legacy:
+        msg = _param_invalid(lambda: legacy.cache_manager)
+    assert "use kv_cache_manager" in msg and "enable_cache_manager = True" in msg
 
 
 async def test_remote_mismatch_names_requester_and_owner() -> None:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import ParamSpec
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from .._cache import Cache
@@ -20,6 +21,7 @@ from .._checks import check_blocks
 from .._checks import check_index
 from .._checks import check_instance
 from .._checks import check_int
+from .._checks import check_unique
 from .._checks import param_invalid
 from .._checks import renamed
 from .._copy import copy_rows
@@ -159,7 +161,7 @@ class LocalCopies(ManagerBase):
                 pairs.append((s, d))
         dsts_all = [d for _, d in pairs]
         if len(set(dsts_all)) != len(dsts_all):
-            param_invalid(op, "a destination block appears twice")
+            check_unique(op, "a destination block", np.array(dsts_all, dtype=np.int64))
         if set(dsts_all) & set(copy_block_info):
             param_invalid(op, "a block is both a source and a destination")
         if not pairs:

@@ -24,7 +24,7 @@ import torch
 
 from .._cache import Cache
 from .._checks import Blocks
-from .._checks import duplicated
+from .._checks import repeated
 from .._checks import tensor_range
 from .._config import LLMConfig
 from .._copy import MAX_STAGED_BYTES
@@ -106,8 +106,8 @@ def _blocks(raw: bytes, limit: int, what: str, *, unique: bool, most: int | None
     top = int(blocks.max())
     if top >= limit:
         raise _invalid(f"{what} entry {top} is out of range [0, {limit})")
-    if unique and duplicated(blocks):
-        raise _invalid(f"a block of {what} appears twice")
+    if unique and (twice := repeated(blocks)) is not None:
+        raise _invalid(f"a block of {what} appears twice: {twice}")
     return blocks
 
 

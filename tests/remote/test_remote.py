@@ -206,9 +206,10 @@ async def test_block_lists_as_numpy_arrays(pair: tuple[LLMDataDist, LLMDataDist]
     assert await task.get_results() == [CODE.LLM_SUCCESS]
     for td, ts in zip(dst.tensors, src.tensors, strict=True):
         assert torch.equal(td[20:22], ts[7:9])
-    with pytest.raises(TypeError, match="1-D integer array"):
+    with pytest.raises(TypeError, match="1-D integer numpy array"):
         await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, np.array([1.0]), np.array([1]))
-    with pytest.raises(TypeError, match="1-D integer array"):  # 0-D: refused, not len()'s error
+    # 0-D: refused as a list would be, not with len()'s own error
+    with pytest.raises(TypeError, match="1-D integer numpy array"):
         p.cache_manager.transfer_cache_async(src, sync, [config], np.array(7), np.array([20]))
 
 
