@@ -880,8 +880,7 @@ def _warn_twins(dd: LLMDataDist) -> None:
         f"LLMDataDist {dd._cluster_id} initialized while another instance with cluster id "
         f"{dd._cluster_id} is still initialized, holding its pools, listener and threads: "
         "finalize the old one (its finalize(), or create it in a `with` / `async with` "
-        "LLMDataDist(...) block); if both are meant to run, give each its own cluster id "
-        "(peers tell clusters apart by it, and one cannot link the other)"
+        "LLMDataDist(...) block)"
     )
     warnings.warn(msg, ResourceWarning, stacklevel=4)
     log.warning("%s", msg)

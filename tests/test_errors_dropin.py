@@ -115,18 +115,6 @@ async def test_a_link_that_ended_keeps_its_reason() -> None:
         )
 
 
-async def test_a_cluster_cannot_link_its_own_id() -> None:
-    """Linking this side's own cluster id (itself, or a twin given the same id) fails
-    before connecting, and says why."""
-    async with LLMDataDist(LLMRole.MIX, 3, config(listen_ip_info="127.0.0.1:0")) as m:
-        code, codes = await m.link_clusters([cluster_info(3, m.listen_address)])
-        assert (code, codes) == (CODE.LLM_LINK_FAILED, [CODE.LLM_LINK_FAILED])
-        reason = m.link_failure(3)
-        assert reason is not None and "own cluster id" in reason
-        assert m.linked_clusters() == [] and m._transport is not None
-        assert m._transport.links() == []  # nothing was connected
-
-
 async def test_wrong_cluster_at_the_address_names_both(caplog: pytest.LogCaptureFixture) -> None:
     async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config(), link=False) as (p, d):
         peer = cluster_info(5, p.listen_address)

@@ -111,13 +111,6 @@ class Linker:
         """Link one cluster; every failure becomes its code (logged), never an exception."""
         cid = info.remote_cluster_id
         assert cid is not None  # LLMDataDist checked it
-        if cid == self._transport.local_cluster_id:
-            self._failed(
-                cid,
-                f"cluster {cid} is this LLMDataDist's own cluster id: it cannot link itself "
-                "(and two LLMDataDist with one id cannot link each other: give each its own)",
-            )
-            return Code.LLM_LINK_FAILED
         if self._links.ours(cid):
             return Code.LLM_ALREADY_LINK
         if not self._links.begin(cid):
