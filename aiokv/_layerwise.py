@@ -207,6 +207,18 @@ def _code_of(got: Any) -> LLMStatusCode:
     return Code.LLM_SUCCESS if got is True else Code.LLM_PARAM_INVALID
 
 
+def _why(layer: int, got: Any, raised: bool) -> str | None:
+    """Why a synchronizer's outcome for ``layer`` fails its destinations, for a person
+    (:meth:`CacheTask.errors`); None for ``True``. Cut to 300 characters."""
+    if raised:
+        why = f"synchronize_layer({layer}) raised {type(got).__name__}: {got}"
+    elif got is True:
+        return None
+    else:
+        why = f"synchronize_layer({layer}) returned {got!r}, not True"
+    return why if len(why) <= 300 else why[:297] + "..."
+
+
 def _label(sync: LayerSynchronizer, layer: int) -> str:
     """How a warning names a synchronizer's call (its repr, cut to 200 characters)."""
     name = repr(sync)
@@ -219,8 +231,9 @@ async def _awaited(aw: Awaitable[Any]) -> Any:
     return await aw
 
 
-#: (layer, the destinations that wanted it when its synchronizer was called, its code)
-Released = tuple[int, list[int], LLMStatusCode]
+#: (layer, the destinations that wanted it when its synchronizer was called, its code,
+#: why it failed them: None for success)
+Released = tuple[int, list[int], LLMStatusCode, str | None]
 
 
 class _Feed:
@@ -298,19 +311,22 @@ class _Feed:
 
     async def feed_async(self, start: int, stop: int) -> None:
         """On the caller's loop: await the ``async def`` synchronizer for the wanted
-        layers of ``[start, stop)`` in order, posting ``(layer, wanting, got is True,
-        False)``, or ``(layer, wanting, exc, True)``, for each; the job running it
+        layers of ``[start, stop)`` in order, posting ``(layer, wanting, got, False)``
+        (an awaitable ``got`` replaced by its type's name), or ``(layer, wanting, exc,
+        True)``, for each; the job running it
         posts the end (:meth:`start_async`)."""
         for layer, wanting in self._to_ask(start, stop):
             try:
-                ok = await self._fn(layer, None) is True
+                got = await self._fn(layer, None)
             except Exception as exc:  # handed to the engine; a cancellation ends the feed
                 self.failed.update(wanting)
                 self._post((layer, wanting, exc, True))
                 continue
-            if not ok:
+            if got is not True:
                 self.failed.update(wanting)
-            self._post((layer, wanting, ok, False))
+                if inspect.isawaitable(got):  # awaited once only: an awaitable is no answer
+                    got = type(got).__name__
+            self._post((layer, wanting, got, False))
 
     def start_async(self, portal: Portal, first: int, stop: int) -> RuntimeError | None:
         """Start, on the engine loop, the job awaiting :meth:`feed_async` through
@@ -337,7 +353,9 @@ class _Feed:
         for layer in range(start, stop):
             if wanting := self.wanting(layer):
                 self.failed.update(wanting)
-                out.append((layer, wanting, status_of(exc, log, f"synchronize_layer({layer})")))
+                code = status_of(exc, log, f"synchronize_layer({layer})")
+                why = f"synchronize_layer({layer}) was not called: {type(exc).__name__}: {exc}"
+                out.append((layer, wanting, code, why))
         return out
 
     def _post(self, item: tuple[int, list[int], Any, bool] | None) -> None:
@@ -360,23 +378,28 @@ class _Feed:
         if self.job is not None:
             self.job.cancel()
 
-    async def code(self, portal: Portal, item: tuple[int, list[int], Any, bool]) -> Code:
-        """On the engine: the code of one posted outcome (an awaitable one awaited on
-        the caller's loop through ``portal``; its job has ended then)."""
+    async def code(
+        self, portal: Portal, item: tuple[int, list[int], Any, bool]
+    ) -> tuple[Code, str | None]:
+        """On the engine: the code of one posted outcome and why it fails (None when it
+        does not); an awaitable one awaited on the caller's loop through ``portal`` (its
+        job has ended then)."""
         layer, wanting, got, raised = item
         if raised:
             if not isinstance(got, Exception):
                 raise got
-            return status_of(got, log, f"synchronize_layer({layer})")
+            return status_of(got, log, f"synchronize_layer({layer})"), _why(layer, got, True)
         if not inspect.isawaitable(got):
-            return _code_of(got)
+            return _code_of(got), _why(layer, got, False)
         try:
-            code = _code_of(await portal.run(_awaited, got))
+            got = await portal.run(_awaited, got)
         except Exception as exc:
-            code = status_of(exc, log, f"synchronize_layer({layer})")
+            code, why = status_of(exc, log, f"synchronize_layer({layer})"), _why(layer, exc, True)
+        else:
+            code, why = _code_of(got), _why(layer, got, False)
         if code != Code.LLM_SUCCESS:
             self.failed.update(wanting)
-        return code
+        return code, why
 
 
 async def _released(
@@ -384,10 +407,11 @@ async def _released(
     portal: Portal,
     plans: list[LayerPlan],
     results: list[Code | None],
-) -> AsyncGenerator[tuple[int, list[int], LLMStatusCode, bool], None]:
+) -> AsyncGenerator[tuple[int, list[int], LLMStatusCode, str | None, bool], None]:
     """Each layer some destination still needs, in order, once its synchronizer
-    released it (or failed it): ``(layer, wanting, code, more)``; ``more``: the outcome
-    of a later layer is already here (the next one comes without waiting)."""
+    released it (or failed it): ``(layer, wanting, code, why, more)``; ``why``: why it
+    failed them (None when it did not); ``more``: the outcome of a later layer is
+    already here (the next one comes without waiting)."""
     first = min(p.layers.start for p in plans)
     last = max(p.layers.stop for p in plans)
     feed = _Feed(sync, portal.lane, plans, results)
@@ -403,8 +427,8 @@ async def _released(
             after, start = start, None
             while (item := await feed.queue.get()) is not None:
                 after = item[0] + 1
-                code = await feed.code(portal, item)
-                yield item[0], item[1], code, not feed.queue.empty()
+                code, why = await feed.code(portal, item)
+                yield item[0], item[1], code, why, not feed.queue.empty()
                 if inspect.isawaitable(item[2]):  # its job has ended: a new one goes on
                     start = after
                     break
@@ -422,6 +446,7 @@ async def run_layers(
     portal: Portal,
     plans: list[LayerPlan],
     results: list[Code | None],
+    errors: list[str | None],
 ) -> None:
     """Walk the layers in order, overlapping each layer's sends with the next wait.
 
@@ -433,7 +458,8 @@ async def run_layers(
 
     ``results[j]`` gets plan j's code as soon as it is known (the first failure, or
     ``LLM_SUCCESS`` as soon as its last layer landed: a destination that completed is
-    reported so even if the transfer is cancelled afterwards). A failure does not take
+    reported so even if the transfer is cancelled afterwards), and ``errors[j]`` why it
+    failed, for a person. A failure does not take
     back the layers released before it: they are sent as they would have been. The
     sends run in a task group owned by this coroutine: cancelling it cancels them and
     waits for them to end; layers released but not sent yet are then never sent. A
@@ -450,6 +476,7 @@ async def run_layers(
             if results[j] is None:
                 what = f"layers {run.start}-{run.stop - 1} to destination {j}"
                 results[j] = status_of(exc, log, what)
+                errors[j] = f"{what}: {type(exc).__name__}: {exc}"
             return
         left[j] -= len(run)
         if not left[j] and results[j] is None:
@@ -464,11 +491,11 @@ async def run_layers(
 
         released = _released(sync, portal, plans, results)
         try:
-            async for layer, wanting, code, more in released:
+            async for layer, wanting, code, why, more in released:
                 for j in wanting:
                     run = runs.get(j)
                     if code != Code.LLM_SUCCESS:
-                        results[j] = code
+                        results[j], errors[j] = code, why
                     elif run is not None and run.stop == layer:
                         runs[j] = range(run.start, layer + 1)
                     else:
@@ -507,9 +534,11 @@ class CacheTask:
         engine: Engine,
         spawn: Callable[[], asyncio.Task[None] | None],
         results: list[Code | None],
+        errors: list[str | None],
     ) -> None:
         self._engine = engine
         self._results = results
+        self._errors = errors
         self._task: asyncio.Task[None] | None = None
         self._cancelled = False
         self._ended = False  # set on the engine; read from any thread
@@ -596,6 +625,15 @@ class CacheTask:
     def done(self) -> bool:
         """Whether the transfer finished (or was cancelled)."""
         return self._ended
+
+    def errors(self) -> list[str | None]:
+        """Per destination, in ``transfer_configs`` order, why it failed so far, for a
+        person (e.g. ``"synchronize_layer(3) raised RuntimeError: ..."``, ``"layers 0-3
+        to destination 1: LLMException: ..."``); None where it has not failed. aiokv's
+        addition: the codes alone (:meth:`get_results`) do not say what went wrong, and
+        the log line that does is silent by default. Does not wait; call it after
+        :meth:`synchronize`."""
+        return list(self._errors)
 
     def __await__(self) -> Generator[Any, None, list[LLMStatusCode | None]]:
         return self.get_results().__await__()

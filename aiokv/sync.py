@@ -92,6 +92,10 @@ class CacheTask(_Blocking):
         """Whether the transfer finished (or was cancelled)."""
         return bool(self._async.done())
 
+    def errors(self) -> list[str | None]:
+        """Per destination, why it failed so far (:meth:`aiokv.CacheTask.errors`)."""
+        return list(self._async.errors())
+
 
 class CacheManager(_Blocking):
     """The blocking ``CacheManager`` (``LLMDataDist.cache_manager``); each blocking method

@@ -109,6 +109,7 @@ class LayerWise(ManagerBase):
         source = Source(src_cache, ntensors // 2, srcs, dsts, dbs)
         plans = [plan(op, self._client, source, cfg) for cfg in configs]
         results: list[LLMStatusCode | None] = [None] * len(plans)
+        errors: list[str | None] = [None] * len(plans)
         live = [entry] if entry is not None else []
         portal = Portal(self._engine.sync_lane)  # an async synchronizer: the caller's loop
         name = f"aiokv-{op}-{src_cache.cache_id}"
@@ -118,7 +119,7 @@ class LayerWise(ManagerBase):
                 self._registry.unpin(*live)
                 return None
             loop = asyncio.get_running_loop()
-            task = loop.create_task(run_layers(sync, portal, plans, results), name=name)
+            task = loop.create_task(run_layers(sync, portal, plans, results, errors), name=name)
             self._tasks.add(task)
 
             def revoke(_: LLMStatusCode) -> None:  # unregister_cache of the source
@@ -138,7 +139,7 @@ class LayerWise(ManagerBase):
 
         self._registry.pin(*live)  # now: the caller may deallocate before the task runs
         try:
-            return CacheTask(self._engine, spawn, results)
+            return CacheTask(self._engine, spawn, results, errors)
         except BaseException:
             self._registry.unpin(*live)
             raise

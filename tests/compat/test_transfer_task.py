@@ -158,6 +158,41 @@ async def test_synchronizer_gets_none_and_may_take_longer_than_sync_kv_timeout(
     assert seen == [None, None]
 
 
+async def test_errors_say_why_each_destination_failed(pair: Setup) -> None:
+    """The codes say that a destination failed; ``errors()`` says why (aiokv's
+    addition), for a synchronizer that raised, one that returned something else than
+    True, and a send the peer refused; None where nothing failed."""
+    p, src, _ = pair
+    cm = p.cache_manager
+
+    class Raises:
+        def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+            if layer_index == 1:
+                raise RuntimeError("the model crashed")
+            return True
+
+    class SaysNo:
+        async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> Any:
+            return "no"
+
+    task = cm.transfer_cache_async(src, Raises(), [TransferWithCacheKeyConfig(KEY)])
+    assert task.errors() == [None]  # nothing failed yet (it may not have started)
+    assert await task.get_results() == [CODE.LLM_FAILED]
+    assert task.errors() == ["synchronize_layer(1) raised RuntimeError: the model crashed"]
+    gone = TransferWithCacheKeyConfig(BlocksCacheKey(2, 7))  # no such key on the peer
+    task = cm.transfer_cache_async(src, Recorder(), [TransferWithCacheKeyConfig(KEY), gone])
+    assert (await task)[0] == CODE.LLM_SUCCESS
+    errors = task.errors()
+    assert errors[0] is None
+    assert errors[1] is not None and errors[1].startswith("layers 0-")
+    assert "to destination 1: LLMException: " in errors[1] and "no cache" in errors[1]
+    task = cm.transfer_cache_async(src, SaysNo(), [TransferWithCacheKeyConfig(KEY)])
+    assert await task.synchronize() != CODE.LLM_SUCCESS
+    assert task.errors() == ["synchronize_layer(0) returned 'no', not True"]
+    task = cm.transfer_cache_async(src, Recorder(), [TransferWithCacheKeyConfig(KEY)])
+    assert await task == [CODE.LLM_SUCCESS] and task.errors() == [None]
+
+
 async def test_bad_arguments_raise_at_once_and_pin_nothing(pair: Setup) -> None:
     p, src, _ = pair
     cm = p.cache_manager
