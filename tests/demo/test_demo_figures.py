@@ -69,6 +69,18 @@ def test_a_faster_layerwise_run_shows_the_share_it_took_off_the_critical_path() 
     assert "layer-wise faster in all 3 rounds" in shown and "noisy" not in shown
 
 
+def test_a_saving_larger_than_the_send_is_not_shown_as_a_share() -> None:
+    """The layer-wise rounds' prefill ran shorter: what they "saved" exceeds the whole
+    send, which says nothing of the overlap (seen as "530% of the transfer time")."""
+    result = _result(serial=[0.100, 0.101, 0.099], layerwise=[0.060, 0.061, 0.059])
+    result.compute_layerwise = 0.045
+    assert result.hidden > 1
+    shown = _shown(result)
+    assert "%" not in shown.split("layer-wise saved")[1].split("verdict")[0]
+    assert "40.0 ms of time to first token, more than the 20.0 ms send itself" in shown
+    assert "prefill ran 35.0 ms shorter" in shown
+
+
 def test_rounds_that_disagree_are_too_noisy_to_say() -> None:
     split = _result(serial=[0.100, 0.100, 0.100], layerwise=[0.090, 0.110, 0.095])
     assert split.noise == "layer-wise was faster in 2 of 3 rounds only"
