@@ -416,8 +416,14 @@ class LLMClusterInfo(Model):
 
     @field_validator("local_ip_info", "remote_ip_info", mode="before")
     @classmethod
-    def _addrs(cls, v: Any) -> Any:
+    def _addrs(cls, v: Any, info: ValidationInfo) -> Any:
         if isinstance(v, list | tuple):
+            if any(a is None for a in v):
+                raise NoneArgumentError(
+                    f"LLMClusterInfo: an entry of {info.field_name} is None (an "
+                    "LLMDataDist's listen_address is None unless it listens: give it "
+                    "listen_ip_info)"
+                )
             return [cls._addr(*a) if isinstance(a, list | tuple) else a for a in v]
         return v
 

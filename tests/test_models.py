@@ -184,6 +184,11 @@ def test_cluster_info_llm_datadist_style() -> None:
     with pytest.raises(TypeError):
         info.append_remote_ip_info("127.0.0.1", "1")  # type: ignore[arg-type]
     assert len(info.remote_ip_info) == 1
+    # the listen_address of an LLMDataDist that does not listen: say so
+    with pytest.raises(NoneArgumentError, match=r"remote_ip_info is None.*give it listen_ip_info"):
+        LLMClusterInfo(remote_cluster_id=2, remote_ip_info=[None])  # type: ignore[list-item]
+    with pytest.raises(NoneArgumentError, match="local_ip_info is None"):
+        info.local_ip_info = [None]  # type: ignore[list-item]
 
 
 def test_transfer_configs() -> None:
