@@ -333,11 +333,14 @@ class Link(abc.ABC):
     def broken(self) -> bool:
         """True once the link can no longer carry requests (closed, reset, protocol error)."""
 
+    #: set by a link that breaks (see :attr:`why_broken`)
+    _why_broken: str = ""
+
     @property
     def why_broken(self) -> str:
         """Why the link broke, for a person (e.g. ``"connection lost: EOF"``,
         ``"closed by peer"``); ``""`` while it is up, or where the link does not say."""
-        return ""
+        return self._why_broken
 
     def extra(self, capability: Capability[T]) -> T | None:
         """The link's optional ``capability`` as it stands now (e.g. ``link.extra(ONE_SIDED)``:

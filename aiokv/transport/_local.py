@@ -226,7 +226,6 @@ class _LocalLink(Link):
         self._other = self
         self._ops: set[_Op] = set()  # requests started at this end
         self._broken = False
-        self._why_broken = ""
 
     def __repr__(self) -> str:
         state = "broken" if self._broken else "up"
@@ -235,10 +234,6 @@ class _LocalLink(Link):
     @property
     def broken(self) -> bool:
         return self._broken
-
-    @property
-    def why_broken(self) -> str:
-        return self._why_broken
 
     async def read(self, meta: bytes, into: Payload, *, timeout: float) -> None:
         await self._request("Link.read", meta, into, timeout, is_read=True)

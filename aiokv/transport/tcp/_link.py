@@ -117,7 +117,6 @@ class TcpLink(Link):
         self._io = io
         self._sock = io.sock
         self._broken = False
-        self._why_broken = ""
         # the protocol's state (request ids, requests, reply backlog): see _protocol
         self._p = LinkProtocol(
             self,
@@ -147,10 +146,6 @@ class TcpLink(Link):
     @property
     def broken(self) -> bool:
         return self._broken
-
-    @property
-    def why_broken(self) -> str:
-        return self._why_broken
 
     @property
     def heard(self) -> bool:
