@@ -50,6 +50,15 @@ def _no_password() -> bytes:
     raise ValueError("an encrypted private key is not supported")
 
 
+def _no_key_in(path: str) -> bool:
+    """Whether the readable PEM file ``path`` holds no private key."""
+    try:
+        with open(path, "rb") as f:
+            return b"PRIVATE KEY-----" not in f.read(1 << 20)
+    except OSError:
+        return False
+
+
 def _context(
     purpose: int, cert_file: str, key_file: str | None, ca_file: str, check_hostname: bool
 ) -> ssl.SSLContext:
@@ -68,8 +77,11 @@ def _context(
                 ctx.load_cert_chain(path, key_file, password=_no_password)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             names = f"{path!r}" if what == "tls_ca_file" else f"{path!r} / key {key_file!r}"
+            hint = ""
+            if what == "tls_cert_file" and key_file is None and _no_key_in(path):
+                hint = " (it holds no private key: set tls_key_file to the key's file)"
             raise LLMException(
-                f"init: TLS: cannot load {what} {names}: {exc}",
+                f"init: TLS: cannot load {what} {names}: {exc}{hint}",
                 status_code=LLMStatusCode.LLM_PARAM_INVALID,
             ) from None
     return ctx

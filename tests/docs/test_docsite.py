@@ -6,8 +6,10 @@ and the migration guide lists every option key."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +22,13 @@ import aiokv
 import aiokv.metrics
 import aiokv.sync
 import aiokv.transport
+from aiokv import BlocksCacheKey
+from aiokv import CacheDesc
+from aiokv import DataType
+from aiokv import LLMConfig
 from aiokv import _config
+from aiokv.testing import linked_pair
+from aiokv.testing import make_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -184,6 +192,35 @@ def test_home_page_program_runs_as_written(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "pulled: True"
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_tls_page_certificates_link_and_pull(tmp_path: Path) -> None:
+    """docs/tls.md's openssl recipe, run as written, makes files two participants link
+    over (hostname checked) and pull through."""
+    recipe = re.findall(r"```bash\n(.*?)```", (DOCS / "tls.md").read_text(), re.S)[0]
+    make = ["bash", "-e", "-c", recipe]
+    done = await asyncio.to_thread(
+        subprocess.run, make, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+
+    def config(name: str) -> LLMConfig:
+        return make_config(
+            "tcp",
+            tls_cert_file=str(tmp_path / f"{name}.pem"),
+            tls_key_file=str(tmp_path / f"{name}.key"),
+            tls_ca_file=str(tmp_path / "ca.pem"),
+            tls_check_hostname=True,
+        )
+
+    desc = CacheDesc(1, [4, 64], DataType.DT_UINT8)
+    async with linked_pair(config("prefill"), config("decode")) as (p, d):
+        src = await p.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+        src.tensors[0][2].fill_(7)
+        dst = await d.cache_manager.allocate_blocks_cache(desc)
+        await d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [2], [1])
+        assert dst.tensors[0][1].tolist() == [7] * 64
 
 
 def test_no_heading_names_an_issue_or_a_run() -> None:

@@ -414,6 +414,18 @@ async def test_bad_tls_options_fail_init_and_change_nothing(
         await dd.finalize()  # a no-op
 
 
+async def test_a_certificate_without_its_key_says_to_set_tls_key_file(
+    pkis: dict[str, Pki],
+) -> None:
+    a = leaf(pkis, "main", "a")
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    with pytest.raises(LLMException) as info:
+        await dd.init(config(None, tls_cert_file=a.cert_file, tls_ca_file=a.ca_file))
+    assert info.value.status_code == CODE.LLM_PARAM_INVALID
+    assert "it holds no private key: set tls_key_file" in str(info.value)
+    assert not dd.initialized
+
+
 @pytest.fixture
 def cert_with_key(pkis: dict[str, Pki], tmp_path: Path) -> str:
     """Leaf a's certificate and key in one file."""
