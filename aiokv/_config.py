@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import Final
 from typing import Generic
 from typing import Literal
 from typing import TypeVar
@@ -98,7 +99,7 @@ def unknown_name(what: str, name: object, valid: Iterable[str]) -> str:
     """``unknown <what> 'x'; did you mean 'y'? valid: ...`` (the nearest by difflib)."""
     names = sorted(valid)
     near = difflib.get_close_matches(str(name), names, n=1)
-    hint = f"; did you mean {near[0]!r}?" if near else ""
+    hint = f"; did you mean {near[0]!r}?" if near else "."
     return f"unknown {what} {name!r}{hint} Valid: {', '.join(names)}"
 
 
@@ -297,6 +298,8 @@ _SECRET_FIELDS = frozenset({"link_secret"})
 _SECRET_KEYS = frozenset(_OPTION_KEYS[f] for f in _SECRET_FIELDS)
 #: llm_datadist's transfer-backend names -> the aiokv transport that stands in for them
 _BACKEND_ALIASES: dict[str, str] = {"hixl": "tcp"}  # tcp: the best backend between processes
+#: the ``transfer_backend`` values besides the aliases (the field's ``Literal``)
+_BACKENDS: Final = ("tcp", "local", "nixl")
 
 
 def _base_type(annotation: Any) -> Any:
@@ -534,6 +537,8 @@ class LLMConfig(Model):
     def _backend(cls, v: Any) -> Any:
         if v is not None and not isinstance(v, str):
             raise TypeError(f"LLMConfig: transfer_backend must be str, got {type(v).__name__}")
+        if isinstance(v, str) and v not in _BACKENDS and v not in _BACKEND_ALIASES:
+            raise ValueError(unknown_name("transfer_backend", v, [*_BACKENDS, *_BACKEND_ALIASES]))
         return _BACKEND_ALIASES.get(v, v) if isinstance(v, str) else v
 
     @field_validator("cluster_info")

@@ -255,6 +255,16 @@ def test_unknown_pool_key_lists_the_valid_ones_and_the_nearest() -> None:
     assert "Valid: memory_size, page_shift" in msg
 
 
+@pytest.mark.parametrize(
+    ("typed", "shown"), [("tpc", "; did you mean 'tcp'?"), ("carrier-pigeon", "'carrier-pigeon'.")]
+)
+def test_an_unknown_transfer_backend_suggests_the_nearest(typed: str, shown: str) -> None:
+    with pytest.raises(InvalidOptionError) as err:
+        LLMConfig(transfer_backend=typed)
+    assert shown in str(err.value) and "Valid: hixl, local, nixl, tcp" in str(err.value)
+    assert LLMConfig(transfer_backend="hixl").transfer_backend == "tcp"  # the alias
+
+
 def test_unknown_option_suggests_the_nearest() -> None:
     with pytest.raises(InvalidOptionError) as ei:
         LLMConfig.from_options({"llm.SyncKvCacheWaitTme": "5"})
