@@ -30,6 +30,7 @@ import json
 import uuid
 from typing import Any
 
+from aiohttp import ClientConnectionError
 from aiohttp import ClientSession
 from aiohttp import ClientTimeout
 from aiohttp import web
@@ -104,6 +105,16 @@ async def relay(request: web.Request, answer: Any) -> web.StreamResponse:
     return response
 
 
+@web.middleware
+async def unreachable(request: web.Request, handler: Any) -> web.StreamResponse:
+    """An instance the proxy cannot reach: 502 naming it, not aiohttp's bare 500."""
+    try:
+        response: web.StreamResponse = await handler(request)
+    except ClientConnectionError as exc:
+        raise web.HTTPBadGateway(text=f"proxy: {exc} (is that vLLM instance up?)") from None
+    return response
+
+
 def make_app(prefill: list[str], decode: list[str], mode: str = "pull") -> web.Application:
     prefills, decodes = itertools.cycle(prefill), itertools.cycle(decode)
     endpoints: dict[str, dict[str, Any]] = {}  # push mode: per prefill URL
@@ -163,7 +174,7 @@ def make_app(prefill: list[str], decode: list[str], mode: str = "pull") -> web.A
             app[SESSION] = session
             yield
 
-    app = web.Application()
+    app = web.Application(middlewares=[unreachable])
     app.cleanup_ctx.append(session_ctx)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", completions)

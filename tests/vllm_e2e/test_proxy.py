@@ -170,3 +170,23 @@ def test_push_flow_refuses_a_pull_mode_prefill() -> None:
         assert len(seen) == 1  # only the discovery: nothing was sent on
 
     run(main())
+
+
+def test_an_instance_that_is_down_is_a_502_naming_it() -> None:
+    """A prefill nobody listens on: the client gets 502 and the address, not a bare 500."""
+    proxy = load_proxy()
+
+    async def main() -> None:
+        closed = TestServer(web.Application())
+        await closed.start_server()
+        down = str(closed.make_url("")).rstrip("/")
+        address = f"{closed.host}:{closed.port}"
+        await closed.close()  # its port now refuses connections
+        app = proxy.make_app([down], [down])
+        async with TestClient(TestServer(app)) as client:
+            answer = await client.post("/v1/completions", json={"model": "m", "prompt": [1]})
+            assert answer.status == 502
+            text = await answer.text()
+            assert address in text and "is that vLLM instance up?" in text
+
+    run(main())
