@@ -2,7 +2,9 @@
 
 The ``nixl-cu12`` 1.5.1 wheel crashed every such process in ``_dl_fini`` on hosts with
 rdma-core's ``ibverbs-providers`` (two ``libnl-route`` copies, see ``docs/api.md``
-"NIXL"); on a host without them these tests pass either way.
+"NIXL"); on a host without them these tests pass either way. The program also reports
+the UCX defaults the transport sets (``UCX_MODULES``, ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY``),
+and that a value the user set wins.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ _PROGRAM = textwrap.dedent(
             assert code == LLMStatusCode.LLM_SUCCESS, code
             await d.cache_manager.pull_blocks(BlocksCacheKey(1), dst, [0, 1], [2, 3])
             assert all(bool((t[2:4] == 3).all()) for t in dst.tensors)
-        print("pulled", os.environ.get("UCX_MODULES"), flush=True)
+        print("pulled", os.environ.get("UCX_MODULES"),
+              os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY"), flush=True)
 
     asyncio.run(main())
     """
@@ -54,7 +57,8 @@ _PROGRAM = textwrap.dedent(
 
 
 def _run(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    unset = ("UCX_MODULES", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     env.update(env_extra)
     return subprocess.run(
         [sys.executable, "-c", _PROGRAM], env=env, capture_output=True, text=True, timeout=120
@@ -66,11 +70,11 @@ def test_a_process_that_pulled_over_nixl_exits_zero() -> None:
     done = _run({})
     assert "pulled " in done.stdout, done.stderr[-2000:]
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
-    assert "pulled ^efa" in done.stdout  # the default aiokv set
+    assert "pulled ^efa y" in done.stdout  # the defaults aiokv set
 
 
 @needs_nixl
-def test_a_ucx_modules_setting_of_the_user_wins() -> None:
-    done = _run({"UCX_MODULES": "^efa,cuda"})
-    assert "pulled ^efa,cuda" in done.stdout, done.stderr[-2000:]
+def test_ucx_settings_of_the_user_win() -> None:
+    done = _run({"UCX_MODULES": "^efa,cuda", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"})
+    assert "pulled ^efa,cuda auto" in done.stdout, done.stderr[-2000:]
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
