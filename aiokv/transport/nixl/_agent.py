@@ -10,6 +10,7 @@ the initiator polls its transfers, the target polls notifications while it serve
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import logging
 import os
@@ -56,9 +57,23 @@ os.environ.setdefault("UCX_MODULES", DEFAULT_UCX_MODULES)
 #: ``auto`` turns them off on a GPU without NVLink links, and a READ of VRAM then falls
 #: back to a TCP-emulated copy: 0.5 GB/s against 114 GB/s with ``y``, where a WRITE
 #: always ran at ~126 GB/s (H200, 128 MiB; docs/nixl.md, "Device memory over NIXL").
-#: Read when UCX loads: set first.
+#: Read when UCX loads: set first, and only where UCX can load its CUDA transports (a
+#: CUDA driver library loads; nothing is initialised): elsewhere UCX warns on stderr of
+#: every process that the variable is unused.
 DEFAULT_CUDA_IPC_GET: Final = "y"
-os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", DEFAULT_CUDA_IPC_GET)
+
+
+def _has_cuda_driver() -> bool:
+    """Whether the CUDA driver library loads here (what UCX's CUDA module needs)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+if _has_cuda_driver():
+    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", DEFAULT_CUDA_IPC_GET)
 _nixl = _import_nixl()
 
 __all__ = ["DEFAULT_CUDA_IPC_GET", "DEFAULT_LOG_LEVEL", "DEFAULT_UCX_MODULES", "Agent", "Xfer"]
