@@ -74,6 +74,9 @@ _OFF_LOOP: Final = 1 << 20
 # memory / CMA moves a few MiB within it) cost no thread hop: holding the loop for
 # this many bytes is what the TCP link does between yields (tcp/_writer.YIELD_BYTES).
 _POST_ON_LOOP: Final = 4 << 20
+# Polls on the loop (one per turn) of a transfer below _OFF_LOOP that its post left in
+# flight, before its wait moves to a worker thread.
+_LOOP_POLLS: Final = 4
 
 
 def _failed(op: MyOp) -> bool:
@@ -419,19 +422,21 @@ class NixlPlane:
     ) -> str:
         """Post ``xfer`` (``total`` bytes; unless ``posted``: its state after the post on
         this loop) and poll it until it ends or ``stop()``: posted on the running loop up
-        to :data:`_POST_ON_LOOP` bytes and polled there below :data:`_OFF_LOOP`
-        (``asyncio.sleep`` back-off), else from a worker thread."""
+        to :data:`_POST_ON_LOOP` bytes and polled there :data:`_LOOP_POLLS` times, one
+        per turn of the loop, below :data:`_OFF_LOOP`; else, and after those, from a
+        worker thread, whose sleeps last as long as asked (a loop's, at least ~1 ms)."""
         if posted is None and total > _POST_ON_LOOP:
             return await self._wait_off_loop(agent, xfer, stop, posted=None)
         state = posted or agent.post(xfer)
-        if state == "PROC" and total >= _OFF_LOOP:
-            return await self._wait_off_loop(agent, xfer, stop, posted=state)
-        delay = POLL_MIN_S
-        while state == "PROC" and not stop():
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX_S)
-            state = agent.state(xfer)
-        return state
+        if total < _OFF_LOOP:
+            for _ in range(_LOOP_POLLS):
+                if state != "PROC" or stop():
+                    return state
+                await asyncio.sleep(0)
+                state = agent.state(xfer)
+        if state != "PROC" or stop():
+            return state
+        return await self._wait_off_loop(agent, xfer, stop, posted=state)
 
     async def _wait_off_loop(
         self, agent: Agent, xfer: object, stop: Callable[[], bool], *, posted: str | None

@@ -34,6 +34,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -64,6 +65,9 @@ _CLOSE_WAIT_S: Final = 5.0
 #: Threads of a transport's wait lane: big transfers waited for at once (more wait for
 #: a thread within their deadline; one whose deadline passes first is never posted).
 WAIT_THREADS: Final = 32
+#: The longest one poll of notifications runs on its thread before the pump's loop looks
+#: again whether any grant is still served (seconds).
+_WATCH_S: Final = 0.005
 
 
 class NixlTransport(TcpTransport):
@@ -91,6 +95,9 @@ class NixlTransport(TcpTransport):
         self._served: dict[PeerOp, NixlPlane] = {}
         self._expect: dict[bytes, tuple[NixlPlane, PeerOp]] = {}
         self._pump_task: asyncio.Task[None] | None = None
+        #: set by a new grant (the pump's thread polls at once, from POLL_MIN_S again) and
+        #: when the pump is cancelled (its thread returns)
+        self._hurry = threading.Event()
         self._lent = 0  # memory lent for one-sided transfers (progress while any is)
         #: guards the three counters below, the planes' transfer counts and the agent's
         #: end: a one-sided transfer may start and end on a caller's thread
@@ -248,6 +255,7 @@ class NixlTransport(TcpTransport):
         self._served[op] = plane
         if tag is not None:
             self._expect[tag] = (plane, op)
+        self._hurry.set()
         self._progress()
 
     def lend(self) -> Callable[[], None]:
@@ -271,26 +279,62 @@ class NixlTransport(TcpTransport):
             self._pump_task = self._spawn(self._pump(), "aiokv-nixl-progress")
 
     async def _pump(self) -> None:
-        """Poll notifications with back-off while NIXL grants are served or memory is
-        lent (:meth:`lend`)."""
-        delay = POLL_MIN_S
+        """Poll notifications while NIXL grants are served or memory is lent
+        (:meth:`lend`), from a thread of the wait lane (:meth:`_watch`): a loop's sleeps
+        last at least ~1 ms (epoll's and libuv's resolution), which the landing of every
+        push and the progress of every small READ waited for."""
         try:
             while (self._served or self._lent) and self.agent is not None:
-                landed = False
-                for sender, msgs in self.agent.notifs().items():
+                got = await self._notifs_off_loop(self.agent)
+                for sender, msgs in got.items():
                     for msg in msgs:
                         hit = self._expect.pop(msg, None)
                         if hit is not None and hit[0].peer_agent == sender:
                             hit[0].landed(hit[1])
-                            landed = True
                 for op in [op for op in self._served if op.state is State.OVER]:
                     del self._served[op]
                 for tag in [t for t, (_, op) in self._expect.items() if op.state is State.OVER]:
                     del self._expect[tag]
-                delay = POLL_MIN_S if landed else min(delay * 2, POLL_MAX_S)
-                await asyncio.sleep(delay)
         finally:
             self._pump_task = None
+
+    async def _notifs_off_loop(self, agent: Agent) -> dict[str, list[bytes]]:
+        """:meth:`_watch` on a thread of the wait lane; a cancellation stops it and is
+        re-raised once the thread is done with the agent."""
+        stop = threading.Event()
+        job = self.wait_lane.submit(lambda: self._watch(agent, stop), "NIXL notifications")
+        fut = asyncio.wrap_future(job)
+        cancelled = False
+        while not fut.done():
+            try:
+                await asyncio.wait([fut])
+            except asyncio.CancelledError:
+                cancelled = True
+                stop.set()
+                self._hurry.set()  # wakes the thread, which returns
+                if job.cancel():  # no thread took it yet: it never runs
+                    break
+        if cancelled:
+            raise asyncio.CancelledError
+        return fut.result()
+
+    def _watch(self, agent: Agent, stop: threading.Event) -> dict[str, list[bytes]]:
+        """(wait-lane thread) ``agent``'s notifications, polled with back-off from
+        :data:`POLL_MIN_S` to :data:`POLL_MAX_S` until some come, :data:`_WATCH_S`
+        passes or ``stop`` is set; :attr:`_hurry` (a new grant) has it poll at once and
+        restart the back-off."""
+        delay, end = POLL_MIN_S, time.monotonic() + _WATCH_S
+        self._hurry.clear()  # the first poll covers every grant served so far
+        while not stop.is_set():
+            got = agent.notifs()
+            if got or time.monotonic() >= end:
+                return got
+            if self._hurry.wait(delay):
+                self._hurry.clear()
+                delay = POLL_MIN_S
+            else:
+                delay = min(delay * 2, POLL_MAX_S)
+        return {}
 
     # ------------------------------------------------------------------ closing
 

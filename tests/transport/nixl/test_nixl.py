@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import threading
 from typing import Any
 
 import pytest
@@ -147,3 +149,103 @@ async def test_a_read_revoked_as_it_completes_fails(monkeypatch: pytest.MonkeyPa
     finally:
         await me.aclose()
         await owner.aclose()
+
+
+class _Op:
+    """A stand-in for a served request: only its state is read."""
+
+    def __init__(self) -> None:
+        from aiokv.transport.tcp._ops import State
+
+        self.state = State.GRANTING
+
+
+@needs_nixl
+async def test_a_new_grant_wakes_the_notification_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner polls NIXL notifications (a push's landing; also UCX's progress) with a
+    back-off; a grant served while that poll sleeps has it poll again at once. Here every
+    sleep of the poll is a minute: only the wake can make a second poll."""
+    import aiokv.transport.nixl._transport as nt
+    from aiokv.transport.tcp._ops import State
+
+    monkeypatch.setattr(nt, "POLL_MIN_S", 60.0)
+    monkeypatch.setattr(nt, "POLL_MAX_S", 60.0)
+    owner: Any = get_transport("nixl")(2, Regions(bytearray(1)))
+    try:
+        await owner.listen("127.0.0.1", 0)
+        await until(lambda: owner.agent is not None)
+        polls: list[str] = []
+        real = owner.agent.notifs
+
+        def counted() -> dict[str, list[bytes]]:
+            polls.append(threading.current_thread().name)
+            got: dict[str, list[bytes]] = real()
+            return got
+
+        monkeypatch.setattr(owner.agent, "notifs", counted)
+        first, second = _Op(), _Op()
+        owner.serve(object(), first, None)  # the first grant starts the poll
+        await until(lambda: len(polls) == 1)
+        await asyncio.sleep(0.05)
+        assert len(polls) == 1  # asleep, for a minute
+        owner.serve(object(), second, b"tag")  # a push's grant: its notification awaited
+        await until(lambda: len(polls) >= 2, seconds=5)
+        # polled from the transport's wait threads, whose sleeps last as long as asked
+        assert all(name.startswith("aiokv-nixl-wait") for name in polls)
+        first.state = second.state = State.OVER
+    finally:
+        await owner.aclose()  # ends the poll: its thread wakes and returns
+    assert owner._pump_task is None
+
+
+class _Link:
+    """A link stand-in for a plane that moves nothing over it."""
+
+    broken = False
+
+
+class _SlowXfer:
+    """A NIXL agent stand-in whose transfers stay in progress for ``polls`` polls."""
+
+    def __init__(self, polls: int) -> None:
+        self.left = polls
+        self.threads: list[str] = []
+
+    def post(self, xfer: object) -> str:
+        return "PROC"
+
+    def state(self, xfer: object) -> str:
+        self.threads.append(threading.current_thread().name)
+        self.left -= 1
+        return "PROC" if self.left > 0 else "DONE"
+
+
+@needs_nixl
+async def test_a_small_transfer_left_in_flight_is_not_waited_for_in_loop_sleeps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A transfer under 1 MiB that its post leaves in flight is polled a few times on the
+    loop, then from a wait thread: a loop's sleeps last at least ~1 ms, which every such
+    transfer waited for (a 4 KiB pull by request: ~1 ms of ~3). Here the loop's sleeps
+    would be a minute each."""
+    import aiokv.transport.nixl._plane as plane_module
+    from aiokv.transport.nixl._plane import NixlPlane
+
+    monkeypatch.setattr(plane_module, "POLL_MAX_S", 1e-3)
+    real_sleep = asyncio.sleep
+
+    async def minute_sleeps(delay: float) -> None:
+        await real_sleep(0 if delay == 0 else 60)
+
+    monkeypatch.setattr(plane_module.asyncio, "sleep", minute_sleeps)
+    transport: Any = get_transport("nixl")(1, Regions(bytearray(1)))
+    try:
+        plane = NixlPlane(transport)
+        plane.bind(_Link())  # type: ignore[arg-type]
+        agent = _SlowXfer(polls=10)
+        state = await asyncio.wait_for(plane._run(agent, object(), 4096, lambda: False), 10)
+        assert state == "DONE"
+        assert agent.threads[0] == threading.current_thread().name  # first on the loop
+        assert agent.threads[-1].startswith("aiokv-nixl-wait")  # then from a wait thread
+    finally:
+        await transport.aclose()
