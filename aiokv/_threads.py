@@ -32,7 +32,7 @@ from typing import Any
 from typing import Final
 from typing import TypeVar
 
-__all__ = ["Lane", "on_loop", "on_loop_ran"]
+__all__ = ["Lane", "on_loop", "on_loop_ran", "seen_out"]
 
 T = TypeVar("T")
 
@@ -209,3 +209,23 @@ async def on_loop_ran(
     except RuntimeError:  # closed: what it owned is gone with it
         return
     await asyncio.wait([asyncio.wrap_future(ran)], timeout=_RAN_WAIT_S)
+
+
+async def seen_out(job: concurrent.futures.Future[T], stop: Callable[[], None]) -> T:
+    """The result of ``job`` (a :meth:`Lane.submit`); awaited to its end. Cancelled
+    meanwhile: ``stop()`` (which must make a running job return soon), ``job`` cancelled
+    if no thread took it yet (it then never runs), and the cancellation re-raised once no
+    thread runs it: whatever the job used is free again when this raises."""
+    fut = asyncio.wrap_future(job)
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            cancelled = True
+            stop()
+            if job.cancel():
+                break
+    if cancelled:
+        raise asyncio.CancelledError
+    return fut.result()

@@ -36,6 +36,7 @@ from ..._layout import LayoutViews
 from ..._threads import Lane
 from ..._threads import on_loop
 from ..._threads import on_loop_ran
+from ..._threads import seen_out
 from .._base import BY_ADDRESS
 from .._base import ONE_SIDED
 from .._base import Capability
@@ -458,20 +459,9 @@ class NixlPlane:
             return state
 
         # the transport's own lane: threads blocked elsewhere (a synchronizer) never delay it
-        job = self._n.wait_lane.submit(work, f"NIXL wait of {self.link!r}")
-        fut = asyncio.wrap_future(job)
-        cancelled = False
-        while not fut.done():
-            try:
-                await asyncio.wait([fut])
-            except asyncio.CancelledError:
-                cancelled = True
-                stopped.set()
-                if job.cancel():  # no thread took it yet: it never runs
-                    break
-        if cancelled:
-            raise asyncio.CancelledError
-        return fut.result()
+        return await seen_out(
+            self._n.wait_lane.submit(work, f"NIXL wait of {self.link!r}"), stopped.set
+        )
 
     async def _settle(self, agent: Agent, xfer: object, moved: int | None) -> None:
         """Release ``xfer``, aborting it; if NIXL cannot, wait (shielded, bounded) until

@@ -43,6 +43,7 @@ from typing import Final
 import numpy as np
 
 from ..._threads import Lane
+from ..._threads import seen_out
 from .._base import Link
 from .._base import check_address
 from .._base import check_connect_timeout
@@ -302,21 +303,13 @@ class NixlTransport(TcpTransport):
         """:meth:`_watch` on a thread of the wait lane; a cancellation stops it and is
         re-raised once the thread is done with the agent."""
         stop = threading.Event()
+
+        def stopped() -> None:
+            stop.set()
+            self._hurry.set()  # wakes the thread, which returns
+
         job = self.wait_lane.submit(lambda: self._watch(agent, stop), "NIXL notifications")
-        fut = asyncio.wrap_future(job)
-        cancelled = False
-        while not fut.done():
-            try:
-                await asyncio.wait([fut])
-            except asyncio.CancelledError:
-                cancelled = True
-                stop.set()
-                self._hurry.set()  # wakes the thread, which returns
-                if job.cancel():  # no thread took it yet: it never runs
-                    break
-        if cancelled:
-            raise asyncio.CancelledError
-        return fut.result()
+        return await seen_out(job, stopped)
 
     def _watch(self, agent: Agent, stop: threading.Event) -> dict[str, list[bytes]]:
         """(wait-lane thread) ``agent``'s notifications, polled with back-off from
