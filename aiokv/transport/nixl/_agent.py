@@ -2,7 +2,7 @@
 
 NIXL's own progress thread spins (its poll delay is fixed at 0 by the Python API: a
 whole core per agent, measured), and its listener thread would be a second, unauthen-
-ticated control plane; both stay off. Progress is driven from the event loop instead:
+ticated control plane; both stay off. Progress is driven by aiokv instead, with back-off:
 the initiator polls its transfers, the target polls notifications while it serves
 (see :mod:`aiokv.transport.nixl._transport`). The agent is thread-safe
 (``NIXL_THREAD_SYNC_STRICT``): owners register memory from their own threads.

@@ -20,10 +20,12 @@ grants as :attr:`~aiokv.transport.Grant.device` (offered to the handler as ``dir
 for a NIXL request); either side's device memory pairs with the other's host or device
 memory in one transfer (UCX moves it GPU-direct where it can).
 
-Progress without threads that spin: the requester polls its transfer's state, the
-granter polls notifications while it serves NIXL grants, both on the event loop with an
-exponential back-off from :data:`POLL_MIN_S` to :data:`POLL_MAX_S` (docs/design.md,
-"NIXL transport", has the measurement behind the choice).
+Progress without threads that spin: the requester polls its transfer's state (a small
+one a few times on its loop, then, like a big one, from a thread of the wait lane), the
+granter polls notifications from a wait-lane thread while it serves NIXL grants or lends
+memory; both back off from :data:`POLL_MIN_S` to :data:`POLL_MAX_S` with sleeps that last
+as asked, where a loop's last at least ~1 ms (docs/design.md, "NIXL transport", has the
+measurements behind the choice).
 """
 
 from __future__ import annotations
