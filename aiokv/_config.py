@@ -44,6 +44,7 @@ from pydantic_settings import SettingsConfigDict
 from ._enums import LLMStatusCode
 from ._errors import LLMException
 from ._errors import NoneArgumentError
+from ._errors import warn
 from ._models import Model
 
 __all__ = [
@@ -62,6 +63,11 @@ HOST_POOL_LIMIT = 20 << 30
 _SECRET_MAX = 4096
 #: ``AIOKV_<FIELD>`` environment variables supply ``LLMConfig`` defaults
 ENV_PREFIX = "AIOKV_"
+#: ``AIOKV_*`` variables that are not ``LLMConfig`` fields but mean something elsewhere
+#: (the rank table's device port, the CLI's debug switch, the test and CI knobs)
+OTHER_ENV: Final = frozenset(
+    {"DEVICE_PORT", "DEBUG", "TEST_STAGE_HOST", "FUZZ_SEED", "FLOORS_VENV"}
+)
 #: what ``generate_options()`` shows for a secret unless ``reveal_secrets=True``
 SECRET_MASK = "**********"
 
@@ -674,7 +680,12 @@ class LLMConfig(Model):
             TypeError: not a ``dict[str, str]``.
             InvalidOptionError: unknown key, bad value (``LLM_PARAM_INVALID``, a ValueError).
         """
-        op = "LLMConfig.from_options"
+        return cls._from_options_in("LLMConfig.from_options", options)
+
+    @classmethod
+    def _from_options_in(cls, op: str, options: dict[str, str]) -> LLMConfig:
+        """:meth:`from_options` for the public operation ``op`` (``init``,
+        ``switch_role``), which its errors name."""
         if options is None:
             raise NoneArgumentError(f"{op}: options must not be None")
         if not isinstance(options, dict):
@@ -788,6 +799,7 @@ def _env_defaults() -> dict[str, Any]:
     out: dict[str, Any] = {}
     if not any(name[:6].upper() == ENV_PREFIX for name in os.environ):
         return out  # the common case, without pydantic-settings' ~3 ms
+    _warn_misspelt()
     for field, raw in _Environment().model_dump(exclude_none=True).items():
         if raw == "":
             continue
@@ -804,6 +816,30 @@ def _env_defaults() -> dict[str, Any]:
             _CHECKING_ENV.reset(token)
         out[field] = value
     return out
+
+
+#: misspelt variables already warned of (once each per process)
+_WARNED: set[str] = set()
+
+
+def _warn_misspelt() -> None:
+    """Warn, once per variable, of an ``AIOKV_*`` variable that nothing reads but that is
+    within a typo of one that is (``AIOKV_DEVICEID`` for ``AIOKV_DEVICE_ID``): it would
+    otherwise be ignored without a word. Other unknown names (a deployment's own
+    ``AIOKV_HOME``) stay silent."""
+    known = {ENV_PREFIX + name for name in (*(f.upper() for f in _OPTION_KEYS), *OTHER_ENV)}
+    for name in os.environ:
+        upper = name.upper()
+        if upper[:6] != ENV_PREFIX or upper in known or name in _WARNED:
+            continue
+        near = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.85)
+        if near:
+            _WARNED.add(name)
+            warn(
+                f"environment variable {name} is not read by aiokv and is ignored; "
+                f"did you mean {near[0]}?",
+                UserWarning,
+            )
 
 
 #: llm_datadist's spelling of the class name

@@ -12,7 +12,6 @@ import atexit
 import contextlib
 import logging
 import threading
-import warnings
 import weakref
 from collections.abc import AsyncIterator
 from collections.abc import Sequence
@@ -38,6 +37,7 @@ from ._enums import Placement
 from ._enums import RegisterMemStatus
 from ._errors import LLMException
 from ._errors import map_errors
+from ._errors import warn
 from ._manager import CacheManager
 from ._manager import KvCacheManager
 from ._models import LLMClusterInfo
@@ -253,10 +253,11 @@ class LLMDataDist:
             raise RuntimeError(f"{op}: an init or finalize of this LLMDataDist is under way")
         check_instance(op, "options", options, (LLMConfig, dict))
         # through the dict form, as llm_datadist: ge_options' keys meet the fields there
-        config = LLMConfig.from_options(
+        config = LLMConfig._from_options_in(
+            op,
             options.generate_options(reveal_secrets=True)
             if isinstance(options, LLMConfig)
-            else options
+            else options,
         )
         for key, value in config.ignored_options().items():
             log.debug("%s: option %s=%r accepted, not used by aiokv", op, key, value)
@@ -283,7 +284,7 @@ class LLMDataDist:
             "different options are ignored (as llm_datadist); to apply them, call "
             "finalize() first, then init() with them"
         )
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+        warn(msg, RuntimeWarning)
         log.warning("%s", msg)
 
     def _started(self) -> None:
@@ -487,7 +488,7 @@ class LLMDataDist:
         if getattr(self, "_engine", None) is None or self._closing:
             return  # finalized, or its teardown under way: the engine ends by itself
         msg = f"{self!r} was dropped without finalize()"
-        warnings.warn(msg, ResourceWarning, stacklevel=2)
+        warn(msg, ResourceWarning)
         log.warning("%s: finalizing it now", msg)  # shown where ResourceWarning is not
         # Not here: a collection may run on any thread, even one the teardown waits for.
         threading.Thread(target=self._finalize_blocking, name="aiokv-finalize", daemon=True).start()
@@ -824,7 +825,7 @@ class LLMDataDist:
         check_instance(op, "role", role, LLMRole)
         if switch_options is not None:
             check_instance(op, "switch_options", switch_options, dict)
-        listen = LLMConfig.from_options(dict(switch_options or {})).listen_address
+        listen = LLMConfig._from_options_in(op, dict(switch_options or {})).listen_address
         if isinstance(self._manager, KvCacheManager):
             if role == self._role:
                 param_invalid(op, f"role not changed, role = {role.name}")
@@ -882,7 +883,7 @@ def _warn_twins(dd: LLMDataDist) -> None:
         "finalize the old one (its finalize(), or create it in a `with` / `async with` "
         "LLMDataDist(...) block)"
     )
-    warnings.warn(msg, ResourceWarning, stacklevel=4)
+    warn(msg, ResourceWarning)
     log.warning("%s", msg)
 
 

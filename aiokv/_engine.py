@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import warnings
 from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Coroutine
@@ -55,6 +54,7 @@ import sniffio
 from ._cancel import redeliver
 from ._enums import LLMStatusCode
 from ._errors import LLMException
+from ._errors import warn
 from ._threads import Lane
 
 __all__ = [
@@ -335,7 +335,7 @@ class Engine:
                 f"{SYNC_GRACE_S:g} s of the end; its thread is abandoned (a daemon thread: "
                 "it does not keep the process from exiting)"
             )
-            warnings.warn(msg, RuntimeWarning, stacklevel=1)
+            warn(msg, RuntimeWarning)
             log.warning("%s", msg)  # for applications that collect logs, not warnings
 
     def submit(self, callback: Callable[[], None]) -> None:

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import sys
+import sysconfig
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from ._enums import LLMStatusCode
 
-__all__ = ["LLMException", "NoneArgumentError", "Status", "map_errors", "status_of"]
+__all__ = ["LLMException", "NoneArgumentError", "Status", "map_errors", "status_of", "warn"]
 
 
 _CODES = frozenset(LLMStatusCode)
@@ -111,6 +116,31 @@ class Status:
 
     def __repr__(self) -> str:
         return f"Status({self._status_code})"
+
+
+#: files whose frames a warning is not attributed to: aiokv's own, and pydantic's (it
+#: calls aiokv's validators from the user's ``LLMConfig(...)``)
+_INSIDE = (os.path.dirname(__file__) + os.sep,)
+_PYDANTIC = (f"{os.sep}pydantic{os.sep}", f"{os.sep}pydantic_settings{os.sep}")
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the caller's own line: the first frame of this
+    thread outside aiokv (and pydantic), so that a filter by module and the printed
+    ``file:line`` name the user's code. Where this thread has no such frame (an aiokv
+    thread: the engine's, a lane's), or only the standard library's, it names aiokv's
+    line that warns."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 2
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_INSIDE)
+        or any(p in frame.f_code.co_filename for p in _PYDANTIC)
+    ):
+        frame, level = frame.f_back, level + 1
+    if frame is None or frame.f_code.co_filename.startswith(_STDLIB):
+        level = 2
+    warnings.warn(message, category, stacklevel=level)
 
 
 class NoneArgumentError(TypeError, AttributeError):

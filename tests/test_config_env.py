@@ -5,6 +5,7 @@ no repr, log record or ``generate_options()`` shows unless asked."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 from pydantic import SecretStr
@@ -14,6 +15,7 @@ from aiokv import LLMDataDist
 from aiokv import LLMException
 from aiokv import LLMRole
 from aiokv import LLMStatusCode
+from aiokv import _config
 from aiokv.sync import LLMConfig as SyncLLMConfig
 from aiokv.testing import cluster_info
 
@@ -256,3 +258,31 @@ async def test_a_secret_given_in_ge_options_authenticates_links() -> None:
     finally:
         for d in (bad, good, p):
             await d.finalize()
+
+
+def test_a_misspelt_variable_warns_once_naming_the_right_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A variable within a typo of one aiokv reads is not ignored without a word: one
+    warning per variable and process, at the caller's line; other ``AIOKV_*`` names (a
+    deployment's own) and the variables aiokv reads elsewhere stay silent."""
+    monkeypatch.setattr(_config, "_WARNED", set())
+    monkeypatch.setenv("AIOKV_DEVICEID", "3")
+    monkeypatch.setenv("aiokv_link_secrt", SECRET)
+    monkeypatch.setenv("AIOKV_HOME", "/opt/aiokv")  # not near any name aiokv reads
+    monkeypatch.setenv("AIOKV_DEVICE_PORT", "26000")  # read by the rank table
+    with pytest.warns(UserWarning) as rec:
+        cfg = LLMConfig()
+    assert cfg.device_id == 0 and cfg.link_secret is None  # ignored, as said
+    got = sorted(str(w.message) for w in rec)
+    assert got == [
+        "environment variable AIOKV_DEVICEID is not read by aiokv and is ignored; "
+        "did you mean AIOKV_DEVICE_ID?",
+        "environment variable aiokv_link_secrt is not read by aiokv and is ignored; "
+        "did you mean AIOKV_LINK_SECRET?",
+    ]
+    assert all(w.filename == __file__ for w in rec)
+    assert SECRET not in "".join(got)  # names only, never a value
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per variable: a second config is quiet
+        LLMConfig()

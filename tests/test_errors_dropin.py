@@ -362,6 +362,7 @@ def test_a_second_init_with_other_options_warns(caplog: pytest.LogCaptureFixture
         assert "call finalize() first, then init()" in msg  # remedy
         assert any(msg in r.getMessage() for r in caplog.records)
         assert d.config.sync_kv_timeout == 3000  # nothing changed
+        assert rec[0].filename == __file__  # the caller's line, not aiokv.sync's
 
 
 # ---------------------------------------------------------------- llm_datadist's link check
@@ -390,3 +391,20 @@ def test_link_clusters_without_local_ip_info_is_refused_as_llm_datadist() -> Non
     peer.append_local_ip_info("127.0.0.1", 0)
     with llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, 2, config()) as d:
         assert d.link_clusters([peer], 300)[0] == CODE.LLM_LINK_FAILED  # tried
+
+
+def test_a_misspelt_option_is_refused_naming_the_call_that_took_it() -> None:
+    """``init`` and ``switch_role`` name themselves (and the nearest option), not the
+    ``LLMConfig.from_options`` they parse with; nothing changes."""
+    with llm_datadist.LLMDataDist(llm_datadist.LLMRole.PROMPT, 1) as d:
+        with pytest.raises(InvalidOptionError) as ei:
+            d.init({"llm.listenIpInf": "127.0.0.1:0"})
+        assert ei.value.op == "init" and ei.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        assert str(ei.value).startswith("init: unknown option 'llm.listenIpInf'; did you mean")
+        assert not d.initialized
+        d.init(config())
+        with pytest.raises(InvalidOptionError) as ei:
+            d.switch_role(llm_datadist.LLMRole.DECODER, {"llm.listenIpInfo2": "127.0.0.1:0"})
+        assert ei.value.op == "switch_role"
+        assert str(ei.value).startswith("switch_role: unknown option 'llm.listenIpInfo2'")
+        assert d.role == llm_datadist.LLMRole.PROMPT

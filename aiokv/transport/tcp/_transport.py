@@ -7,13 +7,13 @@ import contextlib
 import ipaddress
 import logging
 import socket
-import warnings
 from collections.abc import Iterator
 from typing import Any
 from typing import Final
 
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
+from ..._errors import warn
 from .. import _wire as wire
 from .._base import AUTH_FAILED
 from .._base import Link
@@ -189,7 +189,7 @@ class TcpTransport(Transport):
             "(docs/security.md)"
         )
         _log.warning("%s", msg)
-        warnings.warn(msg, UserWarning, stacklevel=2)
+        warn(msg, UserWarning)
 
     async def unlisten(self, address: tuple[str, int]) -> None:
         entry = self._listeners.pop(address, None)
