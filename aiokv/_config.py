@@ -248,6 +248,7 @@ _OPTION_KEYS: dict[str, str] = {
     "swap_out_threads": "aiokv.swapOutThreads",
     "swap_in_buffers": "aiokv.swapInBuffers",
     "restrict_reads_by_id": "aiokv.restrictReadsById",
+    "engine_thread": "aiokv.engineThread",
 }
 #: earlier aiokv spellings, still read
 _OLD_KEYS: dict[str, str] = {"aiokv.transferBackend": "transfer_backend"}
@@ -385,6 +386,11 @@ class LLMConfig(Model):
             every mode. Off, llm_datadist's rules hold: legacy mode and instances
             without ``enable_remote_cache_accessible`` serve reads by id to any linked
             peer; with it, the cache must be ``remote_accessible``.
+        engine_thread: where the engine runs (aiokv's own, default ``True``): on a
+            thread of its own, or (``False``) inline on the asyncio loop that awaits
+            ``init``, with no hop between threads per operation; that loop must not
+            block (the listener and links serve on it) and must run until
+            ``finalize`` has returned. Not for ``aiokv.sync`` or trio.
     """
 
     if TYPE_CHECKING:
@@ -423,6 +429,7 @@ class LLMConfig(Model):
             swap_out_threads: int = ...,
             swap_in_buffers: int = ...,
             restrict_reads_by_id: bool = ...,
+            engine_thread: bool = ...,
         ) -> None: ...
 
     else:
@@ -497,6 +504,7 @@ class LLMConfig(Model):
     # secret values ``ge_options`` carried (by option key); ``ge_options`` shows the mask
     _ge_secrets: dict[str, SecretStr] = PrivateAttr(default_factory=dict)
     restrict_reads_by_id: bool = False
+    engine_thread: bool = True
 
     def __setattr__(self, name: str, value: Any) -> None:
         # pydantic leaves a value that its model check refused in place: put it back

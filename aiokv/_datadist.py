@@ -8,6 +8,7 @@ and joins the engine. It also owns linking, which runs on the engine.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import logging
@@ -31,6 +32,7 @@ from ._copy import pre_touch
 from ._copy import resolve_device
 from ._copy import supports_pinning
 from ._engine import Engine
+from ._engine import on_asyncio
 from ._enums import LLMRole
 from ._enums import LLMStatusCode
 from ._enums import Placement
@@ -227,7 +229,7 @@ class LLMDataDist:
 
     def _init_blocking(self, options: LLMConfig | dict[str, str]) -> None:
         """``init`` from a plain thread (``aiokv.sync``)."""
-        started = self._start(options)
+        started = self._start(options, blocking=True)
         if started is None:
             return
         config, engine = started
@@ -239,9 +241,10 @@ class LLMDataDist:
             raise
         self._started()
 
-    def _start(self, options: Any) -> tuple[LLMConfig, Engine] | None:
-        """Check ``options`` and start the engine thread (the synchronous half of init);
-        ``None`` when already initialized."""
+    def _start(self, options: Any, *, blocking: bool = False) -> tuple[LLMConfig, Engine] | None:
+        """Check ``options`` and start the engine thread (the synchronous half of init;
+        ``blocking``: of ``aiokv.sync``'s, which waits for the rest); ``None`` when
+        already initialized."""
         op = "init"
         self._reap()
         if self._closing:
@@ -261,7 +264,17 @@ class LLMDataDist:
         )
         for key, value in config.ignored_options().items():
             log.debug("%s: option %s=%r accepted, not used by aiokv", op, key, value)
-        engine = Engine(f"aiokv-engine-{self._cluster_id}")
+        loop = None
+        if not config.engine_thread:
+            if blocking or not on_asyncio():
+                param_invalid(
+                    op,
+                    "engine_thread=False runs the engine on the asyncio loop that awaits "
+                    "init(), and there is none here (aiokv.sync, trio): await init() in a "
+                    "coroutine on asyncio, or keep engine_thread=True",
+                )
+            loop = asyncio.get_running_loop()
+        engine = Engine(f"aiokv-engine-{self._cluster_id}", loop)
         self._engine = engine  # taken now: a concurrent init fails instead of racing
         return config, engine
 
@@ -439,7 +452,11 @@ class LLMDataDist:
         if engine.on_engine():
             raise RuntimeError("finalize: called on the engine thread")
         self._begin_finalize(engine)
-        engine.thread.join()
+        engine.join()
+        if engine.abandoned and self._scheduler is not None:
+            # an inline engine's loop ended first: its teardown never ran; what needs no
+            # loop is released here (the copy threads), the rest goes with the process
+            self._scheduler.stop_nowait()
         self._ended(engine)
 
     def _begin_finalize(self, engine: Engine) -> None:
@@ -463,7 +480,7 @@ class LLMDataDist:
         """Forget an engine whose teardown completed while nobody waited for it."""
         engine = self._engine
         if engine is not None and self._closing and engine.ended:
-            engine.thread.join()
+            engine.join()
             self._ended(engine)
 
     async def _tear_down(self) -> None:

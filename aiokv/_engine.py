@@ -283,14 +283,30 @@ def _stopped() -> LLMException:
 
 
 class Engine:
-    """An event loop on a thread of its own (uvloop when installed).
+    """An event loop on a thread of its own (uvloop when installed), or (``loop`` given)
+    the caller's own running asyncio loop: an *inline* engine, no thread.
+
+    An inline engine runs everything an engine owns on the caller's loop, so an
+    operation awaited there runs directly, with no hop to another thread and back; the
+    price is that whatever blocks that loop (a model forward, ``time.sleep``) stalls the
+    listener, the links and the peer service too. Its loop must keep running until
+    :meth:`close_soon`'s final task has ended; other threads and loops reach it as they
+    reach an engine thread. Every :meth:`run` and :meth:`run_sync` awaited on it yields
+    to the loop once before it starts, as the hop to an engine thread did: a loop of
+    operations that complete without waiting (a leased pull over shared memory) still
+    lets the loop's other tasks run, and a caller cancelled there never starts one.
 
     Args:
-        name: the thread's name.
+        name: the thread's name (an inline engine's, in its messages).
+        loop: the running asyncio loop of the calling thread, for an inline engine.
     """
 
-    def __init__(self, name: str) -> None:
-        self._loop = _new_loop()
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.name = name
+        self.inline = loop is not None
+        #: (inline) its loop stopped before its end ran: :meth:`abandon`
+        self.abandoned = False
+        self._loop = loop if loop is not None else _new_loop()
         self._on_exit: list[Callable[[], None]] = []  # called by the thread as it ends
         self._exit_lock = threading.Lock()
         self._exited = False
@@ -300,6 +316,9 @@ class Engine:
         #: where blocking user code runs (``def`` layer synchronizers): daemon threads,
         #: abandoned after :data:`SYNC_GRACE_S` at the end, never joined at exit
         self.sync_lane = Lane("aiokv-sync", SYNC_THREADS)
+        if loop is not None:
+            self._thread = threading.current_thread()
+            return
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -331,7 +350,7 @@ class Engine:
         running (their transfers were cancelled), then abandon them, naming each."""
         for label in self.sync_lane.close(SYNC_GRACE_S):
             msg = (
-                f"{self._thread.name}: the layer synchronizer {label} did not return within "
+                f"{self.name}: the layer synchronizer {label} did not return within "
                 f"{SYNC_GRACE_S:g} s of the end; its thread is abandoned (a daemon thread: "
                 "it does not keep the process from exiting)"
             )
@@ -362,12 +381,52 @@ class Engine:
 
     @property
     def thread(self) -> threading.Thread:
-        """The engine thread."""
+        """The engine thread (an inline engine's: the thread that runs its loop)."""
         return self._thread
 
     def on_engine(self) -> bool:
-        """Whether the calling thread is the engine thread."""
+        """Whether the caller runs on the engine loop: on the engine thread, or (inline)
+        in a coroutine of the loop it was given."""
+        if self.inline:
+            return asyncio._get_running_loop() is self._loop
         return threading.get_ident() == self._thread.ident
+
+    def join(self) -> None:
+        """Block until the engine has ended (after :meth:`close_soon` or :meth:`stop`):
+        the thread joined, or (inline) its final task done, from another thread. An
+        inline engine whose loop is no longer running cannot end its work: its state is
+        dropped as it is (see :meth:`abandon`)."""
+        if not self.inline:
+            self._thread.join()
+            return
+        ended = threading.Event()
+        self._notify_on_exit(ended.set)
+        while not ended.wait(0.05):
+            if self._loop.is_closed() or not self._loop.is_running():
+                self.abandon()
+                return
+
+    def abandon(self) -> None:
+        """(inline) The loop stopped before the engine's end ran: nothing of it can run
+        any more. Close the synchronizer lane (as the end does) and report the end."""
+        if self._exited:
+            return
+        self.abandoned = True
+        log.warning(
+            "%s: its event loop stopped before finalize() had ended; links and listener "
+            "were not closed in order",
+            self.name,
+        )
+        self._close_sync_lane()
+        self._exit()
+
+    def _exit(self) -> None:
+        with self._exit_lock:
+            self._sealed = True
+            self._exited = True
+            notify, self._on_exit = self._on_exit, []
+        for fn in notify:
+            fn()
 
     async def run(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
         """Await ``fn(*args, **kwargs)`` run on the engine loop, from any async backend.
@@ -381,6 +440,8 @@ class Engine:
 
     async def _run(self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
         if self.on_engine():
+            if self.inline:
+                await asyncio.sleep(0)  # what the hop was: a scheduling point (see the class)
             return await fn(*args)
         calls: list[_Call[T]] = []
 
@@ -401,6 +462,8 @@ class Engine:
         returned, the cancellation then delivered at the next checkpoint).
         """
         if self.on_engine():
+            if self.inline:
+                await asyncio.sleep(0)  # what the hop was: a scheduling point (see the class)
             return fn(*args, **kwargs)
         bound = partial(fn, *args, **kwargs) if args or kwargs else fn
         calls: list[_SyncCall[T]] = []
@@ -442,7 +505,7 @@ class Engine:
         Raises:
             RuntimeError: called on the engine thread (it would wait for itself).
         """
-        if self.on_engine():
+        if self.on_engine() or (self.inline and threading.get_ident() == self._thread.ident):
             raise RuntimeError(
                 "a blocking aiokv.sync call on the engine thread (e.g. from an async "
                 "synchronizer) would deadlock; there, use the async aiokv method (a "
@@ -464,8 +527,9 @@ class Engine:
         """Stop the loop (cancelling what still runs on it) and join the thread.
 
         Blocks the calling thread (any but the engine's) until then; idempotent.
+        Not for an inline engine (:meth:`aclose`).
         """
-        if self.on_engine():
+        if self.on_engine() or self.inline:
             raise RuntimeError("Engine.stop: called on the engine thread")
         with contextlib.suppress(RuntimeError):  # already closed
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -490,11 +554,33 @@ class Engine:
             try:
                 await last()
             except BaseException:
-                log.exception("engine %s: the final task failed", self._thread.name)
+                log.exception("engine %s: the final task failed", self.name)
             finally:
-                self._loop.stop()
+                if self.inline:
+                    await self._end_inline()
+                else:
+                    self._loop.stop()
 
         self._last = self._loop.create_task(run_then_stop())  # referenced until it ends
+
+    async def _end_inline(self) -> None:
+        """(inline) What the engine thread does as it leaves its loop, less closing the
+        loop (the caller's): the synchronizer lane closed (a blocked synchronizer waited
+        for on a thread, not on the loop), then the end reported. What the final task ended
+        (links, listener, tasks of the manager) is not on the loop any more."""
+        with self._exit_lock:
+            if self._sealed:
+                return
+            self._sealed = True
+        if self.sync_lane.running():  # blocked synchronizers: wait on a thread of its own
+            closer = Lane(f"{self.name}-end", 1)
+            try:
+                await closer.run(self._close_sync_lane, "closing the synchronizer lane")
+            finally:
+                closer.close(0)
+        else:
+            self._close_sync_lane()  # nothing runs: closes at once
+        self._exit()
 
     @property
     def ended(self) -> bool:
@@ -515,16 +601,22 @@ class Engine:
         the engine thread has ended (after :meth:`close_soon` or :meth:`stop`), then
         join it. Cancellable: a cancelled caller stops waiting, the engine does not
         stop ending."""
-        if self.on_engine():
+        if self.on_engine() and not self.inline:
             raise RuntimeError("Engine.wait_ended: called on the engine thread")
 
         await _until_notified(self._notify_on_exit, lambda: None, shield=False)
-        self._thread.join()  # it has left its loop: this only reaps it
+        if not self.inline:
+            self._thread.join()  # it has left its loop: this only reaps it
 
     async def aclose(self) -> None:
         """:meth:`stop` from a coroutine on any backend, without blocking its loop (and
         without a helper thread: the engine thread reports its own end). Not
         cancellable: a cancelled caller still waits for the thread to end."""
+        if self.inline:
+            await completing(self._end_inline())
+            if not self._exited:  # another call is ending it: wait for that
+                await _until_notified(self._notify_on_exit, lambda: None)
+            return
         if self.on_engine():
             raise RuntimeError("Engine.aclose: called on the engine thread")
         if self._thread.is_alive():

@@ -271,7 +271,7 @@ def test_a_misspelt_variable_warns_once_naming_the_right_one(
     monkeypatch.setenv("aiokv_link_secrt", SECRET)
     monkeypatch.setenv("AIOKV_HOME", "/opt/aiokv")  # not near any name aiokv reads
     monkeypatch.setenv("AIOKV_DEVICE_PORT", "26000")  # read by the rank table
-    with pytest.warns(UserWarning) as rec:
+    with pytest.warns(UserWarning, match="is not read by aiokv") as rec:
         cfg = LLMConfig()
     assert cfg.device_id == 0 and cfg.link_secret is None  # ignored, as said
     got = sorted(str(w.message) for w in rec)

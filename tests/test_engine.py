@@ -122,6 +122,68 @@ async def test_run_sync_calls_a_plain_function_on_the_engine(engine: Engine) -> 
     assert await engine.run(on_the_engine) == (4, True)
 
 
+async def test_an_inline_engine_runs_on_the_callers_loop_and_yields_once() -> None:
+    """``Engine(name, loop)``: no thread; ``run`` / ``run_sync`` on that loop run there
+    after one yield (a cancellation there: never started); its end runs as the final
+    task; a submission after it is refused."""
+    threads = threading.active_count()
+    engine = Engine("aiokv-engine-inline", asyncio.get_running_loop())
+    assert threading.active_count() == threads and engine.on_engine()
+    order: list[str] = []
+
+    async def body() -> str:
+        order.append("body")
+        return threading.current_thread().name
+
+    def plain() -> str:
+        order.append("plain")
+        return "ok"
+
+    asyncio.get_running_loop().call_soon(order.append, "other")
+    assert await engine.run(body) == threading.current_thread().name
+    assert order == ["other", "body"]  # the yield let the other callback run first
+    assert await engine.run_sync(plain) == "ok"
+    started = asyncio.create_task(engine.run(body))
+    await asyncio.sleep(0)  # the task reached its yield
+    started.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await started
+    assert order.count("body") == 1  # cancelled at the yield: never started
+    ran: list[bool] = []
+
+    async def last() -> None:
+        ran.append(engine.on_engine())
+
+    engine.close_soon(last)
+    await engine.wait_ended()
+    assert ran == [True] and engine.ended and not engine.abandoned
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(lambda: None)
+    assert threading.active_count() == threads
+
+
+def test_an_inline_engine_whose_loop_stopped_is_abandoned_not_waited_for(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its loop is not running: the final task cannot run; ``join`` (another thread's
+    wait for the end) reports the end instead of waiting for ever, and says so."""
+    loop = asyncio.new_event_loop()
+    try:
+        engine = Engine("aiokv-engine-gone", loop)
+
+        async def last() -> None:
+            raise AssertionError("never runs")
+
+        engine.close_soon(last)
+        with caplog.at_level("WARNING", logger="aiokv"):
+            engine.join()
+        assert engine.ended and engine.abandoned
+        assert "event loop stopped before finalize() had ended" in caplog.text
+        engine.join()  # ended: at once
+    finally:
+        loop.close()
+
+
 async def test_run_sync_cancelled_before_it_ran_never_runs(engine: Engine) -> None:
     hold, held = threading.Event(), threading.Event()
     ran: list[int] = []

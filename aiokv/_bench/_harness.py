@@ -251,11 +251,14 @@ def participant_config(
     backend: Backend = "tcp",
     device_type: DeviceKind = "cpu",
     listen: str = "127.0.0.1:0",
+    *,
+    engine_thread: bool = True,
 ) -> LLMConfig:
     """A participant listening on ``listen`` with a ``pool_bytes`` pool on ``device_type``
     (``cpu``, ``cuda``), remote accessible, linking with ``backend``; its links over TLS
-    with ``tls``'s files when given."""
+    with ``tls``'s files when given; its engine inline unless ``engine_thread``."""
     return LLMConfig(
+        engine_thread=engine_thread,
         transfer_backend=backend,
         device_type=device_type,
         enable_cache_manager=True,
@@ -428,14 +431,19 @@ async def linked(
     pool_bytes: int,
     tls: TlsFiles | None = None,
     device_type: DeviceKind = "cpu",
+    *,
+    engine_thread: bool = True,
 ) -> AsyncIterator[LLMDataDist]:
     """A decoder participant with a ``pool_bytes`` pool on ``device_type``, linked to
-    ``peer`` (over TLS with ``tls``'s files), for the block.
+    ``peer`` (over TLS with ``tls``'s files), for the block; its engine inline on this
+    loop unless ``engine_thread``.
 
     Raises:
         RuntimeError: the link failed (its status code in the message).
     """
-    config = participant_config(pool_bytes, tls, device_type=device_type)
+    config = participant_config(
+        pool_bytes, tls, device_type=device_type, engine_thread=engine_thread
+    )
     async with LLMDataDist(LLMRole.DECODER, cluster_id, config) as dd:
         info = LLMClusterInfo(
             remote_cluster_id=PEER_ID,

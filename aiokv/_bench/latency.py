@@ -8,6 +8,8 @@ Against the spawned prompt peer, interleaved round by round (medians of each):
   engine where there is one), of a one-tensor cache, and of a 64-tensor cache (a
   32-layer model's K and V) moving the same 4 KiB in 64 pieces: what each tensor of a
   request costs;
+* ``inline``: the same pull by a second decoder whose engine runs inline on this loop
+  (``engine_thread=False``: no hop to a thread and back);
 * ``sync``: the same call by an ``aiokv.sync`` decoder from a plain thread, timed
   there, after the interleaved rounds (skipped where ``aiokv.sync`` does not exist,
   e.g. on a commit from before the engine).
@@ -15,7 +17,8 @@ Against the spawned prompt peer, interleaved round by round (medians of each):
 Then the engine hop alone (summary ``engine_hop``), interleaved: ``check_link_status``
 (the caller's loop → the engine thread, a dictionary look-up there, and back) against a
 bare hand-off of a callback to a plain thread running an event loop of the same kind
-and back (the floor of any hop between two threads' loops on the machine).
+and back (the floor of any hop between two threads' loops on the machine), and the
+inline decoder's ``check_link_status`` (the same look-up with no hop: one yield).
 
 Run the same command on two commits to see what a change added per call.
 """
@@ -38,6 +41,7 @@ from ._harness import PEER_ID
 from ._harness import PromptPeer
 from ._harness import Report
 from ._harness import interleave
+from ._harness import linked
 from ._harness import median
 from ._harness import participant_config
 from ._harness import run_remote
@@ -84,13 +88,15 @@ class _Echo:
         self._loop.close()
 
 
-async def _hop(report: Report, decoder: LLMDataDist, rounds: int) -> None:
-    """Add the ``engine_hop`` summary: ``check_link_status`` vs a bare thread hand-off."""
+async def _hop(report: Report, decoder: LLMDataDist, inline: LLMDataDist, rounds: int) -> None:
+    """Add the ``engine_hop`` summary: ``check_link_status`` vs a bare thread hand-off,
+    and ``inline``'s (no hop)."""
     echo = _Echo()
     try:
         contenders = {
             "thread": echo.hand_off,
             "hop": lambda: decoder.check_link_status(PEER_ID),
+            "inline": lambda: inline.check_link_status(PEER_ID),
         }
         times = await interleave(contenders, rounds, warmup=50)
     finally:
@@ -100,7 +106,8 @@ async def _hop(report: Report, decoder: LLMDataDist, rounds: int) -> None:
         "engine_hop",
         "engine hop (check_link_status): median {hop_us:.1f} µs (p90 {hop_p90_us:.1f}); a bare "
         "hand-off to another thread's loop and back: median {thread_us:.1f} µs (p90 "
-        "{thread_p90_us:.1f}); {rounds} rounds",
+        "{thread_p90_us:.1f}); inline (no hop): median {inline_us:.1f} µs; {rounds} rounds",
+        inline_us=median(us["inline"]) * 1e6,
         hop_us=median(us["hop"]) * 1e6,
         hop_p90_us=us["hop"][len(us["hop"]) * 9 // 10] * 1e6,
         thread_us=median(us["thread"]) * 1e6,
@@ -156,7 +163,11 @@ def run_latency_bench(*, quick: bool = False) -> Report:
 
     async def main(peer: PromptPeer, decoder: LLMDataDist) -> None:
         cm = decoder.cache_manager
-        async with spawned(lambda: RawStream(max(n * b for n, b in SHAPES))) as raw:
+        async with (
+            spawned(lambda: RawStream(max(n * b for n, b in SHAPES))) as raw,
+            linked(peer, DECODER_ID + 2, 64 << 20, engine_thread=False) as inline,
+        ):
+            icm = inline.cache_manager
             with steps("latency", len(SHAPES)) as part:
                 for tensors, per_tensor in SHAPES:
                     block = tensors * per_tensor
@@ -164,13 +175,16 @@ def run_latency_bench(*, quick: bool = False) -> Report:
                         desc = CacheDesc(tensors, [4, per_tensor], DataType.DT_UINT8)
                         await peer.cache(desc)
                         dst = await cm.allocate_blocks_cache(desc)
+                        idst = await icm.allocate_blocks_cache(desc)
                         key = BlocksCacheKey(PEER_ID, 0)
                         contenders: dict[str, Any] = {
                             "raw": lambda block=block: raw.receive(block),
                             "pull": lambda dst=dst, key=key: cm.pull_blocks(key, dst, [1], [2]),
+                            "inline": lambda d=idst, key=key: icm.pull_blocks(key, d, [1], [2]),
                         }
                         times = await interleave(contenders, rounds, warmup=5)
                         await cm.deallocate_blocks_cache(dst)
+                        await icm.deallocate_blocks_cache(idst)
                         t = {k: median(v) * 1e6 for k, v in times.items()}
                         row = {
                             "block_kib": block // KIB,
@@ -178,6 +192,8 @@ def run_latency_bench(*, quick: bool = False) -> Report:
                             "raw_us": t["raw"],
                             "pull_us": t["pull"],
                             "pull_added_us": t["pull"] - t["raw"],
+                            "inline_us": t["inline"],
+                            "inline_added_us": t["inline"] - t["raw"],
                         }
                         sync = await asyncio.to_thread(
                             _sync_pulls, peer.port, tensors, per_tensor, rounds
@@ -186,7 +202,7 @@ def run_latency_bench(*, quick: bool = False) -> Report:
                             row["sync_us"] = median(sync) * 1e6
                             row["sync_over_async_us"] = row["sync_us"] - t["pull"]
                         rows.append(row)
-        await _hop(report, decoder, HOPS * rounds)
+            await _hop(report, decoder, inline, HOPS * rounds)
 
     run_remote(main)
     return report

@@ -215,6 +215,13 @@ class CopyScheduler:
         self._finalizer.detach()
         await asyncio.gather(self._swap_out.aclose(), self._d2d.aclose(), self._stage.aclose())
 
+    def stop_nowait(self) -> None:
+        """Close without waiting (any thread, no loop needed): the worker threads exit
+        after their queued jobs and are not joined. For an owner whose event loop is
+        gone (:meth:`aclose` needs one). Idempotent."""
+        self._closed = True
+        self._finalizer()
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("CopyScheduler is closed")
