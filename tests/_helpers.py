@@ -282,6 +282,27 @@ async def fake_peer_hello(reader: asyncio.StreamReader, writer: asyncio.StreamWr
     assert h.type is FrameType.PING and not h.meta_len
 
 
+@contextlib.asynccontextmanager
+async def loop_turns() -> AsyncIterator[Callable[[], int]]:
+    """Count the running loop's turns while the block runs (a task that adds one per
+    turn): yields the count so far, to show the loop was not held."""
+    turns = 0
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    try:
+        yield lambda: turns
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 async def cancel_after(
     coro: Coroutine[Any, Any, Any], steps: int, delay: float = 0.0
 ) -> asyncio.Task[Any]:

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from _helpers import loop_turns
 from copy_helpers import CPU
 from copy_helpers import Gate
 
@@ -92,19 +93,11 @@ async def test_large_copy_never_blocks_the_loop(
     src, dst = await sched.call(lambda: make(1)), await sched.call(lambda: make(0))
     rng = random.Random(9)
     pairs = list(zip(rng.sample(range(rows), rows), range(rows), strict=True))
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    tick_task = asyncio.ensure_future(ticker())
-    await sched.copy_blocks(src, dst, pairs)
-    await sched.copy_blocks(src, dst, [(i, i) for i in range(rows)])
-    await sched.copy_many([(s, d) for s, d in zip(src, dst, strict=True)])
-    tick_task.cancel()
+    async with loop_turns() as turns:
+        await sched.copy_blocks(src, dst, pairs)
+        await sched.copy_blocks(src, dst, [(i, i) for i in range(rows)])
+        await sched.copy_many([(s, d) for s, d in zip(src, dst, strict=True)])
+        ticks = turns()
     assert await sched.call(lambda: all(bool(d.eq(1).all()) for d in dst))
     assert ticks > 1, "the loop made no progress while the copy ran"
     slow = [r.getMessage() for r in caplog.records if "Executing" in r.getMessage()]

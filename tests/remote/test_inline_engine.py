@@ -21,6 +21,7 @@ import anyio
 import numpy as np
 import pytest
 from _helpers import fill_bytes
+from _helpers import loop_turns
 from _helpers import same_rows
 
 import aiokv.sync as blocking
@@ -101,19 +102,10 @@ async def test_an_inline_operation_yields_to_the_loop_and_a_cancelled_one_is_ove
     other tasks run; a pull cancelled in flight has ended when its cancellation is seen,
     after which the link and both caches serve as before."""
     async with linked_pair(config()) as (p, d):
-        ticks = 0
-
-        async def ticker() -> None:
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await asyncio.sleep(0)
-
-        tick = asyncio.create_task(ticker())
-        for _ in range(50):
-            await d.check_link_status(1)
-        assert ticks >= 49
-        tick.cancel()
+        async with loop_turns() as turns:
+            for _ in range(50):
+                await d.check_link_status(1)
+            assert turns() >= 49
 
         big = CacheDesc(2, [1024, 16384], DataType.DT_UINT8)  # 32 MiB: many loop turns
         src = await p.cache_manager.allocate_blocks_cache(big, BlocksCacheKey(1, 0))
@@ -181,7 +173,7 @@ def test_no_asyncio_loop_to_run_on_is_refused_and_nothing_starts() -> None:
             return ""
 
     assert "engine_thread=False" in anyio.run(on_trio, backend="trio")
-    dd.init(make_config("tcp"))  # the same instance, threaded: fine
+    dd.init(make_config("tcp", engine_thread=True))  # the same instance, threaded: fine
     dd.finalize()
 
 
@@ -189,7 +181,7 @@ async def test_a_blocked_loop_stalls_an_inline_peer_and_its_timeout_says_so() ->
     """The documented price: whatever blocks the inline loop blocks the peer service.
     A threaded decoder's pull from an inline prompt whose loop sleeps waits for it, and
     completes once the loop runs again (within ``sync_kv_timeout``)."""
-    async with linked_pair(config(), make_config("tcp")) as (p, d):
+    async with linked_pair(config(), make_config("tcp", engine_thread=True)) as (p, d):
         src = await p.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 0))
         dst = await d.cache_manager.allocate_blocks_cache(DESC)
         fill_bytes(src, 7)
