@@ -400,6 +400,7 @@ class LLMConfig(Model):
             *,
             device_id: int = ...,
             device_type: Literal["auto", "cpu", "cuda", "npu"] = ...,
+            engine_thread: bool = ...,
             sync_kv_timeout: int | str = ...,
             mem_pool_cfg: MemPoolConfig | str | None = ...,
             host_mem_pool_cfg: MemPoolConfig | str | None = ...,
@@ -429,7 +430,6 @@ class LLMConfig(Model):
             swap_out_threads: int = ...,
             swap_in_buffers: int = ...,
             restrict_reads_by_id: bool = ...,
-            engine_thread: bool = ...,
         ) -> None: ...
 
     else:
@@ -451,6 +451,7 @@ class LLMConfig(Model):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=False, validate_assignment=True)
     device_id: int = Field(default=0, ge=0, le=1 << 16)
     device_type: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    engine_thread: bool = True
     if not TYPE_CHECKING:
         sync_kv_timeout: int = Field(default=1000, gt=0, le=2**31 - 1)
         mem_pool_cfg: MemPoolConfig | None = None
@@ -504,7 +505,6 @@ class LLMConfig(Model):
     # secret values ``ge_options`` carried (by option key); ``ge_options`` shows the mask
     _ge_secrets: dict[str, SecretStr] = PrivateAttr(default_factory=dict)
     restrict_reads_by_id: bool = False
-    engine_thread: bool = True
 
     def __setattr__(self, name: str, value: Any) -> None:
         # pydantic leaves a value that its model check refused in place: put it back
