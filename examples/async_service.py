@@ -3,7 +3,9 @@ KV blocks from a prefill peer, under a deadline, cancellable at any point.
 
 Run: ``python examples/async_service.py``. The prefill peer lives in this process and
 is reached over loopback TCP; in production it is another process or machine (give
-``listen_ip_info`` an address the decoder can reach).
+``listen_ip_info`` an address the decoder can reach). ``--inline`` runs both engines
+inline on this program's loop (``engine_thread=False``: no engine thread, no hop per
+call; right for a service whose loop never blocks).
 
 What it shows:
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,9 +54,11 @@ MAX_IN_FLIGHT = 16
 LATE, GONE = 40, (42, 50, 61)
 
 
-def config() -> LLMConfig:
-    """A 32 MiB pool on the CPU (``device_type="auto"`` picks an NPU or a GPU)."""
+def config(inline: bool = False) -> LLMConfig:
+    """A 32 MiB pool on the CPU (``device_type="auto"`` picks an NPU or a GPU); the
+    engine on this loop with ``inline``, else on a thread of its own."""
     return LLMConfig(
+        engine_thread=not inline,
         device_type="cpu",
         enable_cache_manager=True,
         listen_ip_info="127.0.0.1:0",
@@ -140,13 +145,14 @@ def fill(cache: Any) -> Callable[[int, int], float]:
     return value
 
 
-async def main(say: Callable[..., Any] = print) -> None:
+async def main(say: Callable[..., Any] = print, *, inline: bool = False) -> None:
     """Serve ``REQUESTS`` requests at once; cancel a few, give one an impossible
-    deadline; check every block came back and every delivered block holds its bytes."""
+    deadline; check every block came back and every delivered block holds its bytes.
+    ``inline``: the engines run on this loop (``engine_thread=False``)."""
     rng = random.Random(0)
     async with (
-        LLMDataDist(LLMRole.PROMPT, PREFILL, config()) as prefill,
-        LLMDataDist(LLMRole.DECODER, DECODE, config()) as decode,
+        LLMDataDist(LLMRole.PROMPT, PREFILL, config(inline)) as prefill,
+        LLMDataDist(LLMRole.DECODER, DECODE, config(inline)) as decode,
     ):
         src = await prefill.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(PREFILL))
         expected = fill(src)
@@ -196,4 +202,4 @@ async def main(say: Callable[..., Any] = print) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    asyncio.run(main(inline="--inline" in sys.argv[1:]))

@@ -76,3 +76,13 @@ def test_the_engine_guide_includes_every_section_of_the_program() -> None:
     assert starts == ends and len(set(starts)) == len(starts)
     assert sorted(included) == sorted(starts)
     assert len(starts) >= 6
+
+
+def test_the_async_service_runs_with_its_engines_inline() -> None:
+    """``--inline``: both engines on the program's own loop (``engine_thread=False``),
+    the same outcomes and checks."""
+    done = _run(str(EXAMPLES / "async_service.py"), "--inline")
+    assert done.returncode == 0, done.stdout + done.stderr
+    for line in PROGRAMS["async_service.py"]:
+        assert line in done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
