@@ -125,6 +125,12 @@ _PYDANTIC = (f"{os.sep}pydantic{os.sep}", f"{os.sep}pydantic_settings{os.sep}")
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 
 
+def _in_stdlib(filename: str) -> bool:
+    """Whether ``filename`` is the standard library's (a thread's start, a loop's run),
+    not a package installed beside it in ``site-packages``."""
+    return filename.startswith(_STDLIB) and "site-packages" not in filename
+
+
 def warn(message: str, category: type[Warning]) -> None:
     """``warnings.warn`` attributed to the caller's own line: the first frame of this
     thread outside aiokv (and pydantic), so that a filter by module and the printed
@@ -138,7 +144,7 @@ def warn(message: str, category: type[Warning]) -> None:
         or any(p in frame.f_code.co_filename for p in _PYDANTIC)
     ):
         frame, level = frame.f_back, level + 1
-    if frame is None or frame.f_code.co_filename.startswith(_STDLIB):
+    if frame is None or _in_stdlib(frame.f_code.co_filename):
         level = 2
     warnings.warn(message, category, stacklevel=level)
 
