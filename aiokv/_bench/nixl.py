@@ -16,9 +16,12 @@ before NIXL is imported (UCX reads it when an agent is made):
   never neighbours, so aiokv merges none), local in destination order, remote in source
   order — and waits as aiokv does for transfers of 1 MiB and more: posted and polled
   from the calling thread, ``time.sleep`` back-off from 20 µs to 1 ms. Like aiokv, it
-  builds the transfer (``initialize_xfer``) in every round and releases it after; a
-  WRITE carries an 8-byte notification; the target polls notifications (UCX progress)
-  with the same back-off.
+  builds the transfer (``initialize_xfer``) in every round and releases it after. Like
+  the leased transfers timed on aiokv's side, neither a READ nor a WRITE carries a
+  notification (one would also slow the pair's next transfer: on the 2-core VM the
+  transfer after a notifying WRITE was left in flight by its post and took 0.5–1 ms
+  more at one block, ~0.1 ms more at 4 MiB); the target polls notifications (UCX
+  progress) with the same back-off.
 
 Every timed call is measured in the process that makes it (:class:`~._harness.Elapsed`),
 so no contender pays for the pipe that drives it.
@@ -328,7 +331,7 @@ class _Initiator:
             a.get_xfer_descs(self.local, self.mem),
             a.get_xfer_descs(self.remote, self.mem),
             self.peer,
-            b"" if kind == "READ" else b"\x01" * 8,
+            b"",  # as a leased transfer: no notification
         )
         t1 = time.perf_counter()
         state, delay = a.transfer(xfer), self.lo
