@@ -435,6 +435,17 @@ DeviceBackendOpt = Annotated[
     ),
 ]
 
+LatencyBackendOpt = Annotated[
+    BenchBackend,
+    typer.Option(
+        "--backend",
+        help=_text(
+            "nixl: also one block under a lease over NIXL vs raw NIXL READ / WRITE "
+            "(UCX shm/CMA and UCX over TCP; needs aiokv[nixl])."
+        ),
+    ),
+]
+
 
 @_command(bench_app, "device")
 def bench_device(
@@ -461,11 +472,19 @@ def bench_layerwise(quick: Quick = False, as_json: Json = False, plot: Plot = No
 
 
 @_command(bench_app, "latency")
-def bench_latency(quick: Quick = False, as_json: Json = False, plot: Plot = None) -> None:
-    """One-block pull_blocks (async and aiokv.sync) vs a raw socket request/response."""
+def bench_latency(
+    quick: Quick = False,
+    as_json: Json = False,
+    backend: LatencyBackendOpt = BenchBackend.tcp,
+    plot: Plot = None,
+) -> None:
+    """One-block pull_blocks (async and aiokv.sync) vs a raw socket request/response;
+    with --backend nixl also one leased block over NIXL vs raw NIXL."""
     from ._bench.latency import run_latency_bench
 
-    _run_bench("latency", lambda: run_latency_bench(quick=quick), as_json, plot)
+    _run_bench(
+        "latency", lambda: run_latency_bench(quick=quick, backend=backend.value), as_json, plot
+    )
 
 
 @_command(bench_app, "raw")

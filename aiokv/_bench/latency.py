@@ -14,6 +14,12 @@ Against the spawned prompt peer, interleaved round by round (medians of each):
   there, after the interleaved rounds (skipped where ``aiokv.sync`` does not exist,
   e.g. on a commit from before the engine).
 
+With ``backend="nixl"`` (``aiokv bench latency --backend nixl``), the table ``nixl``:
+one block under a lease — one one-sided NIXL READ (``pull_blocks``) or WRITE
+(``push_blocks``), no request — against a raw NIXL READ / WRITE of the same block with
+the same descriptors (:class:`~.nixl.RawNixl`: build, post, wait, release), per UCX
+setting (:data:`~.nixl.SETTINGS`), interleaved round by round; ``x``: aiokv / raw.
+
 Then the engine hop alone (summary ``engine_hop``), interleaved: ``check_link_status``
 (the caller's loop → the engine thread, a dictionary look-up there, and back) against a
 bare hand-off of a callback to a plain thread running an event loop of the same kind
@@ -35,6 +41,7 @@ from .. import BlocksCacheKey
 from .. import CacheDesc
 from .. import DataType
 from .. import LLMDataDist
+from ..transport import get_transport
 from ._harness import DECODER_ID
 from ._harness import KIB
 from ._harness import PEER_ID
@@ -47,6 +54,7 @@ from ._harness import participant_config
 from ._harness import run_remote
 from ._harness import spawned
 from ._progress import steps
+from .nixl import nixl_contenders
 from .raw import RawStream
 
 __all__ = ["run_latency_bench"]
@@ -55,6 +63,8 @@ __all__ = ["run_latency_bench"]
 SHAPES = ((1, 4 * KIB), (1, 64 * KIB), (64, 64))
 #: rounds of the engine hop per round of the pulls (a hop is ~100x cheaper)
 HOPS = 10
+#: bytes of the one block of each row of the ``nixl`` table
+NIXL_BLOCKS = (4 * KIB, 64 * KIB)
 
 
 class _Echo:
@@ -116,6 +126,42 @@ async def _hop(report: Report, decoder: LLMDataDist, inline: LLMDataDist, rounds
     )
 
 
+async def _nixl(report: Report, rounds: int) -> None:
+    """Add the ``nixl`` table: a leased one-block pull / push over NIXL vs raw NIXL.
+
+    Raises:
+        AssertionError: a pull delivered wrong bytes or did not move over NIXL.
+    """
+    rows = report.table(
+        "nixl",
+        "one block under a lease over NIXL (one-sided READ / WRITE) vs raw NIXL, per UCX "
+        "setting (median µs; x = aiokv / raw)",
+    )
+    top = max(NIXL_BLOCKS)
+    async with nixl_contenders(16 * top, 4 * top) as nixl:
+        with steps("latency over NIXL", len(NIXL_BLOCKS)) as part:
+            for block in NIXL_BLOCKS:
+                with part.step(f"latency over NIXL, {block // KIB} KiB"):
+                    await nixl.row(block, [1], [0])
+                    times = await interleave(nixl.contenders(), rounds, warmup=5)
+                t = {k: median(v) * 1e6 for k, v in times.items()}
+                for ucx in nixl.sides:
+                    pull, read = t[f"{ucx}_pull"], t[f"{ucx}_raw_read"]
+                    push, write = t[f"{ucx}_push"], t[f"{ucx}_raw_write"]
+                    rows.append(
+                        {
+                            "block_kib": block // KIB,
+                            "ucx": ucx,
+                            "raw_read_us": read,
+                            "pull_us": pull,
+                            "pull_x": pull / read,
+                            "raw_write_us": write,
+                            "push_us": push,
+                            "push_x": push / write,
+                        }
+                    )
+
+
 def _sync_pulls(port: int, tensors: int, block: int, rounds: int) -> list[float] | None:
     """Seconds of each of ``rounds`` 1-block pulls by an ``aiokv.sync`` decoder of its
     own, called from this (plain) thread; None where ``aiokv.sync`` does not exist."""
@@ -148,14 +194,22 @@ def _sync_pulls(port: int, tensors: int, block: int, rounds: int) -> list[float]
         dd.finalize()
 
 
-def run_latency_bench(*, quick: bool = False) -> Report:
+def run_latency_bench(*, quick: bool = False, backend: str = "tcp") -> Report:
     """``aiokv bench latency``: raw request/response vs 1-block pulls, async and blocking.
 
     Args:
         quick: 30 rounds instead of 300.
+        backend: ``"nixl"``: also one leased block over NIXL vs raw NIXL (the ``nixl``
+            table; eight more processes).
+
+    Raises:
+        LLMException: ``backend="nixl"`` without NIXL installed
+            (``LLM_FEATURE_NOT_ENABLED``, naming ``pip install 'aiokv[nixl]'``).
     """
+    if backend == "nixl":
+        get_transport("nixl")  # NIXL missing: fail now, with the install hint
     rounds = 30 if quick else 300
-    report = Report("latency", {"rounds": rounds})
+    report = Report("latency", {"rounds": rounds, "backend": backend})
     rows = report.table(
         "latency",
         "one block: raw socket request/response vs pull_blocks (median µs; added = - raw)",
@@ -203,6 +257,8 @@ def run_latency_bench(*, quick: bool = False) -> Report:
                             row["sync_over_async_us"] = row["sync_us"] - t["pull"]
                         rows.append(row)
             await _hop(report, decoder, inline, HOPS * rounds)
+        if backend == "nixl":
+            await _nixl(report, rounds)
 
     run_remote(main)
     return report
