@@ -299,7 +299,25 @@ def test_cli_bench_transfer_nixl_times_every_path_on_checked_bytes() -> None:
     assert "shm_read" in got["nixl_summary"]
 
 
-@pytest.mark.parametrize("command", ["transfer", "device"])
+@requires_transport("nixl")
+@pytest.mark.usefixtures("small_pools")
+def test_cli_bench_latency_nixl_times_a_leased_block_against_raw_nixl() -> None:
+    result = CliRunner().invoke(app, ["bench", "latency", "--quick", "--json", "--backend", "nixl"])
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.stdout)
+    assert got["meta"]["backend"] == "nixl"
+    rows = got["nixl"]
+    assert [(r["block_kib"], r["ucx"]) for r in rows] == [
+        (b // 1024, u) for b in latency.NIXL_BLOCKS for u in ("shm", "utcp")
+    ]
+    for r in rows:
+        assert min(r["raw_read_us"], r["pull_us"], r["raw_write_us"], r["push_us"]) > 0
+        assert r["pull_x"] == pytest.approx(r["pull_us"] / r["raw_read_us"])
+        assert r["push_x"] == pytest.approx(r["push_us"] / r["raw_write_us"])
+    assert [r["block_kib"] for r in got["latency"]] == [n * b // 1024 for n, b in latency.SHAPES]
+
+
+@pytest.mark.parametrize("command", ["transfer", "device", "latency"])
 def test_cli_bench_nixl_without_nixl_names_the_extra(
     command: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
