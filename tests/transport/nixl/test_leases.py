@@ -34,6 +34,7 @@ from aiokv import LLMDataDist
 from aiokv import LLMException
 from aiokv import LLMRole
 from aiokv import LLMStatusCode
+from aiokv._remote import _leases
 from aiokv._remote import _protocol as protocol
 from aiokv._remote._leases import Held
 from aiokv._remote._leases import decode_reply
@@ -121,6 +122,29 @@ def test_leased_descriptors_merge_blocks_consecutive_on_both_sides() -> None:
     ]
     one, other = paired_rows(a_bases[:1], a[:1], b_bases[:1], b[:1], 10)
     assert one.tolist() == [[1000, 10]] and other.tolist() == [[50040, 10]]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_leased_descriptors_of_a_few_blocks_are_the_numpy_path_s(seed: int) -> None:
+    """A few rows are built from Python ints (no ~20 numpy calls); they are the rows the
+    numpy path builds for the same blocks, row for row, as uint64 arrays."""
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        tensors = int(rng.integers(1, 5))
+        count = int(rng.integers(1, 32 // tensors + 1))
+        # runs of neighbours on either side, and some scattered blocks
+        a = np.cumsum(rng.choice([1, 1, 2, 5], size=count)).astype(np.int64)
+        b = np.cumsum(rng.choice([1, 1, 3], size=count)).astype(np.int64)
+        rng.shuffle(b[: count // 3])
+        a_bases = rng.integers(1 << 20, 1 << 40, size=tensors).astype(np.uint64)
+        b_bases = rng.integers(1 << 20, 1 << 40, size=tensors).astype(np.uint64)
+        block = int(rng.choice([2, 4096, 65536]))
+        assert a.size * a_bases.size <= _leases._FEW_ROWS
+        few = _leases._few_paired_rows(a_bases, a, b_bases, b, block)
+        many = _leases._many_paired_rows(a_bases, a, b_bases, b, block)
+        for got, want in zip(few, many, strict=True):
+            assert got.dtype == want.dtype == np.uint64
+            assert got.shape == want.shape and got.tolist() == want.tolist()
 
 
 class _FakeLink:
