@@ -314,8 +314,8 @@ BackendOpt = Annotated[
     typer.Option(
         "--backend",
         help=_text(
-            "nixl: also aiokv over NIXL and raw NIXL (UCX shm/CMA and UCX over TCP) "
-            "and memcpy, same blocks, same rounds (needs aiokv[nixl])."
+            "nixl: also aiokv over NIXL and raw NIXL agents (UCX shm/CMA and UCX over "
+            "TCP; transfer: and memcpy), same blocks, same rounds (needs aiokv[nixl])."
         ),
     ),
 ]
@@ -435,17 +435,6 @@ DeviceBackendOpt = Annotated[
     ),
 ]
 
-LatencyBackendOpt = Annotated[
-    BenchBackend,
-    typer.Option(
-        "--backend",
-        help=_text(
-            "nixl: also one block under a lease over NIXL vs raw NIXL READ / WRITE "
-            "(UCX shm/CMA and UCX over TCP; needs aiokv[nixl])."
-        ),
-    ),
-]
-
 
 @_command(bench_app, "device")
 def bench_device(
@@ -475,7 +464,7 @@ def bench_layerwise(quick: Quick = False, as_json: Json = False, plot: Plot = No
 def bench_latency(
     quick: Quick = False,
     as_json: Json = False,
-    backend: LatencyBackendOpt = BenchBackend.tcp,
+    backend: BackendOpt = BenchBackend.tcp,
     plot: Plot = None,
 ) -> None:
     """One-block pull_blocks (async and aiokv.sync) vs a raw socket request/response;

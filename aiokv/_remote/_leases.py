@@ -89,9 +89,6 @@ log = logging.getLogger("aiokv.remote")
 
 #: Most leases one link holds, or is lent, at once (each pins a cache on the granter).
 MAX_LEASES: Final = 1024
-#: Up to this many rows (blocks x tensors), :func:`paired_rows` builds a leased
-#: transfer's rows from Python ints instead of numpy calls.
-_FEW_ROWS: Final = 32
 #: Seconds before the holder asks again for a lease it was refused.
 RETRY_S: Final = 10.0
 # u64 words of a lease reply before its base addresses: id, blocks, device, flags
@@ -195,6 +192,11 @@ class Held:
         on_loop(self.loop, self.idle.set)
 
 
+#: Up to this many rows (blocks x tensors), :func:`paired_rows` builds a leased
+#: transfer's rows from Python ints instead of numpy calls.
+_FEW_ROWS: Final = 32
+
+
 def paired_rows(
     a_bases: npt.NDArray[np.uint64],
     a_blocks: npt.NDArray[np.int64],
@@ -209,47 +211,11 @@ def paired_rows(
     must be). Blocks that follow each other on *both* sides share a row. A few numpy
     operations whatever the block count: a leased transfer's descriptors without a
     layout, run list or re-pairing; up to :data:`_FEW_ROWS` rows, Python ints and one
-    array per side (:func:`_few_paired_rows`)."""
+    array per side (numpy's ~20 calls, ~1 µs each on the VM and 3-4x that with cold
+    caches, cost more than the work for a few blocks)."""
     if a_blocks.size * a_bases.size <= _FEW_ROWS:
-        return _few_paired_rows(a_bases, a_blocks, b_bases, b_blocks, block_bytes)
-    return _many_paired_rows(a_bases, a_blocks, b_bases, b_blocks, block_bytes)
-
-
-def _few_paired_rows(
-    a_bases: npt.NDArray[np.uint64],
-    a_blocks: npt.NDArray[np.int64],
-    b_bases: npt.NDArray[np.uint64],
-    b_blocks: npt.NDArray[np.int64],
-    block_bytes: int,
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-    """:func:`paired_rows` by Python ints: for a few rows, numpy's ~20 calls (~1 µs each
-    on this VM, 3-4x that with cold caches) cost more than the work."""
-    runs: list[list[int]] = []  # [first block here, first block there, count]
-    for a, b in zip(a_blocks.tolist(), b_blocks.tolist(), strict=True):
-        if runs and a == runs[-1][0] + runs[-1][2] and b == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([a, b, 1])
-    mine: list[tuple[int, int]] = []
-    theirs: list[tuple[int, int]] = []
-    for a_base, b_base in zip(a_bases.tolist(), b_bases.tolist(), strict=True):
-        for a, b, n in runs:
-            mine.append((a_base + a * block_bytes, n * block_bytes))
-            theirs.append((b_base + b * block_bytes, n * block_bytes))
-    return (
-        np.array(mine, dtype=np.uint64).reshape(-1, 2),
-        np.array(theirs, dtype=np.uint64).reshape(-1, 2),
-    )
-
-
-def _many_paired_rows(
-    a_bases: npt.NDArray[np.uint64],
-    a_blocks: npt.NDArray[np.int64],
-    b_bases: npt.NDArray[np.uint64],
-    b_blocks: npt.NDArray[np.int64],
-    block_bytes: int,
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]:
-    """:func:`paired_rows` by numpy: a few calls whatever the block count."""
+        runs = _joined(a_blocks.tolist(), b_blocks.tolist())
+        return _few_rows(a_bases, runs, 0, block_bytes), _few_rows(b_bases, runs, 1, block_bytes)
     lens: npt.NDArray[np.uint64] | int = block_bytes
     joined = a_blocks[1:] - a_blocks[:-1] == 1  # (np.diff costs twice as much)
     if joined.any():
@@ -259,6 +225,30 @@ def _many_paired_rows(
             lens = np.diff(np.append(first, a_blocks.size)).astype(np.uint64) * block_bytes
             a_blocks, b_blocks = a_blocks[first], b_blocks[first]
     return _rows(a_bases, a_blocks, lens, block_bytes), _rows(b_bases, b_blocks, lens, block_bytes)
+
+
+def _joined(a_blocks: list[int], b_blocks: list[int]) -> list[tuple[int, int, int]]:
+    """Runs ``(first block of a, first block of b, count)`` of the pairs whose blocks
+    follow each other on both sides, in list order."""
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(a_blocks, b_blocks, strict=True):
+        if runs and a == runs[-1][0] + runs[-1][2] and b == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((a, b, 1))
+    return runs
+
+
+def _few_rows(
+    bases: npt.NDArray[np.uint64], runs: list[tuple[int, int, int]], side: int, block_bytes: int
+) -> npt.NDArray[np.uint64]:
+    """The rows of :func:`paired_rows` of side ``side`` (0: a, 1: b) of ``runs``."""
+    rows = [
+        (base + run[side] * block_bytes, run[2] * block_bytes)
+        for base in bases.tolist()
+        for run in runs
+    ]
+    return np.array(rows, dtype=np.uint64).reshape(-1, 2)
 
 
 def _rows(

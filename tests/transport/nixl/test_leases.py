@@ -125,7 +125,9 @@ def test_leased_descriptors_merge_blocks_consecutive_on_both_sides() -> None:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_leased_descriptors_of_a_few_blocks_are_the_numpy_path_s(seed: int) -> None:
+def test_leased_descriptors_of_a_few_blocks_are_the_numpy_path_s(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A few rows are built from Python ints (no ~20 numpy calls); they are the rows the
     numpy path builds for the same blocks, row for row, as uint64 arrays."""
     rng = np.random.default_rng(seed)
@@ -140,8 +142,10 @@ def test_leased_descriptors_of_a_few_blocks_are_the_numpy_path_s(seed: int) -> N
         b_bases = rng.integers(1 << 20, 1 << 40, size=tensors).astype(np.uint64)
         block = int(rng.choice([2, 4096, 65536]))
         assert a.size * a_bases.size <= _leases._FEW_ROWS
-        few = _leases._few_paired_rows(a_bases, a, b_bases, b, block)
-        many = _leases._many_paired_rows(a_bases, a, b_bases, b, block)
+        few = paired_rows(a_bases, a, b_bases, b, block)
+        with monkeypatch.context() as m:
+            m.setattr(_leases, "_FEW_ROWS", 0)  # every transfer by numpy
+            many = paired_rows(a_bases, a, b_bases, b, block)
         for got, want in zip(few, many, strict=True):
             assert got.dtype == want.dtype == np.uint64
             assert got.shape == want.shape and got.tolist() == want.tolist()
