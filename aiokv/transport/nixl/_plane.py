@@ -48,6 +48,7 @@ from ..tcp._ops import PeerOp
 from ..tcp._ops import Stream
 from ..tcp._plane import PlaneHost
 from ._agent import Agent
+from ._agent import Descs
 from ._descs import Place
 from ._descs import decode_grant
 from ._descs import encode_grant
@@ -78,6 +79,11 @@ _POST_ON_LOOP: Final = 4 << 20
 # Polls on the loop (one per turn) of a transfer below _OFF_LOOP that its post left in
 # flight, before its wait moves to a worker thread.
 _LOOP_POLLS: Final = 4
+# One-sided transfers of at most this many descriptor rows are checked and described
+# from Python ints (NixlPlane._few), not numpy calls.
+_FEW_ROWS: Final = 32
+#: ``(bytes, (local kind, remote kind), local descriptors, remote descriptors)``
+_Descs = tuple[int, tuple[str, str], Descs, Descs]
 
 
 def _failed(op: MyOp) -> bool:
@@ -314,33 +320,15 @@ class NixlPlane:
     async def move_at(
         self, write: bool, local: Payload, remote: DeviceRuns, *, timeout: float
     ) -> None:
-        if isinstance(local, DeviceRuns):
-            total = local.total
-            plan = self.offer_device(local)
-        else:
-            total = local.total if isinstance(local, LayoutViews) else sum(map(len, local))
-            views = local if isinstance(local, list | LayoutViews) else list(local)
-            plan = self.offer(views, total)
-        far = _far_place(remote)
-        if plan is None or far is None or self.peer_agent is None:
-            raise LLMException(
-                "one-sided NIXL transfer: the memory is not registered on both sides",
-                status_code=_S.LLM_FEATURE_NOT_ENABLED,
-            )
-        if remote.total != total:
-            raise LLMException(
-                f"one-sided NIXL transfer of {total} bytes into {remote.total}",
-                status_code=_S.LLM_PARAM_INVALID,
-            )
-        mem, dev, runs = plan
-        far_mem, far_dev, far_runs = far
-        kind = "WRITE" if write else "READ"
-        local_rows, far_rows = pair(runs, far_runs, dev, far_dev)
+        total, mems, local_rows, far_rows = self._few(local, remote) or self._at(local, remote)
+        kind, peer = "WRITE" if write else "READ", self.peer_agent
         agent = self._begin()
-        if agent is None:
+        if agent is None or peer is None:  # the link ended meanwhile
+            if agent is not None:
+                self._end(None)
             raise LLMException("the NIXL link is over", status_code=_S.LLM_LINK_FAILED)
         try:
-            xfer = agent.xfer(kind, local_rows, far_rows, self.peer_agent, b"", (mem, far_mem))
+            xfer = agent.xfer(kind, local_rows, far_rows, peer, b"", mems)
         except Exception as exc:  # e.g. memory the peer has not registered (any more)
             self._end(None)
             raise LLMException(
@@ -371,6 +359,61 @@ class NixlPlane:
             # would be): the cluster is no longer listed as linked, and can be relinked
             await on_loop_ran(self._loop, self.link._break, "NIXL transfer failed")
         raise LLMException(f"one-sided NIXL {kind} failed", status_code=_S.LLM_LINK_FAILED)
+
+    def _at(self, local: Payload, remote: DeviceRuns) -> _Descs:
+        """:meth:`move_at`'s ``(bytes, (local kind, remote kind), local descriptors,
+        remote descriptors)``: ``local`` paired with ``remote`` row by row.
+
+        Raises:
+            LLMException: as :meth:`move_at` (not registered; lengths differ).
+        """
+        if isinstance(local, DeviceRuns):
+            total = local.total
+            plan = self.offer_device(local)
+        else:
+            total = local.total if isinstance(local, LayoutViews) else sum(map(len, local))
+            views = local if isinstance(local, list | LayoutViews) else list(local)
+            plan = self.offer(views, total)
+        far = _far_place(remote)
+        if plan is None or far is None or self.peer_agent is None:
+            raise LLMException(
+                "one-sided NIXL transfer: the memory is not registered on both sides",
+                status_code=_S.LLM_FEATURE_NOT_ENABLED,
+            )
+        if remote.total != total:
+            raise LLMException(
+                f"one-sided NIXL transfer of {total} bytes into {remote.total}",
+                status_code=_S.LLM_PARAM_INVALID,
+            )
+        mem, dev, runs = plan
+        far_mem, far_dev, far_runs = far
+        return (total, (mem, far_mem), *pair(runs, far_runs, dev, far_dev))
+
+    def _few(self, local: Payload, remote: DeviceRuns) -> _Descs | None:
+        """:meth:`_at` from Python ints, where ``local`` and ``remote`` are device runs
+        of at most :data:`_FEW_ROWS` rows, already paired (row by row of the same
+        length), ``local`` inside one registered range: a leased transfer of a few
+        blocks, for which numpy's fixed cost per call (~1-3 µs, several times that with
+        cold caches) is more than the work. None for anything else (:meth:`_at`
+        decides, and raises)."""
+        if not isinstance(local, DeviceRuns) or not self._usable():
+            return None
+        count = len(local.runs)
+        table, far = self._n._table(local.device), _far_place(remote)
+        if not 0 < count <= _FEW_ROWS or len(remote.runs) != count or table is None or far is None:
+            return None
+        mine, theirs = local.runs.tolist(), remote.runs.tolist()
+        if any(m[1] != t[1] for m, t in zip(mine, theirs, strict=True)):
+            return None
+        if not table.holds(min(a for a, _ in mine), max(a + n for a, n in mine)):
+            return None
+        dev, far_dev = table.dev, far[1]
+        return (
+            sum(n for _, n in mine),
+            (table.mem, far[0]),
+            [(a, n, dev) for a, n in mine],
+            [(a, n, far_dev) for a, n in theirs],
+        )
 
     async def move(self, op: MyOp, plan: Place) -> None:
         """Move ``op``'s payload with one NIXL transfer; when this returns or raises the

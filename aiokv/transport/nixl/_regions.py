@@ -94,19 +94,23 @@ class Regions:
         if self.failed:
             return False
         # the usual case first: all rows inside the range that holds the lowest address
-        # (three numpy calls instead of seven); both tables are replaced, never changed
-        # in place, so neither needs the lock
-        first, last = self._spans
-        if runs.size and first:
+        # (three numpy calls instead of seven)
+        if runs.size:
             addr = runs[:, 0]
-            j = bisect.bisect_right(first, int(addr.min())) - 1
-            if j >= 0 and int((addr + runs[:, 1]).max()) <= last[j]:
+            if self.holds(int(addr.min()), int((addr + runs[:, 1]).max())):
                 return True
         starts, ends = self._bounds
         i = np.searchsorted(starts, runs[:, 0], side="right") - 1
         if not starts.size or (i < 0).any():
             return False
         return bool((runs[:, 0] + runs[:, 1] <= ends[i]).all())
+
+    def holds(self, lo: int, hi: int) -> bool:
+        """Whether ``[lo, hi)`` lies inside one registered range (not failed)."""
+        # the table is replaced, never changed in place: no lock
+        first, last = self._spans
+        j = bisect.bisect_right(first, lo) - 1
+        return not self.failed and j >= 0 and hi <= last[j]
 
     def all(self) -> list[Region]:
         with self._lock:

@@ -169,3 +169,62 @@ def test_address_of_reads_the_buffer_address() -> None:
     mv = memoryview(buf).cast("B")
     assert address_of(mv) == ctypes.addressof(buf)
     assert address_of(mv[8:]) == ctypes.addressof(buf) + 8
+
+
+@needs_nixl
+@pytest.mark.parametrize("seed", range(8))
+def test_a_few_paired_rows_are_described_as_the_numpy_path_does(seed: int) -> None:
+    """A one-sided transfer of a few paired rows (a leased transfer of a few blocks) is
+    described from Python ints: the same descriptors, kinds and byte count as the numpy
+    path, which still decides (and raises for) everything else."""
+    from types import SimpleNamespace
+
+    from aiokv.transport import DeviceRuns
+    from aiokv.transport.nixl import _plane
+    from aiokv.transport.nixl._regions import Regions
+
+    dram, vram = Regions(), Regions("VRAM", 1)
+    for table in (dram, vram):
+        table.add(1 << 20, 1 << 20, None)
+        table.add(4 << 20, 1 << 20, None)
+    tables = {"cpu": dram, "cuda:1": vram}
+    owner = SimpleNamespace(agent=object(), _table=lambda device: tables.get(device))
+    plane = _plane.NixlPlane(owner)  # type: ignore[arg-type]
+    plane._link = SimpleNamespace(broken=False)  # type: ignore[assignment]
+    plane.peer_agent = "peer"
+    rng = random.Random(seed)
+    described = 0
+    for _ in range(300):
+        count = rng.choice([1, 2, 3, rng.randint(1, _plane._FEW_ROWS + 8)])
+        base = rng.choice([1 << 20, 4 << 20, 3 << 20])  # in a range, or in none
+        lens = [rng.randint(1, 4096) for _ in range(count)]
+        mine = [(base + rng.randrange(1 << 19), n) for n in lens]
+        if rng.random() < 0.1:  # one row of another length: the numpy path pairs them
+            mine[-1] = (mine[-1][0], mine[-1][1] + 1)
+        theirs = [(rng.randrange(1 << 40), n) for n in lens]
+        local = DeviceRuns(rng.choice(["cpu", "cuda:1"]), np.array(mine, dtype=np.uint64))
+        remote = DeviceRuns(rng.choice(["cpu", "cuda:0"]), np.array(theirs, dtype=np.uint64))
+        few = plane._few(local, remote)
+        table = tables[local.device]
+        expected = (
+            count <= _plane._FEW_ROWS
+            and [n for _, n in mine] == lens
+            and table.covers(local.runs)
+            and base != 3 << 20
+        )
+        assert (few is not None) == expected, (count, base, mine, lens)
+        try:
+            at = plane._at(local, remote)
+        except LLMException:
+            assert few is None
+            continue
+        if few is None:
+            continue
+        described += 1
+        total, mems, local_rows, far_rows = few
+        assert total == at[0] == sum(lens)
+        assert mems == at[1]
+        assert local_rows == [tuple(r) for r in at[2].tolist()]
+        assert far_rows == [tuple(r) for r in at[3].tolist()]
+        assert {d for *_, d in local_rows} == {table.dev}
+    assert described > 50
