@@ -4,7 +4,7 @@ Every frame starts with one 30-byte little-endian header::
 
     offset  size  field
     0       4     magic      b"AIKV"
-    4       1     version    7
+    4       1     version    8
     5       1     type       FrameType
     6       4     status     LLMStatusCode of a reply (0 elsewhere)
     10      4     meta_len   bytes of meta that follow the header
@@ -32,28 +32,32 @@ the ``CANCEL_ACK`` therefore tells the requester that no byte of it lands any mo
 ``req_id`` of a ``PONG`` is that of the ``PING`` it answers, numbered by the prober in a
 space of its own (not request ids).
 
-Plane frames (version 6), for a link whose payload may move on another medium than
-the socket (its *data plane*, ``tcp/_plane.py``; the link stays the control plane):
-``PLANE_HELLO`` carries the sender's plane greeting as meta (a u8 length and the
-plane's ASCII name, then the plane's opaque payload) and, in ``size``, the largest
-meta the sender accepts; it is sent when a link comes up and again whenever the plane
-has news for the peer (before a grant that needs it). A side whose plane has another
-name (or none: every payload as ``DATA``) ignores it and so never receives the other
-plane frames. ``PLANE_READ_REQ`` / ``PLANE_WRITE_REQ`` are ``READ_REQ`` /
-``WRITE_REQ`` from a requester whose plane can move the buffers; the granter answers
-either as for the plain request (``READ_RESP`` / ``WRITE_GRANT``, the bytes then move
-as ``DATA``) or with ``PLANE_GRANT``: status, ``size`` granted bytes, and meta = the
-granter plane's opaque grant (e.g. the granted memory as address runs).
-The requester's plane then moves the bytes itself. A write's landing is confirmed by
-the granter's ``WRITE_DONE`` as over ``DATA``. A read (version 7) is confirmed too,
-since the granter cannot stop a one-sided READ it did not post: once its plane has
-read every byte, the requester sends ``PLANE_READ_CHECK`` and succeeds only on the
-granter's ``READ_RESP`` with ``LLM_SUCCESS`` and ``size`` 0, which the granter sends
-only while it still serves the grant. A revoked grant's ``READ_RESP`` left before
-that, and frames of one link are read in order, so a read that raced a revocation
-fails with its code. Then, as over ``DATA``, the requester acknowledges the read with
-``READ_DONE``. A ``PLANE_GRANT`` answering a request that was not a plane request fails
-that request (``LLM_PARAM_INVALID``).
+Plane frames (version 6), for a link whose payload may move on another medium than the
+socket (its *data plane*, ``tcp/_plane.py``; the link stays the control plane):
+``PLANE_HELLO`` carries the sender's plane greeting as meta (a u8 length and the plane's
+ASCII name, then the plane's opaque payload) and, in ``size``, the largest meta the
+sender accepts; it is sent when a link comes up and again whenever the plane has news
+for the peer (before a grant that needs it). A side whose plane has another name (or
+none: every payload as ``DATA``) ignores it and so never receives the other plane
+frames. ``PLANE_READ_REQ`` / ``PLANE_WRITE_REQ`` are ``READ_REQ`` / ``WRITE_REQ`` from a
+requester whose plane can move the buffers; the granter answers either as for the plain
+request (``READ_RESP`` / ``WRITE_GRANT``, the bytes then move as ``DATA``) or with
+``PLANE_GRANT``: status, ``size`` granted bytes, and meta = the granter plane's opaque
+grant (e.g. the granted memory as address runs). The requester's plane then moves the
+bytes itself, and the requester reports when it has. A write (version 8): once its
+plane's transfer completed (every byte in the granter's memory: the medium's remote
+completion, such as an RDMA write's after a flush), the requester sends
+``PLANE_WRITE_CHECK``, and the granter, while it still serves the grant, treats the
+bytes as landed and confirms with ``WRITE_DONE`` as over ``DATA``; its own medium need
+not tell it anything. A read (version 7) is confirmed too, since the granter cannot stop
+a one-sided READ it did not post: once its plane has read every byte, the requester
+sends ``PLANE_READ_CHECK`` and succeeds only on the granter's ``READ_RESP`` with
+``LLM_SUCCESS`` and ``size`` 0, which the granter sends only while it still serves the
+grant. A revoked grant's ``READ_RESP`` (or ``WRITE_DONE``) left before that, and frames
+of one link are read in order, so a transfer that raced a revocation fails with its
+code. Then, as over ``DATA``, the requester acknowledges a read with ``READ_DONE``. A
+``PLANE_GRANT`` answering a request that was not a plane request fails that request
+(``LLM_PARAM_INVALID``).
 
 Request ids name the side that started the request: the connecting side numbers its
 requests 0, 2, 4, ..., the accepting side 1, 3, 5, ...; ids are never reused on a link,
@@ -98,8 +102,9 @@ __all__ = [
 
 MAGIC = b"AIKV"
 #: 6: generic data-plane frames (``PLANE_*``) with an opaque plane payload;
-#: 7: a plane read succeeds only once the granter confirmed its grant (``PLANE_READ_CHECK``)
-VERSION = 7
+#: 7: a plane read succeeds only once the granter confirmed its grant (``PLANE_READ_CHECK``);
+#: 8: a plane write lands when the requester says its transfer completed (``PLANE_WRITE_CHECK``)
+VERSION = 8
 HEADER = struct.Struct("<4sBBIIQQ")
 HEADER_SIZE = HEADER.size
 #: Protocol cap on one DATA frame's payload. Big transfers are cut into chunks no larger,
@@ -136,6 +141,7 @@ class FrameType(enum.IntEnum):
     PLANE_WRITE_REQ = 18  # WRITE_REQ from a requester whose data plane can move the bytes
     PLANE_GRANT = 19  # status; on success meta = the plane's opaque grant, else the reason
     PLANE_READ_CHECK = 20  # the requester's plane read it all: still granted? (READ_RESP)
+    PLANE_WRITE_CHECK = 21  # the requester's plane wrote it all: landed? (WRITE_DONE)
 
 
 # Frame types allowed to carry meta, with the cap that applies (None: the owner's cap).

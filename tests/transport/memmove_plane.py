@@ -5,9 +5,9 @@ It exists to show that a new medium is one plane run against the contract suite,
 no change to the link: the grant travels as an opaque ``PLANE_GRANT`` (a tag and the
 granted memory as ``(address, length)`` rows), the requester's plane copies the bytes
 itself, a chunk per loop step, and stops before the next chunk once either side's
-operation is over (a revoked grant, a cancelled request, a link lost); a write's
-landing is reported to the granter's plane, which tells its link, and a read read
-whole is left to the granter's confirmation (the link's ``PLANE_READ_CHECK``).
+operation is over (a revoked grant, a cancelled request, a link lost); a transfer moved
+whole is left to the granter's confirmation (the link's ``PLANE_READ_CHECK`` /
+``PLANE_WRITE_CHECK``): the granter's plane does nothing more.
 """
 
 from __future__ import annotations
@@ -98,9 +98,7 @@ class MemmovePlane:
         served = _SERVED.get(tag)
         if served is None:
             return  # the grant is gone with the granter's link: ours ends the op
-        granter, peer_op = served
-        if not op.is_read:
-            op.stream = Stream(op.rid, [], 0)  # the payload is this plane's to move
+        _, peer_op = served
         local = [list(map(int, r)) for r in plan]
         remote = [list(map(int, r)) for r in far]
         i = j = step = 0
@@ -121,12 +119,8 @@ class MemmovePlane:
                 await asyncio.sleep(0)
         _SERVED.pop(tag, None)
         self._t.moved += 1
-        if op.is_read:  # read whole: the granter's confirmation ends it
-            op.stream = Stream(op.rid, [], 0)
+        op.stream = Stream(op.rid, [], 0)  # moved whole: the granter's confirmation ends it
         op.stream.sent = True
-        if not op.is_read:
-            assert granter._link is not None
-            granter._link._plane_landed(peer_op)
 
     def extra(self, capability: Capability[T]) -> T | None:
         return None

@@ -367,9 +367,9 @@ def read_whole(op: MyOp) -> None:
 def test_a_plane_read_ends_only_when_the_granter_confirms_it() -> None:
     proto, driver = make()
     op = plane_read(proto)
-    proto.check_read(op)  # not read whole yet: nothing to ask
+    proto.check(op)  # not read whole yet: nothing to ask
     read_whole(op)
-    proto.check_read(op)
+    proto.check(op)
     assert driver.sent() == [(F.PLANE_READ_CHECK, op.rid, Code.LLM_SUCCESS)]
     assert op.result is None
     feed(proto, F.READ_RESP, op.rid)
@@ -380,7 +380,7 @@ def test_a_plane_read_revoked_before_the_confirmation_fails() -> None:
     proto, _ = make()
     op = plane_read(proto)
     read_whole(op)
-    proto.check_read(op)
+    proto.check(op)
     feed(proto, F.READ_RESP, op.rid, status=Code.LLM_TIMEOUT, meta=b"revoked")
     feed(proto, F.READ_RESP, op.rid)  # too late: the first word stands
     assert (op.result, op.reason) == (Code.LLM_TIMEOUT, "revoked")
@@ -412,6 +412,66 @@ def test_the_granter_confirms_a_plane_read_only_while_it_serves_it() -> None:
     assert outcomes == [] and 1 in proto.theirs  # held until READ_DONE
     feed(proto, F.READ_DONE, 1)
     assert outcomes == [True] and proto.theirs == {}
+
+
+def plane_write(proto: LinkProtocol) -> MyOp:
+    """Our plane write (4 bytes), granted by the peer's plane, its bytes moving."""
+    op = mine(proto, is_read=False, total=4)
+    op.remote, op.state = object(), State.SENDING
+    return op
+
+
+def test_a_plane_write_asks_once_written_and_ends_by_the_granters_word() -> None:
+    proto, driver = make()
+    op = plane_write(proto)
+    proto.check(op)  # not written whole yet: nothing to say
+    feed(proto, F.WRITE_DONE, op.rid)  # "landed" before we said so: a broken peer
+    assert (op.result, op.reason) == (Code.LLM_FAILED, "it confirmed bytes not yet sent")
+    op = plane_write(proto)
+    read_whole(op)  # written whole (as a plane marks it)
+    proto.check(op)
+    assert driver.sent() == [(F.PLANE_WRITE_CHECK, op.rid, Code.LLM_SUCCESS)]
+    assert op.result is None
+    feed(proto, F.WRITE_DONE, op.rid)
+    assert op.result is Code.LLM_SUCCESS
+    proto.check(op)  # over: nothing more to say
+    assert len(driver.posted) == 1
+
+
+def test_a_plane_write_revoked_before_its_check_fails() -> None:
+    proto, driver = make()
+    op = plane_write(proto)
+    feed(proto, F.WRITE_DONE, op.rid, status=Code.LLM_TIMEOUT, meta=b"revoked")
+    read_whole(op)
+    proto.check(op)  # failed already: no check
+    assert driver.posted == [] and (op.result, op.reason) == (Code.LLM_TIMEOUT, "revoked")
+
+
+def test_the_granter_takes_a_plane_write_as_landed_only_while_it_serves_it() -> None:
+    proto, driver = make(peer_cap=8)
+    for rid in (1, 3, 5):
+        feed(proto, F.PLANE_WRITE_REQ, rid, size=4)
+    feed(proto, F.WRITE_REQ, 7, size=4)
+    feed(proto, F.PLANE_READ_REQ, 9, size=4)
+    plain, committed, revoked, data, read = (op for op, _, _ in driver.serving)
+
+    async def commit() -> Code:
+        return Code.LLM_SUCCESS
+
+    committed.commit = commit
+    for op in (plain, committed, revoked, data):
+        op.state = State.RECEIVING  # granted (data: by WRITE_GRANT, its bytes as DATA)
+    read.state = State.SENDING
+    proto.revoke(revoked, Code.LLM_TIMEOUT)
+    for rid in (1, 3, 5, 7, 9, 11):  # 11: never granted
+        feed(proto, F.PLANE_WRITE_CHECK, rid)
+    feed(proto, F.PLANE_WRITE_CHECK, 1)  # a second word changes nothing
+    assert driver.sent() == [
+        (F.WRITE_DONE, 5, Code.LLM_TIMEOUT),  # the revocation, before any check
+        (F.WRITE_DONE, 1, Code.LLM_SUCCESS),
+    ]
+    assert driver.commits == [committed]  # confirmed once committed
+    assert sorted(proto.theirs) == [3, 7, 9]  # DATA's and the read's end otherwise
 
 
 def test_a_data_read_is_not_confirmed() -> None:

@@ -78,15 +78,16 @@ def test_malformed_header_rejected(fields: dict[str, int | bytes], match: str) -
         wire.decode_header(raw_header(**fields))  # type: ignore[arg-type]
 
 
-def test_version_is_7_since_plane_reads_are_confirmed() -> None:
-    # 4: refusals carry reasons; 5: memory kinds in grants; 6: generic plane frames
-    assert wire.VERSION == 7
+def test_version_is_8_since_plane_writes_are_checked() -> None:
+    # 4: refusals carry reasons; 5: memory kinds in grants; 6: generic plane frames;
+    # 7: plane reads are confirmed; 8: the writer reports a plane write (PLANE_WRITE_CHECK)
+    assert wire.VERSION == 8
     assert wire.REASON_CAP == 512
 
 
 def test_a_peer_of_an_older_version_is_refused() -> None:
-    with pytest.raises(WireError, match="unsupported protocol version 5"):
-        wire.decode_header(raw_header(version=5))
+    with pytest.raises(WireError, match="unsupported protocol version 7"):
+        wire.decode_header(raw_header(version=7))
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""Descriptor lists as numpy arrays: buffers as coalesced ``(address, length)`` rows,
-their wire form in a ``NIXL_GRANT`` and the pairing of two lists of the same total.
+"""Descriptor lists as numpy arrays: buffers as coalesced ``(address, length)`` rows, their
+wire form in a NIXL plane's grant (``PLANE_GRANT``) and the pairing of two lists of the
+same total.
 
 Nothing here loops over blocks in Python: a :class:`~aiokv._layout.LayoutViews` gives
 its rows from the layout (numpy), and every other step is a numpy operation on them.
@@ -18,7 +19,6 @@ from ..._layout import address_of
 
 __all__ = [
     "MEMS",
-    "TAG_BYTES",
     "Place",
     "Runs",
     "address_of",
@@ -28,8 +28,7 @@ __all__ = [
     "runs_of",
 ]
 
-TAG_BYTES: Final = 8
-#: NIXL memory kinds by their code in a ``NIXL_GRANT``
+#: NIXL memory kinds by their code in a grant
 MEMS: Final = ("DRAM", "VRAM")
 #: ``(address, length)`` rows, ``uint64``, shape ``(n, 2)``
 Runs = npt.NDArray[np.uint64]
@@ -53,32 +52,31 @@ def runs_of(views: Sequence[memoryview]) -> Runs:
     return np.stack((addr, n), axis=1)
 
 
-def encode_grant(tag: bytes, place: Place) -> bytes:
-    """The meta of a ``NIXL_GRANT``: the tag, the memory kind's code and the device id
-    (little-endian u32 each), then the rows as little-endian u64 pairs."""
+def encode_grant(place: Place) -> bytes:
+    """The grant's bytes (``PLANE_GRANT`` meta): the memory kind's code and the device
+    id (little-endian u32 each), then the rows as little-endian u64 pairs."""
     mem, dev, runs = place
     head = MEMS.index(mem).to_bytes(4, "little") + dev.to_bytes(4, "little")
-    return tag + head + runs.astype("<u8", copy=False).tobytes()
+    return head + runs.astype("<u8", copy=False).tobytes()
 
 
-def decode_grant(meta: bytes | bytearray, total: int) -> tuple[bytes, Place] | None:
-    """``(tag, (mem, dev, runs))`` of a peer's ``NIXL_GRANT``, or None unless the kind
-    is known and the runs are non-empty and total exactly ``total`` bytes (the addresses
-    and device are the peer's own business: NIXL refuses any outside the memory it
-    registered)."""
-    body = len(meta) - TAG_BYTES - 8
+def decode_grant(meta: bytes | bytearray, total: int) -> Place | None:
+    """``(mem, dev, runs)`` of a peer's grant, or None unless the kind is known and the
+    runs are non-empty and total exactly ``total`` bytes (the addresses and device are
+    the peer's own business: NIXL refuses any outside the memory it registered)."""
+    body = len(meta) - 8
     if body <= 0 or body % 16:
         return None
-    code = int.from_bytes(meta[TAG_BYTES : TAG_BYTES + 4], "little")
-    dev = int.from_bytes(meta[TAG_BYTES + 4 : TAG_BYTES + 8], "little")
+    code = int.from_bytes(meta[:4], "little")
+    dev = int.from_bytes(meta[4:8], "little")
     if code >= len(MEMS):
         return None
-    runs = np.frombuffer(meta, dtype="<u8", offset=TAG_BYTES + 8).reshape(-1, 2).astype(np.uint64)
+    runs = np.frombuffer(meta, dtype="<u8", offset=8).reshape(-1, 2).astype(np.uint64)
     n = runs[:, 1]
     # lengths are at most `total` each, so their sum cannot wrap before the check
     if not n.all() or int(n.max()) > total or int(n.sum()) != total:
         return None
-    return bytes(meta[:TAG_BYTES]), (MEMS[code], dev, runs)
+    return MEMS[code], dev, runs
 
 
 def pair(

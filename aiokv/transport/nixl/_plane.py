@@ -86,12 +86,6 @@ _FEW_ROWS: Final = 32
 _Descs = tuple[int, tuple[str, str], Descs, Descs]
 
 
-def _failed(op: MyOp) -> bool:
-    """``op`` ended badly (refused, revoked, link lost): its transfer must stop. A write
-    whose WRITE_DONE already came still waits for its own transfer to complete."""
-    return op.result is not None and (op.is_read or op.result is not _S.LLM_SUCCESS)
-
-
 class NixlOwner(Protocol):
     """What a NIXL plane needs from the transport that made it (:class:`NixlTransport`):
     its agent, registered memory and metadata, the grants it serves, its wait lane and
@@ -120,9 +114,7 @@ class NixlOwner(Protocol):
 
     def unref_remote(self, name: str) -> None: ...
 
-    def new_tag(self) -> bytes: ...
-
-    def serve(self, plane: NixlPlane, op: PeerOp, tag: bytes | None) -> None: ...
+    def serve(self, op: PeerOp) -> None: ...
 
     def lend(self) -> Callable[[], None]: ...
 
@@ -270,24 +262,19 @@ class NixlPlane:
         n = self._n
         if self.peer_agent is None or n.agent is None or self.link.broken:
             return None
-        tag = n.new_tag()
-        meta = encode_grant(tag, place)
+        meta = encode_grant(place)
         if len(meta) > min(self._peer_cap, n.max_meta_bytes):
             return None
         if n.generation() != self._md_gen:
             self._send_md()  # before the grant: the peer must know the regions it names
-        # a read is held until the reader's READ_DONE or CANCEL, a write until the
-        # push's notification (tag)
-        n.serve(self, op, None if op.is_read else tag)
+        # held until the link ends it: the reader's READ_DONE, the writer's
+        # PLANE_WRITE_CHECK (after its WRITE completed), a CANCEL or a revocation
+        n.serve(op)
         return meta
-
-    def landed(self, op: PeerOp) -> None:
-        """The peer's NIXL push for ``op`` notified: every byte landed."""
-        self.link._plane_landed(op)
 
     # ------------------------------------------------------------------ requester side
 
-    def accept(self, grant: bytes | bytearray, size: int) -> tuple[bytes, Place] | None:
+    def accept(self, grant: bytes | bytearray, size: int) -> Place | None:
         return decode_grant(grant, size)
 
     def addressable(self, device: str, addr: int, nbytes: int) -> bool:
@@ -417,11 +404,16 @@ class NixlPlane:
 
     async def move(self, op: MyOp, plan: Place) -> None:
         """Move ``op``'s payload with one NIXL transfer; when this returns or raises the
-        transfer is over (done, aborted or, at worst, the link broken). A READ that
-        completed is marked read whole (``op.stream`` sent) for the link to have the
-        granter confirm it: the granter cannot stop a READ it did not post."""
+        transfer is over (done, aborted or, at worst, the link broken). A transfer that
+        completed is marked moved whole (``op.stream`` sent) for the link to have the
+        granter confirm it: the granter cannot stop a READ it did not post, and learns
+        of a WRITE's landing only so. NIXL's completion of a WRITE is remote completion
+        (its UCX backend flushes the endpoint), and the WRITE carries no notification:
+        a notifying WRITE holds the next transfer on the link until the granter's
+        progress sees the notification (measured: docs/benchmarks.md, "The raw WRITE
+        without a notification")."""
         assert op.remote is not None and self.peer_agent is not None
-        tag, (far_mem, far_dev, remote) = op.remote
+        far_mem, far_dev, remote = op.remote
         mem, dev, runs = plan
         local, far = pair(runs, remote, dev, far_dev)
         kind = "READ" if op.is_read else "WRITE"
@@ -430,8 +422,7 @@ class NixlPlane:
             op.finish(_S.LLM_LINK_FAILED)
             return
         try:
-            notif = b"" if op.is_read else tag
-            xfer = agent.xfer(kind, local, far, self.peer_agent, notif, (mem, far_mem))
+            xfer = agent.xfer(kind, local, far, self.peer_agent, b"", (mem, far_mem))
         except Exception as exc:  # e.g. a grant outside the peer's registered memory
             self._end(None)
             _log.warning("%r: NIXL refused a %s of request %d: %s", self.link, kind, op.rid, exc)
@@ -439,17 +430,13 @@ class NixlPlane:
             return
         state = "PROC"
         try:
-            if not op.is_read:
-                # every byte handed to NIXL, which may land it within the post call: the
-                # peer's WRITE_DONE counts from now on
-                op.stream = Stream(op.rid, [], 0)
-                op.stream.sent = True
-            state = await self._run(agent, xfer, op.total, lambda: _failed(op))
+            # the op ends before its check only badly (refused, revoked, link lost): stop then
+            state = await self._run(agent, xfer, op.total, lambda: op.result is not None)
             if state == "ERR":
                 self.link._break("NIXL transfer failed")
-            elif state == "DONE" and op.is_read:
-                # every byte read, but the granter may have revoked the grant (and
-                # reused the memory) meanwhile: its confirmation ends the read
+            elif state == "DONE":
+                # every byte moved, but the granter may have revoked the grant (and
+                # reused the memory) meanwhile: its confirmation ends the op
                 op.stream = Stream(op.rid, [], 0)
                 op.stream.sent = True
         finally:

@@ -10,8 +10,9 @@ no NIXL listener. A request whose buffers all lie in registered memory asks for 
 NIXL grant; the granter answers with the validated grant's memory as descriptors and the
 requester moves the bytes itself with one NIXL READ (pull, which succeeds only once
 the granter confirmed that it still served the grant after the READ ended: a READ is
-one-sided, the granter cannot stop it when it revokes) or WRITE (push, whose
-notification tells the granter it landed). Anything else moves as TCP ``DATA``.
+one-sided, the granter cannot stop it when it revokes) or WRITE (push, which lands
+for the granter when the requester reports, over the link, that NIXL completed it: no
+NIXL notification). Anything else moves as TCP ``DATA``.
 
 Memory is registered by kind: host memory as ``DRAM``, ``cuda:N`` memory as ``VRAM``
 of device N (one region table each). Device memory moves only by address: requester
@@ -22,17 +23,16 @@ memory in one transfer (UCX moves it GPU-direct where it can).
 
 Progress without threads that spin: the requester polls its transfer's state (a small
 one a few times on its loop, then, like a big one, from a thread of the wait lane), the
-granter polls notifications from a wait-lane thread while it serves NIXL grants or lends
-memory; both back off from :data:`POLL_MIN_S` to :data:`POLL_MAX_S` with sleeps that last
-as asked, where a loop's last at least ~1 ms (docs/design.md, "NIXL transport", has the
-measurements behind the choice).
+granter progresses UCX (a poll of notifications) from a wait-lane thread while it serves
+NIXL grants or lends memory; both back off from :data:`POLL_MIN_S` to :data:`POLL_MAX_S`
+with sleeps that last as asked, where a loop's last at least ~1 ms (docs/design.md,
+"NIXL transport", has the measurements behind the choice).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import threading
@@ -68,8 +68,8 @@ _CLOSE_WAIT_S: Final = 5.0
 #: Threads of a transport's wait lane: big transfers waited for at once (more wait for
 #: a thread within their deadline; one whose deadline passes first is never posted).
 WAIT_THREADS: Final = 32
-#: The longest one poll of notifications runs on its thread before the pump's loop looks
-#: again whether any grant is still served (seconds).
+#: The longest the pump's thread progresses UCX before the pump's loop looks again
+#: whether any grant is still served (seconds).
 _WATCH_S: Final = 0.005
 
 
@@ -93,10 +93,7 @@ class NixlTransport(TcpTransport):
         self._starting: asyncio.Lock | None = None
         self._md: tuple[int, bytes] | None = None  # (generation, metadata) cache
         self._remote_refs: dict[str, int] = {}  # peer agent -> links using it
-        self._tags = itertools.count(1)
-        # NIXL grants being served, and the pushes whose notification is awaited
-        self._served: dict[PeerOp, NixlPlane] = {}
-        self._expect: dict[bytes, tuple[NixlPlane, PeerOp]] = {}
+        self._served: set[PeerOp] = set()  # NIXL grants being served
         self._pump_task: asyncio.Task[None] | None = None
         #: set by a new grant (the pump's thread polls at once, from POLL_MIN_S again) and
         #: when the pump is cancelled (its thread returns)
@@ -243,21 +240,17 @@ class NixlTransport(TcpTransport):
             except Exception as exc:
                 _log.debug("removing NIXL agent %s: %s", name, exc)
 
-    def new_tag(self) -> bytes:
-        return next(self._tags).to_bytes(8, "little")
-
     # ------------------------------------------------------------------ serving side
 
     def _new_plane(self) -> NixlPlane:
         """Every link of this transport moves its payload over NIXL where it can."""
         return NixlPlane(self)
 
-    def serve(self, plane: NixlPlane, op: PeerOp, tag: bytes | None) -> None:
-        """Track a NIXL grant being served (``tag``: the push notification it awaits) and
-        make sure notifications are polled (which is also UCX's progress here)."""
-        self._served[op] = plane
-        if tag is not None:
-            self._expect[tag] = (plane, op)
+    def serve(self, op: PeerOp) -> None:
+        """Track a NIXL grant being served: this side progresses UCX until it is over,
+        since UCX moves some transfers only when the target progresses too (RMA emulated
+        over active messages: UCX over TCP)."""
+        self._served.add(op)
         self._hurry.set()
         self._progress()
 
@@ -282,26 +275,18 @@ class NixlTransport(TcpTransport):
             self._pump_task = self._spawn(self._pump(), "aiokv-nixl-progress")
 
     async def _pump(self) -> None:
-        """Poll notifications while NIXL grants are served or memory is lent
-        (:meth:`lend`), from a thread of the wait lane (:meth:`_watch`): a loop's sleeps
-        last at least ~1 ms (epoll's and libuv's resolution), which the landing of every
-        push and the progress of every small READ waited for."""
+        """Progress UCX while NIXL grants are served or memory is lent (:meth:`lend`),
+        from a thread of the wait lane (:meth:`_watch`): a loop's sleeps last at least
+        ~1 ms (epoll's and libuv's resolution), which the progress of every transfer
+        that needs this side's would wait for."""
         try:
             while (self._served or self._lent) and self.agent is not None:
-                got = await self._notifs_off_loop(self.agent)
-                for sender, msgs in got.items():
-                    for msg in msgs:
-                        hit = self._expect.pop(msg, None)
-                        if hit is not None and hit[0].peer_agent == sender:
-                            hit[0].landed(hit[1])
-                for op in [op for op in self._served if op.state is State.OVER]:
-                    del self._served[op]
-                for tag in [t for t, (_, op) in self._expect.items() if op.state is State.OVER]:
-                    del self._expect[tag]
+                await self._progress_off_loop(self.agent)
+                self._served = {op for op in self._served if op.state is not State.OVER}
         finally:
             self._pump_task = None
 
-    async def _notifs_off_loop(self, agent: Agent) -> dict[str, list[bytes]]:
+    async def _progress_off_loop(self, agent: Agent) -> None:
         """:meth:`_watch` on a thread of the wait lane; a cancellation stops it and is
         re-raised once the thread is done with the agent."""
         stop = threading.Event()
@@ -310,26 +295,25 @@ class NixlTransport(TcpTransport):
             stop.set()
             self._hurry.set()  # wakes the thread, which returns
 
-        job = self.wait_lane.submit(lambda: self._watch(agent, stop), "NIXL notifications")
-        return await seen_out(job, stopped)
+        job = self.wait_lane.submit(lambda: self._watch(agent, stop), "NIXL progress")
+        await seen_out(job, stopped)
 
-    def _watch(self, agent: Agent, stop: threading.Event) -> dict[str, list[bytes]]:
-        """(wait-lane thread) ``agent``'s notifications, polled with back-off from
-        :data:`POLL_MIN_S` to :data:`POLL_MAX_S` until some come, :data:`_WATCH_S`
-        passes or ``stop`` is set; :attr:`_hurry` (a new grant) has it poll at once and
-        restart the back-off."""
+    def _watch(self, agent: Agent, stop: threading.Event) -> None:
+        """(wait-lane thread) Progress ``agent`` (a poll of its notifications, which
+        are dropped: aiokv sends none) with back-off from :data:`POLL_MIN_S` to
+        :data:`POLL_MAX_S` until :data:`_WATCH_S` passes or ``stop`` is set;
+        :attr:`_hurry` (a new grant) has it poll at once and restart the back-off."""
         delay, end = POLL_MIN_S, time.monotonic() + _WATCH_S
         self._hurry.clear()  # the first poll covers every grant served so far
         while not stop.is_set():
-            got = agent.notifs()
-            if got or time.monotonic() >= end:
-                return got
+            agent.notifs()
+            if time.monotonic() >= end:
+                return
             if self._hurry.wait(delay):
                 self._hurry.clear()
                 delay = POLL_MIN_S
             else:
                 delay = min(delay * 2, POLL_MAX_S)
-        return {}
 
     # ------------------------------------------------------------------ closing
 

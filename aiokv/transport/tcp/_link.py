@@ -219,7 +219,7 @@ class TcpLink(Link):
             await op.until_granted_or_over()
             if op.remote is not None and op.result is None:
                 await self._plane.move(op, op.plan)
-                self._p.check_read(op)  # the granter's answer ends it
+                self._p.check(op)  # the granter's answer ends it
         await op.until_over()
 
     async def _writing(self, op: MyOp, views: Sequence[memoryview]) -> None:
@@ -227,6 +227,7 @@ class TcpLink(Link):
         if op.state is State.SENDING and op.result is None and op.total:
             if op.remote is not None:
                 await self._plane.move(op, op.plan)
+                self._p.check(op)  # the granter's WRITE_DONE ends it
             elif op.device:  # a WRITE_GRANT: device memory cannot go as DATA
                 op.finish(_S.LLM_FAILED, NOT_DIRECT)
             else:  # a WRITE_GRANT: the bytes go as DATA
@@ -432,10 +433,6 @@ class TcpLink(Link):
         meta = bytes((len(name),)) + name + payload
         self._post(wire.encode_frame(_F.PLANE_HELLO, meta=meta, size=self._t.max_meta_bytes))
 
-    def _plane_landed(self, op: PeerOp) -> None:
-        if self._theirs.get(op.rid) is op and op.state is State.RECEIVING:
-            self._filled(op)
-
     def _start_serving(self, op: PeerOp, meta: bytes, size: int) -> None:
         """Answer the peer's request ``op``: right here (in the reader, no task) when the
         handler answers without waiting (:class:`ImmediateHandler`), else in a task
@@ -541,7 +538,7 @@ class TcpLink(Link):
     def _grant_plane(self, op: PeerOp, payload: bytes, total: int) -> None:
         """Answer the peer's request ``op`` with its plane's grant ``payload``: the
         requester's plane moves the bytes (a read is held until READ_DONE or CANCEL, a
-        write until its plane sees it landed)."""
+        write until the requester's PLANE_WRITE_CHECK, or CANCEL)."""
         op.state = State.SENDING if op.is_read else State.RECEIVING
         self._post(wire.encode_frame(_F.PLANE_GRANT, op.rid, meta=payload, size=total))
 

@@ -51,9 +51,6 @@ class PlaneHost(Protocol):
     def _break(self, reason: str) -> None:
         """Close the link: it fails everything pending and calls :meth:`DataPlane.closed`."""
 
-    def _plane_landed(self, op: PeerOp) -> None:
-        """The payload of the peer's plane write ``op`` landed whole (the plane saw it)."""
-
 
 class DataPlane(Protocol):
     """Moves granted payload outside the link's socket; one per link.
@@ -95,9 +92,11 @@ class DataPlane(Protocol):
 
     async def move(self, op: MyOp, plan: Any) -> None:
         """Move granted ``op``'s payload per ``plan`` (``op.remote``: the grant). Once the
-        payload moved whole the plane marks ``op.stream`` sent (a write: handed over);
-        the op then ends by the peer's word: a write's ``WRITE_DONE``, a read's
-        ``READ_RESP`` answering the link's ``PLANE_READ_CHECK`` (the granter may have
+        payload moved whole (a write: every byte in the peer's memory, the medium's
+        remote completion) the plane marks ``op.stream`` sent; the link then asks the
+        granter to confirm and the op ends by its word: ``WRITE_DONE`` answering
+        ``PLANE_WRITE_CHECK`` (the granter learns of the landing from that frame
+        alone), ``READ_RESP`` answering ``PLANE_READ_CHECK`` (the granter may have
         revoked the grant while the bytes moved). A plane that fails the op finishes
         it. When this returns or raises, nothing touches the buffers any more."""
 
@@ -110,7 +109,8 @@ class DataPlane(Protocol):
     def answer(self, op: PeerOp, views: Sequence[memoryview], total: int) -> bytes | None:
         """The ``PLANE_GRANT`` bytes of the peer's plane request ``op``, whose handler
         granted ``views``, or None: they move as ``DATA``. With bytes, the plane serves
-        the grant from now on (it calls :meth:`PlaneHost._plane_landed` for a write)."""
+        the grant from now on; the link ends it (the requester's check, ``READ_DONE``,
+        ``CANCEL``, a revocation)."""
 
     def answer_device(self, op: PeerOp, dev: DeviceRuns) -> bytes | None:
         """As :meth:`answer`, for a device grant; None refuses the request."""

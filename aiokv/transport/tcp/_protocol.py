@@ -129,6 +129,7 @@ class LinkProtocol:
             _F.WRITE_DONE: self._on_write_done,
             _F.READ_DONE: self._on_read_done,
             _F.PLANE_READ_CHECK: self._on_read_check,
+            _F.PLANE_WRITE_CHECK: self._on_write_check,
             _F.CANCEL: self._on_cancel,
             _F.CANCEL_ACK: self._on_cancel_ack,
             _F.ERROR: self._on_close,
@@ -156,14 +157,17 @@ class LinkProtocol:
         if cancel:
             self._out._post(wire.encode_frame(_F.CANCEL, op.rid))
 
-    def check_read(self, op: MyOp) -> None:
-        """Our plane read ``op`` moved: if its plane read every byte (``op.stream``
-        sent), ask the granter whether it still serves the grant (``PLANE_READ_CHECK``);
-        its ``READ_RESP`` ends the read. A one-sided read that ran while the granter
-        revoked and reused the memory may hold torn bytes: the revocation, read first,
-        fails it."""
+    def check(self, op: MyOp) -> None:
+        """Our plane request ``op`` moved: if its plane moved every byte (``op.stream``
+        sent), ask the granter to confirm while it still serves the grant: a read's
+        ``PLANE_READ_CHECK`` (answered ``READ_RESP``: a one-sided read that ran while
+        the granter revoked and reused the memory may hold torn bytes, and the
+        revocation, read first, fails it), a write's ``PLANE_WRITE_CHECK`` (answered
+        ``WRITE_DONE`` once the write is committed: the granter learns that the bytes
+        landed from this frame alone)."""
         if op.result is None and op.stream is not None and op.stream.sent:
-            self._out._post(wire.encode_frame(_F.PLANE_READ_CHECK, op.rid))
+            kind = _F.PLANE_READ_CHECK if op.is_read else _F.PLANE_WRITE_CHECK
+            self._out._post(wire.encode_frame(kind, op.rid))
 
     def new_probe(self, waiter: Waiter | None) -> tuple[int, bytes]:
         """The id and PING frame of a new probe; ``waiter`` (if any, until the prober
@@ -269,6 +273,14 @@ class LinkProtocol:
         op = self._theirs_of(h.req_id)
         if op is not None and op.plane and op.state is State.SENDING and op.stream is None:
             self.reply(_F.READ_RESP, op.rid, _S.LLM_SUCCESS)
+
+    def _on_write_check(self, h: wire.Header, meta: bytearray | None) -> None:
+        """The peer's plane wrote every byte of the grant (its transfer completed): the
+        write landed, while we still serve it (a revoked one was answered when it was
+        revoked); confirmed by ``WRITE_DONE`` after its commit (:meth:`filled`)."""
+        op = self._theirs_of(h.req_id)
+        if op is not None and op.plane and not op.is_read and op.state is State.RECEIVING:
+            self.filled(op)
 
     def _on_cancel(self, h: wire.Header, meta: bytearray | None) -> None:
         rid = h.req_id

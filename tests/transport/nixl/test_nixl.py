@@ -46,12 +46,13 @@ def test_descriptors_coalesce_and_pair() -> None:
     assert local[:, 1].tolist() == [5, 25, 10] == far[:, 1].tolist()
     assert far[:, 0].tolist() == [7, 100, 125]
     assert local[:, 0].tolist() == [base, base + 5, base + 50]
-    meta = descs.encode_grant(b"T" * 8, ("DRAM", 0, runs))
-    tag, (mem, dev, back) = descs.decode_grant(meta, 40)
-    assert tag == b"T" * 8 and back.tolist() == runs.tolist() and (mem, dev) == ("DRAM", 0)
+    meta = descs.encode_grant(("VRAM", 3, runs))
+    mem, dev, back = descs.decode_grant(meta, 40)
+    assert back.tolist() == runs.tolist() and (mem, dev) == ("VRAM", 3)
     assert descs.decode_grant(meta, 41) is None  # totals must match
     assert descs.decode_grant(meta[:-1], 40) is None  # torn
-    assert descs.decode_grant(b"T" * 8 + bytes(8 + 16), 0) is None  # empty run
+    assert descs.decode_grant(bytes(8 + 16), 0) is None  # empty run
+    assert descs.decode_grant((2).to_bytes(4, "little") + meta[4:], 40) is None  # no kind 2
 
 
 class Regions:
@@ -110,6 +111,11 @@ class Revocable(Regions):
         self.grants.append(grant)
         return grant
 
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+        grant = await super().grant_write(peer, meta, nbytes)
+        self.grants.append(grant)
+        return grant
+
 
 @needs_nixl
 async def test_a_read_revoked_as_it_completes_fails(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,6 +157,89 @@ async def test_a_read_revoked_as_it_completes_fails(monkeypatch: pytest.MonkeyPa
         await owner.aclose()
 
 
+@needs_nixl
+async def test_a_push_lands_when_the_pusher_says_its_write_completed() -> None:
+    """A push over NIXL is one WRITE without a notification (one would hold the link's
+    next transfer until the owner's progress saw it); the owner takes the bytes as
+    landed on the pusher's word after NIXL completed the WRITE (PLANE_WRITE_CHECK)."""
+    from aiokv.transport.nixl._descs import address_of
+
+    cls = get_transport("nixl")
+    owner_buf, mine = bytearray(4096), bytearray(b"\x7e") * 4096
+    handler = Regions(owner_buf)
+    owner, me = cls(2, handler), cls(1, Regions(bytearray(1)))
+    try:
+        owner.register_memory(address_of(memoryview(owner_buf)), len(owner_buf))
+        me.register_memory(address_of(memoryview(mine)), len(mine))
+        link = await me.connect(*await owner.listen("127.0.0.1", 0), timeout=5)
+        await until(lambda: owner.agent is not None and me.agent is not None)
+        notes: list[bytes] = []
+        built: list[bytes] = []
+        real_notifs, real_xfer = owner.agent.notifs, me.agent.xfer  # type: ignore[attr-defined]
+
+        def notifs() -> dict[str, list[bytes]]:
+            got: dict[str, list[bytes]] = real_notifs()
+            notes.extend(m for msgs in got.values() for m in msgs)
+            return got
+
+        def xfer(kind: str, local: Any, remote: Any, peer: str, notif: bytes, *a: Any) -> Any:
+            built.append(notif)
+            return real_xfer(kind, local, remote, peer, notif, *a)
+
+        owner.agent.notifs, me.agent.xfer = notifs, xfer  # type: ignore[attr-defined]
+        for _ in range(3):
+            await link.write(b"4096", [memoryview(mine)], timeout=5)
+            await link.read(b"4096", [memoryview(mine)], timeout=5)
+        assert owner_buf == mine
+        await until(lambda: handler.done == [True] * 6)  # the last: on our READ_DONE
+        assert me.moved == 6 and built == [b""] * 6 and notes == []  # type: ignore[attr-defined]
+    finally:
+        await me.aclose()
+        await owner.aclose()
+
+
+@needs_nixl
+async def test_a_push_revoked_before_the_pushers_word_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The owner revokes a push's grant after the pusher's WRITE completed but before
+    its PLANE_WRITE_CHECK arrived: the push fails with the revocation's code, the late
+    check changes nothing, and the link goes on."""
+    from aiokv.transport.nixl._descs import address_of
+    from aiokv.transport.nixl._plane import NixlPlane
+
+    cls = get_transport("nixl")
+    owner_buf, mine = bytearray(4096), bytearray(b"\x33") * 4096
+    handler = Revocable(owner_buf)
+    owner, me = cls(2, handler), cls(1, Regions(bytearray(1)))
+    run = NixlPlane._run
+
+    async def revoked_as_it_completes(plane: NixlPlane, *args: Any) -> str:
+        state = await run(plane, *args)
+        if state == "DONE":  # every byte written; the owner has not heard of it yet
+            handler.grants[-1].abort(Code.LLM_TIMEOUT)
+            await asyncio.sleep(0.05)  # its WRITE_DONE reaches us before our check goes
+        return state
+
+    monkeypatch.setattr(NixlPlane, "_run", revoked_as_it_completes)
+    try:
+        owner.register_memory(address_of(memoryview(owner_buf)), len(owner_buf))
+        me.register_memory(address_of(memoryview(mine)), len(mine))
+        link = await me.connect(*await owner.listen("127.0.0.1", 0), timeout=5)
+        with pytest.raises(LLMException) as info:
+            await link.write(b"4096", [memoryview(mine)], timeout=5)
+        assert info.value.status_code == Code.LLM_TIMEOUT
+        assert handler.done == [False]
+        monkeypatch.undo()
+        mine[:] = b"\x44" * len(mine)
+        await link.write(b"4096", [memoryview(mine)], timeout=5)
+        assert owner_buf == mine and handler.done == [False, True]
+        assert me.moved == 2  # type: ignore[attr-defined]  # both over NIXL
+    finally:
+        await me.aclose()
+        await owner.aclose()
+
+
 class _Op:
     """A stand-in for a served request: only its state is read."""
 
@@ -161,10 +250,10 @@ class _Op:
 
 
 @needs_nixl
-async def test_a_new_grant_wakes_the_notification_poll(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The owner polls NIXL notifications (a push's landing; also UCX's progress) with a
-    back-off; a grant served while that poll sleeps has it poll again at once. Here every
-    sleep of the poll is a minute: only the wake can make a second poll."""
+async def test_a_new_grant_wakes_the_progress_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The owner progresses UCX (a poll of NIXL notifications) with a back-off while it
+    serves grants; a grant served while that poll sleeps has it poll again at once. Here
+    every sleep of the poll is a minute: only the wake can make a second poll."""
     import aiokv.transport.nixl._transport as nt
     from aiokv.transport.tcp._ops import State
 
@@ -184,11 +273,11 @@ async def test_a_new_grant_wakes_the_notification_poll(monkeypatch: pytest.Monke
 
         monkeypatch.setattr(owner.agent, "notifs", counted)
         first, second = _Op(), _Op()
-        owner.serve(object(), first, None)  # the first grant starts the poll
+        owner.serve(first)  # the first grant starts the poll
         await until(lambda: len(polls) == 1)
         await asyncio.sleep(0.05)
         assert len(polls) == 1  # asleep, for a minute
-        owner.serve(object(), second, b"tag")  # a push's grant: its notification awaited
+        owner.serve(second)  # a second grant while it sleeps
         await until(lambda: len(polls) >= 2, seconds=5)
         # polled from the transport's wait threads, whose sleeps last as long as asked
         assert all(name.startswith("aiokv-nixl-wait") for name in polls)

@@ -105,16 +105,15 @@ def test_pair_splits_at_common_boundaries(seed: int) -> None:
 
 def test_grant_decoding_refuses_what_does_not_add_up() -> None:
     d = _descs()
-    tag = b"T" * 8
 
     def meta(*runs: tuple[int, int]) -> bytes:
-        return d.encode_grant(tag, ("DRAM", 0, np.array(runs, dtype=np.uint64).reshape(-1, 2)))
+        return d.encode_grant(("DRAM", 0, np.array(runs, dtype=np.uint64).reshape(-1, 2)))
 
-    assert d.decode_grant(meta((5, 10), (100, 6)), 16)[1][2].tolist() == [[5, 10], [100, 6]]
+    assert d.decode_grant(meta((5, 10), (100, 6)), 16)[2].tolist() == [[5, 10], [100, 6]]
     assert d.decode_grant(meta((5, 10), (100, 0), (9, 6)), 16) is None  # an empty run
     assert d.decode_grant(meta((5, 2**64 - 1), (9, 17)), 16) is None  # wraps around
     assert d.decode_grant(meta((5, 10)), 11) is None
-    assert d.decode_grant(tag, 0) is None
+    assert d.decode_grant(meta((5, 10))[:8], 0) is None  # no run
     assert d.decode_grant(meta((5, 10))[:-3], 10) is None
 
 
