@@ -19,6 +19,7 @@ from aiokv.transport.tcp._ops import MyOp
 from aiokv.transport.tcp._ops import PeerOp
 from aiokv.transport.tcp._ops import State
 from aiokv.transport.tcp._ops import Stream
+from aiokv.transport.tcp._ops import cursor_of
 from aiokv.transport.tcp._protocol import LinkProtocol
 
 F = wire.FrameType
@@ -449,21 +450,22 @@ def test_a_plane_write_revoked_before_its_check_fails() -> None:
 
 def test_the_granter_takes_a_plane_write_as_landed_only_while_it_serves_it() -> None:
     proto, driver = make(peer_cap=8)
-    for rid in (1, 3, 5):
+    for rid in (1, 3, 5, 13):
         feed(proto, F.PLANE_WRITE_REQ, rid, size=4)
     feed(proto, F.WRITE_REQ, 7, size=4)
     feed(proto, F.PLANE_READ_REQ, 9, size=4)
-    plain, committed, revoked, data, read = (op for op, _, _ in driver.serving)
+    plain, committed, revoked, as_data, data, read = (op for op, _, _ in driver.serving)
 
     async def commit() -> Code:
         return Code.LLM_SUCCESS
 
     committed.commit = commit
-    for op in (plain, committed, revoked, data):
-        op.state = State.RECEIVING  # granted (data: by WRITE_GRANT, its bytes as DATA)
+    for op in (plain, committed, revoked, as_data, data):
+        op.state = State.RECEIVING  # granted (the last two by WRITE_GRANT: DATA)
+    as_data.cursor = data.cursor = cursor_of([memoryview(bytearray(4))], 4)
     read.state = State.SENDING
     proto.revoke(revoked, Code.LLM_TIMEOUT)
-    for rid in (1, 3, 5, 7, 9, 11):  # 11: never granted
+    for rid in (1, 3, 5, 13, 7, 9, 11):  # 11: never granted
         feed(proto, F.PLANE_WRITE_CHECK, rid)
     feed(proto, F.PLANE_WRITE_CHECK, 1)  # a second word changes nothing
     assert driver.sent() == [
@@ -471,7 +473,8 @@ def test_the_granter_takes_a_plane_write_as_landed_only_while_it_serves_it() -> 
         (F.WRITE_DONE, 1, Code.LLM_SUCCESS),
     ]
     assert driver.commits == [committed]  # confirmed once committed
-    assert sorted(proto.theirs) == [3, 7, 9]  # DATA's and the read's end otherwise
+    # a write granted as DATA lands by its bytes, a read by READ_DONE
+    assert sorted(proto.theirs) == [3, 7, 9, 13]
 
 
 def test_a_data_read_is_not_confirmed() -> None:

@@ -276,10 +276,17 @@ class LinkProtocol:
 
     def _on_write_check(self, h: wire.Header, meta: bytearray | None) -> None:
         """The peer's plane wrote every byte of the grant (its transfer completed): the
-        write landed, while we still serve it (a revoked one was answered when it was
-        revoked); confirmed by ``WRITE_DONE`` after its commit (:meth:`filled`)."""
+        write landed, while we still serve it by the plane (a revoked one was answered
+        when it was revoked; one granted as ``DATA`` has a cursor and lands by its
+        bytes); confirmed by ``WRITE_DONE`` after its commit (:meth:`filled`)."""
         op = self._theirs_of(h.req_id)
-        if op is not None and op.plane and not op.is_read and op.state is State.RECEIVING:
+        if (
+            op is not None
+            and op.plane
+            and not op.is_read
+            and op.state is State.RECEIVING
+            and op.cursor is None
+        ):
             self.filled(op)
 
     def _on_cancel(self, h: wire.Header, meta: bytearray | None) -> None:
