@@ -118,24 +118,32 @@ class Revocable(Regions):
 
 
 @needs_nixl
-async def test_a_read_revoked_as_it_completes_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The owner revokes its grant and reuses the memory after the requester's NIXL READ
-    completed but before the requester heard of it: the read must not report success
-    (its bytes may be torn), it fails with the revocation's code."""
+@pytest.mark.parametrize("write", [False, True], ids=["read", "write"])
+@pytest.mark.parametrize("late", [False, True], ids=["check-races", "check-after"])
+async def test_a_transfer_revoked_as_it_completes_fails(
+    monkeypatch: pytest.MonkeyPatch, write: bool, late: bool
+) -> None:
+    """The owner revokes its grant (and reuses the memory) after the requester's NIXL
+    READ or WRITE completed but before it heard the requester's check: a read must not
+    report success (its bytes may be torn), nor a write (the owner did not take it);
+    both fail with the revocation's code, whether the check crosses the revocation on
+    the wire or leaves after it arrived (``late``), and the link goes on."""
     from aiokv.transport.nixl._descs import address_of
     from aiokv.transport.nixl._plane import NixlPlane
 
     cls = get_transport("nixl")
-    owner_buf, mine = bytearray(b"\x11") * 4096, bytearray(4096)
+    owner_buf, mine = bytearray(b"\x11") * 4096, bytearray(b"\x33") * 4096
     handler = Revocable(owner_buf)
     owner, me = cls(2, handler), cls(1, Regions(bytearray(1)))
     run = NixlPlane._run
 
     async def revoked_as_it_completes(plane: NixlPlane, *args: Any) -> str:
         state = await run(plane, *args)
-        if state == "DONE":  # the bytes are read; nothing of it reached our reader yet
+        if state == "DONE":  # every byte moved; the owner has not heard of it yet
             handler.grants[-1].abort(Code.LLM_TIMEOUT)
             owner_buf[:] = b"\x5a" * len(owner_buf)  # the owner's memory again
+            if late:
+                await asyncio.sleep(0.05)  # the revocation reaches us first
         return state
 
     monkeypatch.setattr(NixlPlane, "_run", revoked_as_it_completes)
@@ -143,97 +151,16 @@ async def test_a_read_revoked_as_it_completes_fails(monkeypatch: pytest.MonkeyPa
         owner.register_memory(address_of(memoryview(owner_buf)), len(owner_buf))
         me.register_memory(address_of(memoryview(mine)), len(mine))
         link = await me.connect(*await owner.listen("127.0.0.1", 0), timeout=5)
+        move = link.write if write else link.read
         with pytest.raises(LLMException) as info:
-            await link.read(b"4096", [memoryview(mine)], timeout=5)
+            await move(b"4096", [memoryview(mine)], timeout=5)
         assert info.value.status_code == Code.LLM_TIMEOUT
         assert handler.done == [False]
         monkeypatch.undo()  # the link stays usable
-        await link.read(b"4096", [memoryview(mine)], timeout=5)
-        assert mine == owner_buf
-        await until(lambda: handler.done == [False, True])  # released on our READ_DONE
-        assert me.moved == 2  # type: ignore[attr-defined]  # both over NIXL
-    finally:
-        await me.aclose()
-        await owner.aclose()
-
-
-@needs_nixl
-async def test_a_push_lands_when_the_pusher_says_its_write_completed() -> None:
-    """A push over NIXL is one WRITE without a notification (one would hold the link's
-    next transfer until the owner's progress saw it); the owner takes the bytes as
-    landed on the pusher's word after NIXL completed the WRITE (PLANE_WRITE_CHECK)."""
-    from aiokv.transport.nixl._descs import address_of
-
-    cls = get_transport("nixl")
-    owner_buf, mine = bytearray(4096), bytearray(b"\x7e") * 4096
-    handler = Regions(owner_buf)
-    owner, me = cls(2, handler), cls(1, Regions(bytearray(1)))
-    try:
-        owner.register_memory(address_of(memoryview(owner_buf)), len(owner_buf))
-        me.register_memory(address_of(memoryview(mine)), len(mine))
-        link = await me.connect(*await owner.listen("127.0.0.1", 0), timeout=5)
-        await until(lambda: owner.agent is not None and me.agent is not None)
-        notes: list[bytes] = []
-        built: list[bytes] = []
-        real_notifs, real_xfer = owner.agent.notifs, me.agent.xfer  # type: ignore[attr-defined]
-
-        def notifs() -> dict[str, list[bytes]]:
-            got: dict[str, list[bytes]] = real_notifs()
-            notes.extend(m for msgs in got.values() for m in msgs)
-            return got
-
-        def xfer(kind: str, local: Any, remote: Any, peer: str, notif: bytes, *a: Any) -> Any:
-            built.append(notif)
-            return real_xfer(kind, local, remote, peer, notif, *a)
-
-        owner.agent.notifs, me.agent.xfer = notifs, xfer  # type: ignore[attr-defined]
-        for _ in range(3):
-            await link.write(b"4096", [memoryview(mine)], timeout=5)
-            await link.read(b"4096", [memoryview(mine)], timeout=5)
-        assert owner_buf == mine
-        await until(lambda: handler.done == [True] * 6)  # the last: on our READ_DONE
-        assert me.moved == 6 and built == [b""] * 6 and notes == []  # type: ignore[attr-defined]
-    finally:
-        await me.aclose()
-        await owner.aclose()
-
-
-@needs_nixl
-async def test_a_push_revoked_before_the_pushers_word_fails(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The owner revokes a push's grant after the pusher's WRITE completed but before
-    its PLANE_WRITE_CHECK arrived: the push fails with the revocation's code, the late
-    check changes nothing, and the link goes on."""
-    from aiokv.transport.nixl._descs import address_of
-    from aiokv.transport.nixl._plane import NixlPlane
-
-    cls = get_transport("nixl")
-    owner_buf, mine = bytearray(4096), bytearray(b"\x33") * 4096
-    handler = Revocable(owner_buf)
-    owner, me = cls(2, handler), cls(1, Regions(bytearray(1)))
-    run = NixlPlane._run
-
-    async def revoked_as_it_completes(plane: NixlPlane, *args: Any) -> str:
-        state = await run(plane, *args)
-        if state == "DONE":  # every byte written; the owner has not heard of it yet
-            handler.grants[-1].abort(Code.LLM_TIMEOUT)
-            await asyncio.sleep(0.05)  # its WRITE_DONE reaches us before our check goes
-        return state
-
-    monkeypatch.setattr(NixlPlane, "_run", revoked_as_it_completes)
-    try:
-        owner.register_memory(address_of(memoryview(owner_buf)), len(owner_buf))
-        me.register_memory(address_of(memoryview(mine)), len(mine))
-        link = await me.connect(*await owner.listen("127.0.0.1", 0), timeout=5)
-        with pytest.raises(LLMException) as info:
-            await link.write(b"4096", [memoryview(mine)], timeout=5)
-        assert info.value.status_code == Code.LLM_TIMEOUT
-        assert handler.done == [False]
-        monkeypatch.undo()
         mine[:] = b"\x44" * len(mine)
-        await link.write(b"4096", [memoryview(mine)], timeout=5)
-        assert owner_buf == mine and handler.done == [False, True]
+        await move(b"4096", [memoryview(mine)], timeout=5)
+        assert mine == owner_buf
+        await until(lambda: handler.done == [False, True])  # a read's on our READ_DONE
         assert me.moved == 2  # type: ignore[attr-defined]  # both over NIXL
     finally:
         await me.aclose()
