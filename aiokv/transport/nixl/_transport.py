@@ -69,8 +69,9 @@ _CLOSE_WAIT_S: Final = 5.0
 #: a thread within their deadline; one whose deadline passes first is never posted).
 WAIT_THREADS: Final = 32
 #: The longest the pump's thread progresses UCX before the pump's loop looks again
-#: whether any grant is still served (seconds).
+#: whether any grant is still served (seconds), and the same while memory is only lent.
 _WATCH_S: Final = 0.005
+_LEND_WATCH_S: Final = 0.1
 
 
 class NixlTransport(TcpTransport):
@@ -279,14 +280,15 @@ class NixlTransport(TcpTransport):
         from a thread of the wait lane (:meth:`_watch`): a loop's sleeps last at least
         ~1 ms (epoll's and libuv's resolution), which the progress of every transfer
         that needs this side's would wait for."""
+        delay = POLL_MIN_S
         try:
             while (self._served or self._lent) and self.agent is not None:
-                await self._progress_off_loop(self.agent)
+                delay = await self._progress_off_loop(self.agent, delay)
                 self._served = {op for op in self._served if op.state is not State.OVER}
         finally:
             self._pump_task = None
 
-    async def _progress_off_loop(self, agent: Agent) -> None:
+    async def _progress_off_loop(self, agent: Agent, delay: float) -> float:
         """:meth:`_watch` on a thread of the wait lane; a cancellation stops it and is
         re-raised once the thread is done with the agent."""
         stop = threading.Event()
@@ -295,25 +297,32 @@ class NixlTransport(TcpTransport):
             stop.set()
             self._hurry.set()  # wakes the thread, which returns
 
-        job = self.wait_lane.submit(lambda: self._watch(agent, stop), "NIXL progress")
-        await seen_out(job, stopped)
+        job = self.wait_lane.submit(lambda: self._watch(agent, stop, delay), "NIXL progress")
+        return await seen_out(job, stopped)
 
-    def _watch(self, agent: Agent, stop: threading.Event) -> None:
+    def _watch(self, agent: Agent, stop: threading.Event, delay: float) -> float:
         """(wait-lane thread) Progress ``agent`` (a poll of its notifications, which
-        are dropped: aiokv sends none) with back-off from :data:`POLL_MIN_S` to
-        :data:`POLL_MAX_S` until :data:`_WATCH_S` passes or ``stop`` is set;
-        :attr:`_hurry` (a new grant) has it poll at once and restart the back-off."""
-        delay, end = POLL_MIN_S, time.monotonic() + _WATCH_S
-        self._hurry.clear()  # the first poll covers every grant served so far
+        are dropped: aiokv sends none) with back-off to :data:`POLL_MAX_S` from ``delay``
+        (where the last window left it) until the window passes (:data:`_WATCH_S` while
+        grants are served, :data:`_LEND_WATCH_S` while memory is only lent) or ``stop``
+        is set; returns the delay reached. :attr:`_hurry` (a new grant) has it poll at
+        once and restart the back-off from :data:`POLL_MIN_S`. So memory lent for long
+        with nothing served costs one poll per :data:`POLL_MAX_S` and a hop to the loop
+        per window (the back-off restarted each window: 12.6% of a core, measured)."""
+        if self._hurry.is_set():  # a grant since the last poll: from the shortest again
+            self._hurry.clear()  # (the first poll below covers every grant served so far)
+            delay = POLL_MIN_S
+        end = time.monotonic() + (_WATCH_S if self._served else _LEND_WATCH_S)
         while not stop.is_set():
             agent.notifs()
             if time.monotonic() >= end:
-                return
+                return delay
             if self._hurry.wait(delay):
                 self._hurry.clear()
                 delay = POLL_MIN_S
             else:
                 delay = min(delay * 2, POLL_MAX_S)
+        return delay
 
     # ------------------------------------------------------------------ closing
 
