@@ -60,7 +60,7 @@ class GuardedHandler:
     def _grant(self, buf: memoryview, meta: bytes) -> Grant:
         try:
             req = json.loads(meta)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: b"[" * 3000
             return Grant(Code.LLM_PARAM_INVALID)
         spans = req.get("spans") if isinstance(req, dict) else None
         if not isinstance(spans, list) or len(spans) > 2000:

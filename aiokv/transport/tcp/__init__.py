@@ -4,9 +4,10 @@ Design, in short:
 
 * Each link owns one connected non-blocking socket, one **reader task** and one
   **writer task**, both spawned and tracked by the :class:`TcpTransport`.
-* Syscalls are tried first; only on ``EAGAIN`` does a task wait, on a future woken by
-  ``loop.add_reader`` / ``loop.add_writer`` (no polling). This works on asyncio and
-  uvloop alike and avoids the copies and overhead of asyncio streams.
+* Syscalls are tried first; only on ``EAGAIN`` (or, reading, after a read that left
+  the socket empty) does a task wait, on a future woken by ``loop.add_reader`` /
+  ``loop.add_writer`` (no polling). This works on asyncio and uvloop alike and avoids
+  the copies and overhead of asyncio streams.
 * The link's writer is the only one that sends. Everyone else hands it owned control
   frames (:meth:`TcpLink._post`, synchronous, never blocks) or *streams* of payload
   views. It sends with ``sendmsg`` scatter/gather straight from the source memory,
@@ -14,10 +15,12 @@ Design, in short:
   stream in turn, so a huge transfer cannot starve small ones and frames never
   interleave. A batch posted while the writer task is parked is sent at once, in the
   posting call (one per loop iteration); what it leaves unsent is the writer task's.
-* The reader receives each header, then each ``DATA`` chunk with ``recvmsg_into``
+* The reader reads ahead up to 16 KiB at a time, so the headers and meta of the
+  frames that arrived together cost one ``recv_into``; it receives the rest of each
+  ``DATA`` chunk (what was not read ahead, which it copies) with ``recvmsg_into``
   straight into the destination views of the request it belongs to; data of unknown,
-  finished or cancelled requests goes into a scratch buffer. Mid-chunk it asks to be
-  woken only once the rest of the chunk is there (``SO_RCVLOWAT``), not per segment.
+  finished or cancelled requests is dropped. Mid-chunk it asks to be woken only once
+  the rest of the chunk is there (``SO_RCVLOWAT``), not per segment.
 * Because only the reader and the writer touch the socket, and a send at once is
   synchronous, a caller being cancelled can never cut a frame in half. Its clean-up is
   synchronous: it unregisters the request (the reader stops writing into its buffers

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from collections.abc import MutableSequence
 from typing import TYPE_CHECKING
 from typing import Any
+from typing import ClassVar
 from typing import Final
 from typing import Protocol
 
@@ -135,6 +136,10 @@ class SockIO:
     """Readiness waits for one non-blocking socket; safe against fd reuse after close."""
 
     __slots__ = ("_loop", "_lowat", "_rfut", "_watching", "_wfut", "fd", "sock")
+
+    #: Whether a read that returns fewer bytes than asked left nothing to read (a plain
+    #: socket: it returns what the kernel holds; TLS: one record at a time).
+    SHORT_READ_EMPTIES: ClassVar[bool] = True
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sock: RawSock) -> None:
         self._loop = loop

@@ -4,6 +4,13 @@ It reads one frame at a time, hands control frames to the link's protocol, recei
 ``DATA`` into the buffers of the request it is for (``recvmsg_into``, or with payload
 moved by address ``readv``), drops what nobody wants, and pauses while the protocol
 says too many replies are queued for the peer (reply backpressure).
+
+It reads ahead: one ``recv_into`` takes up to :data:`READ_AHEAD` bytes, so the frames
+of a small exchange (a header, its meta, the next header, a small payload) cost one
+system call together rather than one each; what of a ``DATA`` payload was read ahead is
+copied into the request's buffers, the rest received into them directly. After a read
+that left a plain socket empty (fewer bytes than asked), the next read first waits for
+readiness instead of trying and meeting ``EAGAIN``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ _F = wire.FrameType
 # to the loop): a flood of small frames (each may start a request) also lets the loop
 # run every 64 frames.
 _FRAME_COST: Final = YIELD_BYTES // 64
+#: Bytes one read takes ahead of what the frame in hand needs; also the most of a
+#: ``DATA`` payload ever copied (the rest is received in place).
+READ_AHEAD: Final = 16 << 10
 
 
 class _Frames(Protocol):
@@ -91,19 +101,29 @@ class Reader:
         self.heard = False
         # payload of LayoutViews moves by address (readv / writev): no object per run
         self._vec = vectored(self._sock)
+        # bytes read ahead: self._buf[self._lo : self._hi]
+        self._buf = bytearray(READ_AHEAD)
+        self._ahead = memoryview(self._buf)
+        self._lo = self._hi = 0
+        # wait for readiness before the next read: the last one met EAGAIN, or read
+        # fewer bytes than asked from a socket that such a read leaves empty
+        self._dry = False
+        self._short_empties = io.SHORT_READ_EMPTIES
 
     async def run(self) -> None:
         """Read frames until the link breaks, then break it with the reason (EOF, an
         ``OSError``, a protocol violation, the peer leaving our replies unread for
         ``stall_s``, or a bug); never raises."""
-        hbuf = bytearray(wire.HEADER_SIZE)
-        hview = memoryview(hbuf)
-        recv_exact = self._io.recv_exact
+        size = wire.HEADER_SIZE
+        ahead = self._ahead
         unyielded = 0
         try:
             while True:
-                await recv_exact(hview)
-                h = wire.decode_header(hview)
+                if self._hi - self._lo < size:
+                    await self._fill(size)
+                lo = self._lo
+                self._lo = lo + size
+                h = wire.decode_header(ahead[lo : lo + size])
                 self.heard = True
                 if h.type is _F.DATA:
                     await self._on_data(h.req_id, h.size)
@@ -135,11 +155,58 @@ class Reader:
         if self._p.skips_meta(h):
             await self._discard(h.meta_len)
         elif h.meta_len:
-            meta = bytearray(h.meta_len)
-            await self._io.recv_exact(memoryview(meta))
+            meta = await self._meta(h.meta_len)
         else:
             meta = bytearray()
         self._p.receive(h, meta)
+
+    async def _fill(self, n: int) -> None:
+        """Read until at least ``n <= READ_AHEAD`` bytes are read ahead.
+
+        Raises:
+            ConnectionResetError: the peer closed the connection.
+            OSError: the connection failed.
+        """
+        ahead, have = self._ahead, self._hi - self._lo
+        if self._lo + n > READ_AHEAD or not have:  # keep the room at the end
+            ahead[:have] = ahead[self._lo : self._hi]
+            self._lo, self._hi = 0, have
+        while self._hi - self._lo < n:
+            if self._dry:
+                await self._io.readable(n - (self._hi - self._lo))
+            try:
+                k = self._sock.recv_into(ahead[self._hi :])
+            except (BlockingIOError, InterruptedError):
+                self._dry = True
+                continue
+            if not k:
+                raise ConnectionResetError("connection closed by peer")
+            self._hi += k
+            self._dry = self._short_empties and self._hi < READ_AHEAD
+
+    async def _meta(self, n: int) -> bytearray:
+        """The next ``n`` bytes (a frame's meta), as a buffer of their own."""
+        if n <= READ_AHEAD:
+            if self._hi - self._lo < n:
+                await self._fill(n)
+            lo = self._lo
+            self._lo = lo + n
+            return bytearray(self._ahead[lo : lo + n])
+        meta = bytearray(n)
+        have = self._hi - self._lo
+        meta[:have] = self._ahead[self._lo : self._hi]
+        self._lo = self._hi
+        await self._io.recv_exact(memoryview(meta)[have:])
+        return meta
+
+    def _copy_ahead(self, iov: list[memoryview]) -> None:
+        """Fill ``iov`` (no more than is read ahead) from the bytes read ahead."""
+        ahead, lo = self._ahead, self._lo
+        for v in iov:
+            n = len(v)
+            v[:] = ahead[lo : lo + n]
+            lo += n
+        self._lo = lo
 
     async def _until_replies_drain(self) -> None:
         """Backpressure: read nothing more until our replies to the peer are sent.
@@ -155,13 +222,20 @@ class Reader:
             self._w.drained = None
 
     async def _discard(self, n: int) -> None:
+        """Read ``n`` bytes and drop them."""
+        ahead = min(n, self._hi - self._lo)
+        self._lo += ahead
+        n -= ahead
         scratch, sock = self._scratch, self._sock
         while n:
+            if self._dry:
+                await self._io.readable(min(n, len(scratch)))
             try:
                 k = sock.recv_into(scratch, min(n, len(scratch)))
             except (BlockingIOError, InterruptedError):
-                await self._io.readable(min(n, len(scratch)))
+                self._dry = True
                 continue
+            self._dry = False
             if not k:
                 raise ConnectionResetError("connection closed by peer")
             n -= k
@@ -176,6 +250,14 @@ class Reader:
             self._fail_sink(sink, "sent more bytes than granted")
             await self._discard(size)
             return
+        ahead = min(size, self._hi - self._lo)
+        if ahead:
+            self._copy_ahead(sink.cursor.take(ahead))
+            size -= ahead
+            if not size:
+                if not sink.cursor.remaining:
+                    self._p.filled(sink)
+                return
         if self._vec and type(sink.cursor) is RunCursor:
             await self._recv_rows(sink, sink.cursor.take_rows(size), size)
         else:
@@ -187,6 +269,9 @@ class Reader:
         assert sink.cursor is not None
         pos, sock, left = 0, self._sock, size
         while pos < len(iov):
+            if self._dry:
+                await self._io.readable(left)
+            # checked after any wait and right before the read, with no await between
             if sink.state is not State.RECEIVING:
                 # Cancelled mid-chunk: its owner has returned, so the rest is dropped.
                 await self._discard(sum(len(v) for v in iov[pos:]))
@@ -197,8 +282,9 @@ class Reader:
                 else:
                     k = sock.recvmsg_into(iov[pos : pos + IOV_MAX])[0]
             except (BlockingIOError, InterruptedError):
-                await self._io.readable(left)
+                self._dry = True
                 continue
+            self._dry = False
             left -= k
             if not k:
                 raise ConnectionResetError("connection closed by peer")
@@ -215,14 +301,17 @@ class Reader:
         assert sink.cursor is not None
         pos, sock, left = 0, self._sock, size
         while left:
-            if sink.state is not State.RECEIVING:
+            if self._dry:
+                await self._io.readable(left)
+            if sink.state is not State.RECEIVING:  # as in _recv_views
                 await self._discard(left)
                 return
             try:
                 k = readv(sock, rows[pos : pos + IOV_MAX])
             except (BlockingIOError, InterruptedError):
-                await self._io.readable(left)
+                self._dry = True
                 continue
+            self._dry = False
             if not k:
                 raise ConnectionResetError("connection closed by peer")
             left -= k

@@ -177,6 +177,8 @@ class TlsSockIO(SockIO):
 
     __slots__ = ("_contexts", "_host", "_raw", "_server_side", "_tls")
 
+    SHORT_READ_EMPTIES = False  # OpenSSL returns one record per read
+
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
