@@ -16,6 +16,7 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from dataclasses import field
+from typing import Any
 
 import pytest
 from _helpers import until
@@ -90,24 +91,30 @@ class _Read:
 
 @contextlib.asynccontextmanager
 async def _reading(views: list[memoryview], total: int) -> AsyncIterator[_Read]:
-    """A reader on one end of a socket pair, its ``recv_into`` results recorded (-1:
-    ``EAGAIN``); the other end."""
+    """A reader on one end of a socket pair, what its reads (``recv_into``,
+    ``recvmsg_into``) returned recorded (-1: ``EAGAIN``); the other end."""
     a, b = socket.socketpair()
     a.setblocking(False)
     recvs: list[int] = []
 
-    class _Counted:  # the socket calls of ``a``, its recv_into calls counted
-        def __getattr__(self, name: str) -> object:
-            return getattr(a, name)
-
-        def recv_into(self, buf: memoryview, n: int = 0, /) -> int:
+    def counted(read: Any) -> Any:
+        def call(*args: Any) -> Any:
             try:
-                k = a.recv_into(buf, n)
+                got = read(*args)
             except BlockingIOError:
                 recvs.append(-1)
                 raise
-            recvs.append(k)
-            return k
+            recvs.append(got if isinstance(got, int) else got[0])
+            return got
+
+        return call
+
+    class _Counted:  # the socket calls of ``a``, its reads recorded
+        def __getattr__(self, name: str) -> object:
+            return getattr(a, name)
+
+        recv_into = staticmethod(counted(a.recv_into))
+        recvmsg_into = staticmethod(counted(a.recvmsg_into))
 
     io = SockIO(asyncio.get_running_loop(), _Counted())  # type: ignore[arg-type]
     protocol, link = _Protocol(views, total), _Link()
@@ -206,6 +213,30 @@ async def test_frames_that_arrive_together_cost_one_read() -> None:
         assert len(r.protocol.frames) == 40 and bytes(bufs[0]) == chunk
         # one read took it all (a stale readiness wake-up may add an EAGAIN: -1)
         assert [k for k in r.recvs[before:] if k != -1] == [len(raw)]
+
+
+async def test_a_payload_larger_than_the_read_ahead_and_what_follows_cost_two_reads() -> None:
+    """A 64 KiB payload and forty small requests behind it, sent in one go: the first
+    read takes 16 KiB, the second the rest of the payload in place and the requests
+    behind it (read ahead); then the reader waits, with no read meeting ``EAGAIN``."""
+    rng = random.Random(6)
+    size = 4 * READ_AHEAD
+    chunk = rng.randbytes(size)
+    parts = [wire.encode_header(F.DATA, SINK, size=size) + chunk]
+    parts += [
+        wire.encode_frame(F.READ_REQ, 2 * i, meta=rng.randbytes(50), size=50) for i in range(40)
+    ]
+    bufs, views = _views([size])
+    async with _reading(views, size) as r:
+        await asyncio.sleep(0.01)  # parked, waiting for readiness
+        before = len(r.recvs)
+        raw = b"".join(parts)
+        r.peer.sendall(raw)
+        await until(lambda: len(r.protocol.frames) == 40)
+        await asyncio.sleep(0.01)
+        assert bytes(bufs[0]) == chunk and r.protocol.filled_ids == [SINK]
+        reads = [k for k in r.recvs[before:] if k != -1]  # -1: a stale wake-up's EAGAIN
+        assert reads == [READ_AHEAD, len(raw) - READ_AHEAD]
 
 
 async def test_a_broken_header_read_ahead_breaks_the_link() -> None:

@@ -8,7 +8,8 @@ says too many replies are queued for the peer (reply backpressure).
 It reads ahead: one ``recv_into`` takes up to :data:`READ_AHEAD` bytes, so the frames
 of a small exchange (a header, its meta, the next header, a small payload) cost one
 system call together rather than one each; what of a ``DATA`` payload was read ahead is
-copied into the request's buffers, the rest received into them directly. After a read
+copied into the request's buffers, the rest received into them directly, by a read
+whose last buffer is the read-ahead buffer (what follows the chunk). After a read
 that left a plain socket empty (fewer bytes than asked), the next read first waits for
 readiness instead of trying and meeting ``EAGAIN``.
 """
@@ -23,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from ..._layout import address_of
 from .. import _wire as wire
 from ._io import IOV_MAX
 from ._io import SockIO
@@ -105,6 +107,8 @@ class Reader:
         self._buf = bytearray(READ_AHEAD)
         self._ahead = memoryview(self._buf)
         self._lo = self._hi = 0
+        # the read-ahead buffer as an address row, appended to a chunk's last readv
+        self._ahead_row = np.array([[address_of(self._ahead), READ_AHEAD]], dtype=np.uint64)
         # wait for readiness before the next read: the last one met EAGAIN, or read
         # fewer bytes than asked from a socket that such a read leaves empty
         self._dry = False
@@ -276,18 +280,19 @@ class Reader:
                 # Cancelled mid-chunk: its owner has returned, so the rest is dropped.
                 await self._discard(sum(len(v) for v in iov[pos:]))
                 return
+            bufs = iov[pos : pos + IOV_MAX - 1]
+            last = pos + len(bufs) == len(iov)  # this read can finish the chunk...
+            if last:
+                bufs.append(self._ahead)  # ... and read ahead behind it
             try:
-                if pos + 1 == len(iov):
-                    k = sock.recv_into(iov[pos])
-                else:
-                    k = sock.recvmsg_into(iov[pos : pos + IOV_MAX])[0]
+                k = sock.recvmsg_into(bufs)[0]
             except (BlockingIOError, InterruptedError):
                 self._dry = True
                 continue
-            self._dry = False
-            left -= k
             if not k:
                 raise ConnectionResetError("connection closed by peer")
+            k = self._behind(k, left, last)
+            left -= k
             pos = consumed(iov, pos, k)
         if not sink.cursor.remaining:
             self._p.filled(sink)
@@ -306,19 +311,35 @@ class Reader:
             if sink.state is not State.RECEIVING:  # as in _recv_views
                 await self._discard(left)
                 return
+            part = rows[pos : pos + IOV_MAX - 1]
+            last = pos + len(part) == len(rows)  # as in _recv_views
+            if last:
+                part = np.concatenate((part, self._ahead_row))
             try:
-                k = readv(sock, rows[pos : pos + IOV_MAX])
+                k = readv(sock, part)
             except (BlockingIOError, InterruptedError):
                 self._dry = True
                 continue
-            self._dry = False
             if not k:
                 raise ConnectionResetError("connection closed by peer")
+            k = self._behind(k, left, last)
             left -= k
             if left:
                 pos = advance_rows(rows, pos, k)
         if not sink.cursor.remaining:
             self._p.filled(sink)
+
+    def _behind(self, k: int, left: int, last: bool) -> int:
+        """After a read of ``k`` bytes into a chunk's last ``left`` bytes and, when
+        ``last``, the read-ahead buffer behind them (empty before: the chunk took all that
+        was read ahead): keep what went past the chunk as read ahead, note whether the
+        socket is now empty; returns the bytes that went into the chunk."""
+        past = k - left
+        if past > 0:
+            self._lo, self._hi = 0, past
+        # only a read that asked past the chunk's end knows whether it emptied the socket
+        self._dry = last and self._short_empties and past < READ_AHEAD
+        return min(k, left)
 
     def _fail_sink(self, sink: MyOp | PeerOp, why: str) -> None:
         _log.warning("%r: request %d failed: peer %s", self._link, sink.rid, why)
