@@ -19,9 +19,9 @@ Design, in short:
   frames that arrived together cost one ``recv_into``; it receives the rest of each
   ``DATA`` chunk (what was not read ahead, which it copies) with ``recvmsg_into``
   straight into the destination views of the request it belongs to, reading ahead
-  behind the chunk in the same call; data of unknown,
-  finished or cancelled requests is dropped. Mid-chunk it asks to be woken only once
-  the rest of the chunk is there (``SO_RCVLOWAT``), not per segment.
+  behind the chunk in the same call; data of unknown, finished or cancelled requests
+  is dropped. Mid-chunk it asks to be woken only once the rest of the chunk is there
+  (``SO_RCVLOWAT``), not per segment.
 * Because only the reader and the writer touch the socket, and a send at once is
   synchronous, a caller being cancelled can never cut a frame in half. Its clean-up is
   synchronous: it unregisters the request (the reader stops writing into its buffers
