@@ -27,6 +27,7 @@ import numpy.typing as npt
 from ..._layout import address_of
 from .. import _wire as wire
 from ._io import IOV_MAX
+from ._io import RawSock
 from ._io import SockIO
 from ._io import advance_rows
 from ._io import consumed
@@ -49,6 +50,58 @@ _FRAME_COST: Final = YIELD_BYTES // 64
 #: Bytes one read takes ahead of what the frame in hand needs; also the most of a
 #: ``DATA`` payload ever copied (the rest is received in place).
 READ_AHEAD: Final = 16 << 10
+
+
+class _Into(Protocol):
+    """The buffers the rest of one DATA chunk is received into."""
+
+    def read(self, sock: RawSock) -> tuple[int, bool]:
+        """One read into the buffers not yet filled; returns the bytes read and whether
+        the read's last buffer was the read-ahead buffer (the read could finish the
+        chunk and read ahead behind it). Raises as ``recv_into``."""
+        ...
+
+    def advance(self, k: int) -> None:
+        """Past ``k`` more bytes received (fewer than were left)."""
+        ...
+
+
+class _Views:
+    """A chunk's buffers as views, read with ``recvmsg_into``."""
+
+    __slots__ = ("_ahead", "_iov", "_pos")
+
+    def __init__(self, iov: list[memoryview], ahead: memoryview) -> None:
+        self._iov, self._ahead, self._pos = iov, ahead, 0
+
+    def read(self, sock: RawSock) -> tuple[int, bool]:
+        bufs = self._iov[self._pos : self._pos + IOV_MAX - 1]
+        last = self._pos + len(bufs) == len(self._iov)  # this read can finish the chunk...
+        if last:
+            bufs.append(self._ahead)  # ... and read ahead behind it
+        return sock.recvmsg_into(bufs)[0], last
+
+    def advance(self, k: int) -> None:
+        self._pos = consumed(self._iov, self._pos, k)
+
+
+class _Rows:
+    """A chunk's memory as ``(address, length)`` rows, read with ``readv``."""
+
+    __slots__ = ("_ahead", "_pos", "_rows")
+
+    def __init__(self, rows: npt.NDArray[np.uint64], ahead: npt.NDArray[np.uint64]) -> None:
+        self._rows, self._ahead, self._pos = rows, ahead, 0
+
+    def read(self, sock: RawSock) -> tuple[int, bool]:
+        part = self._rows[self._pos : self._pos + IOV_MAX - 1]
+        last = self._pos + len(part) == len(self._rows)  # as in _Views.read
+        if last:
+            part = np.concatenate((part, self._ahead))
+        return readv(sock, part), last
+
+    def advance(self, k: int) -> None:
+        self._pos = advance_rows(self._rows, self._pos, k)
 
 
 class _Frames(Protocol):
@@ -263,60 +316,26 @@ class Reader:
                     self._p.filled(sink)
                 return
         if self._vec and type(sink.cursor) is RunCursor:
-            await self._recv_rows(sink, sink.cursor.take_rows(size), size)
+            into: _Into = _Rows(sink.cursor.take_rows(size), self._ahead_row)
         else:
-            await self._recv_views(sink, sink.cursor.take(size), size)
+            into = _Views(sink.cursor.take(size), self._ahead)
+        await self._recv_chunk(sink, into, size)
 
-    async def _recv_views(self, sink: MyOp | PeerOp, iov: list[memoryview], size: int) -> None:
-        """Receive one DATA chunk of ``size`` bytes into the views ``iov``; the rest of
+    async def _recv_chunk(self, sink: MyOp | PeerOp, into: _Into, size: int) -> None:
+        """Receive the ``size`` bytes left of one DATA chunk into ``into``; the rest of
         the chunk is dropped once ``sink`` stops receiving (cancelled mid-chunk)."""
         assert sink.cursor is not None
-        pos, sock, left = 0, self._sock, size
-        while pos < len(iov):
+        sock, left = self._sock, size
+        while left:
             if self._dry:
                 await self._io.readable(left)
             # checked after any wait and right before the read, with no await between
             if sink.state is not State.RECEIVING:
                 # Cancelled mid-chunk: its owner has returned, so the rest is dropped.
-                await self._discard(sum(len(v) for v in iov[pos:]))
-                return
-            bufs = iov[pos : pos + IOV_MAX - 1]
-            last = pos + len(bufs) == len(iov)  # this read can finish the chunk...
-            if last:
-                bufs.append(self._ahead)  # ... and read ahead behind it
-            try:
-                k = sock.recvmsg_into(bufs)[0]
-            except (BlockingIOError, InterruptedError):
-                self._dry = True
-                continue
-            if not k:
-                raise ConnectionResetError("connection closed by peer")
-            k = self._behind(k, left, last)
-            left -= k
-            pos = consumed(iov, pos, k)
-        if not sink.cursor.remaining:
-            self._p.filled(sink)
-
-    async def _recv_rows(
-        self, sink: MyOp | PeerOp, rows: npt.NDArray[np.uint64], size: int
-    ) -> None:
-        """Receive one DATA chunk of ``size`` bytes into the memory of ``rows``
-        (``readv``), as :meth:`_on_data` does into views; the rest of the chunk is
-        dropped once ``sink`` stops receiving (cancelled mid-chunk)."""
-        assert sink.cursor is not None
-        pos, sock, left = 0, self._sock, size
-        while left:
-            if self._dry:
-                await self._io.readable(left)
-            if sink.state is not State.RECEIVING:  # as in _recv_views
                 await self._discard(left)
                 return
-            part = rows[pos : pos + IOV_MAX - 1]
-            last = pos + len(part) == len(rows)  # as in _recv_views
-            if last:
-                part = np.concatenate((part, self._ahead_row))
             try:
-                k = readv(sock, part)
+                k, last = into.read(sock)
             except (BlockingIOError, InterruptedError):
                 self._dry = True
                 continue
@@ -325,7 +344,7 @@ class Reader:
             k = self._behind(k, left, last)
             left -= k
             if left:
-                pos = advance_rows(rows, pos, k)
+                into.advance(k)
         if not sink.cursor.remaining:
             self._p.filled(sink)
 
