@@ -13,41 +13,41 @@ import logging as _logging
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
-    from ._cache import Cache
-    from ._cache import KvCache
-    from ._config import LLMConfig
-    from ._config import LlmConfig
-    from ._config import MemPoolConfig
-    from ._datadist import LLMDataDist
-    from ._enums import DataType
-    from ._enums import LLMRole
-    from ._enums import LLMStatusCode
-    from ._enums import Memtype
-    from ._enums import Placement
-    from ._enums import RegisterMemStatus
-    from ._errors import LLMException
-    from ._errors import NoneArgumentError
-    from ._errors import Status
-    from ._layerwise import CacheTask
-    from ._layerwise import LayerSynchronizer
-    from ._manager import CacheManager
-    from ._manager import KvCacheManager
-    from ._models import BlocksCacheKey
-    from ._models import CacheDesc
-    from ._models import CacheKey
-    from ._models import CacheKeyByIdAndIndex
-    from ._models import LLMClusterInfo
-    from ._models import MemInfo
-    from ._models import TransferConfig
-    from ._models import TransferWithCacheKeyConfig
-    from ._pool import PoolStats
-    from ._stats import CopyStats
-    from ._stats import DataDistStats
-    from ._stats import Histogram
-    from ._stats import LinkStats
-    from ._stats import NotificationStats
-    from ._stats import OpStats
-    from ._stats import ServedStats
+    from ._cache import Cache as Cache
+    from ._cache import KvCache as KvCache
+    from ._config import LLMConfig as LLMConfig
+    from ._config import LlmConfig as LlmConfig
+    from ._config import MemPoolConfig as MemPoolConfig
+    from ._datadist import LLMDataDist as LLMDataDist
+    from ._enums import DataType as DataType
+    from ._enums import LLMRole as LLMRole
+    from ._enums import LLMStatusCode as LLMStatusCode
+    from ._enums import Memtype as Memtype
+    from ._enums import Placement as Placement
+    from ._enums import RegisterMemStatus as RegisterMemStatus
+    from ._errors import LLMException as LLMException
+    from ._errors import NoneArgumentError as NoneArgumentError
+    from ._errors import Status as Status
+    from ._layerwise import CacheTask as CacheTask
+    from ._layerwise import LayerSynchronizer as LayerSynchronizer
+    from ._manager import CacheManager as CacheManager
+    from ._manager import KvCacheManager as KvCacheManager
+    from ._models import BlocksCacheKey as BlocksCacheKey
+    from ._models import CacheDesc as CacheDesc
+    from ._models import CacheKey as CacheKey
+    from ._models import CacheKeyByIdAndIndex as CacheKeyByIdAndIndex
+    from ._models import LLMClusterInfo as LLMClusterInfo
+    from ._models import MemInfo as MemInfo
+    from ._models import TransferConfig as TransferConfig
+    from ._models import TransferWithCacheKeyConfig as TransferWithCacheKeyConfig
+    from ._pool import PoolStats as PoolStats
+    from ._stats import CopyStats as CopyStats
+    from ._stats import DataDistStats as DataDistStats
+    from ._stats import Histogram as Histogram
+    from ._stats import LinkStats as LinkStats
+    from ._stats import NotificationStats as NotificationStats
+    from ._stats import OpStats as OpStats
+    from ._stats import ServedStats as ServedStats
 
 __version__ = "0.1.0"
 
@@ -55,46 +55,28 @@ __version__ = "0.1.0"
 # last-resort stderr handler) unless the application configures logging.
 _logging.getLogger("aiokv").addHandler(_logging.NullHandler())
 
-#: public name -> the private module that defines it (kept in step with the imports above)
-_HOME: dict[str, str] = {
-    **dict.fromkeys(("Cache", "KvCache"), "_cache"),
-    **dict.fromkeys(("LLMConfig", "LlmConfig", "MemPoolConfig"), "_config"),
-    "LLMDataDist": "_datadist",
-    **dict.fromkeys(
-        ("DataType", "LLMRole", "LLMStatusCode", "Memtype", "Placement", "RegisterMemStatus"),
-        "_enums",
+#: private module -> the public names it defines (kept in step with the imports above,
+#: which re-export them for type checkers)
+_NAMES: dict[str, tuple[str, ...]] = {
+    "_cache": ("Cache", "KvCache"),
+    "_config": ("LLMConfig", "LlmConfig", "MemPoolConfig"),
+    "_datadist": ("LLMDataDist",),
+    "_enums": ("DataType", "LLMRole", "LLMStatusCode", "Memtype", "Placement", "RegisterMemStatus"),
+    "_errors": ("LLMException", "NoneArgumentError", "Status"),
+    "_layerwise": ("CacheTask", "LayerSynchronizer"),
+    "_manager": ("CacheManager", "KvCacheManager"),
+    "_models": (
+        "BlocksCacheKey", "CacheDesc", "CacheKey", "CacheKeyByIdAndIndex", "LLMClusterInfo",
+        "MemInfo", "TransferConfig", "TransferWithCacheKeyConfig",
     ),
-    **dict.fromkeys(("LLMException", "NoneArgumentError", "Status"), "_errors"),
-    **dict.fromkeys(("CacheTask", "LayerSynchronizer"), "_layerwise"),
-    **dict.fromkeys(("CacheManager", "KvCacheManager"), "_manager"),
-    **dict.fromkeys(
-        (
-            "BlocksCacheKey",
-            "CacheDesc",
-            "CacheKey",
-            "CacheKeyByIdAndIndex",
-            "LLMClusterInfo",
-            "MemInfo",
-            "TransferConfig",
-            "TransferWithCacheKeyConfig",
-        ),
-        "_models",
+    "_pool": ("PoolStats",),
+    "_stats": (
+        "CopyStats", "DataDistStats", "Histogram", "LinkStats", "NotificationStats", "OpStats",
+        "ServedStats",
     ),
-    "PoolStats": "_pool",
-    **dict.fromkeys(
-        (
-            "CopyStats",
-            "DataDistStats",
-            "Histogram",
-            "LinkStats",
-            "NotificationStats",
-            "OpStats",
-            "ServedStats",
-        ),
-        "_stats",
-    ),
-}
-
+}  # fmt: skip
+#: public name -> the private module that defines it
+_HOME: dict[str, str] = {name: home for home, names in _NAMES.items() for name in names}
 
 if not _typing.TYPE_CHECKING:  # mypy sees the imports above, and no catch-all attribute
 
@@ -113,41 +95,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = [
-    "BlocksCacheKey",
-    "Cache",
-    "CacheDesc",
-    "CacheKey",
-    "CacheKeyByIdAndIndex",
-    "CacheManager",
-    "CacheTask",
-    "CopyStats",
-    "DataDistStats",
-    "DataType",
-    "Histogram",
-    "KvCache",
-    "KvCacheManager",
-    "LLMClusterInfo",
-    "LLMConfig",
-    "LLMDataDist",
-    "LLMException",
-    "LLMRole",
-    "LLMStatusCode",
-    "LayerSynchronizer",
-    "LinkStats",
-    "LlmConfig",
-    "MemInfo",
-    "MemPoolConfig",
-    "Memtype",
-    "NoneArgumentError",
-    "NotificationStats",
-    "OpStats",
-    "Placement",
-    "PoolStats",
-    "RegisterMemStatus",
-    "ServedStats",
-    "Status",
-    "TransferConfig",
-    "TransferWithCacheKeyConfig",
-    "__version__",
-]
+__all__ = [*sorted(_HOME), "__version__"]
