@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
 import pkgutil
+from pathlib import Path
 from types import ModuleType
 
 import aiokv
@@ -67,6 +69,25 @@ def test_top_level_all_is_exactly_the_public_namespace() -> None:
         # defined in a private module, re-exported here: one public surface
         assert _is_private(obj.__module__), f"{name} is defined in public {obj.__module__}"
         assert inspect.getdoc(obj), f"{name} has no docstring"
+
+
+def test_type_checkers_see_every_lazily_loaded_name_from_its_module() -> None:
+    """The type-checking imports of ``aiokv/__init__.py`` (what mypy and IDEs see) name
+    exactly the public names of the table the lazy loading reads, each from the module
+    that table gives and re-exported explicitly (``import X as X``)."""
+    tree = ast.parse(Path(aiokv.__file__).read_text())
+    [block] = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "_typing.TYPE_CHECKING"
+    ]
+    seen: dict[str, set[str]] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        for alias in node.names:
+            assert alias.asname == alias.name, f"{alias.name} is not re-exported"
+            seen.setdefault(node.module, set()).add(alias.name)
+    assert seen == {home: set(names) for home, names in aiokv._NAMES.items()}
 
 
 def test_public_methods_are_documented() -> None:
