@@ -391,6 +391,12 @@ def test_link_clusters_without_local_ip_info_is_refused_as_llm_datadist() -> Non
     peer.append_local_ip_info("127.0.0.1", 0)
     with llm_datadist.LLMDataDist(llm_datadist.LLMRole.DECODER, 2, config()) as d:
         assert d.link_clusters([peer], 300)[0] == CODE.LLM_LINK_FAILED  # tried
+        # no address of the peer: failed without a try, the remedy kept for the caller
+        nowhere = llm_datadist.LLMClusterInfo()
+        nowhere.remote_cluster_id = 3
+        nowhere.append_local_ip_info("127.0.0.1", 0)
+        assert d.link_clusters([nowhere], 300) == (CODE.LLM_LINK_FAILED, [CODE.LLM_LINK_FAILED])
+        assert "call append_remote_ip_info(ip, port)" in str(d.link_failure(3))
 
 
 def test_a_misspelt_option_is_refused_naming_the_call_that_took_it() -> None:

@@ -450,6 +450,23 @@ async def test_copy_cache_slots_offset_size(cm: CacheManager) -> None:
         assert torch.equal(row[192:], bd[i][2].view(torch.uint8)[192:])
 
 
+async def test_copy_cache_along_another_batch_dimension(cm: CacheManager) -> None:
+    # slots along dimension 1 (strided); dst with its batch first: shapes equal but for it
+    src = await cm.allocate_cache(CacheDesc(2, [4, 3, 8], DataType.DT_FLOAT16, batch_dim_index=1))
+    dst = await cm.allocate_cache(CacheDesc(2, [5, 4, 8], DataType.DT_FLOAT16))
+    fill_randn(src, 7)
+    fill_randn(dst, 8)
+    bd = snapshot(dst)
+    await cm.copy_cache(dst, src, 4, 2)
+    for i in range(2):
+        assert torch.equal(dst.tensors[i][4], src.tensors[i][:, 2])
+        assert torch.equal(dst.tensors[i][:4], bd[i][:4])
+    with pytest.raises(LLMException, match="offset/size need batch_dim_index 0") as ei:
+        await cm.copy_cache(dst, src, 0, 1, offset=16)
+    assert ei.value.status_code == CODE.LLM_PARAM_INVALID
+    assert torch.equal(dst.tensors[0][0], bd[0][0])
+
+
 # ---- the error contract -----------------------------------------------------------------------
 async def test_error_contract_changes_nothing(cm: CacheManager) -> None:
     dev = await cm.allocate_blocks_cache(blocks_desc(Placement.DEVICE, 16))

@@ -99,6 +99,11 @@ def test_keys_positional_keyword_aliases_hashable() -> None:
     ]:
         with pytest.raises(exc):
             bad()
+    # the other models: a TypeError, as a Python call with the same mistake
+    with pytest.raises(TypeError, match="TransferConfig: takes at most 4 positional arguments"):
+        TransferConfig(2, [1, 2], None, 0, 5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="got multiple values for 'dst_cluster_id'"):
+        TransferConfig(2, [1, 2], dst_cluster_id=3)  # type: ignore[misc]
 
 
 def test_mem_pool_config_json_form() -> None:

@@ -71,15 +71,18 @@ async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Setup]:
 class Recorder:
     """A blocking synchronizer recording its calls (runs on a worker thread)."""
 
-    def __init__(self, hold_s: float = 0.0) -> None:
+    def __init__(self, hold_s: float = 0.0, until: threading.Event | None = None) -> None:
         self.calls: list[tuple[int, Any]] = []
         self.first = threading.Event()
         self.hold_s = hold_s
+        self.until = until  # set: each call also waits for it (10 s at most)
 
     def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
         self.calls.append((layer_index, timeout_in_millis))
         self.first.set()
         time.sleep(self.hold_s)
+        if self.until is not None:
+            self.until.wait(10)
         return True
 
 
@@ -251,3 +254,15 @@ def test_blocking_api_returns_a_blocking_task() -> None:
         with pytest.raises(LLMException):
             p.cache_manager.transfer_cache_async(src, sync, [TransferWithCacheKeyConfig(KEY)], [0])
         assert p.cache_manager.statistics().pins == 0
+        # cancelled from this thread while its synchronizer holds layer 0
+        release = threading.Event()
+        held = Recorder(hold_s=0.0, until=release)
+        task = p.cache_manager.transfer_cache_async(src, held, [TransferWithCacheKeyConfig(KEY)])
+        assert held.first.wait(5) and not task.done() and task.errors() == [None]
+        task.cancel()
+        assert task.synchronize() == CODE.LLM_FAILED  # waits for the end
+        assert task.done() and task.get_results() == [None] and task.errors() == [None]
+        release.set()
+        assert held.calls == [(0, None)] and p.cache_manager.statistics().pins == 0
+        assert (p.cluster_id, d.cluster_id, p.cache_manager.device.type) == (1, 2, "cpu")
+        assert repr(p) == "LLMDataDist(role=PROMPT, cluster_id=1, initialized)"

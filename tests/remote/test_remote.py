@@ -369,6 +369,8 @@ async def test_remote_errors_change_nothing(pair: tuple[LLMDataDist, LLMDataDist
             ),
         ),
         (P, cm.pull_blocks(k, dst, [0], [0], tensor_num_per_layer=4, src_layer_range=range(0, 1))),
+        (P, cm.pull_blocks(k, dst, [0], [0], src_layer_range=range(0, 3, 2))),  # stepped
+        (P, cm.push_blocks(k, dst, [0], [0], dst_layer_range=range(1, 1))),  # empty
         (P, cm.pull_blocks(BlocksCacheKey(1, 2), dst, [0], [0])),  # block sizes differ
     ]:
         await raises(code, coro)
