@@ -311,6 +311,33 @@ async def test_handler_that_never_answers_times_out(pair: Pair) -> None:
     await assert_reads(pair.link_a, pair.hb.regions, b"ok")
 
 
+async def test_a_peer_that_never_acknowledges_a_cancelled_write_loses_the_link(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A write cut short mid-stream returns only once the peer confirmed that none of it
+    lands any more (``CANCEL_ACK``); a peer that never confirms loses the link, after a
+    bounded wait (``_CANCEL_ACK_WAIT``), instead of holding the writer forever."""
+    size = 256 * MIB  # ~100 ms of loopback: the deadline falls mid-stream
+    async with make_pair(chunk_bytes=1 * MIB) as p:
+        # (allocated off the loop: zeroing 256 MiB would block it)
+        p.hb.regions["r"] = await asyncio.to_thread(bytearray, size)
+        p.link_b._p.handlers[FrameType.CANCEL] = lambda h, meta: None  # type: ignore[attr-defined]
+        mine = memoryview(await asyncio.to_thread(bytearray, size))
+        meta = js({"region": "r", "spans": [[0, size]]})
+        took = 0.0
+        for _ in range(5):  # a deadline that fell before the grant breaks nothing: again
+            t0 = time.monotonic()
+            with pytest.raises(LLMException) as info:
+                await asyncio.wait_for(p.link_a.write(meta, [mine], timeout=0.03), 15)
+            took = time.monotonic() - t0
+            assert info.value.status_code in (Code.LLM_TIMEOUT, Code.LLM_LINK_FAILED)
+            if p.link_a.broken:
+                break
+        assert p.link_a.broken and p.lost_a == [p.link_a]
+        assert _link._CANCEL_ACK_WAIT[0] <= took < _link._CANCEL_ACK_WAIT[1] + 2
+        assert "no CANCEL_ACK for request" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("chunk", "sockbuf"),
     [(16 * KIB, None), (1 * MIB, 32 * KIB)],
