@@ -47,14 +47,16 @@ class Ready:
 
 
 class Held:
-    """An async synchronizer that never releases a layer (the model never finishes)."""
+    """An async synchronizer that releases no layer until ``release`` is set (the model
+    has not finished them)."""
 
     def __init__(self) -> None:
         self.asked: list[int] = []
+        self.release = asyncio.Event()
 
     async def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
         self.asked.append(layer_index)
-        await asyncio.Event().wait()
+        await self.release.wait()
         return True
 
 
@@ -217,3 +219,26 @@ async def test_unregistering_the_source_cancels_the_transfer(aiokv_pair: Pair) -
     assert await task.synchronize() == CODE.LLM_FAILED
     assert held.asked == [0] and p.cache_manager.statistics().pins == 0
     assert not any(t.any() for t in dst.tensors)  # nothing of it was sent
+
+
+async def test_deallocating_a_pool_source_lets_the_transfer_finish(aiokv_pair: Pair) -> None:
+    p, d = aiokv_pair
+    src = await p.cache_manager.allocate_blocks_cache(PAGED)
+    fill_randn(src, 5)
+    want = [t.clone() for t in src.tensors]
+    dst = await d.cache_manager.allocate_blocks_cache(PAGED, BlocksCacheKey(2, 0))
+    held = Held()
+    task = p.cache_manager.transfer_cache_async(
+        src, held, [TransferWithCacheKeyConfig(BlocksCacheKey(2, 0))], [0, 1], [0, 1]
+    )
+    await until(lambda: held.asked == [0])
+    pool = p.cache_manager.get_pool_stats()
+    assert pool is not None and pool.allocations == 4
+    await p.cache_manager.deallocate_blocks_cache(src)  # returns at once; the task holds it
+    assert not task.done() and p.cache_manager.get_pool_stats() == pool
+    held.release.set()
+    assert await finished(task) == [CODE.LLM_SUCCESS]
+    for td, ts in zip(dst.tensors, want, strict=True):
+        assert torch.equal(td[:2], ts[:2])  # the cache's bytes, not reused memory
+    await until(lambda: p.cache_manager.get_pool_stats().allocations == 0)  # type: ignore[union-attr]
+    assert p.cache_manager.statistics().pins == 0
