@@ -352,9 +352,12 @@ async def test_a_lost_link_ends_the_leases_on_both_sides() -> None:
 
 
 @needs_nixl
-async def test_leases_are_only_lent_where_a_transfer_would_be() -> None:
+async def test_leases_are_only_lent_where_a_transfer_would_be(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Lease requests are checked as transfers are: the key, remote access, the block
-    size; a write lease needs what a push needs; never over TCP."""
+    size; a write lease needs what a push needs; at most ``MAX_LEASES`` per link; never
+    over TCP."""
     async with linked(enable_remote_cache_accessible=False) as (p, _d):
         key = BlocksCacheKey(1, 0)
         src = await p.cache_manager.allocate_blocks_cache(desc(), key)
@@ -402,6 +405,19 @@ async def test_leases_are_only_lent_where_a_transfer_would_be() -> None:
                 ),
             )
             assert p.cache_manager.statistics().leases == 0
+            # a holder asking for more than MAX_LEASES is refused; nothing more is pinned
+            monkeypatch.setattr(_leases, "MAX_LEASES", 2)
+            for _ in range(2):
+                await link.read(
+                    protocol.encode(ok), [memoryview(bytearray(reply_size(4)))], timeout=5
+                )
+            await raises(
+                CODE.LLM_LINK_BUSY,
+                link.read(protocol.encode(ok), [memoryview(bytearray(reply_size(4)))], timeout=5),
+                "at most 2 leases per link",
+            )
+            assert p.cache_manager.statistics().leases == 2
+        await until(lambda: p.cache_manager.statistics().leases == 0)  # ended with the link
     tcp = config(transfer_backend="tcp")
     async with LLMDataDist(LLMRole.PROMPT, 1, tcp) as p:
         src = await p.cache_manager.allocate_blocks_cache(desc(), BlocksCacheKey(1, 0))
