@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import random
 import socket
 from collections.abc import AsyncIterator
@@ -283,3 +284,33 @@ async def test_nothing_lands_once_a_request_stops_receiving_mid_chunk(first: int
         await until(lambda: len(r.protocol.frames) == 1)
         assert bytes(bufs[0][first:]) == bytes(size - first)
         assert r.protocol.filled_ids == [] and r.link.broken == []
+
+
+async def test_a_socket_error_is_never_waited_past() -> None:
+    """uvloop ends a descriptor's watch when the socket reports an error (it calls the
+    callback once more, then closes its poll handle); a reader that woke, read nothing
+    and waits again must get the error, not wait forever on a watch that is gone (seen
+    as a link that never broke after its peer vanished: the hostile-frames fuzz, seed
+    999, under uvloop). asyncio's loop keeps the watch: each wait returns at once."""
+    loop = asyncio.get_running_loop()
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    sock = socket.socket()
+    sock.setblocking(False)
+    assert sock.connect_ex(("127.0.0.1", port)) in (errno.EINPROGRESS, errno.ECONNREFUSED)
+    io = SockIO(loop, sock)
+    raised: OSError | None = None
+    try:
+        for _ in range(3):
+            try:
+                await asyncio.wait_for(io.readable(), 5)
+            except TimeoutError:
+                raise AssertionError("waited past a socket error") from None
+            except OSError as exc:  # uvloop: the wait after the one the error woke
+                raised = exc
+                break
+        err = raised.errno if raised else sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        assert err == errno.ECONNREFUSED
+    finally:
+        io.close()

@@ -135,7 +135,17 @@ class RawSock(Protocol):
 class SockIO:
     """Readiness waits for one non-blocking socket; safe against fd reuse after close."""
 
-    __slots__ = ("_loop", "_lowat", "_rfut", "_watching", "_wfut", "fd", "sock")
+    __slots__ = (
+        "_error",
+        "_errors_end_watch",
+        "_loop",
+        "_lowat",
+        "_rfut",
+        "_watching",
+        "_wfut",
+        "fd",
+        "sock",
+    )
 
     #: Whether a read that returns fewer bytes than asked left nothing to read (a plain
     #: socket: it returns what the kernel holds; TLS: one record at a time).
@@ -149,6 +159,11 @@ class SockIO:
         self._wfut: asyncio.Future[None] | None = None
         self._watching = False  # the loop watches fd for reading (see readable())
         self._lowat = 1
+        # uvloop ends a descriptor's watch on a socket error (libuv reports the poll
+        # failed; uvloop calls the callbacks once more, then closes the poll handle),
+        # where asyncio's selector loop keeps it: see _on_readable
+        self._errors_end_watch = not isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop)
+        self._error = 0  # that socket error, raised by the next wait
 
     @property
     def closed(self) -> bool:
@@ -170,6 +185,8 @@ class SockIO:
         """
         if self.closed:
             raise ConnectionResetError("socket closed")
+        if self._error:
+            raise OSError(self._error, os.strerror(self._error))
         lowat = 1
         if want > _LOWAT_MIN:
             # Well below the buffer size, so the kernel can always reach it.
@@ -193,13 +210,31 @@ class SockIO:
         so a reader that reads a reply and waits again costs no ``add_reader`` /
         ``remove_reader`` (two ``epoll_ctl`` calls) per wait; with no waiter (its bytes
         are read later, or the reader paused) it is unwatched here, since readiness is
-        level-triggered and would call again every loop iteration."""
+        level-triggered and would call again every loop iteration.
+
+        Under uvloop a socket error (``SO_ERROR`` set, e.g. ``EPIPE`` after the peer
+        reset a half-closed connection) ends the watch: this call is the last. The error
+        is taken (``SO_ERROR`` reads and clears it) and raised by the next
+        :meth:`readable`; the fd is unwatched here, so the state stays the loop's. Else
+        a reader whose read after this wake-up found nothing would wait forever on a
+        watch that no longer exists (a link that never learns its peer is gone)."""
         fut = self._rfut
-        if fut is None:
+        if fut is None or (self._errors_end_watch and self._take_error()):
             self._watching = False
             self._loop.remove_reader(self.fd)
-        else:
+        if fut is not None:
             wake(fut)
+
+    def _take_error(self) -> bool:
+        """Whether the socket has a pending error (kept in ``_error``); reads it, which
+        clears it in the kernel."""
+        try:
+            err = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        except OSError as exc:
+            err = exc.errno or errno.EBADF
+        if err:
+            self._error = err
+        return bool(err)
 
     async def writable(self) -> None:
         """Wait until the socket is writable (or closed under us)."""
