@@ -164,10 +164,12 @@ def collect() -> dict[str, Any]:
 
 
 def _detail(entry: dict[str, Any]) -> str:
+    """An entry's fields but ``available`` as one line; an ``install`` hint that its
+    ``why`` already gives is not said twice."""
     return ", ".join(
         f"{k}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in entry.items()
-        if k != "available"
+        if k != "available" and not (k == "install" and v in str(entry.get("why", "")))
     )
 
 
@@ -188,9 +190,12 @@ def render(info: dict[str, Any], console: Console | None = None) -> None:
             table.add_row(name, ok, escape(_detail(entry)))
         console.print(table)
     loop = info["event_loop"]
+    # text, not markup: "aiokv[uvloop]" must print as it is
     console.print(
-        f"event loop: uvloop {loop['uvloop']}"
-        if loop["uvloop"]
-        else f"event loop: asyncio ({loop['why']})"
+        escape(
+            f"event loop: uvloop {loop['uvloop']}"
+            if loop["uvloop"]
+            else f"event loop: asyncio ({loop['why']})"
+        )
     )
-    console.print(f"platform: {info['platform']}; python: {info['executable']}")
+    console.print(escape(f"platform: {info['platform']}; python: {info['executable']}"))

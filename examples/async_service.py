@@ -13,8 +13,8 @@ What it shows:
 * the service hands out its own KV blocks (a free list: bookkeeping, never awaited) and
   takes them back in ``finally`` — after a success, a timeout or a cancellation alike.
   aiokv guarantees that once ``pull_blocks`` returned or raised, no byte lands in the
-  destination any more, so the blocks are safe to reuse at once (docs/api.md,
-  "Cancellation");
+  destination any more, so the blocks are safe to reuse at once
+  (docs/cancellation.md);
 * a deadline per request with ``asyncio.timeout``; a client that goes away cancels its
   task;
 * admission control with a semaphore (at most ``MAX_IN_FLIGHT`` pulls in flight).

@@ -82,6 +82,25 @@ def test_info_names_the_extra_when_nixl_does_not_import(monkeypatch: pytest.Monk
     assert "No module named 'nixl_cu12'" in text and "aiokv[nixl]" in text
 
 
+def test_info_prints_install_hints_as_text_and_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aiokv info`` without uvloop and NIXL: the extra's name survives the table's
+    markup (``aiokv[uvloop]``), and an install hint the reason gives is not repeated."""
+    monkeypatch.setattr(_info, "_dist_version", lambda *names: None)  # nothing installed
+
+    def missing(name: str) -> Any:
+        raise LLMException(
+            "the nixl transport needs NIXL: pip install 'aiokv[nixl]'",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+
+    monkeypatch.setattr(_info, "get_transport", missing)
+    result = CliRunner().invoke(app, ["info"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert "event loop: asyncio (not installed (aiokv[uvloop])" in text
+    assert text.count("pip install 'aiokv[nixl]'") == 1
+
+
 def test_plot_without_matplotlib_says_what_to_install_before_running(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

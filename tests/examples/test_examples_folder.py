@@ -59,9 +59,14 @@ def test_program_runs_and_checks_its_bytes(name: str) -> None:
 
 
 def test_the_example_test_suite_passes_with_the_plugin() -> None:
-    done = _run("-m", "pytest", "-q", "-p", "no:cacheprovider", str(EXAMPLES / "test_suite"))
+    """As a user runs it with only ``aiokv[testing]`` installed (no pytest-timeout): its
+    own settings, no warning about the repository's."""
+    done = _run(
+        *("-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:timeout"),
+        *("-W", "error::pytest.PytestConfigWarning", str(EXAMPLES / "test_suite")),
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "10 passed" in done.stdout, done.stdout
+    assert "10 passed" in done.stdout and "warning" not in done.stdout, done.stdout
 
 
 def test_the_engine_guide_includes_every_section_of_the_program() -> None:
