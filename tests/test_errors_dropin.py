@@ -13,6 +13,7 @@ import pytest
 from _helpers import free_port
 from _helpers import not_listening
 from _helpers import raises
+from _helpers import raw_link
 
 import aiokv.sync as llm_datadist
 from aiokv import BlocksCacheKey
@@ -26,6 +27,7 @@ from aiokv import LLMStatusCode
 from aiokv import TransferConfig
 from aiokv import TransferWithCacheKeyConfig
 from aiokv._config import InvalidOptionError
+from aiokv._remote import _links
 from aiokv.testing import cluster_info
 from aiokv.testing import linked_pair
 
@@ -113,6 +115,30 @@ async def test_a_link_that_ended_keeps_its_reason() -> None:
             d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [0]),
             "call link_clusters first",
         )
+
+
+async def test_why_links_ended_is_kept_for_the_most_recent_clusters_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Peers linking and leaving under ever new cluster ids (any id, without a secret)
+    leave at most ``MAX_LOST_REASONS`` reasons behind: the most recent ones."""
+    monkeypatch.setattr(_links, "MAX_LOST_REASONS", 8)
+    async with LLMDataDist(LLMRole.PROMPT, 1, config(listen_ip_info="127.0.0.1:0")) as p:
+        assert p.listen_address is not None
+        port = p.listen_address[1]
+        for cid in range(100, 120):
+            s = await asyncio.to_thread(raw_link, port, cid)
+            for filed in (True, False):  # until the link was filed, then seen ending
+                for _ in range(500):
+                    if (cid in p.linked_clusters()) is filed:
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    pytest.fail(f"cluster {cid}: never {'filed' if filed else 'ended'}")
+                s.close()
+        assert p.link_failure(119) is not None and p.link_failure(112) is not None
+        assert p.link_failure(111) is None and p.link_failure(100) is None
+        assert len(p._links._lost) == 8
 
 
 async def test_wrong_cluster_at_the_address_names_both(caplog: pytest.LogCaptureFixture) -> None:

@@ -52,6 +52,10 @@ log = logging.getLogger("aiokv.links")
 #: link claims its cluster id (a live peer answers in well under a millisecond; a peer
 #: busy receiving a big push answers once the data ahead of the probe has been read).
 PROBE_TIMEOUT_S: Final = 1.0
+#: Most clusters whose link's end is remembered (why it ended, for their next operation
+#: and ``link_failure``): the most recent; a peer could otherwise grow the table without
+#: bound by linking and leaving under ever new cluster ids.
+MAX_LOST_REASONS: Final = 1024
 
 
 class LinkTable:
@@ -223,7 +227,10 @@ class LinkTable:
             self._counters.down(cid)
             why = link.why_broken or "broken or closed"
             if why != "closed locally":  # an unlink, a finalize: nothing to report
+                self._lost.pop(cid, None)  # the most recent last
                 self._lost[cid] = why
+                if len(self._lost) > MAX_LOST_REASONS:  # a peer may churn cluster ids
+                    del self._lost[next(iter(self._lost))]
             log.info("link to cluster %d down (%s)", cid, why)
 
     def pop(self, cluster_id: int) -> Link | None:
