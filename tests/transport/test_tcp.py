@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import mmap
 import random
 import socket
 import time
@@ -319,10 +320,11 @@ async def test_a_peer_that_never_acknowledges_a_cancelled_write_loses_the_link(
     bounded wait (``_CANCEL_ACK_WAIT``), instead of holding the writer forever."""
     size = 256 * MIB  # ~100 ms of loopback: the deadline falls mid-stream
     async with make_pair(chunk_bytes=1 * MIB) as p:
-        # (allocated off the loop: zeroing 256 MiB would block it)
-        p.hb.regions["r"] = await asyncio.to_thread(bytearray, size)
+        # (anonymous mappings: zeroing a 256 MiB bytearray holds the GIL, and so blocks
+        # the loop, for up to a second on a loaded machine, even from another thread)
+        p.hb.regions["r"] = mmap.mmap(-1, size)  # type: ignore[assignment]
         p.link_b._p.handlers[FrameType.CANCEL] = lambda h, meta: None  # type: ignore[attr-defined]
-        mine = memoryview(await asyncio.to_thread(bytearray, size))
+        mine = memoryview(mmap.mmap(-1, size))
         meta = js({"region": "r", "spans": [[0, size]]})
         took = 0.0
         for _ in range(5):  # a deadline that fell before the grant breaks nothing: again
