@@ -311,13 +311,7 @@ class CacheRegistry:
         self._pin(entries, lease)
 
     def _pin(self, entries: Sequence[Entry], lease: bool) -> None:
-        for e in entries:
-            # registered user memory is the user's again once unregister_cache started
-            if e.freed or not (e.owned or e.id_held):
-                raise LLMException(
-                    f"cache {e.cache.cache_id} was released meanwhile",
-                    status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                )
+        _check_live(entries)
         for e in entries:
             e.pins += 1
             e.leases += lease
@@ -372,6 +366,21 @@ class CacheRegistry:
         _add_revoker(token, revoke, entries)
 
     @_locked
+    def attach(
+        self, token: object, revoke: Callable[[LLMStatusCode], None], *entries: Entry
+    ) -> None:
+        """:meth:`add_revoker` for an operation that pinned ``entries`` before it
+        awaited something (staging, the engine): as one step with the check that none
+        was released meanwhile, which :meth:`revoke` would have ended it for.
+
+        Raises:
+            LLMException: ``LLM_KV_CACHE_NOT_EXIST``, as :meth:`pin`; nothing is
+                recorded then (the operation's pin is the caller's to end).
+        """
+        _check_live(entries)
+        _add_revoker(token, revoke, entries)
+
+    @_locked
     def drop_revoker(self, token: object, *entries: Entry) -> None:
         """The operation ``token`` ended; it can no longer be revoked."""
         _drop_revoker(token, entries)
@@ -419,6 +428,18 @@ class CacheRegistry:
             pins=sum(e.pins - e.leases for e in live),
             leases=sum(e.leases for e in live),
         )
+
+
+def _check_live(entries: Sequence[Entry]) -> None:
+    """Raise ``LLM_KV_CACHE_NOT_EXIST`` if one of ``entries`` may no longer be used:
+    freed, or registered user memory whose ``unregister_cache`` started (it is the
+    user's again); the registry's lock held."""
+    for e in entries:
+        if e.freed or not (e.owned or e.id_held):
+            raise LLMException(
+                f"cache {e.cache.cache_id} was released meanwhile",
+                status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+            )
 
 
 def _add_revoker(

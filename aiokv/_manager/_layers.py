@@ -20,6 +20,7 @@ from .._checks import check_unique
 from .._checks import param_invalid
 from .._engine import Portal
 from .._enums import LLMStatusCode
+from .._errors import LLMException
 from .._layerwise import CacheTask
 from .._layerwise import LayerSynchronizer
 from .._layerwise import Source
@@ -126,7 +127,10 @@ class LayerWise(ManagerBase):
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(task.cancel)
 
-            self._registry.add_revoker(task, revoke, *live)
+            try:  # unregister_cache of the source may have begun since it was pinned
+                self._registry.attach(task, revoke, *live)
+            except LLMException:
+                task.cancel()  # as its revoke would have: it ends unstarted
 
             def finished(t: asyncio.Task[None]) -> None:
                 # a done callback, not a finally: it also runs for a task cancelled unstarted

@@ -112,9 +112,12 @@ class Transfer:
 
     def parts(self, limit: int) -> Iterator[Part]:
         """Parts of at most ``limit`` bytes where the transfer can be cut that fine (one
-        block of one layer is the smallest part), in wire order. A transfer that needs
-        no cut is one part. Only the last part keeps the request's ``release``."""
+        block, or the span, of one tensor is the smallest part), in wire order: whole
+        layers while one block of a layer fits, else single tensors. A transfer that
+        needs no cut is one part. Only the last part keeps the request's ``release``."""
         group = self._group()
+        if group * self.block_bytes > limit:
+            group = 1  # one block of a layer is too big: cut inside layers
         ntensors = len(self.tensors)
         rows = 1 if self.local is None else int(self.local.size)
         per_group = group * rows * self.block_bytes
@@ -161,9 +164,13 @@ class Transfer:
         else:
             sel = req.tensors
             first = 0 if sel.layers is None else sel.layers[0]
-            layers = (first + t0 // group, first + t1 // group)
-            if group == sel.per_layer and (t0, t1) != (0, sel.count):
-                changes["tensors"] = Tensors(t1 - t0, layers, sel.per_layer, sel.dtype)
+            # a part of every tensor is checked on the peer as the whole transfer
+            whole = sel.count if sel.layers is None else None
+            if (t0, t1) != (0, sel.count):  # (a group of every tensor is never cut)
+                if group == 1:  # single tensors, named as layers of one tensor
+                    first *= sel.per_layer
+                layers = (first + t0 // group, first + t1 // group)
+                changes["tensors"] = Tensors(t1 - t0, layers, group, sel.dtype, whole)
             if not keep_release and getattr(req, "release", False):
                 changes["release"] = False
         if self.remote is not None and (r0, r1) != (0, int(self.remote.size)):

@@ -121,12 +121,17 @@ class Tensors(msgspec.Struct, frozen=True):
         per_layer: tensors per layer (layer ``i`` = tensors ``[i*n, (i+1)*n)``).
         dtype: the requester's cache data type (a ``DataType`` value): the served cache
             must have the same (None: not checked).
+        whole: set on a part of a transfer of every tensor (no layer range) that was
+            cut by layers, or inside them (``layers`` then names single tensors,
+            ``per_layer`` 1): how many tensors the whole transfer moves; the served cache
+            must have as many, as the whole request would be checked (None: not a part).
     """
 
     count: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSORS)]
     layers: tuple[U64, U64] | None = None
     per_layer: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSORS)] = 2
     dtype: Annotated[int, msgspec.Meta(ge=0, le=255)] | None = None
+    whole: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSORS)] | None = None
 
 
 class BlocksReq(msgspec.Struct, frozen=True, tag="blocks"):

@@ -384,8 +384,11 @@ class PeerService:
         total = layout.total(len(buffers))
         if runs is None and total > MAX_STAGED_BYTES:
             raise _invalid(
-                f"a request on {device} memory moves at most {MAX_STAGED_BYTES} "
-                f"bytes, not {total} (the requester splits bigger transfers)"
+                f"a request on {device} memory moves at most {MAX_STAGED_BYTES} bytes "
+                f"through host staging, not {total}: aiokv cuts a transfer into parts of "
+                "at most that, but not finer than one block (or batch slot) of one tensor; "
+                "keep a tensor this big as blocks of a blocks cache, or move it over the "
+                "nixl transport (device memory by address, no staging)"
             )
         return _Device(entries, buffers, layout, release, runs)
 
@@ -415,24 +418,34 @@ class PeerService:
                 log.exception("staging a %s failed", _kind(write))
                 return self._refuse(peer, write, Code.LLM_FAILED, "staging failed")
             raise
-        if plan.runs is not None:
-            grant = self._issue(plan.entries, [], plan.release, pinned=True, device=plan.runs)
-            return self._counted(peer, write, grant, plan.runs.total)
-        grant = self._issue(plan.entries, [staged.view], plan.release, pinned=True)
+        try:  # unregister_cache may have begun while this awaited
+            if plan.runs is not None:
+                grant = self._issue(plan.entries, [], plan.release, pinned=True, device=plan.runs)
+                return self._counted(peer, write, grant, plan.runs.total)
+            grant = self._issue(plan.entries, [staged.view], plan.release, pinned=True)
+        except LLMException as exc:
+            if plan.runs is None:
+                staged.release()
+            self._registry.unpin(*plan.entries)
+            return self._refuse(peer, write, exc.status_code, str(exc))
         finish = grant.done
         assert finish is not None
-        committing = False
+        committing = over = False
         ended: list[bool] = []
 
         def done(ok: bool) -> None:  # after a commit that is running: when it ends
+            nonlocal over
             if committing:
                 ended.append(ok)
                 return
+            over = True
             staged.release()
             finish(ok)
 
         async def commit() -> LLMStatusCode:
             nonlocal committing
+            if over:  # the grant ended (cancelled, revoked, expired) before its commit
+                return Code.LLM_FAILED  # began: its staging buffer is gone, nothing lands
             committing = True
             try:
                 await stager.scatter(staged, plan.buffers, plan.layout)
@@ -482,8 +495,8 @@ class PeerService:
             if ok and release is not None:
                 self._registry.release_key(release, entries[0])
 
-        if pinned:  # pinned with the plan: one pin, as a grant has
-            self._registry.add_revoker(token, revoke, *entries)
+        if pinned:  # pinned with the plan (one pin, as a grant has), then awaited
+            self._registry.attach(token, revoke, *entries)  # refuses memory unregistered since
         else:
             self._registry.hold(token, revoke, *entries)  # refuses memory being unregistered
         expiry = loop.call_later(self._config.sync_kv_timeout / 1000, _expire, grant)
@@ -563,10 +576,12 @@ class PeerService:
             except LLMException as exc:
                 raise _invalid(str(exc)) from None
         mine = f"cache {cache.cache_id} here (the owner's)"
-        if sel.count != len(tensors):
+        # a part cut inside layers is checked as its whole transfer (every tensor)
+        theirs, ours = (sel.count, len(tensors)) if sel.whole is None else (sel.whole, ntensors)
+        if theirs != ours or sel.count != len(tensors):
             raise _invalid(
-                f"tensor counts differ: the requester's cache moves {sel.count} tensors, "
-                f"{mine} has {len(tensors)} (in the layer range); CacheDesc.num_tensors "
+                f"tensor counts differ: the requester's cache moves {theirs} tensors, "
+                f"{mine} has {ours} (in the layer range); CacheDesc.num_tensors "
                 "(and the layer ranges) must agree"
             )
         if sel.dtype is not None and sel.dtype != int(cache.cache_desc.data_type):

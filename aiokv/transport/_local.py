@@ -331,7 +331,8 @@ class _LocalLink(Link):
     async def _commit(
         self, name: str, op: _Op, commit: Callable[[], Awaitable[LLMStatusCode]]
     ) -> None:
-        """Run the grant's commit on the server's loop; raise its failure code."""
+        """Run the grant's commit on the server's loop; raise its failure code. Cancelled
+        meanwhile, it waits for the commit to end (nothing lands after it raised)."""
 
         async def run() -> LLMStatusCode:
             try:
@@ -340,8 +341,15 @@ class _LocalLink(Link):
                 _log.exception("the commit of a write grant failed")
                 return _S.LLM_FAILED
 
-        fut = asyncio.run_coroutine_threadsafe(run(), op.peer_loop)
-        status = await asyncio.shield(asyncio.wrap_future(fut))
+        waiter = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), op.peer_loop))
+        try:
+            status = await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            # nothing of the write may land after this call raised: the commit ends first
+            while not waiter.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(waiter)
+            raise
         if status is not _S.LLM_SUCCESS:
             raise LLMException(
                 f"{name}: cluster {self.peer.cluster_id} answered {status.name}",

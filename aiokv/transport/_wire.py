@@ -224,8 +224,8 @@ def decode_header(buf: bytes | bytearray | memoryview) -> Header:
         cap = _META_TYPES[kind]
         if cap is not None and meta_len > cap:
             raise WireError(f"{kind.name} meta of {meta_len} bytes exceeds {cap}")
-    if kind is FrameType.DATA and size > MAX_CHUNK:
-        raise WireError(f"DATA chunk of {size} bytes exceeds {MAX_CHUNK}")
+    if kind is FrameType.DATA and not 0 < size <= MAX_CHUNK:  # no sender sends an empty one
+        raise WireError(f"DATA chunk of {size} bytes is not within 1..{MAX_CHUNK}")
     return Header(kind, status, meta_len, req_id, size)
 
 

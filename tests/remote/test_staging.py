@@ -196,6 +196,48 @@ async def test_a_device_request_over_the_staging_cap_is_refused(
         )
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_layer_over_the_staging_cap_moves_in_parts_of_its_tensors(
+    route: str, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch slot whose one layer (K and V) is over what a peer stages per request (a
+    long context): pulled and pushed by cache id in parts of single tensors; a cut
+    transfer is still checked as a whole (a tensor count that differs is refused)."""
+    for mod in (service_mod, client_mod):
+        monkeypatch.setattr(mod, "MAX_STAGED_BYTES", 1 * MiB)
+    place = Placement.DEVICE if route == "cuda" else Placement.HOST
+    desc = CacheDesc(2, [2, 384 * 1024], DataType.DT_FLOAT16, place)  # 1.5 MiB a layer
+    async with linked(route, backend) as (p, d):
+        src = await p.cache_manager.allocate_cache(desc)
+        fill_bytes(src, seed=3)
+        dst = await d.cache_manager.allocate_cache(desc)
+        await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 1), dst, 0)
+        for t in range(2):
+            assert torch.equal(
+                dst.tensors[t][0].cpu().view(torch.uint8), src.tensors[t][1].cpu().view(torch.uint8)
+            )
+        back = await p.cache_manager.allocate_cache(desc)
+        await d.cache_manager.push_cache(CacheKeyByIdAndIndex(1, back.cache_id, 1), dst, 0)
+        for t in range(2):
+            assert torch.equal(
+                back.tensors[t][1].cpu().view(torch.uint8),
+                src.tensors[t][1].cpu().view(torch.uint8),
+            )
+        # 3 layers here, 4 there: a whole request is refused, and so is every part
+        three = await d.cache_manager.allocate_cache(
+            CacheDesc(6, [1, 128 * 1024], DataType.DT_FLOAT16, place)
+        )
+        four = await p.cache_manager.allocate_cache(
+            CacheDesc(8, [1, 128 * 1024], DataType.DT_FLOAT16, place)
+        )
+        await raises(
+            CODE.LLM_PARAM_INVALID,
+            d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, four.cache_id, 0), three),
+            "tensor counts differ: the requester's cache moves 6 tensors",
+        )
+        assert stager(p).in_use == 0 and stager(d).in_use == 0
+
+
 # ---- pieces ------------------------------------------------------------------------------------
 def test_parts_cover_the_transfer_once() -> None:
     """Cutting by layers and blocks: every (tensor, block) pair exactly once, the remote
@@ -235,6 +277,29 @@ def test_slot_parts_cut_by_layer() -> None:
     assert [p.tensors for p in parts] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     assert [p.request.tensors.layers for p in parts] == [(0, 1), (1, 2), (2, 3), (3, 4)]  # type: ignore[union-attr]
     assert [p.request.release for p in parts] == [False, False, False, True]  # type: ignore[union-attr]
+    # a part of every tensor carries the whole transfer's count: the peer checks it
+    assert {p.request.tensors.whole for p in parts} == {8}  # type: ignore[union-attr]
+
+
+def test_a_layer_bigger_than_a_part_is_cut_into_its_tensors() -> None:
+    """One layer's slot (2 tensors × 1 MiB) over the limit: single tensors, named as
+    layers of one tensor, offset by the request's own layer range."""
+    req = SlotReq(KeyByBlocks(1, 0), Tensors(4, (3, 5), 2, 1), 1 << 20, exact=True)  # type: ignore[arg-type]
+    job = Transfer.of_span(req, range(4), 0, 1 << 20)
+    parts = list(job.parts(1 << 20))
+    assert [p.tensors for p in parts] == [range(i, i + 1) for i in range(4)]
+    sels = [p.request.tensors for p in parts]  # type: ignore[union-attr]
+    assert [(t.count, t.layers, t.per_layer, t.dtype) for t in sels] == [
+        (1, (6 + i, 7 + i), 1, 1) for i in range(4)
+    ]
+    assert {t.whole for t in sels} == {None}  # a layer range: checked as such
+    assert all(p.nbytes == 1 << 20 for p in parts)
+    # blocks: one block of a layer (2 × 4 KiB) over the limit
+    blocks = np.arange(3, dtype=np.int64)
+    breq = BlocksReq(KeyByBlocks(1, 0), Tensors(2, None, 2), blocks.tobytes(), 4096)
+    bparts = list(Transfer.of_blocks(breq, range(2), blocks, blocks, 4096).parts(4096))
+    assert len(bparts) == 6 and all(p.nbytes == 4096 for p in bparts)
+    assert {p.request.tensors.whole for p in bparts} == {2}  # type: ignore[union-attr]
 
 
 async def test_stager_bounds_what_it_lends() -> None:

@@ -537,9 +537,46 @@ def test_a_filled_peer_write_is_confirmed_or_committed_first() -> None:
     proto.filled(committed)
     assert driver.sent() == [(F.WRITE_DONE, 1, Code.LLM_SUCCESS)]
     assert driver.commits == [committed] and committed.commit is None
-    proto.landed(committed, Code.LLM_FAILED)  # the commit failed
+    proto.committed(committed, Code.LLM_FAILED)  # the commit failed
     assert driver.sent()[-1] == (F.WRITE_DONE, 3, Code.LLM_FAILED)
     assert proto.theirs == {}
+
+
+@pytest.mark.parametrize("end", ["cancel", "revoke", "overrun", "filled again"])
+def test_a_write_ended_during_its_commit_is_answered_once_the_commit_ended(end: str) -> None:
+    """The commit moves the write's bytes into place: the peer's CANCEL (or our
+    revocation, or more DATA than granted) during it ends the grant at once, but its
+    answer (CANCEL_ACK, or the failed WRITE_DONE), which tells the peer nothing more
+    lands, waits for the commit; the write told landed again (a peer's repeated word)
+    is not confirmed before its commit's code."""
+    proto, driver = make()
+    op, outcomes = served(driver, proto, F.WRITE_REQ, State.RECEIVING)
+
+    async def commit() -> Code:
+        return Code.LLM_SUCCESS
+
+    op.commit = commit
+    proto.filled(op)
+    assert driver.commits == [op] and op.committing
+    if end == "filled again":
+        proto.filled(op)
+        assert driver.commits == [op] and driver.sent() == [] and outcomes == []
+        proto.committed(op, Code.LLM_FAILED)  # the commit's code is the write's
+        assert driver.sent() == [(F.WRITE_DONE, 1, Code.LLM_FAILED)] and outcomes == [False]
+        return
+    if end == "cancel":
+        feed(proto, F.CANCEL, 1)
+        answer = (F.CANCEL_ACK, 1, Code.LLM_SUCCESS)
+    elif end == "revoke":
+        proto.revoke(op, Code.LLM_KV_CACHE_NOT_EXIST)
+        answer = (F.WRITE_DONE, 1, Code.LLM_KV_CACHE_NOT_EXIST)
+    else:
+        proto.fail_sink(op, "sent more bytes than granted")
+        answer = (F.WRITE_DONE, 1, Code.LLM_PARAM_INVALID)
+    assert outcomes == [False] and proto.theirs == {}  # the grant ended now...
+    assert driver.sent() == []  # ... but the peer is not told while bytes still land
+    proto.committed(op, Code.LLM_SUCCESS)
+    assert driver.sent() == [answer] and not op.committing
 
 
 def test_too_much_data_fails_the_request() -> None:

@@ -63,7 +63,8 @@ def test_reply_status_travels() -> None:
         ({"version": wire.VERSION + 1}, "version"),
         ({"ftype": 0}, "frame type"),
         ({"ftype": 200}, "frame type"),
-        ({"ftype": FrameType.DATA, "size": wire.MAX_CHUNK + 1}, "exceeds"),
+        ({"ftype": FrameType.DATA, "size": wire.MAX_CHUNK + 1}, "not within"),
+        ({"ftype": FrameType.DATA, "size": 0}, "DATA chunk of 0 bytes"),  # none sends it
         ({"ftype": FrameType.DATA, "meta_len": 1}, "meta"),
         ({"ftype": FrameType.READ_RESP, "meta_len": wire.REASON_CAP + 1}, "exceeds"),
         ({"ftype": FrameType.WRITE_GRANT, "meta_len": wire.REASON_CAP + 1}, "exceeds"),

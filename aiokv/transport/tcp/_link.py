@@ -555,8 +555,7 @@ class TcpLink(Link):
         except Exception:
             _log.exception("%r: the commit of request %d failed", self, op.rid)
         finally:
-            if self._theirs.get(op.rid) is op and op.state is not State.OVER:
-                self._p.landed(op, status)  # else revoked, cancelled or the link broke
+            self._p.committed(op, status)
 
     # ------------------------------------------------------------------------ lifecycle
 

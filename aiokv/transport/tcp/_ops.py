@@ -247,7 +247,19 @@ class MyOp:
 class PeerOp:
     """A request the peer started, which this side serves."""
 
-    __slots__ = ("_done", "commit", "cursor", "is_read", "plane", "rid", "state", "stream", "task")
+    __slots__ = (
+        "_done",
+        "after_commit",
+        "commit",
+        "committing",
+        "cursor",
+        "is_read",
+        "plane",
+        "rid",
+        "state",
+        "stream",
+        "task",
+    )
 
     def __init__(self, rid: int, is_read: bool) -> None:
         self.rid = rid
@@ -258,6 +270,10 @@ class PeerOp:
         self.stream: Stream | None = None
         self._done: Callable[[bool], None] | None = None
         self.commit: Callable[[], Awaitable[LLMStatusCode]] | None = None  # Grant.commit
+        self.committing = False  # the commit runs: its bytes are still landing
+        # the answer to a cancellation or revocation that came during the commit: sent
+        # once the commit ended, so nothing of the write lands after it
+        self.after_commit: bytes | None = None
         self.plane = False  # a plane request (PLANE_READ_REQ / PLANE_WRITE_REQ)
 
     def bind(self, done: Callable[[bool], None] | None) -> None:

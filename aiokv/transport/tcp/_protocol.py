@@ -79,7 +79,7 @@ class LinkDriver(Protocol):
         """Ask the handler about the peer's new request ``op`` (sets ``op.task``)."""
 
     def _start_commit(self, op: PeerOp, commit: Commit) -> None:
-        """Run the peer's landed write's ``commit``, then :meth:`~LinkProtocol.landed`."""
+        """Run the peer's landed write's ``commit``, then :meth:`~LinkProtocol.committed`."""
 
     def _on_plane_hello(self, meta: bytearray | None, cap: int) -> None:
         """The peer's ``PLANE_HELLO``: its meta (None: skipped unread) and meta cap."""
@@ -88,6 +88,12 @@ class LinkDriver(Protocol):
         self, op: MyOp | None, status: LLMStatusCode, size: int, meta: bytearray | None
     ) -> None:
         """A ``PLANE_GRANT`` answering our request ``op`` (None: not one of ours)."""
+
+
+def _reply_frame(kind: wire.FrameType, rid: int, status: LLMStatusCode, reason: str) -> bytes:
+    """A reply frame; a refusal carries ``reason`` (capped) for the requester."""
+    meta = encode_reason(reason) if status is not _S.LLM_SUCCESS else b""
+    return wire.encode_frame(kind, rid, status=status, meta=meta)
 
 
 def _wake(waiter: Waiter) -> None:
@@ -204,8 +210,7 @@ class LinkProtocol:
         self, kind: wire.FrameType, rid: int, status: LLMStatusCode, reason: str = ""
     ) -> None:
         """Post a reply frame; a refusal carries ``reason`` (capped) for the requester."""
-        meta = encode_reason(reason) if status is not _S.LLM_SUCCESS else b""
-        self._out._post(wire.encode_frame(kind, rid, status=status, meta=meta))
+        self._out._post(_reply_frame(kind, rid, status, reason))
 
     def refuse(self, op: PeerOp, status: LLMStatusCode, why: str) -> None:
         """End the peer's request ``op`` and answer it ``status`` (``why``: the reason)."""
@@ -294,10 +299,14 @@ class LinkProtocol:
         if rid % 2 != self.peer_parity:
             return
         op = self.theirs.get(rid)
-        if op is not None:
-            self.peer_ended(op, acked=False)
-        # every earlier DATA frame of it has been read: nothing more lands
-        self._out._post(wire.encode_frame(_F.CANCEL_ACK, rid))
+        # every earlier DATA frame of it has been read: nothing more lands (once a
+        # commit that runs ended)
+        ack = wire.encode_frame(_F.CANCEL_ACK, rid)
+        if op is None:
+            self._out._post(ack)
+            return
+        self.peer_ended(op, acked=False)
+        self._answer(op, ack)
 
     def peer_ended(self, op: PeerOp, *, acked: bool) -> None:
         """The peer acknowledged (READ_DONE) or cancelled one of its requests."""
@@ -318,8 +327,10 @@ class LinkProtocol:
         if op.stream is not None:
             self._out._abort_stream(op.stream)  # unsent bytes of the batch in flight: copies
         op.finish(False)  # a write's DATA still on its way is discarded (no sink)
-        reply = _F.READ_RESP if op.is_read else _F.WRITE_DONE
-        self.reply(reply, op.rid, status, f"the grant was revoked ({status.name})")
+        kind = _F.READ_RESP if op.is_read else _F.WRITE_DONE
+        self._answer(
+            op, _reply_frame(kind, op.rid, status, f"the grant was revoked ({status.name})")
+        )
 
     def filled(self, sink: MyOp | PeerOp) -> None:
         """Every byte of ``sink`` landed: our read is over; the peer's write is confirmed
@@ -327,11 +338,33 @@ class LinkProtocol:
         if isinstance(sink, MyOp):
             sink.finish(_S.LLM_SUCCESS)
             return
+        if sink.committing:  # told again (a peer's repeated word) while its commit runs
+            return
         commit, sink.commit = sink.commit, None
         if commit is None:
             self.landed(sink, _S.LLM_SUCCESS)
         else:
+            sink.committing = True
             self._out._start_commit(sink, commit)
+
+    def _answer(self, op: PeerOp, frame: bytes) -> None:
+        """Post ``frame``, the answer that ends the peer's request ``op``: once its
+        commit ended, if one runs (nothing of a write lands after the peer has it)."""
+        if op.committing:
+            op.after_commit = frame
+        else:
+            self._out._post(frame)
+
+    def committed(self, op: PeerOp, status: LLMStatusCode) -> None:
+        """The commit of the peer's write ``op`` ended with ``status``: confirm the write
+        (:meth:`landed`), or send the answer that a cancellation or revocation during the
+        commit left waiting (no byte of the write lands after the peer has it)."""
+        op.committing = False
+        late, op.after_commit = op.after_commit, None
+        if late is not None:
+            self._out._post(late)
+        elif self.theirs.get(op.rid) is op and op.state is not State.OVER:
+            self.landed(op, status)  # else the link broke
 
     def landed(self, op: PeerOp, status: LLMStatusCode) -> None:
         """The peer's write ``op`` is over with ``status`` (after its commit)."""
@@ -346,7 +379,9 @@ class LinkProtocol:
         else:
             self.theirs.pop(sink.rid, None)
             sink.finish(False)
-            self.reply(_F.WRITE_DONE, sink.rid, _S.LLM_PARAM_INVALID, f"you {why}")
+            self._answer(
+                sink, _reply_frame(_F.WRITE_DONE, sink.rid, _S.LLM_PARAM_INVALID, f"you {why}")
+            )
 
     # ------------------------------------------------------------ answers to ours
 
