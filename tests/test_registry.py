@@ -206,6 +206,26 @@ def test_hold_pins_and_makes_revocable_until_let_go(reg: CacheRegistry, pool: Me
     assert e.pins == 0 and e.revokers == {}
 
 
+def test_attach_makes_pinned_work_revocable_unless_released_meanwhile(reg: CacheRegistry) -> None:
+    """Work pinned before it awaited (staging, the engine) becomes revocable by attach,
+    which refuses registered memory whose unregistration began meanwhile (its revoke
+    ran before the revoker existed): nothing recorded, the pin the caller's to end."""
+    e = register(reg)
+    revoked: list[LLMStatusCode] = []
+    reg.pin(e)
+    reg.attach("early", revoked.append, e)
+    assert reg.revoke(e, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST) == 1 and len(revoked) == 1
+    reg.pin(e)
+    reg.release_id(e)  # unregister_cache began (and revoked what it saw)
+    with pytest.raises(LLMException) as caught:
+        reg.attach("late", revoked.append, e)
+    assert caught.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert e.revokers == {} and e.pins == 2 and not e.freed
+    reg.unpin(e)
+    reg.unpin(e)
+    assert e.freed and stats(reg) == NOTHING
+
+
 # ---- lookups -----------------------------------------------------------------------------------
 def test_entry_checks_owner_and_liveness(reg: CacheRegistry, pool: MemPool) -> None:
     e = allocate(reg, pool)
