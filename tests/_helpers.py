@@ -85,23 +85,26 @@ def raw_link(port: int, cluster_id: int = 7) -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.settimeout(5)
     s.connect(("127.0.0.1", port))
-
-    def recv_frame() -> wire.Header:
-        raw = b""
-        while len(raw) < wire.HEADER_SIZE:
-            raw += s.recv(wire.HEADER_SIZE - len(raw))
-        h = wire.decode_header(raw)
-        left = h.meta_len
-        while left:
-            left -= len(s.recv(left))
-        return h
-
     hello = {"cluster_id": cluster_id, "nonce": "00" * 32}
     s.sendall(wire.encode_frame(wire.FrameType.HELLO, meta=json.dumps(hello).encode()))
-    recv_frame()
+    recv_frame(s)
     s.sendall(wire.encode_frame(wire.FrameType.AUTH, meta=b'{"mac":null}'))
-    assert recv_frame().status == LLMStatusCode.LLM_SUCCESS
+    assert recv_frame(s).status == LLMStatusCode.LLM_SUCCESS
     return s
+
+
+def recv_frame(s: socket.socket) -> wire.Header:
+    """The next frame's header from the blocking socket ``s`` (its meta read and dropped)."""
+    raw = b""
+    while len(raw) < wire.HEADER_SIZE:
+        got = s.recv(wire.HEADER_SIZE - len(raw))
+        assert got, "the connection ended"
+        raw += got
+    h = wire.decode_header(raw)
+    left = h.meta_len
+    while left:
+        left -= len(s.recv(left))
+    return h
 
 
 def checkout_env(**extra: str) -> dict[str, str]:

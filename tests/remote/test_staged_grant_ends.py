@@ -8,13 +8,13 @@ is the user's again. Host caches take the staged path here (``_STAGE_HOST``).
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from typing import Any
 
 import pytest
 import torch
 from _helpers import raw_link
+from _helpers import recv_frame
 
 from aiokv import CacheDesc
 from aiokv import CacheKeyByIdAndIndex
@@ -37,17 +37,6 @@ from aiokv.transport import _wire as wire
 F = wire.FrameType
 
 
-def _recv_frame(s: socket.socket) -> wire.Header:
-    raw = b""
-    while len(raw) < wire.HEADER_SIZE:
-        raw += s.recv(wire.HEADER_SIZE - len(raw))
-    h = wire.decode_header(raw)
-    left = h.meta_len
-    while left:
-        left -= len(s.recv(left))
-    return h
-
-
 def _push_then_cancel(port: int, meta: bytes, n: int) -> list[str]:
     """A raw peer: WRITE_REQ, wait for WRITE_GRANT, then every DATA byte and a CANCEL
     in one send (a requester cancelled right after its last byte went out); returns the
@@ -57,7 +46,7 @@ def _push_then_cancel(port: int, meta: bytes, n: int) -> list[str]:
         s.sendall(wire.encode_frame(F.WRITE_REQ, 0, meta=meta, size=n))
         seen = []
         while True:
-            h = _recv_frame(s)
+            h = recv_frame(s)
             seen.append(h.type.name)
             if h.type is F.WRITE_GRANT:
                 assert h.status == 0, h
@@ -65,7 +54,7 @@ def _push_then_cancel(port: int, meta: bytes, n: int) -> list[str]:
         payload = b"\xab" * n
         s.sendall(wire.encode_frame(F.DATA, 0, size=n) + payload + wire.encode_frame(F.CANCEL, 0))
         while True:
-            h = _recv_frame(s)
+            h = recv_frame(s)
             seen.append(h.type.name)
             if h.type is F.CANCEL_ACK:
                 return seen
