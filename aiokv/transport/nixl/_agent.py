@@ -159,9 +159,17 @@ class Agent:
         """ "DONE", "PROC" or "ERR" (a NIXL error raised is "ERR")."""
         return _status(self._a.check_xfer_state, xfer, "NIXL transfer failed")
 
+    def in_flight(self, xfer: Xfer) -> bool:
+        """Whether ``xfer`` was posted and is not over yet (progresses UCX; quiet: a
+        transfer never posted, or failed, is not in flight)."""
+        try:
+            return str(self._a.check_xfer_state(xfer)) == "PROC"
+        except Exception:
+            return False
+
     def release(self, xfer: Xfer) -> bool:
-        """Free ``xfer``, aborting it if still in flight; False if NIXL cannot abort it
-        (it then stays valid: poll :meth:`state`, then release again)."""
+        """Free ``xfer``; False if NIXL refused. Only once it is not :meth:`in_flight`:
+        NIXL frees a transfer in flight without stopping its bytes (UCX)."""
         try:
             self._a.release_xfer_handle(xfer)
         except Exception:

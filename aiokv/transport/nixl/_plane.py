@@ -11,9 +11,10 @@ either side. Granter side (:meth:`NixlPlane.answer`): a plane request whose vali
 grant lies in registered memory is answered with the grant's memory as coalesced runs
 instead of DATA frames. The plane greets the peer with this side's agent metadata.
 
-Buffers are off limits once an operation returns: a transfer still in flight is aborted
-(released) first, or, where NIXL cannot abort it, waited for (shielded, at most
-:data:`_SETTLE_S`); one that still does not end breaks the link.
+Buffers are off limits once an operation returns: a transfer still in flight is waited
+for (shielded, at most :data:`_SETTLE_S`) before it is released — NIXL frees a transfer
+in flight without stopping its bytes (UCX over TCP moves them on) — and one that still
+does not end breaks the link.
 """
 
 from __future__ import annotations
@@ -494,25 +495,30 @@ class NixlPlane:
         )
 
     async def _settle(self, agent: Agent, xfer: object, moved: int | None) -> None:
-        """Release ``xfer``, aborting it; if NIXL cannot, wait (shielded, bounded) until
-        it ends; then :meth:`_end` it (``moved``: its bytes if it completed). A
+        """Release ``xfer`` once it is no longer in flight, then :meth:`_end` it
+        (``moved``: its bytes if it completed). NIXL frees a transfer in flight without
+        stopping its bytes (UCX over TCP moves them on), so one not known to be over
+        (cancelled, timed out, stopped) is waited for, shielded and bounded
+        (:data:`_SETTLE_S`); one that still does not end breaks the link. A
         cancellation meanwhile is re-raised afterwards."""
         cancelled = False
         try:
-            if agent.release(xfer):
-                return
-            loop = asyncio.get_running_loop()
-            end = loop.time() + _SETTLE_S
-            delay = POLL_MIN_S
-            while agent.state(xfer) == "PROC" and loop.time() < end:
-                try:
-                    await asyncio.sleep(delay)
-                except asyncio.CancelledError:
-                    cancelled = True
-                delay = min(delay * 2, POLL_MAX_S)
+            if moved is None:
+                loop = asyncio.get_running_loop()
+                end = loop.time() + _SETTLE_S
+                delay = POLL_MIN_S
+                while agent.in_flight(xfer):
+                    if loop.time() >= end:
+                        _log.error("%r: a NIXL transfer does not end; dropping the link", self.link)
+                        on_loop(self._loop, self.link._break, "NIXL transfer could not be stopped")
+                        break
+                    try:
+                        await asyncio.sleep(delay)
+                    except asyncio.CancelledError:
+                        cancelled = True
+                    delay = min(delay * 2, POLL_MAX_S)
             if not agent.release(xfer):
-                _log.error("%r: a NIXL transfer does not end; dropping the link", self.link)
-                on_loop(self._loop, self.link._break, "NIXL transfer could not be stopped")
+                _log.warning("%r: NIXL did not release a transfer that is over", self.link)
         finally:
             self._end(moved)
         if cancelled:
