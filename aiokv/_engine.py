@@ -517,7 +517,9 @@ class Engine:
             ended.wait()
         except BaseException as exc:
             call.cancel()
-            ended.wait()
+            while not ended.is_set():  # its real end, however often interrupted
+                with contextlib.suppress(BaseException):
+                    ended.wait()
             if call.completed:
                 exc.add_note(f"aiokv: {_name(fn)} had completed; its effects stand")
             raise

@@ -298,7 +298,7 @@ class _Feed:
             raised = False
             try:
                 got = self._fn(layer, None)
-            except BaseException as exc:  # handed to the engine, whatever it is
+            except BaseException as exc:  # a failure of its layer, whatever it is
                 got, raised = exc, True
             waits = not raised and inspect.isawaitable(got)
             if not waits and (raised or got is not True):
@@ -337,7 +337,7 @@ class _Feed:
         async def job() -> None:
             try:
                 await portal.run(self.feed_async, first, stop)
-            except BaseException as exc:  # handed to the engine: see error
+            except BaseException as exc:  # fails the layers it never asked: see error
                 self.error = exc
             finally:
                 self._post(None)
@@ -345,7 +345,7 @@ class _Feed:
         self.job = asyncio.ensure_future(job())
         return None
 
-    def never_asked(self, start: int, stop: int, exc: Exception) -> list[Released]:
+    def never_asked(self, start: int, stop: int, exc: BaseException) -> list[Released]:
         """The wanted layers of ``[start, stop)`` that no synchronizer call will
         release (``exc`` ended the feeding): each fails its destinations with
         ``exc``'s code."""
@@ -385,9 +385,7 @@ class _Feed:
         does not); an awaitable one awaited on the caller's loop through ``portal`` (its
         job has ended then)."""
         layer, wanting, got, raised = item
-        if raised:
-            if not isinstance(got, Exception):
-                raise got
+        if raised:  # anything (SystemExit, KeyboardInterrupt too) fails its destinations
             return status_of(got, log, f"synchronize_layer({layer})"), _why(layer, got, True)
         if not inspect.isawaitable(got):
             return _code_of(got), _why(layer, got, False)
@@ -433,8 +431,6 @@ async def _released(
                     start = after
                     break
             if feed.error is not None and not feed.stopped:  # an async feed ended early
-                if not isinstance(feed.error, Exception):
-                    raise feed.error
                 for released in feed.never_asked(after, last, feed.error):
                     yield *released, False
     finally:
@@ -495,7 +491,8 @@ async def run_layers(
                 for j in wanting:
                     run = runs.get(j)
                     if code != Code.LLM_SUCCESS:
-                        results[j], errors[j] = code, why
+                        if results[j] is None:  # the first failure stays
+                            results[j], errors[j] = code, why
                     elif run is not None and run.stop == layer:
                         runs[j] = range(run.start, layer + 1)
                     else:

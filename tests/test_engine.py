@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import gc
 import multiprocessing as mp
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -595,3 +596,57 @@ def test_dropped_instance_warns_and_releases_its_engine() -> None:
     while engine_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine_threads() == []
+
+
+def test_a_blocking_call_interrupted_twice_returns_only_once_the_operation_ended() -> None:
+    """``aiokv.sync``: Ctrl-C cancels the operation and waits for its end; a second
+    Ctrl-C during that wait does not cut the wait short (a cancelled push may still be
+    waiting for its peer's confirmation, and bytes could land after the call)."""
+    engine = Engine("aiokv-test-interrupts")
+    started, cancelled, may_end = threading.Event(), threading.Event(), threading.Event()
+    ended: list[float] = []
+
+    async def op() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            await asyncio.to_thread(may_end.wait, 10)  # unwinding, like a shielded wait
+            ended.append(time.monotonic())
+            raise
+
+    armed = True
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if armed:  # a late signal is dropped, not raised
+            raise KeyboardInterrupt
+
+    def interrupt_twice() -> None:
+        main = threading.main_thread().ident
+        assert main is not None and started.wait(10)
+        signal.pthread_kill(main, signal.SIGINT)
+        assert cancelled.wait(10)
+        signal.pthread_kill(main, signal.SIGINT)  # while the call waits for the end
+        time.sleep(0.2)
+        may_end.set()
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    interrupter = threading.Thread(target=interrupt_twice)
+    returned = 0.0
+    try:
+        interrupter.start()
+        interrupted = False
+        try:
+            engine.call(op)
+        except KeyboardInterrupt:
+            interrupted = True
+        returned = time.monotonic()
+        assert interrupted
+        interrupter.join(10)
+        armed = False
+    finally:
+        signal.signal(signal.SIGINT, old)
+        may_end.set()
+        engine.stop()
+    assert ended and ended[0] <= returned, "the call returned while the operation ran"
