@@ -220,3 +220,18 @@ def test_a_pull_mode_instance_refuses_pushes() -> None:
     finally:
         d.close()
         p.close()
+
+
+def test_a_transfer_id_reused_in_one_step_fails_the_second_load_only() -> None:
+    """Two decode requests with the same (client-chosen) transfer id in one step: the
+    first waits for the push, the second fails at once (``failed_recving``) instead of
+    taking over the first's wait — where it was reported loaded with the other's
+    blocks' data, and the first never ended."""
+    with worker_pair(options(lease_timeout_s=1.0)) as (p, pkv, d, dkv):
+        d.step(StepPlan(reserves=(reserve(p, "a", "TD", [1]), reserve(p, "b", "TD", [2]))))
+        reserved(p, "TD")
+        p.saved((Push("p", "TD", (4,), BS),))
+        acc = wait_for(d, lambda a: {"a", "b"} <= a.finished_recving, timeout=4, also=p)
+        assert acc.failed_recving == {"b"}
+        for name in pkv:  # a's block holds the prefill's block 4
+            assert torch.equal(blockwise(dkv[name])[1], blockwise(pkv[name])[4])

@@ -313,3 +313,21 @@ def test_no_wait_when_nothing_is_in_flight_or_the_step_ran_the_model() -> None:
         t0 = time.monotonic()
         p.results(idle=True)
         assert time.monotonic() - t0 < 0.9
+
+
+def test_link_locks_go_with_their_last_user() -> None:
+    """A lock per prefill cluster named in requests' params (untrusted): it goes once no
+    load links to that cluster, so failed loads leave nothing behind."""
+    d = WorkerSide(ConnectorOptions.parse({"link_timeout_ms": 500}), engine_id="D", rank=0)
+    d.start(kv(3))
+    try:
+        n = 40
+        loads = tuple(
+            Load(f"r{i}", (1,), (1,), "x", "tok", (Endpoint("127.0.0.1", 9, 1000 + i),))
+            for i in range(n)
+        )
+        d.step(StepPlan(loads=loads))
+        wait_for(d, lambda a: len(a.finished_recving) == n, timeout=60)
+        assert d._linking == {}
+    finally:
+        d.close()

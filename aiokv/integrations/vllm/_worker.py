@@ -220,7 +220,9 @@ class WorkerSide:
         self._done = TransferResults()
         self._holds: dict[str, tuple[str, float]] = {}  # request -> (token, deadline)
         self._early: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
-        self._linking: dict[int, asyncio.Lock] = {}  # cluster -> lock (engine loop only)
+        # cluster -> its lock and how many links wait for it (engine loop only; an entry
+        # goes with its last user: the cluster ids come from requests' params)
+        self._linking: dict[int, tuple[asyncio.Lock, list[int]]] = {}
         self._pending: set[Any] = set()  # futures of loads and notices in flight
         self._pump: Pump | None = None  # decode side: the loads (see the module docstring)
         self._loads = 0  # loads started and not ended
@@ -682,18 +684,23 @@ class WorkerSide:
             with anyio.fail_after(self._options.link_timeout_ms / 1000):
                 await self._link(source)
             deadline = time.monotonic() + self._options.lease_timeout_s
+            mine = _Awaiting(reserve.request_id, source.cluster_id, deadline)
             with self._lock:  # before sending: its answer may come at once
-                self._awaiting[reserve.transfer_id] = _Awaiting(
-                    reserve.request_id, source.cluster_id, deadline
-                )
+                if reserve.transfer_id in self._awaiting:  # another load's, meanwhile
+                    raise LLMException(
+                        f"transfer id {reserve.transfer_id!r} is already in use",
+                        status_code=LLMStatusCode.LLM_PARAM_INVALID,
+                    )
+                self._awaiting[reserve.transfer_id] = mine
             registered = True
             assert self._dd is not None
             await self._dd.send_notification(source.cluster_id, _notice_encoder.encode(notice))
         except Exception as exc:
-            with self._lock:
-                waiting = self._awaiting.pop(reserve.transfer_id, None)
-            if registered and waiting is None:
-                return  # its answer came anyway (and ended the load)
+            if registered:
+                with self._lock:
+                    if self._awaiting.get(reserve.transfer_id) is not mine:
+                        return  # its answer came anyway (and ended the load)
+                    del self._awaiting[reserve.transfer_id]
             log.error(
                 "request %s: reserving its push from %s:%d (cluster %d) failed: %s",
                 reserve.request_id,
@@ -820,18 +827,30 @@ class WorkerSide:
             LLMException: the link failed (its code).
         """
         assert self._dd is not None
-        lock = self._linking.setdefault(source.cluster_id, asyncio.Lock())
-        async with lock:
-            if source.cluster_id in self._dd.linked_clusters():
-                return
-            info = LLMClusterInfo(
-                remote_cluster_id=source.cluster_id,
-                remote_ip_info=[(source.host, source.port)],
-                local_ip_info=[(self._options.public_host, 0)],  # required, as llm_datadist
+        cid = source.cluster_id
+        lock, users = self._linking.setdefault(cid, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                await self._link_once(source)
+        finally:
+            users[0] -= 1
+            if not users[0]:
+                del self._linking[cid]
+
+    async def _link_once(self, source: Endpoint) -> None:
+        """:meth:`_link`'s attempt, its cluster's lock held."""
+        assert self._dd is not None
+        if source.cluster_id in self._dd.linked_clusters():
+            return
+        info = LLMClusterInfo(
+            remote_cluster_id=source.cluster_id,
+            remote_ip_info=[(source.host, source.port)],
+            local_ip_info=[(self._options.public_host, 0)],  # required, as llm_datadist
+        )
+        _, codes = await self._dd.link_clusters([info], timeout=self._options.link_timeout_ms)
+        if codes[0] not in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK):
+            raise LLMException(
+                f"link to {source.host}:{source.port} (cluster {source.cluster_id}) failed",
+                status_code=codes[0],
             )
-            _, codes = await self._dd.link_clusters([info], timeout=self._options.link_timeout_ms)
-            if codes[0] not in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK):
-                raise LLMException(
-                    f"link to {source.host}:{source.port} (cluster {source.cluster_id}) failed",
-                    status_code=codes[0],
-                )

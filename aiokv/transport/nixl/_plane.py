@@ -12,7 +12,7 @@ grant lies in registered memory is answered with the grant's memory as coalesced
 instead of DATA frames. The plane greets the peer with this side's agent metadata.
 
 Buffers are off limits once an operation returns: a transfer still in flight is waited
-for (shielded, at most :data:`_SETTLE_S`) before it is released — NIXL frees a transfer
+for (shielded, at most :data:`SETTLE_S`) before it is released — NIXL frees a transfer
 in flight without stopping its bytes (UCX over TCP moves them on) — and one that still
 does not end breaks the link.
 """
@@ -62,8 +62,9 @@ __all__ = ["NixlOwner", "NixlPlane"]
 _log = logging.getLogger("aiokv.transport.nixl")
 _S = LLMStatusCode
 T = TypeVar("T")
-# How long an operation that must return waits for a transfer NIXL cannot abort.
-_SETTLE_S: Final = 5.0
+#: How long an operation that must return waits for a transfer it cut short to end (NIXL
+#: cannot stop one in flight), and a granter progresses UCX after served grants ended.
+SETTLE_S: Final = 5.0
 # Back-off bounds of every NIXL poll (transfer state, notifications), seconds.
 POLL_MIN_S: Final = 20e-6
 POLL_MAX_S: Final = 1e-3
@@ -499,13 +500,13 @@ class NixlPlane:
         (``moved``: its bytes if it completed). NIXL frees a transfer in flight without
         stopping its bytes (UCX over TCP moves them on), so one not known to be over
         (cancelled, timed out, stopped) is waited for, shielded and bounded
-        (:data:`_SETTLE_S`); one that still does not end breaks the link. A
+        (:data:`SETTLE_S`); one that still does not end breaks the link. A
         cancellation meanwhile is re-raised afterwards."""
         cancelled = False
         try:
             if moved is None:
                 loop = asyncio.get_running_loop()
-                end = loop.time() + _SETTLE_S
+                end = loop.time() + SETTLE_S
                 delay = POLL_MIN_S
                 while agent.in_flight(xfer):
                     if loop.time() >= end:

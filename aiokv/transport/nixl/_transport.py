@@ -55,6 +55,7 @@ from ..tcp._ops import State
 from ._agent import Agent
 from ._plane import POLL_MAX_S
 from ._plane import POLL_MIN_S
+from ._plane import SETTLE_S
 from ._plane import NixlOwner
 from ._plane import NixlPlane
 from ._regions import Regions
@@ -95,6 +96,10 @@ class NixlTransport(TcpTransport):
         self._md: tuple[int, bytes] | None = None  # (generation, metadata) cache
         self._remote_refs: dict[str, int] = {}  # peer agent -> links using it
         self._served: set[PeerOp] = set()  # NIXL grants being served
+        # until when the pump goes on after served grants ended: a peer's transfer on a
+        # grant that ended early (revoked, cancelled) may need this side's progress to
+        # end, and the peer waits for that end (SETTLE_S) before it lets its memory go
+        self._linger_until = 0.0
         self._pump_task: asyncio.Task[None] | None = None
         #: set by a new grant (the pump's thread polls at once, from POLL_MIN_S again) and
         #: when the pump is cancelled (its thread returns)
@@ -282,9 +287,14 @@ class NixlTransport(TcpTransport):
         that needs this side's would wait for."""
         delay = POLL_MIN_S
         try:
-            while (self._served or self._lent) and self.agent is not None:
+            while (
+                self._served or self._lent or time.monotonic() < self._linger_until
+            ) and self.agent is not None:
                 delay = await self._progress_off_loop(self.agent, delay)
-                self._served = {op for op in self._served if op.state is not State.OVER}
+                served = {op for op in self._served if op.state is not State.OVER}
+                if len(served) < len(self._served):
+                    self._linger_until = time.monotonic() + SETTLE_S
+                self._served = served
         finally:
             self._pump_task = None
 
