@@ -328,6 +328,6 @@ def test_link_locks_go_with_their_last_user() -> None:
         )
         d.step(StepPlan(loads=loads))
         wait_for(d, lambda a: len(a.finished_recving) == n, timeout=60)
-        assert d._linking == {}
+        assert len(d._linker) == 0
     finally:
         d.close()

@@ -68,7 +68,6 @@ from anyio.from_thread import start_blocking_portal
 from ... import BlocksCacheKey
 from ... import Cache
 from ... import CacheDesc
-from ... import LLMClusterInfo
 from ... import LLMConfig
 from ... import LLMDataDist
 from ... import LLMException
@@ -77,6 +76,7 @@ from ... import LLMStatusCode
 from ._layout import blocks_desc
 from ._layout import logical_blocks
 from ._layout import split_kv
+from ._linker import Linker
 from ._options import ConnectorOptions
 from ._params import Endpoint
 from ._plan import Cancel
@@ -220,9 +220,7 @@ class WorkerSide:
         self._done = TransferResults()
         self._holds: dict[str, tuple[str, float]] = {}  # request -> (token, deadline)
         self._early: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
-        # cluster -> its lock and how many links wait for it (engine loop only; an entry
-        # goes with its last user: the cluster ids come from requests' params)
-        self._linking: dict[int, tuple[asyncio.Lock, list[int]]] = {}
+        self._linker = Linker(options)  # engine loop only
         self._pending: set[Any] = set()  # futures of loads and notices in flight
         self._pump: Pump | None = None  # decode side: the loads (see the module docstring)
         self._loads = 0  # loads started and not ended
@@ -821,36 +819,10 @@ class WorkerSide:
             )
 
     async def _link(self, source: Endpoint) -> None:
-        """Link to ``source`` unless linked (one attempt at a time per cluster).
+        """Link to ``source`` unless linked (:class:`Linker`).
 
         Raises:
             LLMException: the link failed (its code).
         """
         assert self._dd is not None
-        cid = source.cluster_id
-        lock, users = self._linking.setdefault(cid, (asyncio.Lock(), [0]))
-        users[0] += 1
-        try:
-            async with lock:
-                await self._link_once(source)
-        finally:
-            users[0] -= 1
-            if not users[0]:
-                del self._linking[cid]
-
-    async def _link_once(self, source: Endpoint) -> None:
-        """:meth:`_link`'s attempt, its cluster's lock held."""
-        assert self._dd is not None
-        if source.cluster_id in self._dd.linked_clusters():
-            return
-        info = LLMClusterInfo(
-            remote_cluster_id=source.cluster_id,
-            remote_ip_info=[(source.host, source.port)],
-            local_ip_info=[(self._options.public_host, 0)],  # required, as llm_datadist
-        )
-        _, codes = await self._dd.link_clusters([info], timeout=self._options.link_timeout_ms)
-        if codes[0] not in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK):
-            raise LLMException(
-                f"link to {source.host}:{source.port} (cluster {source.cluster_id}) failed",
-                status_code=codes[0],
-            )
+        await self._linker.link(self._dd, source)
