@@ -141,6 +141,30 @@ async def test_why_links_ended_is_kept_for_the_most_recent_clusters_only(
         assert len(p._links._lost) == 8
 
 
+async def test_why_a_link_ended_is_told_as_soon_as_it_is_no_longer_listed() -> None:
+    """A link breaks on the engine's thread before the transport reports its end: from
+    the moment ``linked_clusters`` stops listing the cluster, ``link_failure`` says why
+    (it said None until the report: CI saw that race)."""
+    async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config()) as (_p, d):
+        link = d._links.live(1)
+        assert link is not None and d._engine is not None
+        reports: list[Any] = []
+
+        def cut() -> None:  # the break, with the transport's report held back
+            transport = link._t  # type: ignore[attr-defined]
+            report, transport._link_lost = transport._link_lost, reports.append
+            try:
+                link._break("connection lost: cut in the test")  # type: ignore[attr-defined]
+            finally:
+                transport._link_lost = report
+
+        await d._engine.run_sync(cut)
+        assert reports == [link] and 1 not in d.linked_clusters()
+        assert d.link_failure(1) == "link ended: connection lost: cut in the test"
+        await d._engine.run_sync(link._t._link_lost, link)  # type: ignore[attr-defined]
+        assert d.link_failure(1) == "link ended: connection lost: cut in the test"
+
+
 async def test_wrong_cluster_at_the_address_names_both(caplog: pytest.LogCaptureFixture) -> None:
     async with linked_pair(config(listen_ip_info="127.0.0.1:0"), config(), link=False) as (p, d):
         peer = cluster_info(5, p.listen_address)

@@ -124,8 +124,13 @@ class LinkTable:
         """Why the last attempt to link ``cluster_id`` failed, else why its last link
         ended (``"link ended: ..."``); None if neither, or a link to it was filed since."""
         failure = self._failures.get(cluster_id)
-        if failure is None and cluster_id in self._lost:
-            failure = f"link ended: {self._lost[cluster_id]}"
+        if failure is None:
+            # Asked from any thread: the filed link first, then _lost, which lost() fills
+            # before it unfiles the link. A broken link is not listed as linked any more,
+            # though the transport has not reported its end yet: say why now.
+            link = self._links.get(cluster_id)
+            why = _ended(link) if link is not None and link.broken else self._lost.get(cluster_id)
+            failure = None if why is None else f"link ended: {why}"
         return failure
 
     def add(self, link: Link, *, ours: bool = False) -> None:
@@ -221,17 +226,17 @@ class LinkTable:
         """Forget ``link`` if it is the one filed for its cluster (the transport saw it end)."""
         cid = link.peer.cluster_id
         if self._links.get(cid) is link:
-            del self._links[cid]
-            self._ours.discard(cid)
-            self._dialed.discard(cid)
-            self._counters.down(cid)
-            why = link.why_broken or "broken or closed"
-            if why != "closed locally":  # an unlink, a finalize: nothing to report
+            why = _ended(link)
+            if why is not None:  # before the link is unfiled (see failure())
                 self._lost.pop(cid, None)  # the most recent last
                 self._lost[cid] = why
                 if len(self._lost) > MAX_LOST_REASONS:  # a peer may churn cluster ids
                     del self._lost[next(iter(self._lost))]
-            log.info("link to cluster %d down (%s)", cid, why)
+            del self._links[cid]
+            self._ours.discard(cid)
+            self._dialed.discard(cid)
+            self._counters.down(cid)
+            log.info("link to cluster %d down (%s)", cid, why or "closed locally")
 
     def pop(self, cluster_id: int) -> Link | None:
         """Remove and return the link filed for ``cluster_id`` (live or not), if any."""
@@ -335,3 +340,9 @@ class _InFlight:
 
 def _unfiled(cid: int, claimant: Link) -> None:
     log.debug("cluster %d: incoming link from %s:%d left unfiled", cid, *claimant.peer.address)
+
+
+def _ended(link: Link) -> str | None:
+    """Why ``link`` ended, None if this side closed it (an unlink, a finalize)."""
+    why = link.why_broken or "broken or closed"
+    return None if why == "closed locally" else why

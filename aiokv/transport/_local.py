@@ -415,10 +415,10 @@ class _LocalLink(Link):
             return
         _log.debug("%r: %s", self, reason)
         ends = (self, self._other)
+        self._why_broken = reason  # first: read from other threads once broken
+        self._other._why_broken = "closed by peer" if reason.startswith(_CLOSED) else reason
         for end in ends:
             end._broken = True
-        self._why_broken = reason
-        self._other._why_broken = "closed by peer" if reason.startswith(_CLOSED) else reason
         for end in ends:
             ops, end._ops = end._ops, set()
             for op in ops:

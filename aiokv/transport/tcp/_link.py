@@ -569,8 +569,8 @@ class TcpLink(Link):
         """Mark broken, close the socket, fail everything pending. Idempotent, synchronous."""
         if self._broken:
             return
+        self._why_broken = reason  # first: read from other threads once broken
         self._broken = True
-        self._why_broken = reason
         _log.debug("%r: %s", self, reason)
         self._io.close()
         self._w.clear()
