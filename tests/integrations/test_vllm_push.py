@@ -5,8 +5,10 @@ releases the prefill's blocks."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from _vllm_sides import worker_pair
 
 from aiokv.integrations.vllm import ConnectorOptions
 from aiokv.integrations.vllm import WorkerSide
+from aiokv.integrations.vllm._options import load_deadline
 from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._plan import Cancel
 from aiokv.integrations.vllm._plan import Hold
@@ -51,11 +54,11 @@ def test_each_layer_is_pushed_into_the_reserved_blocks(pair: Pair) -> None:
     push = Push("p1", "T1", tuple(src), 100)
     # the plan reaches start_load_kv, which may run before the forward: nothing moves
     p.step(StepPlan(pushes=(push,)))
-    assert p._jobs == {}
+    assert p._pusher.jobs == {}
     # vLLM computes layer by layer: each is pushed as save_kv_layer names it
     for i, name in enumerate(pkv):
         p.save_layer(name, (push,))
-        assert p._jobs["p1"].started == set(range(i + 1))
+        assert p._pusher.jobs["p1"].started == set(range(i + 1))
     p.saved((push,))  # after the forward: nothing left to start
     done = wait_for(d, lambda a: "d1" in a.finished_recving)
     assert done.failed_recving == set()
@@ -235,3 +238,54 @@ def test_a_transfer_id_reused_in_one_step_fails_the_second_load_only() -> None:
         assert acc.failed_recving == {"b"}
         for name in pkv:  # a's block holds the prefill's block 4
             assert torch.equal(blockwise(dkv[name])[1], blockwise(pkv[name])[4])
+
+
+def test_the_decode_fails_a_load_only_once_the_prefills_writes_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A push still moving as the decode side's lease ends: the prefill ends its writes
+    within the lease less a margin (``load_deadline``), then tells the decode side,
+    which reports the load failed only then. (Both sides timed the whole lease: the
+    decode side reported failed, and vLLM could reuse the blocks, while the prefill
+    still wrote into them until ``transfer_timeout_ms``.)"""
+    lease = 3.0  # a push must end within load_deadline(3.0) = 1.7 s of the reservation
+    assert load_deadline(lease) == pytest.approx(1.7)
+    with worker_pair(options(lease_timeout_s=lease, transfer_timeout_ms=20_000)) as pair:
+        p, _, d, dkv = pair
+        writing: list[float] = []  # pushes in flight (a link that moves nothing)
+
+        async def stuck(*args: Any, **kwargs: Any) -> None:
+            writing.append(time.monotonic())
+            try:
+                await asyncio.sleep(30)
+            finally:
+                writing.pop()
+
+        assert p._dd is not None
+        monkeypatch.setattr(p._dd.cache_manager, "push_blocks", stuck)
+        untouched = {n: t.clone() for n, t in dkv.items()}
+        d.step(StepPlan(reserves=(reserve(p, "d13", "T13", [1]),)))
+        reserved(p, "T13")
+        start = time.monotonic()
+        p.saved((Push("p13", "T13", (4,), BS),))
+        done = wait_for(d, lambda a: "d13" in a.finished_recving, timeout=10, also=p)
+        assert done.failed_recving == {"d13"}
+        assert writing == []  # every write ended before the load was reported failed
+        assert time.monotonic() - start < lease  # the prefill said so: not the lease's end
+        assert all(torch.equal(dkv[n], untouched[n]) for n in dkv)
+
+
+def test_a_reservation_is_not_pushed_into_past_its_deadline() -> None:
+    """A prefill request that comes to push after the reservation's deadline (its
+    lease less the margin) pushes nothing and tells the decode side at once."""
+    lease = 3.0
+    with worker_pair(options(lease_timeout_s=lease)) as (p, _, d, dkv):
+        untouched = {n: t.clone() for n, t in dkv.items()}
+        d.step(StepPlan(reserves=(reserve(p, "d14", "T14", [1]),)))
+        reserved(p, "T14")  # p steps no more: its reservation is not dropped by a step
+        time.sleep(load_deadline(lease) + 0.2)
+        start = time.monotonic()
+        p.saved((Push("p14", "T14", (4,), BS),))
+        done = wait_for(d, lambda a: "d14" in a.finished_recving, timeout=10)
+        assert done.failed_recving == {"d14"} and time.monotonic() - start < 1.0
+        assert all(torch.equal(dkv[n], untouched[n]) for n in dkv)

@@ -11,6 +11,7 @@ import pytest
 from aiokv.integrations.vllm import ConnectorOptions
 from aiokv.integrations.vllm import SchedulerSide
 from aiokv.integrations.vllm._options import derive_cluster_id
+from aiokv.integrations.vllm._options import load_deadline
 from aiokv.integrations.vllm._params import Endpoint
 from aiokv.integrations.vllm._params import parse_remote_prefill
 from aiokv.integrations.vllm._plan import Cancel
@@ -20,7 +21,6 @@ from aiokv.integrations.vllm._plan import Push
 from aiokv.integrations.vllm._plan import Release
 from aiokv.integrations.vllm._plan import Reserve
 from aiokv.integrations.vllm._plan import Withdraw
-from aiokv.integrations.vllm._scheduler import load_deadline
 
 BS = 32
 RANKS = {0: Endpoint("127.0.0.1", 5000, 11), 1: Endpoint("127.0.0.1", 5001, 12)}
@@ -145,6 +145,7 @@ def test_a_load_that_begins_after_the_prefills_lease_fails() -> None:
     p, d = side(lease=100), side(clock=clock)
     params = prefill(p, [7, 3], tokens=64)
     assert load_deadline(100) == 89
+    assert load_deadline(1.0) == 0.5  # a short lease: the margin is at most half of it
     d.arrived("late", params)
     d.arrived("soon", copy.deepcopy(params))
     clock.now += 88  # still within the deadline: loads

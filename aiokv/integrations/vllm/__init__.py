@@ -11,7 +11,10 @@ up here; the rest runs without vLLM:
 * :mod:`._params` — the ``kv_transfer_params`` a prefill hands the decode side.
 * :mod:`._plan` — what the scheduler side tells the workers each step.
 * :mod:`._scheduler` — scheduler-side bookkeeping (:class:`SchedulerSide`).
-* :mod:`._worker` — one worker rank's aiokv instance (:class:`WorkerSide`).
+* :mod:`._worker` — one worker rank's aiokv instance (:class:`WorkerSide`), with
+  :mod:`._linker` (its links), :mod:`._pump` (its leased pulls on vLLM's thread),
+  :mod:`._pusher` (push mode's prefill side), :mod:`._notices` (the notifications
+  the workers exchange) and :mod:`._layout` (vLLM's KV tensors as a blocks cache).
 * :mod:`._connector` — the vLLM facade (:class:`AiokvConnector`).
 """
 

@@ -17,7 +17,7 @@ from pydantic import ConfigDict
 from pydantic import Field
 from pydantic import ValidationError
 
-__all__ = ["DEFAULT_KV_PORT", "ConnectorOptions", "derive_cluster_id"]
+__all__ = ["DEFAULT_KV_PORT", "ConnectorOptions", "derive_cluster_id", "load_deadline"]
 
 #: ``KVTransferConfig.kv_port``'s default: a kv_port left at it does not pick a port.
 DEFAULT_KV_PORT: Final = 14579
@@ -119,3 +119,16 @@ def derive_cluster_id(engine_id: str, rank: int) -> int:
     """A 64-bit cluster id from an engine id and a worker rank (BLAKE2b)."""
     digest = hashlib.blake2b(f"{engine_id}/{rank}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+def load_deadline(lease_s: float) -> float:
+    """Seconds within which a prefill's blocks may still be read or written by the
+    decode side, counted from when that side's side of the lease began: the lease
+    ``lease_s`` less a margin (a tenth of it plus a second, at most half of it) for the
+    time between the two sides' starts of the lease and between their clocks.
+
+    Pull mode: a decode request's load must begin within it of the request's arrival
+    (the prefill frees the blocks ``lease_s`` after its end). Push mode: the prefill
+    claims a reservation and ends its writes within it of the reservation's arrival
+    (the decode side gives its blocks up ``lease_s`` after it sent the reservation)."""
+    return lease_s - min(lease_s / 10 + 1.0, lease_s / 2)

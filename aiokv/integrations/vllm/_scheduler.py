@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._options import load_deadline
 from ._params import PARAMS_VERSION
 from ._params import Endpoint
 from ._params import PushPrefill
@@ -51,16 +52,9 @@ from ._plan import Reserve
 from ._plan import StepPlan
 from ._plan import Withdraw
 
-__all__ = ["SchedulerSide", "load_deadline"]
+__all__ = ["SchedulerSide"]
 
 log = logging.getLogger("aiokv.vllm")
-
-
-def load_deadline(lease_s: float) -> float:
-    """Seconds after a decode request came in within which its load must begin: the
-    prefill's lease less a margin (a tenth of it, plus a second) for the time between
-    the prefill's end and the decode request's arrival."""
-    return lease_s - (lease_s / 10 + 1.0)
 
 
 class SchedulerSide:

@@ -20,9 +20,9 @@ Push mode (``mode="push"``; docs/vllm.md):
   (:meth:`WorkerSide.take_reserved`, vLLM's worker metadata), which then schedules the
   prefill request; in the step that computes it, :meth:`WorkerSide.save_layer` pushes
   each layer's blocks into the reserved blocks as soon as vLLM computed that layer
-  (``push_blocks`` of one layer, on the loop thread, while the next layers compute);
-  when every layer is in, the decode side gets its :class:`PushedNotice` and the
-  request's blocks are released (its :class:`~._plan.Hold` has ``pushed``).
+  (:class:`~._pusher.Pusher`: within the decode side's lease less a margin); when
+  every layer is in, the decode side gets its :class:`PushedNotice` and the request's
+  blocks are released (its :class:`~._plan.Hold` has ``pushed``).
 
 :meth:`WorkerSide.results` reports what finished since the last call: held requests
 released (``finished_sending``), loads ended (``finished_recving``) and, among those,
@@ -77,7 +77,15 @@ from ._layout import blocks_desc
 from ._layout import logical_blocks
 from ._layout import split_kv
 from ._linker import Linker
+from ._notices import CancelNotice
+from ._notices import DoneNotice
+from ._notices import PushedNotice
+from ._notices import ReserveNotice
+from ._notices import notice_decoder
+from ._notices import notice_encoder
+from ._notices import push_decoder
 from ._options import ConnectorOptions
+from ._options import load_deadline
 from ._params import Endpoint
 from ._plan import Cancel
 from ._plan import Load
@@ -87,6 +95,8 @@ from ._plan import Reserve
 from ._plan import StepPlan
 from ._pump import Pump
 from ._pump import loop_running
+from ._pusher import Pusher
+from ._pusher import Reservation
 
 __all__ = [
     "CancelNotice",
@@ -113,46 +123,6 @@ _DEVICES: Final[dict[str, Literal["cpu", "cuda", "npu"]]] = {
 _Item = TypeVar("_Item", Load, Release, Reserve, Cancel)
 
 
-class DoneNotice(msgspec.Struct, frozen=True):
-    """The decode side's notification: it has the blocks of ``request``, the prefill may
-    free them (``token``: the one in the params, so that no other peer can)."""
-
-    request: str
-    token: str
-
-
-class ReserveNotice(msgspec.Struct, frozen=True, tag_field="push", tag="reserve"):
-    """Push mode, decode → prefill: push the blocks of the prompt from the prefill's
-    block ``first`` on into this side's ``blocks`` (``num_tokens``: the prompt's tokens
-    this side expects), under ``transfer``."""
-
-    transfer: str
-    blocks: list[int]
-    first: int
-    num_tokens: int
-
-
-class PushedNotice(msgspec.Struct, frozen=True, tag_field="push", tag="pushed"):
-    """Push mode, prefill → decode: the push under ``transfer`` ended (``ok``), or will
-    never come (``error`` says why)."""
-
-    transfer: str
-    ok: bool
-    error: str = ""
-
-
-class CancelNotice(msgspec.Struct, frozen=True, tag_field="push", tag="cancel"):
-    """Push mode, decode → prefill: the reservation ``transfer`` is withdrawn."""
-
-    transfer: str
-
-
-_PushMessage = ReserveNotice | PushedNotice | CancelNotice
-_notice_decoder = msgspec.json.Decoder(DoneNotice)
-_push_decoder = msgspec.json.Decoder(_PushMessage)
-_notice_encoder = msgspec.json.Encoder()
-
-
 @dataclass(slots=True)
 class _Awaiting:
     """Decode side: a reservation sent, waiting for its PushedNotice."""
@@ -160,32 +130,6 @@ class _Awaiting:
     request_id: str
     cluster_id: int
     deadline: float
-
-
-@dataclass(slots=True)
-class _Reservation:
-    """Prefill side: where a decode side wants a prompt's KV pushed."""
-
-    cluster_id: int
-    blocks: list[int]
-    first: int
-    num_tokens: int
-    deadline: float
-
-
-@dataclass(slots=True)
-class _PushJob:
-    """Prefill side: one request's layer-wise push. ``started`` is touched by vLLM's
-    thread only; ``remaining`` and ``error`` by the loop thread only."""
-
-    request_id: str
-    transfer_id: str
-    cluster_id: int | None
-    src: tuple[int, ...]
-    dst: tuple[int, ...]
-    remaining: int
-    error: str | None = None
-    started: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -207,7 +151,7 @@ class WorkerSide:
     """
 
     def __init__(self, options: ConnectorOptions, *, engine_id: str, rank: int) -> None:
-        self._options = options
+        self.options = options
         self._rank = rank
         self.cluster_id = options.worker_cluster_id(engine_id, rank)
         self._portal_cm: Any = None
@@ -226,14 +170,13 @@ class WorkerSide:
         self._loads = 0  # loads started and not ended
         self._wake = threading.Event()  # set when a load ends
         # push mode
-        self._layers: dict[str, int] = {}  # vLLM layer name -> layer of the blocks cache
         self._per_layer = 1  # tensors of the blocks cache per layer (2: K and V apart)
         self._awaiting: dict[str, _Awaiting] = {}  # decode: transfer -> load waiting
-        self._reservations: dict[str, _Reservation] = {}  # prefill: transfer -> where to
+        self._reservations: dict[str, Reservation] = {}  # prefill: transfer -> where to
         self._new_reserved: dict[str, int] = {}  # prefill: reported to the scheduler next
-        self._jobs: dict[str, _PushJob] = {}  # prefill: request -> push of this step
         self._push_ended: dict[str, float] = {}  # prefill: request -> forget after
         self._push_holds: set[str] = set()  # prefill: held until their push ends
+        self._pusher = Pusher(self)
 
     # ---- life -----------------------------------------------------------------------------
     def start(
@@ -251,14 +194,14 @@ class WorkerSide:
                 or devices, not contiguous, or a first dimension that is not the blocks.
             LLMException: aiokv could not start (address in use, ...).
         """
-        self._layers = {name: i for i, name in enumerate(kv_caches)}
+        self._pusher.layers = {name: i for i, name in enumerate(kv_caches)}
         halves, self._per_layer = split_kv(list(kv_caches.values()), num_blocks)
         tensors = logical_blocks(halves, num_blocks)
         desc = blocks_desc(tensors, num_blocks)
         device = tensors[0].device
         if device.type not in _DEVICES:
             raise ValueError(f"AiokvConnector: KV cache on {device}; aiokv moves {_DEVICES}")
-        opts = self._options
+        opts = self.options
         config = LLMConfig(
             device_type=_DEVICES[device.type],
             device_id=device.index or 0,
@@ -381,7 +324,7 @@ class WorkerSide:
                 starve the threads that move the bytes. Otherwise it never blocks (it
                 runs the pump's ready work).
         """
-        wait_s = self._options.idle_wait_ms / 1000 if idle and self._busy() else 0.0
+        wait_s = self.options.idle_wait_ms / 1000 if idle and self._busy() else 0.0
         if self._pump:
             self._pump.run(wait_s)  # a load ending wakes it
         elif wait_s:
@@ -413,7 +356,7 @@ class WorkerSide:
         for transfer, waiting in list(self._awaiting.items()):
             why = None
             if now >= waiting.deadline:
-                why = f"no push came within {self._options.lease_timeout_s:g} s"
+                why = f"no push came within {self.options.lease_timeout_s:g} s"
                 expired.append((waiting.cluster_id, CancelNotice(transfer)))
             elif waiting.cluster_id not in linked:
                 why = "the link to the prefill broke"
@@ -439,7 +382,7 @@ class WorkerSide:
                 log.warning(
                     "request %s: no decode side took its blocks within %.0f s; freed",
                     request_id,
-                    self._options.lease_timeout_s,
+                    self.options.lease_timeout_s,
                 )
                 del self._holds[request_id]
                 self._done.finished_sending.add(request_id)
@@ -469,11 +412,11 @@ class WorkerSide:
     ) -> None:
         """A push-mode notice (under the lock); answers to send go to ``replies``."""
         try:
-            message = _push_decoder.decode(payload)
+            message = push_decoder.decode(payload)
         except msgspec.MsgspecError:
             log.warning("ignored a malformed notification from cluster %d", cluster_id)
             return
-        if self._options.mode != "push":
+        if self.options.mode != "push":
             log.warning("ignored a push-mode notice from cluster %d: mode is pull", cluster_id)
             return
         if isinstance(message, PushedNotice):
@@ -493,8 +436,8 @@ class WorkerSide:
                     "ignored a reservation %r from cluster %d", message.transfer, cluster_id
                 )
                 return
-            deadline = now + self._options.lease_timeout_s
-            self._reservations[message.transfer] = _Reservation(
+            deadline = now + load_deadline(self.options.lease_timeout_s)
+            self._reservations[message.transfer] = Reservation(
                 cluster_id, message.blocks, message.first, message.num_tokens, deadline
             )
             self._new_reserved[message.transfer] = 1
@@ -509,7 +452,7 @@ class WorkerSide:
     def _noticed(self, cluster_id: int, payload: bytes, now: float) -> None:
         """A done notice (under the lock): release its hold, or remember it a lease long."""
         try:
-            notice = _notice_decoder.decode(payload)
+            notice = notice_decoder.decode(payload)
         except msgspec.MsgspecError:
             log.warning("ignored a malformed notification from cluster %d", cluster_id)
             return
@@ -525,91 +468,52 @@ class WorkerSide:
             del self._holds[notice.request]
             self._done.finished_sending.add(notice.request)
             return
-        self._early[(notice.request, notice.token)] = now + self._options.lease_timeout_s
+        self._early[(notice.request, notice.token)] = now + self.options.lease_timeout_s
         while len(self._early) > _EARLY_CAP:
             self._early.popitem(last=False)
 
     # ---- push mode, prefill side ------------------------------------------------------------
     def save_layer(self, layer_name: str, pushes: tuple[Push, ...], kv_layer: Any = None) -> None:
-        """``save_kv_layer``: vLLM computed layer ``layer_name`` of this step; start
-        pushing it for every request of ``pushes`` (this step's plan). Never blocks.
-
-        ``kv_layer``: the layer's tensor; on a GPU its pushes wait for the work vLLM
-        queued on the current stream (an event), not for the stream to drain."""
-        layer = self._layers.get(layer_name)
-        if layer is None or not pushes:
-            return
-        event = None
-        if isinstance(kv_layer, torch.Tensor) and kv_layer.is_cuda:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-        for push in pushes:
-            self._push_layer_soon(self._job(push), layer, event)
+        """``save_kv_layer``: see :meth:`Pusher.save_layer`. Never blocks."""
+        self._pusher.save_layer(layer_name, pushes, kv_layer)
 
     def saved(self, pushes: tuple[Push, ...]) -> None:
-        """``wait_for_save`` (after the step's forward): push the layers of ``pushes``
-        that :meth:`save_layer` was not called for (normally none), then forget the
-        step's jobs (they end on their own). Never blocks."""
-        for push in pushes:
-            job = self._job(push)
-            late = [i for i in range(len(self._layers)) if i not in job.started]
-            if late:
-                log.warning(
-                    "request %s: layers %s were not named by save_kv_layer; pushed after "
-                    "the forward",
-                    push.request_id,
-                    late,
-                )
-            for layer in late:
-                self._push_layer_soon(job, layer)
-        self._jobs.clear()
+        """``wait_for_save``: see :meth:`Pusher.saved`. Never blocks."""
+        self._pusher.saved(pushes)
 
-    def _job(self, push: Push) -> _PushJob:
-        """This step's job of ``push`` (made on first use: its reservation checked)."""
-        job = self._jobs.get(push.request_id)
-        if job is not None:
-            return job
+    def claim(self, transfer_id: str) -> Reservation | None:
+        """The reservation ``transfer_id`` (a push takes it: no one else can), if any."""
         with self._lock:
-            reservation = self._reservations.pop(push.transfer_id, None)
-        error = None
-        if reservation is None:
-            error = "its reservation was withdrawn or expired"
-        elif (
-            reservation.num_tokens != push.num_tokens
-            or reservation.first + len(reservation.blocks) != len(push.blocks)
-            or reservation.first < 0
-        ):
-            error = (
-                f"the decode side expects {reservation.num_tokens} tokens from block "
-                f"{reservation.first} in {len(reservation.blocks)} blocks; the prefill "
-                f"computed {push.num_tokens} tokens in {len(push.blocks)} blocks"
-            )
-        src = push.blocks[reservation.first :] if reservation is not None else ()
-        job = _PushJob(
-            push.request_id,
-            push.transfer_id,
-            None if reservation is None else reservation.cluster_id,
-            tuple(src),
-            tuple(reservation.blocks) if reservation is not None else (),
-            remaining=len(self._layers),
-            error=error,
+            return self._reservations.pop(transfer_id, None)
+
+    async def push_layer(
+        self, cluster_id: int, src: tuple[int, ...], dst: tuple[int, ...], layer: int
+    ) -> None:
+        """Push layer ``layer`` of blocks ``src`` into cluster ``cluster_id``'s ``dst``."""
+        assert self._dd is not None and self._cache is not None
+        await self._dd.cache_manager.push_blocks(
+            BlocksCacheKey(cluster_id, _MODEL_ID),
+            self._cache,
+            src,
+            dst,
+            src_layer_range=range(layer, layer + 1),
+            dst_layer_range=range(layer, layer + 1),
+            tensor_num_per_layer=self._per_layer,
         )
-        self._jobs[push.request_id] = job
-        if error is not None:
-            log.error("request %s: no push: %s", push.request_id, error)
-            job.started.update(range(len(self._layers)))
-            self._run_soon(self._push_ended_now, job)
-        return job
 
-    def _push_layer_soon(self, job: _PushJob, layer: int, event: Any = None) -> None:
-        if layer in job.started:
-            return
-        job.started.add(layer)
-        self._run_soon(self._push_layer, job, layer, event)
+    def pushed(self, request_id: str) -> None:
+        """The push of ``request_id`` ended (its decode side told): release its blocks
+        once held (now, if they are)."""
+        with self._lock:
+            if request_id in self._push_holds:
+                self._push_holds.discard(request_id)
+                self._done.finished_sending.add(request_id)
+            else:
+                self._push_ended[request_id] = time.monotonic() + self.options.lease_timeout_s
 
-    def _run_soon(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> bool:
+    def run_soon(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> bool:
         """Run ``fn(*args)`` on aiokv's engine loop, tracked as in flight; False (nothing
-        started) once closed."""
+        started) once closed. Thread-safe."""
         loop = self._loop
         if loop is None:
             return False
@@ -619,53 +523,13 @@ class WorkerSide:
         fut.add_done_callback(self._forget)
         return True
 
-    async def _push_layer(self, job: _PushJob, layer: int, event: Any) -> None:
-        """Push one layer of ``job`` (on the loop thread); the last one to end sends the
-        decode side its PushedNotice."""
-        try:
-            if event is not None:  # the GPU work that computed the layer
-                await anyio.to_thread.run_sync(event.synchronize)
-            if job.error is None and job.src:
-                assert self._dd is not None and self._cache is not None
-                assert job.cluster_id is not None
-                with anyio.fail_after(self._options.transfer_timeout_ms / 1000):
-                    await self._dd.cache_manager.push_blocks(
-                        BlocksCacheKey(job.cluster_id, _MODEL_ID),
-                        self._cache,
-                        job.src,
-                        job.dst,
-                        src_layer_range=range(layer, layer + 1),
-                        dst_layer_range=range(layer, layer + 1),
-                        tensor_num_per_layer=self._per_layer,
-                    )
-        except Exception as exc:
-            if job.error is None:
-                job.error = f"pushing layer {layer} failed: {exc}"
-                log.error("request %s: %s", job.request_id, job.error)
-        finally:
-            job.remaining -= 1
-            if job.remaining == 0:
-                await self._push_ended_now(job)
-
-    async def _push_ended_now(self, job: _PushJob) -> None:
-        """``job`` ended: tell its decode side, then release its held blocks."""
-        if job.cluster_id is not None:
-            notice = PushedNotice(job.transfer_id, job.error is None, job.error or "")
-            await self._send(job.cluster_id, notice)
-        with self._lock:
-            if job.request_id in self._push_holds:
-                self._push_holds.discard(job.request_id)
-                self._done.finished_sending.add(job.request_id)
-            else:
-                self._push_ended[job.request_id] = time.monotonic() + self._options.lease_timeout_s
-
     async def _cancel(self, cancel: Cancel) -> None:
         """Nothing will be pushed under ``cancel.transfer_id``: tell its decode side."""
         with self._lock:
             reservation = self._reservations.pop(cancel.transfer_id, None)
             self._new_reserved.pop(cancel.transfer_id, None)
         if reservation is not None:
-            await self._send(
+            await self.send(
                 reservation.cluster_id, PushedNotice(cancel.transfer_id, False, cancel.reason)
             )
 
@@ -679,9 +543,9 @@ class WorkerSide:
         )
         registered = False
         try:
-            with anyio.fail_after(self._options.link_timeout_ms / 1000):
+            with anyio.fail_after(self.options.link_timeout_ms / 1000):
                 await self._link(source)
-            deadline = time.monotonic() + self._options.lease_timeout_s
+            deadline = time.monotonic() + self.options.lease_timeout_s
             mine = _Awaiting(reserve.request_id, source.cluster_id, deadline)
             with self._lock:  # before sending: its answer may come at once
                 if reserve.transfer_id in self._awaiting:  # another load's, meanwhile
@@ -692,7 +556,7 @@ class WorkerSide:
                 self._awaiting[reserve.transfer_id] = mine
             registered = True
             assert self._dd is not None
-            await self._dd.send_notification(source.cluster_id, _notice_encoder.encode(notice))
+            await self._dd.send_notification(source.cluster_id, notice_encoder.encode(notice))
         except Exception as exc:
             if registered:
                 with self._lock:
@@ -710,16 +574,16 @@ class WorkerSide:
             self._ended(reserve.request_id, ok=False)
 
     def _spawn_send(self, cluster_id: int, message: PushedNotice | CancelNotice) -> None:
-        self._run_soon(self._send, cluster_id, message)
+        self.run_soon(self.send, cluster_id, message)
 
-    async def _send(
+    async def send(
         self, cluster_id: int, message: PushedNotice | CancelNotice | ReserveNotice
     ) -> None:
         """Send a push-mode notice, best effort (the other side's bound covers a loss)."""
         if self._dd is None:
             return
         try:
-            await self._dd.send_notification(cluster_id, _notice_encoder.encode(message))
+            await self._dd.send_notification(cluster_id, notice_encoder.encode(message))
         except (LLMException, RuntimeError) as exc:
             log.warning(
                 "could not send %s to cluster %d: %s", type(message).__name__, cluster_id, exc
@@ -736,7 +600,7 @@ class WorkerSide:
         (closed) ends failed."""
         with self._lock:
             self._loads += isinstance(item, Load)  # counted before it can end, until it ends
-        started = pump.start(fn(item)) if pump is not None else self._run_soon(fn, item)
+        started = pump.start(fn(item)) if pump is not None else self.run_soon(fn, item)
         if not started and isinstance(item, Load):
             with self._lock:
                 self._loads -= 1
@@ -760,7 +624,7 @@ class WorkerSide:
         source = load.ranks[self._rank]
         ok = False
         try:
-            budget = (self._options.link_timeout_ms + self._options.transfer_timeout_ms) / 1000
+            budget = (self.options.link_timeout_ms + self.options.transfer_timeout_ms) / 1000
             with anyio.fail_after(budget):
                 await self._linked(source)
                 assert self._dd is not None and self._cache is not None
@@ -784,7 +648,7 @@ class WorkerSide:
             with self._lock:
                 self._loads -= 1
             self._ended(load.request_id, ok=ok)
-        self._run_soon(self._notify, source, load.remote_request_id, load.token)
+        self.run_soon(self._notify, source, load.remote_request_id, load.token)
 
     async def _linked(self, source: Endpoint) -> None:
         """:meth:`_link`, run on the engine loop (where its locks live) unless linked."""
@@ -801,7 +665,7 @@ class WorkerSide:
     async def _release(self, release: Release) -> None:
         source = release.ranks[self._rank]
         with contextlib.suppress(Exception):
-            with anyio.fail_after(self._options.link_timeout_ms / 1000):
+            with anyio.fail_after(self.options.link_timeout_ms / 1000):
                 await self._link(source)
         await self._notify(source, release.remote_request_id, release.token)
 
@@ -810,7 +674,7 @@ class WorkerSide:
         cannot be told, its lease frees them)."""
         if self._dd is None:
             return
-        payload = _notice_encoder.encode(DoneNotice(request, token))
+        payload = notice_encoder.encode(DoneNotice(request, token))
         try:
             await self._dd.send_notification(source.cluster_id, payload)
         except (LLMException, RuntimeError) as exc:

@@ -1,0 +1,62 @@
+"""The notifications the connector's workers exchange over aiokv (``send_notification``):
+JSON objects, untrusted on arrival (decoded by ``msgspec`` against these types).
+
+Pull mode: the decode side's :class:`DoneNotice`. Push mode (tagged ``"push"``):
+:class:`ReserveNotice` and :class:`CancelNotice` (decode → prefill) and
+:class:`PushedNotice` (prefill → decode).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "CancelNotice",
+    "DoneNotice",
+    "PushMessage",
+    "PushedNotice",
+    "ReserveNotice",
+    "notice_decoder",
+    "notice_encoder",
+    "push_decoder",
+]
+
+
+class DoneNotice(msgspec.Struct, frozen=True):
+    """The decode side's notification: it has the blocks of ``request``, the prefill may
+    free them (``token``: the one in the params, so that no other peer can)."""
+
+    request: str
+    token: str
+
+
+class ReserveNotice(msgspec.Struct, frozen=True, tag_field="push", tag="reserve"):
+    """Push mode, decode → prefill: push the blocks of the prompt from the prefill's
+    block ``first`` on into this side's ``blocks`` (``num_tokens``: the prompt's tokens
+    this side expects), under ``transfer``."""
+
+    transfer: str
+    blocks: list[int]
+    first: int
+    num_tokens: int
+
+
+class PushedNotice(msgspec.Struct, frozen=True, tag_field="push", tag="pushed"):
+    """Push mode, prefill → decode: the push under ``transfer`` ended (``ok``), or will
+    never come (``error`` says why)."""
+
+    transfer: str
+    ok: bool
+    error: str = ""
+
+
+class CancelNotice(msgspec.Struct, frozen=True, tag_field="push", tag="cancel"):
+    """Push mode, decode → prefill: the reservation ``transfer`` is withdrawn."""
+
+    transfer: str
+
+
+PushMessage = ReserveNotice | PushedNotice | CancelNotice
+notice_decoder = msgspec.json.Decoder(DoneNotice)
+push_decoder = msgspec.json.Decoder(PushMessage)
+notice_encoder = msgspec.json.Encoder()
