@@ -117,6 +117,26 @@ class MemPool:
         self._peak_pages = max(self._peak_pages, self._used_pages)
         return span
 
+    def allocate_many(self, nbytes: int, count: int) -> list[Span]:
+        """:meth:`allocate` ``count`` spans of ``nbytes``, all or none: on failure the
+        pool is as before, its ``peak_used`` included (a rolled-back partial allocation
+        was never in use).
+
+        Raises:
+            as :meth:`allocate`.
+        """
+        peak = self._peak_pages
+        spans: list[Span] = []
+        try:
+            for _ in range(count):
+                spans.append(self.allocate(nbytes))
+        except BaseException:
+            for s in spans:
+                self.free(s)
+            self._peak_pages = peak
+            raise
+        return spans
+
     def free(self, span: Span) -> None:
         """Return ``span`` to the pool, coalescing with free neighbours.
 

@@ -139,7 +139,10 @@ class CacheRegistry:
         self.entries: dict[int, Entry] = {}
         self.keys: dict[KeyId, tuple[int, int]] = {}  # key_id -> (cache_id, batch_index)
         self.blocks_keys: dict[int, int] = {}  # model_id -> cache_id
-        self._regions: SortedDict[int, tuple[int, int, int]] = SortedDict()
+        # start -> [(end, cache_id, tensor_index), ...]: several caches may register the
+        # same memory (aliases); each keeps its own region until it is freed
+        self._regions: SortedDict[int, list[tuple[int, int, int]]] = SortedDict()
+        self._longest = 0  # the longest region ever: how far back find_region looks
         self.lock = threading.RLock()
         # ids as llm_datadist's cache engine gives them: 1, 2, ... per LLMDataDist
         # (llm_datadist allows one per process), never reused
@@ -170,7 +173,10 @@ class CacheRegistry:
         cache._owner = self
         self.entries[cache.cache_id] = entry
         for i, t in enumerate(cache.tensors):
-            self._regions[t.data_ptr()] = (t.data_ptr() + cache.cache_desc.size, cache.cache_id, i)
+            self._regions.setdefault(t.data_ptr(), []).append(
+                (t.data_ptr() + cache.cache_desc.size, cache.cache_id, i)
+            )
+            self._longest = max(self._longest, cache.cache_desc.size)
             if not spans and self.on_register is not None:  # pools are registered whole
                 self.on_register(t.data_ptr(), cache.cache_desc.size, str(t.device))
         for slot, key in enumerate(keys):
@@ -256,17 +262,18 @@ class CacheRegistry:
     @_locked
     def find_region(self, addr: int, nbytes: int) -> tuple[Entry, int, int] | None:
         """The ``(entry, tensor_index, byte_offset)`` whose tensor holds ``[addr, addr+nbytes)``
-        entirely, or ``None`` — how raw addresses from a peer are checked."""
-        i = self._regions.bisect_right(addr)
-        if i == 0 or nbytes < 0:
+        entirely, or ``None`` — how raw addresses from a peer are checked. Registrations
+        may overlap (the same memory registered twice, or within another): the one that
+        starts nearest below ``addr`` wins, among those the latest."""
+        if nbytes < 0:
             return None
-        start, (end, cid, ti) = self._regions.peekitem(i - 1)
-        if addr + nbytes > end:
-            return None
-        e = self.entries.get(cid)
-        if e is None or not e.id_held:
-            return None
-        return e, ti, addr - start
+        # a region holding [addr, addr + nbytes) starts at most _longest bytes below its end
+        for start in self._regions.irange(addr + nbytes - self._longest, addr, reverse=True):
+            for end, cid, ti in reversed(self._regions[start]):
+                e = self.entries.get(cid)
+                if addr + nbytes <= end and e is not None and e.id_held:
+                    return e, ti, addr - start
+        return None
 
     # ---- releasing ----------------------------------------------------------------------
     @_locked
@@ -402,9 +409,11 @@ class CacheRegistry:
             return
         e.freed = True
         for t in e.cache.tensors:
-            region = self._regions.get(t.data_ptr())
-            if region is not None and region[1] == e.cache.cache_id:
-                del self._regions[t.data_ptr()]
+            regions = self._regions.get(t.data_ptr())
+            if regions is not None:
+                regions[:] = [r for r in regions if r[1] != e.cache.cache_id]
+                if not regions:
+                    del self._regions[t.data_ptr()]
             if not e.spans and self.on_deregister is not None:
                 self.on_deregister(t.data_ptr(), e.cache.cache_desc.size)
         for pool, span in e.spans:

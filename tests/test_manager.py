@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 from collections.abc import AsyncIterator
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,7 @@ from aiokv import LLMRole
 from aiokv import LLMStatusCode
 from aiokv import NoneArgumentError
 from aiokv import Placement
+from aiokv._copy import _scheduler
 
 POOL = 64 << 20
 CODE = LLMStatusCode
@@ -587,3 +589,50 @@ async def test_cancel_large_swap_in_flight_keeps_everything_consistent() -> None
         fill_randn(a, 8)
         await cm.swap_blocks(a, b, {0: 0})
         assert torch.equal(a.tensors[0][0], b.tensors[0][0])
+
+
+async def test_a_second_unregister_of_memory_in_use_waits_like_the_first(
+    cm: CacheManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``unregister_cache`` returns once no copy touches the memory: a second call for
+    the same cache while the first still waits for a copy waits too (it returned at
+    once: its caller could free memory a worker still wrote)."""
+    gate, started = threading.Event(), threading.Event()
+    real = _scheduler.copy_many_job
+
+    def held_copy(pairs: Any) -> None:
+        started.set()
+        gate.wait(10)
+        real(pairs)
+
+    monkeypatch.setattr(_scheduler, "copy_many_job", held_copy)
+    desc = CacheDesc(1, [1, 1 << 20], DataType.DT_UINT8, Placement.HOST)
+    src = await cm.register_cache(desc, [torch.full((1, 1 << 20), 7, dtype=torch.uint8)])
+    dst_memory = torch.zeros(1, 1 << 20, dtype=torch.uint8)
+    dst = await cm.register_cache(desc, [dst_memory])
+    copy = asyncio.create_task(cm.copy_cache(dst, src))
+    try:
+        assert await asyncio.to_thread(started.wait, 10)  # the worker is on it
+        first = asyncio.create_task(cm.unregister_cache(dst.cache_id))
+        second = asyncio.create_task(cm.unregister_cache(dst.cache_id))
+        await asyncio.sleep(0.1)
+        assert not first.done() and not second.done()
+    finally:
+        gate.set()
+    await asyncio.wait_for(asyncio.gather(copy, first, second), 10)
+    assert bool((dst_memory == 7).all())  # the copy ended before either returned
+
+
+async def test_a_failed_allocation_changes_no_pool_statistic(cm: CacheManager) -> None:
+    """A cache whose first tensors fit in the pool and whose last does not fails with
+    ``LLM_OUT_OF_MEMORY`` and leaves the pool as it was: ``peak_used`` too (the
+    rolled-back tensors showed as the peak though never handed out)."""
+    before = cm.get_pool_stats(Placement.DEVICE)
+    assert before is not None and before.peak_used == 0
+    desc = CacheDesc(4, [POOL // 3], DataType.DT_UINT8, Placement.DEVICE)  # 2 of 4 fit
+    with pytest.raises(LLMException) as info:
+        await cm.allocate_cache(desc)
+    assert info.value.status_code == CODE.LLM_OUT_OF_MEMORY
+    after = cm.get_pool_stats(Placement.DEVICE)
+    assert after is not None and after == before and after.peak_used == 0
+    assert after.failed_allocations == before.failed_allocations + 1

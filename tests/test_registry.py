@@ -260,6 +260,47 @@ def test_find_region(reg: CacheRegistry, pool: MemPool) -> None:
     assert reg.find_region(base, 1) is None
 
 
+def over(reg: CacheRegistry, memory: torch.Tensor) -> Entry:
+    """A cache registered over ``memory`` (user memory, one tensor), added to ``reg``."""
+    desc = CacheDesc(1, [1, memory.numel()], DataType.DT_UINT8, Placement.HOST)
+    cache = Cache(desc, [memory.view(1, -1)], is_blocks_cache=False)
+    return reg.add(cache, [], remote_accessible=True)
+
+
+def test_find_region_of_memory_registered_twice_survives_either_going(
+    reg: CacheRegistry,
+) -> None:
+    """The same memory registered twice: unregistering one leaves the other reachable
+    (the second registration's region replaced the first's, and went with it)."""
+    memory = torch.zeros(4 * PAGE, dtype=torch.uint8)
+    base = memory.data_ptr()
+    a, b = over(reg, memory), over(reg, memory)
+    assert reg.find_region(base, PAGE) == (b, 0, 0)  # the latest wins
+    reg.release_id(b)
+    assert reg.find_region(base + PAGE, PAGE) == (a, 0, PAGE)
+    b = over(reg, memory)
+    reg.release_id(a)
+    assert reg.find_region(base, 4 * PAGE) == (b, 0, 0)
+    reg.release_id(b)
+    assert reg.find_region(base, 1) is None
+
+
+def test_find_region_inside_a_registration_within_another(reg: CacheRegistry) -> None:
+    """A cache registered inside another's memory, at another start: addresses of the
+    outer one past the inner one's start are still found (only the nearest start below
+    an address was looked at)."""
+    memory = torch.zeros(16 * PAGE, dtype=torch.uint8)
+    base = memory.data_ptr()
+    outer, inner = over(reg, memory), over(reg, memory[PAGE : 2 * PAGE])
+    assert reg.find_region(base + PAGE, PAGE) == (inner, 0, 0)  # the nearest start wins
+    assert reg.find_region(base + 4 * PAGE, PAGE) == (outer, 0, 4 * PAGE)
+    assert reg.find_region(base + PAGE, 2 * PAGE) == (outer, 0, PAGE)  # past the inner one
+    assert reg.find_region(base + 15 * PAGE, PAGE + 1) is None  # past the outer one
+    reg.release_id(outer)
+    assert reg.find_region(base + 4 * PAGE, PAGE) is None
+    assert reg.find_region(base + PAGE, PAGE) == (inner, 0, 0)
+
+
 # ---- statistics --------------------------------------------------------------------------------
 def test_statistics_track_every_transition(reg: CacheRegistry, pool: MemPool) -> None:
     want = dict(NOTHING)

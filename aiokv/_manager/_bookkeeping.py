@@ -45,14 +45,10 @@ class Bookkeeping(ManagerBase):
                 status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                 op=op,
             )
-        spans: list[Span] = []
         try:
-            for _ in range(desc.num_tensors):
-                spans.append(pool.allocate(desc.size))
-        except BaseException as exc:
-            for s in spans:
-                pool.free(s)
-            if isinstance(exc, LLMException) and exc.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY:
+            spans: list[Span] = pool.allocate_many(desc.size, desc.num_tensors)
+        except LLMException as exc:
+            if exc.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY:
                 raise _pool_too_small(op, desc, pool) from exc
             raise
         tensors = [pool.view(s).view(desc.torch_dtype).view(desc.shape) for s in spans]
@@ -329,13 +325,18 @@ class Bookkeeping(ManagerBase):
         with self._registry.lock:
             entry = self._registry.by_id(cache_id)
             if entry is None:
-                return
-            if entry.owned:
-                param_invalid(op, f"cache {cache_id} was allocated from a pool; deallocate it")
-            self._registry.release_id(entry)
-            self._registry.revoke(entry, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
-            if not entry.pins:
-                return
+                # already unregistered; maybe still in use (an earlier unregister_cache
+                # still waits): this call, too, returns only once nothing touches it
+                entry = self._registry.entries.get(cache_id)
+                if entry is None or entry.owned or not entry.pins:
+                    return
+            else:
+                if entry.owned:
+                    param_invalid(op, f"cache {cache_id} was allocated from a pool; deallocate it")
+                self._registry.release_id(entry)
+                self._registry.revoke(entry, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+                if not entry.pins:
+                    return
         await self._end_leases(entry)
         await self._engine.finish(self._until_unpinned, entry)
 
