@@ -111,6 +111,7 @@ class LLMDataDist:
         self._inbox = Inbox()  # notifications; its counters survive init cycles
         self._listen: tuple[str, int] | None = None
         self._engine: Engine | None = None
+        self._starting = threading.Lock()  # an init's check-and-take of the engine is one step
         self._closing = False  # finalize has begun: the teardown runs until the engine ends
         self._finalized = False  # a finalize completed (and no init since)
 
@@ -222,7 +223,7 @@ class LLMDataDist:
         try:
             await engine.run(self._build, config, engine)
         except BaseException:
-            self._engine = None
+            self._init_failed(engine)
             await engine.aclose()
             raise
         self._started()
@@ -236,7 +237,12 @@ class LLMDataDist:
         try:
             engine.call(self._build, config, engine)
         except BaseException:
-            self._engine = None
+            if self._manager is not None and self._engine is engine:
+                # interrupted as the build completed ("its effects stand"): initialized,
+                # the interrupt raised after, as if it came just after init returned
+                self._started()
+                raise
+            self._init_failed(engine)
             engine.stop()
             raise
         self._started()
@@ -274,9 +280,23 @@ class LLMDataDist:
                     "coroutine on asyncio, or keep engine_thread=True",
                 )
             loop = asyncio.get_running_loop()
-        engine = Engine(f"aiokv-engine-{self._cluster_id}", loop)
-        self._engine = engine  # taken now: a concurrent init fails instead of racing
+        with self._starting:  # from several threads at once (aiokv.sync): one wins
+            if self.initialized and not self._closing:  # by another thread meanwhile
+                self._warn_reinit(options)
+                return None
+            if self._closing or self._engine is not None:
+                raise RuntimeError(f"{op}: an init or finalize of this LLMDataDist is under way")
+            engine = Engine(f"aiokv-engine-{self._cluster_id}", loop)
+            self._engine = engine  # taken now: a concurrent init fails instead of racing
         return config, engine
+
+    def _init_failed(self, engine: Engine) -> None:
+        """``init`` failed on ``engine`` (which it stops): forget it, and a finalize
+        that raced the init with it (it has nothing left to do, and its ``_ended`` will
+        not find this engine any more)."""
+        if self._engine is engine:
+            self._engine = None
+            self._closing = False
 
     def _warn_reinit(self, options: Any) -> None:
         """A second ``init`` is a no-op (as llm_datadist); warn when its options differ
@@ -388,7 +408,6 @@ class LLMDataDist:
             await transport.aclose()
             await scheduler.aclose()
             raise
-        self._manager = mgr
         self._links = links
         self._config = config
         self._scheduler = scheduler
@@ -396,6 +415,7 @@ class LLMDataDist:
         self._linker = Linker(links, transport, config, leases.end_link)
         self._device = device
         self._inbox.open()
+        self._manager = mgr  # last: ``initialized`` (read from any thread) says it is all set
 
     @staticmethod
     async def _make_pool(

@@ -75,6 +75,10 @@ SYNC_THREADS: Final = 32
 #: How long an engine's end waits for synchronizer threads still blocked before it
 #: abandons them (with a warning naming each): ``finalize`` never waits longer on them.
 SYNC_GRACE_S: Final = 1.0
+#: A blocking call waits in timed slices of this: a signal (Ctrl-C) that arrives just
+#: before the thread blocks in an untimed wait is only handled once it wakes (CPython
+#: runs Python signal handlers between bytecodes); a timed one handles it within this.
+_SIGNAL_POLL_S: Final = 0.1
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -185,6 +189,8 @@ class _Call(_Outcome[T]):
         fn: Callable[..., Awaitable[T]],
         args: tuple[Any, ...],
         notify: Callable[[], None],
+        *,
+        submit: bool = True,
     ) -> None:
         super().__init__(notify)
         self._loop = engine.loop
@@ -193,6 +199,15 @@ class _Call(_Outcome[T]):
         self._task: asyncio.Task[None] | None = None
         self._cancelled = False
         self._ended = False
+        if submit:  # else the caller does (its cancel may then come before the start)
+            self.submit(engine)
+
+    def submit(self, engine: Engine) -> None:
+        """Start it on ``engine`` (once).
+
+        Raises:
+            LLMException: ``LLM_FAILED``, the engine has ended.
+        """
         self._submit(engine, self._start)
 
     def _start(self) -> None:
@@ -233,6 +248,8 @@ class _Call(_Outcome[T]):
         self._cancelled = True
         if self._task is not None:
             self._task.cancel()
+        elif not self._ended:  # never submitted: a submitted start ran before this (FIFO)
+            self._end(asyncio.CancelledError())
 
 
 class _SyncCall(_Outcome[T]):
@@ -512,14 +529,17 @@ class Engine:
                 "coroutine) instead"
             )
         ended = threading.Event()
-        call = _Call(self, _with_kwargs(fn, kwargs) if kwargs else fn, args, ended.set)
+        fn = _with_kwargs(fn, kwargs) if kwargs else fn
+        call = _Call(self, fn, args, ended.set, submit=False)
         try:
-            ended.wait()
+            call.submit(self)  # an interrupt may come in it, the start scheduled or not
+            while not ended.wait(_SIGNAL_POLL_S):
+                pass
         except BaseException as exc:
             call.cancel()
-            while not ended.is_set():  # its real end, however often interrupted
-                with contextlib.suppress(BaseException):
-                    ended.wait()
+            while not ended.is_set() and not self._loop.is_closed():  # its real end,
+                with contextlib.suppress(BaseException):  # however often interrupted
+                    ended.wait(_SIGNAL_POLL_S)
             if call.completed:
                 exc.add_note(f"aiokv: {_name(fn)} had completed; its effects stand")
             raise

@@ -78,11 +78,31 @@ class _Blocking:
         return self._engine
 
 
+class _Here:
+    """What a face's ended operation runs on instead of an engine: the caller's thread
+    (a coroutine that completes without suspending, e.g. an ended task's results)."""
+
+    @staticmethod
+    def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        coro = fn(*args, **kwargs)
+        try:
+            coro.send(None)
+        except StopIteration as stop:
+            return stop.value
+        coro.close()
+        raise AssertionError(f"{fn!r} suspended")
+
+
 class CacheTask(_Blocking):
     """A running layer-wise transfer; ``synchronize`` / ``get_results`` block."""
 
     synchronize = blocking(_AsyncCacheTask.synchronize)
     get_results = blocking(_AsyncCacheTask.get_results)
+
+    def _engine_for(self, op: str) -> Any:
+        # an ended task answers from its own state (as the async one does), also once
+        # its engine has ended (after finalize)
+        return _Here if self._async.done() else self._engine
 
     def cancel(self) -> None:
         """Stop the transfer (returns at once; ``synchronize`` waits for the end)."""

@@ -156,9 +156,11 @@ class LinkTable:
 
     def _file(self, cid: int, link: Link) -> None:
         new = self._links.get(cid) is not link
-        self._links[cid] = link
+        # before the link is filed: read from other threads, a cluster listed as linked
+        # has no failure to report (see failure())
         self._failures.pop(cid, None)
         self._lost.pop(cid, None)
+        self._links[cid] = link
         self._wake(cid)
         if new:  # the transport reports a link this side opened, then the linker files it
             self._counters.up(cid)
