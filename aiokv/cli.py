@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import inspect
+import ipaddress
 import json
 import os
 import socket
@@ -357,9 +358,14 @@ def _address(option: str, text: str) -> tuple[str, int]:
     from ._bench.remote import parse_address
 
     try:
-        return parse_address(text)
+        host, port = parse_address(text)
     except ValueError as exc:
         _fail("bench transfer", f"{option}: {exc}")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        _fail("bench transfer", f"{option} {text}: {host!r} is no IP address: give an IP address")
+    return host, port
 
 
 def _transfer_target(
@@ -394,9 +400,23 @@ def bench_transfer(
     other."""
     command = "bench transfer"
     if listen is not None:
-        if connect is not None or tls or backend != BenchBackend.tcp or peers or plot is not None:
-            _fail(command, "--listen takes no --connect, --tls, --backend nixl, --peers or --plot")
+        if (
+            connect is not None
+            or tls
+            or backend != BenchBackend.tcp
+            or peers
+            or plot is not None
+            or quick
+            or as_json
+        ):
+            _fail(
+                command,
+                "--listen takes no --connect, --tls, --backend nixl, --peers, --plot, "
+                "--quick or --json (the --connect side chooses the run and its output)",
+            )
         host, port = _address("--listen", listen)
+        if data_port and data_port == port:
+            _fail(command, f"--data-port {data_port} is the --listen port: pick another, or 0")
         _check_bindable(command, "--listen", host, port)
         if data_port:
             _check_bindable(command, "--data-port", host, data_port)
@@ -498,6 +518,8 @@ def bench_vllm(
     (run it with the Python that has vLLM: .venv-vllm/bin/aiokv)."""
     from ._bench.vllm import run_vllm_bench
 
+    if model is not None and not Path(model).is_dir():
+        _fail("bench vllm", f"--model {model}: no such directory: give a local model directory")
     _run_bench("vllm", lambda: run_vllm_bench(quick=quick, model=model), as_json, plot)
 
 

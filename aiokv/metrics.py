@@ -67,6 +67,41 @@ __all__ = ["Collector", "HasStatistics", "MetricsServer", "start_metrics_server"
 _HINT = "the Prometheus exporter needs prometheus-client: pip install 'aiokv[metrics]'"
 
 
+#: every series :class:`Collector` exports: (type, name)
+SERIES: tuple[tuple[str, str], ...] = (
+    ("gauge", "aiokv_up"),
+    ("counter", "aiokv_links_up_total"),
+    ("counter", "aiokv_links_down_total"),
+    ("counter", "aiokv_notifications_total"),
+    ("gauge", "aiokv_notifications_queued"),
+    ("gauge", "aiokv_link_up"),
+    ("counter", "aiokv_transfer_ops_total"),
+    ("counter", "aiokv_transfer_bytes_total"),
+    ("counter", "aiokv_transfer_failures_total"),
+    ("gauge", "aiokv_transfer_in_flight"),
+    ("histogram", "aiokv_transfer_latency_seconds"),
+    ("counter", "aiokv_served_grants_total"),
+    ("counter", "aiokv_served_bytes_total"),
+    ("counter", "aiokv_served_refusals_total"),
+    ("gauge", "aiokv_served_in_flight"),
+    ("counter", "aiokv_copy_jobs_total"),
+    ("counter", "aiokv_copy_bytes_total"),
+    ("counter", "aiokv_copy_failures_total"),
+    ("gauge", "aiokv_copy_in_flight"),
+    ("gauge", "aiokv_copy_queue_depth"),
+    ("histogram", "aiokv_copy_latency_seconds"),
+    ("counter", "aiokv_copy_inline_total"),
+    ("counter", "aiokv_copy_inline_bytes_total"),
+    ("gauge", "aiokv_pool_bytes"),
+    ("gauge", "aiokv_pool_allocations"),
+    ("counter", "aiokv_pool_failed_allocations_total"),
+    ("gauge", "aiokv_caches"),
+    ("gauge", "aiokv_cache_keys"),
+    ("gauge", "aiokv_cache_pins"),
+    ("gauge", "aiokv_cache_leases"),
+)
+
+
 class HasStatistics(Protocol):
     """What a :class:`Collector` watches: an ``LLMDataDist`` (async or ``aiokv.sync``)."""
 
@@ -111,14 +146,30 @@ class Collector:
             self._instances = [i for i in self._instances if i is not instance]
 
     def describe(self) -> list[Any]:
-        """No fixed description: the registry calls :meth:`collect` once at register."""
-        return []
+        """Every family :meth:`collect` may yield (empty): a registry refuses a second
+        collector of these names at ``register`` (two of them would repeat every family
+        in one scrape, which OpenMetrics refuses)."""
+        m = _prom()
+        kinds = {
+            "counter": m.CounterMetricFamily,
+            "gauge": m.GaugeMetricFamily,
+            "histogram": m.HistogramMetricFamily,
+        }
+        return [kinds[kind](name, "") for kind, name in SERIES]
 
     def collect(self) -> Iterator[Any]:
-        """The metric families, read now from every watched instance."""
+        """The metric families, read now from every watched instance; of instances with
+        one cluster id (an old one finalized, a new one watched too) only one is
+        exported, the initialized one (else the last watched): the same labels twice
+        would be duplicate samples."""
         with self._lock:
             snaps = [i.statistics() for i in self._instances]
-        yield from _Families(_prom(), snaps).build()
+        by_cluster: dict[int, DataDistStats] = {}
+        for snap in snaps:
+            kept = by_cluster.get(snap.cluster_id)
+            if kept is None or snap.initialized or not kept.initialized:
+                by_cluster[snap.cluster_id] = snap
+        yield from _Families(_prom(), list(by_cluster.values())).build()
 
 
 class _Families:

@@ -253,6 +253,13 @@ def fail(table: list[int]) -> None:
 async def main(say: Callable[..., Any] = print) -> None:
     """Prefill engine 1 and decode engine 2: pull, layer-wise push, a failed peer."""
     p_kv, d_kv = PagedKV(seed=1), PagedKV(seed=2)
+    failed = 0
+
+    def checked(ok: bool) -> bool:
+        nonlocal failed
+        failed += not ok
+        return ok
+
     async with (
         LLMDataDist(LLMRole.PROMPT, 1, config()) as p_dd,
         LLMDataDist(LLMRole.DECODER, 2, config()) as d_dd,
@@ -264,7 +271,7 @@ async def main(say: Callable[..., Any] = print) -> None:
         p_table = p_kv.allocate(40)
         prefill_model(p_kv, p_table, rid=1, done=None)
         d_table, how = await serve_decode(d_dd, d_cache, d_kv, prefill, p_table, 40, fail)
-        say(f"pull: {how}, blocks {p_table} -> {d_table}: {holds(d_kv, d_table, 1)}")
+        say(f"pull: {how}, blocks {p_table} -> {d_table}: {checked(holds(d_kv, d_table, 1))}")
         p_kv.release(p_table)
 
         # 2. layer-wise push: the decoder's table travels with the request
@@ -272,12 +279,13 @@ async def main(say: Callable[..., Any] = print) -> None:
         codes = await push_request(p_dd, p_cache, p_kv, 2, 2, p_table, d_table)
         if codes != [LLMStatusCode.LLM_SUCCESS]:
             raise RuntimeError(f"layer-wise push failed: {codes}")
-        say(f"push layer by layer: {p_table} -> {d_table}: {holds(d_kv, d_table, 2)}")
+        say(f"push layer by layer: {p_table} -> {d_table}: {checked(holds(d_kv, d_table, 2))}")
 
         # 3. threads: a third engine, blocking API, on a thread of its own
         assert p_dd.listen_address is not None
         t_kv, t_table = await asyncio.to_thread(threaded_engine, p_dd.listen_address, p_table)
-        say(f"pull from a scheduler thread: {p_table} -> {t_table}: {holds(t_kv, t_table, 2)}")
+        ok = checked(holds(t_kv, t_table, 2))
+        say(f"pull from a scheduler thread: {p_table} -> {t_table}: {ok}")
         p_kv.release(p_table)
 
         # 4. failure: the prefill engine goes away; the decoder recomputes
@@ -288,7 +296,9 @@ async def main(say: Callable[..., Any] = print) -> None:
             prefill_model(d_kv, table, rid=4, done=None)
 
         d_table, how = await serve_decode(d_dd, d_cache, d_kv, prefill, p_table, 32, recompute)
-        say(f"prefill gone: {how}, holds: {holds(d_kv, d_table, 4)}")
+        say(f"prefill gone: {how}, holds: {checked(holds(d_kv, d_table, 4))}")
+    if failed:
+        raise RuntimeError(f"{failed} of the checks above found wrong bytes")
 
 
 if __name__ == "__main__":

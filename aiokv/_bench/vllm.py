@@ -56,6 +56,7 @@ from typing import Any
 
 from ._harness import Report
 from ._harness import median
+from ._interrupt import sigint_blocked
 from ._progress import steps
 
 __all__ = ["run_vllm_bench"]
@@ -175,7 +176,8 @@ class _Engine:
         self._conn, child = ctx.Pipe()
         full_env = {**ENGINE_ENV, **(env or {})}
         self._proc = ctx.Process(target=_engine, args=(child, model, full_env, kv))
-        self._proc.start()
+        with sigint_blocked():  # Ctrl-C is the command's: it stops the engines
+            self._proc.start()
         child.close()
 
     def reply(self, timeout: float = 600.0) -> Any:
