@@ -32,6 +32,7 @@ from ._copy import pre_touch
 from ._copy import resolve_device
 from ._copy import supports_pinning
 from ._engine import Engine
+from ._engine import completing
 from ._engine import on_asyncio
 from ._enums import LLMRole
 from ._enums import LLMStatusCode
@@ -114,6 +115,7 @@ class LLMDataDist:
         self._starting = threading.Lock()  # an init's check-and-take of the engine is one step
         self._closing = False  # finalize has begun: the teardown runs until the engine ends
         self._finalized = False  # a finalize completed (and no init since)
+        self._building: asyncio.Future[None] | None = None  # set by _build, on the engine
 
     # ---- properties ---------------------------------------------------------------------
     @property
@@ -223,10 +225,10 @@ class LLMDataDist:
         try:
             await engine.run(self._build, config, engine)
         except BaseException:
-            self._init_failed(engine)
+            self._drop_engine(engine)
             await engine.aclose()
             raise
-        self._started()
+        self._started(engine)
 
     def _init_blocking(self, options: LLMConfig | dict[str, str]) -> None:
         """``init`` from a plain thread (``aiokv.sync``)."""
@@ -240,12 +242,12 @@ class LLMDataDist:
             if self._manager is not None and self._engine is engine:
                 # interrupted as the build completed ("its effects stand"): initialized,
                 # the interrupt raised after, as if it came just after init returned
-                self._started()
+                self._started(engine)
                 raise
-            self._init_failed(engine)
+            self._drop_engine(engine)
             engine.stop()
             raise
-        self._started()
+        self._started(engine)
 
     def _start(self, options: Any, *, blocking: bool = False) -> tuple[LLMConfig, Engine] | None:
         """Check ``options`` and start the engine thread (the synchronous half of init;
@@ -290,14 +292,6 @@ class LLMDataDist:
             self._engine = engine  # taken now: a concurrent init fails instead of racing
         return config, engine
 
-    def _init_failed(self, engine: Engine) -> None:
-        """``init`` failed on ``engine`` (which it stops): forget it, and a finalize
-        that raced the init with it (it has nothing left to do, and its ``_ended`` will
-        not find this engine any more)."""
-        if self._engine is engine:
-            self._engine = None
-            self._closing = False
-
     def _warn_reinit(self, options: Any) -> None:
         """A second ``init`` is a no-op (as llm_datadist); warn when its options differ
         from the first's, which they do not change."""
@@ -320,7 +314,27 @@ class LLMDataDist:
         warn(msg, RuntimeWarning)
         log.warning("%s", msg)
 
-    def _started(self) -> None:
+    def _drop_engine(self, engine: Engine) -> None:
+        """A failed ``init``: forget its engine, and end a ``finalize`` that began
+        meanwhile and waits for it (which would otherwise find no engine of its own to
+        forget and leave this instance 'being finalized' for good)."""
+        if self._engine is engine:
+            self._engine = None
+            self._finalized = self._closing
+            self._closing = False
+
+    def _started(self, engine: Engine) -> None:
+        """``init`` built everything on ``engine``: initialized.
+
+        Raises:
+            LLMException: ``LLM_FAILED``, a ``finalize`` that began while init ran
+                has undone it (the instance is finalized; ``init`` may be called again).
+        """
+        if self._engine is not engine:
+            raise LLMException(
+                "init: a finalize of this LLMDataDist, begun while init ran, undid it",
+                status_code=LLMStatusCode.LLM_FAILED,
+            )
         self._finalized = False
         _warn_twins(self)
         _live.add(self)
@@ -329,7 +343,16 @@ class LLMDataDist:
         )
 
     async def _build(self, config: LLMConfig, engine: Engine) -> None:
-        """On the engine: everything ``init`` promises, or nothing."""
+        """On the engine: everything ``init`` promises, or nothing. A ``finalize`` that
+        begins meanwhile waits for its end (:meth:`_tear_down`), then undoes it."""
+        building: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._building = building
+        try:
+            await self._build_all(config, engine)
+        finally:
+            building.set_result(None)
+
+    async def _build_all(self, config: LLMConfig, engine: Engine) -> None:
         op = "init"
         # first: a bad TLS file fails init before a byte of pool is reserved
         tls = load_tls(
@@ -354,58 +377,60 @@ class LLMDataDist:
         device_cfg, touch = config.mem_pool_cfg, True
         if device_cfg is None and not config.enable_cache_manager:
             device_cfg, touch = LEGACY_POOL, False  # legacy mode reserves one, as llm_datadist
-        try:
+        transport: Transport | None = None
+        try:  # from here every failure closes what was made: worker threads, transport
             device_pool = await self._make_pool(scheduler, device_cfg, device, True, touch)
             host_pool = await self._make_pool(scheduler, config.host_mem_pool_cfg, device, False)
-        except BaseException:
-            await scheduler.aclose()
-            raise
-        registry = CacheRegistry()
-        links = LinkTable(self._counters)
-        stager = Stager(scheduler)
-        leases = Leases(registry, config)
-        cls = CacheManager if config.enable_cache_manager else KvCacheManager
-        mgr = cls(
-            role=self._role,
-            config=config,
-            device=device,
-            scheduler=scheduler,
-            registry=registry,
-            client=RemoteClient(links, config, stager, self._counters, leases),
-            engine=engine,
-            device_pool=device_pool,
-            host_pool=host_pool,
-        )
-        secret = (
-            None if config.link_secret is None else config.link_secret.get_secret_value().encode()
-        )
-        transport = get_transport(config.transfer_backend)(
-            self._cluster_id,
-            PeerService(
-                self._cluster_id, registry, config, stager, self._counters, leases, self._inbox
-            ),
-            secret=secret,
-            handshake_timeout=config.handshake_timeout / 1000,
-            on_link=_each(leases.on_link, links.add),
-            on_link_lost=_each(leases.on_link_lost, links.lost, lambda k: stager.drop(k.peer)),
-            **extra,
-        )
-        # memory that grants and requests use, registered once (NIXL needs it; a
-        # transport that moves bytes over sockets ignores it)
-        for pool in (device_pool, host_pool):
-            if pool is not None:
-                region = pool.region
-                transport.register_memory(
-                    region.data_ptr(), region.numel(), device=str(region.device)
-                )
-        registry.on_register = lambda addr, n, dev: transport.register_memory(addr, n, device=dev)
-        registry.on_deregister = transport.deregister_memory
-        try:
+            registry = CacheRegistry()
+            links = LinkTable(self._counters)
+            stager = Stager(scheduler)
+            leases = Leases(registry, config)
+            cls = CacheManager if config.enable_cache_manager else KvCacheManager
+            mgr = cls(
+                role=self._role,
+                config=config,
+                device=device,
+                scheduler=scheduler,
+                registry=registry,
+                client=RemoteClient(links, config, stager, self._counters, leases),
+                engine=engine,
+                device_pool=device_pool,
+                host_pool=host_pool,
+            )
+            secret = (
+                None
+                if config.link_secret is None
+                else config.link_secret.get_secret_value().encode()
+            )
+            transport = get_transport(config.transfer_backend)(
+                self._cluster_id,
+                PeerService(
+                    self._cluster_id, registry, config, stager, self._counters, leases, self._inbox
+                ),
+                secret=secret,
+                handshake_timeout=config.handshake_timeout / 1000,
+                on_link=_each(leases.on_link, links.add),
+                on_link_lost=_each(leases.on_link_lost, links.lost, lambda k: stager.drop(k.peer)),
+                **extra,
+            )
+            # memory that grants and requests use, registered once (NIXL needs it; a
+            # transport that moves bytes over sockets ignores it)
+            for pool in (device_pool, host_pool):
+                if pool is not None:
+                    region = pool.region
+                    transport.register_memory(
+                        region.data_ptr(), region.numel(), device=str(region.device)
+                    )
+            registry.on_register = lambda addr, n, dev: transport.register_memory(
+                addr, n, device=dev
+            )
+            registry.on_deregister = transport.deregister_memory
             if config.listen_address is not None:
                 with map_errors(f"{op} (listen on {config.listen_ip_info})"):
                     self._listen = await transport.listen(*config.listen_address)
         except BaseException:
-            await transport.aclose()
+            if transport is not None:
+                await transport.aclose()
             await scheduler.aclose()
             raise
         self._links = links
@@ -512,6 +537,9 @@ class LLMDataDist:
             self._manager = self._linker = self._transport = self._scheduler = None
             self._listen = None
 
+        building = self._building
+        if building is not None and not building.done():
+            await building  # an init under way: let it end, then undo what it made
         async with contextlib.AsyncExitStack() as steps:  # run in reverse order
             steps.callback(forget)
             for step in (self._scheduler, self._transport, self._links, self._linker):
@@ -792,10 +820,17 @@ class LLMDataDist:
 
         async def start() -> int:
             assert self._transport is not None
+            opened = None
             if reached and self._listen is None and plan.own_address is not None:
                 with map_errors(f"{op} (listen on {plan.own_address[0]}:{plan.own_address[1]})"):
-                    self._listen = await self._transport.listen(*plan.own_address)
-            return linker.link(plan.parties)
+                    self._listen = opened = await self._transport.listen(*plan.own_address)
+            try:
+                return linker.link(plan.parties)
+            except BaseException:
+                if opened is not None:  # a failed call changes nothing: no listener kept
+                    self._listen = None
+                    await completing(self._transport.unlisten(opened))
+                raise
 
         return await engine.run(start)
 
@@ -862,7 +897,10 @@ class LLMDataDist:
         check_instance(op, "role", role, LLMRole)
         if switch_options is not None:
             check_instance(op, "switch_options", switch_options, dict)
-        listen = LLMConfig._from_options_in(op, dict(switch_options or {})).listen_address
+        options = dict(switch_options or {})
+        parsed = LLMConfig._from_options_in(op, options)
+        # the option itself, not an AIOKV_LISTEN_IP_INFO default: without it, stop listening
+        listen = parsed.listen_address if options.get("llm.listenIpInfo") else None
         if isinstance(self._manager, KvCacheManager):
             if role == self._role:
                 param_invalid(op, f"role not changed, role = {role.name}")

@@ -299,6 +299,8 @@ class Budget:
         left = self.held.get(owner, 0) - nbytes
         if left < 0 or nbytes < 0:
             raise RuntimeError(f"staging budget: {owner!r} returns more than it holds")
+        if not nbytes:
+            return  # an empty grant held nothing (see _grant)
         if left:
             self.held[owner] = left
         else:
@@ -334,6 +336,9 @@ class Budget:
         return not held or held + nbytes <= self.share()
 
     def _grant(self, owner: Hashable, nbytes: int) -> None:
+        if not nbytes:
+            return  # nothing held: no entry, else its owner counts as active and two
+            # empty grants would share (and both delete) one entry
         self.free -= nbytes
         self.held[owner] = self.held.get(owner, 0) + nbytes
 

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from typing import ParamSpec
 from typing import TypeVar
 
+import anyio
+import anyio.lowlevel
 import numpy as np
 import torch
 
@@ -288,6 +290,9 @@ class LocalCopies(ManagerBase):
         from trio (whose loop the workers cannot wake), through the engine loop."""
         if on_asyncio():
             return await fn(*args, **kwargs)
+        # the hop starts the job before the first checkpoint: a scope cancelled already
+        # must not start it (as the inline path's checkpoint, and trio's own rule)
+        await anyio.lowlevel.checkpoint_if_cancelled()
         return await self._engine.run(fn, *args, **kwargs)
 
 
@@ -320,5 +325,37 @@ def _check_no_overlap(op: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]
                 and (pairs[i][0].stride() == pairs[i][1].stride())
             ):
                 continue  # a view onto itself
+            a, b = pairs[i][is_dst], pairs[j][other_dst]
+            if max(a.numel(), b.numel()) <= _EXACT_OVERLAP_MAX and not _share_bytes(a, b):
+                continue  # strided views whose extents interleave but share no byte
             param_invalid(op, "the memory of src and dst overlaps")
         reach.append((end, i, is_dst))
+
+
+#: Views up to this many elements are checked byte-exactly when their extents overlap
+#: (beyond: refused as overlapping; the check's arrays grow with the view).
+_EXACT_OVERLAP_MAX = 1 << 22
+
+
+def _byte_runs(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted ``(starts, ends)`` of the contiguous byte runs a (strided) view touches."""
+    shape, stride, size = list(t.shape), list(t.stride()), t.element_size()
+    inner, k = 1, len(shape)
+    while k and (shape[k - 1] == 1 or stride[k - 1] == inner):
+        inner *= shape[k - 1]
+        k -= 1
+    offs = np.zeros(1, dtype=np.int64)
+    for n, st in zip(shape[:k], stride[:k], strict=True):
+        offs = (offs[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).ravel()
+    starts = np.sort(t.data_ptr() + offs * size)
+    return starts, starts + inner * size
+
+
+def _share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether views ``a`` and ``b`` (whose extents overlap) touch a common byte."""
+    a_starts, a_ends = _byte_runs(a)
+    b_starts, b_ends = _byte_runs(b)
+    # the last run of ``a`` starting before each run of ``b`` ends reaches furthest
+    last = np.searchsorted(a_starts, b_ends, side="left") - 1
+    ok = last >= 0
+    return bool((a_ends[last[ok]] > b_starts[ok]).any())
