@@ -113,6 +113,9 @@ class Entry:
     remote_accessible: bool
     id_held: bool = True
     keys: set[KeyId] = field(default_factory=set)
+    #: per bound key pulled by layer ranges: the tensors not pulled yet (llm_datadist
+    #: releases a key once every tensor of its cache was pulled)
+    unread: dict[KeyId, set[int]] = field(default_factory=dict)
     blocks_key: BlocksCacheKey | None = None
     pins: int = 0
     leases: int = 0  # of the pins, those of leases
@@ -242,6 +245,18 @@ class CacheRegistry:
         hit = self.keys.get(key_id(key))
         return None if hit is None else (self.entries[hit[0]], hit[1])
 
+    @_locked
+    def slot_key(self, entry: Entry, slot: int, cluster_id: int) -> CacheKey | None:
+        """The request key (not a prefix key) bound to batch slot ``slot`` of ``entry``,
+        as a ``CacheKey`` of ``cluster_id``, or ``None``."""
+        for req_id, prefix_id, model_id in entry.keys:
+            if prefix_id == UINT64_MAX and self.keys.get((req_id, prefix_id, model_id)) == (
+                entry.cache.cache_id,
+                slot,
+            ):
+                return CacheKey(cluster_id, req_id, model_id, prefix_id)
+        return None
+
     def by_blocks_key(self, key: BlocksCacheKey) -> Entry | None:
         """The entry registered under ``key.model_id``, or ``None``."""
         return self.by_model_id(key.model_id)
@@ -287,6 +302,7 @@ class CacheRegistry:
             for key in list(entry.keys):
                 self.keys.pop(key, None)
             entry.keys.clear()
+            entry.unread.clear()
         entry.id_held = False
         self._maybe_free(entry)
 
@@ -304,8 +320,27 @@ class CacheRegistry:
         del self.keys[kid]
         entry = self.entries[hit[0]]
         entry.keys.discard(kid)
+        entry.unread.pop(kid, None)
         self._maybe_free(entry)
         return True
+
+    @_locked
+    def read_by_key(self, key: CacheKey, entry: Entry, tensors: range | None, last: bool) -> None:
+        """A read of ``entry`` by ``key`` succeeded: as llm_datadist, the key is released
+        once every tensor of the cache was read (``tensors``: those this read covered,
+        ``None`` for all) by a request that asks for it (``last``: the last part)."""
+        kid = key_id(key)
+        hit = self.keys.get(kid)
+        if hit is None or hit[0] != entry.cache.cache_id:
+            return
+        if tensors is not None:
+            n = entry.cache.cache_desc.num_tensors
+            pending = entry.unread.setdefault(kid, set(range(n)))
+            pending.difference_update(tensors)
+            if pending:
+                return
+        if last:
+            self.release_key(key, entry)
 
     @_locked
     def pin(self, *entries: Entry, lease: bool = False) -> None:

@@ -156,7 +156,7 @@ class RemoteTransfers(ManagerBase):
             wire,
             n,
             exact=size == -1,
-            release=isinstance(cache_key, CacheKey),
+            release=isinstance(cache_key, CacheKey | CacheKeyByIdAndIndex),
         )
         job = Transfer.of_span(req, tensors, offset, n)
         await self._move(op, cache_key, cache, entry, job, write=False)
@@ -211,7 +211,7 @@ class RemoteTransfers(ManagerBase):
             req = BlocksReq(key, wire, pack_blocks(srcs), bb)
         else:
             remote = srcs if srcs.size else np.arange(dsts.size, dtype=np.int64)
-            release = isinstance(src_cache_key, CacheKey)
+            release = isinstance(src_cache_key, CacheKey | CacheKeyByIdAndIndex)
             req = ChunksReq(key, wire, pack_blocks(remote), bb, release)  # type: ignore[arg-type]
         job = Transfer.of_blocks(req, tensors, dsts, remote, bb)
         await self._move(op, src_cache_key, dst_cache, entry, job, write=False)

@@ -261,12 +261,14 @@ class PeerService:
                 entries, layout, places = self._addrs(req)
                 release = None
             else:
-                entry, slot, release = self._lookup(req.key)
+                entry, slot, key = self._lookup(req.key)
                 self._check_access(entry, write=write, key=req.key)
                 layout, places = self._layout(req, entry.cache, slot, write=write)
                 entries = [entry]
-                if write or not req.release:
-                    release = None
+                release = None
+                if not write and key is not None:
+                    last = bool(getattr(req, "release", False))
+                    release = _Release(key, _read_tensors(req.tensors), last)
             device = views = None
             if is_staged(entries[0].cache.tensors[0].device):  # not HOST_VIEWS: see there
                 device = self._device_plan(entries, layout, places, release, direct)
@@ -358,7 +360,7 @@ class PeerService:
         entries: list[Entry],
         layout: ByteLayout,
         places: _Places,
-        release: CacheKey | None,
+        release: _Release | None,
         direct: DirectCheck | None,
     ) -> _Device:
         """A request into staged (device) memory: one device; by address when the
@@ -464,7 +466,7 @@ class PeerService:
         self,
         entries: list[Entry],
         views: Sequence[memoryview],
-        release: CacheKey | None,
+        release: _Release | None,
         *,
         pinned: bool = False,
         device: DeviceRuns | None = None,
@@ -493,7 +495,7 @@ class PeerService:
             expiry.cancel()
             self._registry.let_go(token, *entries)
             if ok and release is not None:
-                self._registry.release_key(release, entries[0])
+                self._registry.read_by_key(release.key, entries[0], release.tensors, release.last)
 
         if pinned:  # pinned with the plan (one pin, as a grant has), then awaited
             self._registry.attach(token, revoke, *entries)  # refuses memory unregistered since
@@ -517,13 +519,19 @@ class PeerService:
             hit = self._registry.by_key(ck)
             if hit is None:
                 raise _missing(key)
-            return hit[0], hit[1], ck
+            # as llm_datadist: a pull never releases a prefix key (a shared prefix) nor a
+            # key of registered memory (send_state.cc: !is_prefix && cache_entry.is_owned)
+            shared = key.prefix_id != _NO_ID or not hit[0].owned
+            return hit[0], hit[1], None if shared else ck
         e = self._registry.by_id(key.cache_id)
         if e is None:
             raise _missing(key)
         if key.batch_index >= e.cache.cache_desc.batch_size:
             raise _invalid(f"batch_index {key.batch_index} out of range")
-        return e, key.batch_index, None
+        # as llm_datadist (send_state.cc GetCacheKey): a read by id of a slot a request
+        # key is bound to goes through that key, and releases it as a read by the key
+        bound = self._registry.slot_key(e, key.batch_index, key.cluster_id) if e.owned else None
+        return e, key.batch_index, bound
 
     def _check_access(self, entry: Entry, *, write: bool, key: Key) -> None:
         """Who may reach ``entry``, as llm_datadist decides (docs/security.md):
@@ -658,6 +666,27 @@ class PeerService:
         return entries, layout, places
 
 
+_NO_ID = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Release:
+    """What a successful read by ``key`` does to it: ``tensors`` read (``None``: all),
+    ``last``: the requester asked for the release (the last part of its pull)."""
+
+    key: CacheKey
+    tensors: range | None
+    last: bool
+
+
+def _read_tensors(sel: Tensors) -> range | None:
+    """The served cache's tensors a request reads; ``None`` for all of them (no layer
+    range, or a part of a transfer of every tensor)."""
+    if sel.layers is None or sel.whole is not None:
+        return None
+    return range(sel.layers[0] * sel.per_layer, sel.layers[1] * sel.per_layer)
+
+
 @dataclass(frozen=True, slots=True)
 class _Device:
     """A checked, pinned request on staged (device) memory, before its staging;
@@ -666,7 +695,7 @@ class _Device:
     entries: list[Entry]
     buffers: list[torch.Tensor]
     layout: ByteLayout
-    release: CacheKey | None
+    release: _Release | None
     runs: DeviceRuns | None = None
 
 

@@ -34,6 +34,8 @@ from aiokv import LLMRole
 from aiokv import LLMStatusCode
 from aiokv import Placement
 from aiokv._cache import Cache
+from aiokv._pool import MemPool
+from aiokv._pool import Span
 from aiokv._registry import CacheRegistry
 from aiokv._remote._protocol import AddrsReq
 from aiokv._remote._protocol import BlocksReq
@@ -160,16 +162,25 @@ def _slot_cache(value: int, n: int = 4096) -> Cache:
     return Cache(desc, [torch.full((1, n), value, dtype=torch.uint8)], is_blocks_cache=False)
 
 
+def _pooled_slot_cache(pool: MemPool, value: int, n: int = 4096) -> tuple[Cache, Span]:
+    """A one-slot cache in ``pool`` (owned memory: a pull by its key releases the key)."""
+    span = pool.allocate(n)
+    tensor = pool.view(span).view(1, n)
+    tensor.fill_(value)
+    return Cache(CacheDesc(1, [1, n], DataType.DT_UINT8), [tensor], is_blocks_cache=False), span
+
+
 async def test_a_finished_pull_keeps_a_key_rebound_meanwhile() -> None:
     reg = CacheRegistry()
     key = CacheKey(1, req_id=5)
-    old, new = _slot_cache(1), _slot_cache(2)
-    reg.add(old, [], remote_accessible=False, keys=[key])
+    pool = MemPool(torch.zeros(4 * 4096, dtype=torch.uint8), 12, "test pool")
+    (old, old_span), (new, new_span) = _pooled_slot_cache(pool, 1), _pooled_slot_cache(pool, 2)
+    reg.add(old, [(pool, old_span)], remote_accessible=False, keys=[key])
     service = PeerService(1, reg, config())
     meta = encode(SlotReq(KeyByReq(1, 5, 0, NONE), Tensors(1), 4096, exact=True, release=True))
     grant = await service.grant_read(PEER, meta)  # a pull of `old` in flight
     assert grant.status == CODE.LLM_SUCCESS and bytes(grant.buffers[0][:1]) == b"\x01"
-    reg.add(new, [], remote_accessible=False, keys=[key])  # the key moves to `new`
+    reg.add(new, [(pool, new_span)], remote_accessible=False, keys=[key])  # moves to `new`
     assert grant.done is not None
     grant.done(True)
     hit = reg.by_key(key)
@@ -189,7 +200,10 @@ async def test_reads_by_cache_id_follow_llm_datadist_per_mode() -> None:
         src = await p.cache_manager.allocate_cache(desc, [CacheKey(1, req_id=1)])
         dst = await d.cache_manager.allocate_cache(desc)
         await d.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst)
-        await d.cache_manager.pull_cache(CacheKey(1, req_id=1), dst)  # by key: as before
+        # the slot's key went with that pull, as on llm_datadist (a pull by the key)
+        await raises(
+            CODE.LLM_KV_CACHE_NOT_EXIST, d.cache_manager.pull_cache(CacheKey(1, req_id=1), dst)
+        )
     # with it, the cache must be remote_accessible (llm_datadist: LLM_PARAM_INVALID)
     async with linked_pair(config(enable_remote_cache_accessible=True), config()) as (p, d):
         private = await p.cache_manager.register_cache(host, [torch.zeros(2, 256).byte()])
