@@ -154,6 +154,7 @@ class Server:
     keys: dict[tuple[int, int, int], tuple[Mem, int]] = field(default_factory=dict)
     blocks_keys: dict[int, Mem] = field(default_factory=dict)
     dead_ids: list[int] = field(default_factory=list)
+    unread: dict[tuple[int, int, int], set[int]] = field(default_factory=dict)  # by key
     user_memory: list[torch.Tensor] = field(default_factory=list)
     link: Link | None = None
 
@@ -193,6 +194,7 @@ class Server:
         old = next(m for m in self.mems if m.spec.slot_keys)
         self.mems.remove(old)
         await self.add(old.spec, rng)  # moves the keys still bound
+        self.unread.clear()
         await self.dd.cache_manager.deallocate_cache(old.cache)
         self.dead_ids.append(old.cache.cache_id)
 
@@ -853,10 +855,39 @@ async def one(
             assert into[pos : pos + b - a] == want, f"{what}; wrong bytes at {pos}"
         pos += b - a
     srv.check_memory(seed, what)
-    if not write and p.key is not None and p.key[0] == "req" and p.d.get("release", False):
-        k = p.key[1]
-        del srv.keys[(k["req_id"], k["prefix_id"], k["model_id"])]  # a pull by CacheKey releases
+    if not write and _read_by_key(srv, p):
         tally.released += 1
+
+
+def _read_by_key(srv: Server, p: Parsed) -> bool:
+    """A read succeeded: as llm_datadist, it releases the request key it went through
+    (by that key, or by id of the slot it is bound to; never a prefix key, nor one of
+    registered memory) once every tensor was read, by a read asking for it. True if
+    it released one."""
+    if p.key is None or p.tensors is None or p.key[0] == "blocks":
+        return False
+    ktag, k = p.key
+    if ktag == "req":
+        named = (k["req_id"], k["prefix_id"], k["model_id"])
+        kid: tuple[int, int, int] | None = named
+        m = srv.keys[named][0]
+    else:
+        m = srv.by_id(k["cache_id"])
+        assert m is not None
+        bound = (key for key, (mm, i) in srv.keys.items() if mm is m and i == k["batch_index"])
+        kid = next((key for key in bound if key[1] == U64), None)
+    if kid is None or kid[1] != U64 or not m.spec.pool:
+        return False
+    if p.tensors.get("layers") is not None:
+        pending = srv.unread.setdefault(kid, set(range(m.spec.num_tensors)))
+        pending.difference_update(_select(p.tensors, m))
+        if pending:
+            return False
+    if not p.d.get("release", False):
+        return False
+    del srv.keys[kid]
+    srv.unread.pop(kid, None)
+    return True
 
 
 GRANTS: list[tuple[int, LLMStatusCode, list[tuple[int, int]]]] = []  # (cluster, status, spans)
