@@ -29,6 +29,7 @@ from ._errors import NoneArgumentError
 
 __all__ = [
     "MAX_BLOCK_INDEX",
+    "MAX_LAYER",
     "UINT64_MAX",
     "BlockList",
     "Blocks",
@@ -53,6 +54,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 UINT64_MAX = 2**64 - 1
 #: Bound for block indices on a peer this side cannot see (they travel as int64).
 MAX_BLOCK_INDEX = 2**63 - 1
+#: Bound for a layer range's ``stop``: past any cache (at most 2**20 tensors), and small
+#: enough for ``len()`` and every wire encoding (a bigger one was a raw ``OverflowError``).
+MAX_LAYER = 2**31 - 1
 # block lists up to this long are bounds-checked in plain Python (cheaper than numpy)
 _FEW_BLOCKS: Final = 32
 
@@ -242,17 +246,19 @@ def check_unique(op: str, what: str, values: Blocks) -> None:
 
 
 def check_layer_range(op: str, name: str, value: Any) -> range | None:
-    """Return ``value`` if it is ``None`` or a non-empty ``range`` with step 1 from >= 0.
+    """Return ``value`` if it is ``None`` or a non-empty ``range`` with step 1 within
+    ``[0, MAX_LAYER]``.
 
     Raises:
         TypeError: not a range.
-        LLMException: ``LLM_PARAM_INVALID`` for an empty, stepped or negative range.
+        LLMException: ``LLM_PARAM_INVALID`` for an empty, stepped, negative or huge range.
     """
     if value is None:
         return None
     check_instance(op, name, value, range)
-    if value.step != 1 or value.start < 0 or len(value) == 0:
-        param_invalid(op, f"{name} {value} must be non-empty with step 1")
+    # ``not value``, not ``len(value)``: len() of a range past 2**63 raises OverflowError
+    if value.step != 1 or value.start < 0 or not value or value.stop > MAX_LAYER:
+        param_invalid(op, f"{name} {value} must be non-empty with step 1, within [0, {MAX_LAYER}]")
     r: range = value
     return r
 

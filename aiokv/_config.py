@@ -185,7 +185,7 @@ class MemPoolConfig(Model):
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
                 raise ValueError(f"MemPoolConfig: invalid JSON: {exc}") from None
             if not isinstance(value, dict):
                 raise ValueError("MemPoolConfig: JSON must be an object")
@@ -558,7 +558,10 @@ class LLMConfig(Model):
     @field_validator("cluster_info")
     @classmethod
     def _json(cls, v: str) -> str:
-        json.loads(v)  # a ValueError (JSONDecodeError) when it is not JSON ("" too), as upstream
+        try:
+            json.loads(v)  # a ValueError (JSONDecodeError) when not JSON ("" too), as upstream
+        except RecursionError:  # nested too deep for the decoder: not usable JSON either
+            raise ValueError("cluster_info: JSON nested too deep") from None
         return v
 
     @field_validator("mem_utilization")

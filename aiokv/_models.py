@@ -29,6 +29,7 @@ from pydantic import ValidationInfo
 from pydantic import field_validator
 from pydantic import model_validator
 
+from ._checks import MAX_LAYER
 from ._checks import UINT64_MAX
 from ._checks import check_int
 from ._checks import param_invalid
@@ -545,8 +546,11 @@ def _check_range(model: str, v: Any, info: ValidationInfo) -> Any:
         name = f"{model}: {info.field_name}"
         if not isinstance(v, range):
             raise TypeError(f"{name} must be a range or None, got {type(v).__name__}")
-        if v.step != 1 or v.start < 0 or len(v) == 0:
-            raise ValueError(f"layer range {v} must be non-empty, non-negative, step 1")
+        # ``not v``, not ``len(v)``: len() of a range past 2**63 raises OverflowError
+        if v.step != 1 or v.start < 0 or not v or v.stop > MAX_LAYER:
+            raise ValueError(
+                f"layer range {v} must be non-empty, non-negative, step 1, stop <= {MAX_LAYER}"
+            )
     return v
 
 

@@ -103,8 +103,14 @@ class LayerWise(ManagerBase):
             param_invalid(op, "block indices need a blocks cache (both sides paged)")
         bb = src_cache.block_bytes
         dbs = bb
-        if dst_block_memory_size:
-            dbs = check_int(op, "dst_block_memory_size", dst_block_memory_size, 1, MAX_BLOCK_INDEX)
+        # checked whenever given (a falsy False, 0.0 or "" is a TypeError too); 0 means
+        # "not given", as llm_datadist's engine reads it
+        if dst_block_memory_size is not None and (
+            given := check_int(
+                op, "dst_block_memory_size", dst_block_memory_size, 0, MAX_BLOCK_INDEX
+            )
+        ):
+            dbs = given
             if dbs < bb:
                 param_invalid(op, f"dst_block_memory_size {dbs} < source block size {bb}")
         source = Source(src_cache, ntensors // 2, srcs, dsts, dbs)

@@ -48,12 +48,21 @@ class RemoteTransfers(ManagerBase):
 
     @staticmethod
     def _selection(
-        op: str, local: Cache, local_layers: Any, remote_layers: Any, per_layer: Any
+        op: str,
+        local: Cache,
+        local_layers: Any,
+        remote_layers: Any,
+        per_layer: Any,
+        *,
+        write: bool,
     ) -> tuple[range, Tensors]:
-        """Local tensor indices, and which tensors the peer selects (the wire form)."""
+        """Local tensor indices, and which tensors the peer selects (the wire form).
+        ``write``: a push (the local layers are ``src_layer_range``), else a pull."""
         n = check_int(op, "tensor_num_per_layer", per_layer, 1, MAX_TENSORS)
-        local_layers = check_layer_range(op, "local layer range", local_layers)
-        remote_layers = check_layer_range(op, "remote layer range", remote_layers)
+        names = ("src_layer_range", "dst_layer_range")
+        local_name, remote_name = names if write else names[::-1]
+        local_layers = check_layer_range(op, local_name, local_layers)
+        remote_layers = check_layer_range(op, remote_name, remote_layers)
         if (
             local_layers is not None
             and remote_layers is not None
@@ -94,6 +103,8 @@ class RemoteTransfers(ManagerBase):
         local_layers: Any,
         remote_layers: Any,
         per_layer: Any,
+        *,
+        write: bool,
     ) -> tuple[Entry | None, range, Tensors, int, int]:
         """Check a slot transfer (pull_cache / push_cache) on the local ``cache``:
         ``(entry, local tensors, peer tensors, slot offset, bytes per tensor)``."""
@@ -108,7 +119,9 @@ class RemoteTransfers(ManagerBase):
         if size == 0 or size > per_slot:
             param_invalid(op, f"size {size} is outside the {per_slot}-byte slot")
         n = per_slot if size == -1 else size
-        tensors, wire = self._selection(op, cache, local_layers, remote_layers, per_layer)
+        tensors, wire = self._selection(
+            op, cache, local_layers, remote_layers, per_layer, write=write
+        )
         return entry, tensors, wire, slot * per_slot, n
 
     async def pull_cache(
@@ -150,6 +163,7 @@ class RemoteTransfers(ManagerBase):
             dst_layer_range,
             src_layer_range,
             tensor_num_per_layer,
+            write=False,
         )
         req = SlotReq(
             wire_key(cache_key),  # type: ignore[arg-type]
@@ -201,7 +215,7 @@ class RemoteTransfers(ManagerBase):
         if (srcs.size or isinstance(src_cache_key, BlocksCacheKey)) and srcs.size != dsts.size:
             param_invalid(op, f"{srcs.size} src_blocks for {dsts.size} dst_blocks")
         tensors, wire = self._selection(
-            op, dst_cache, dst_layer_range, src_layer_range, tensor_num_per_layer
+            op, dst_cache, dst_layer_range, src_layer_range, tensor_num_per_layer, write=False
         )
         bb = dst_cache.block_bytes
         key = wire_key(src_cache_key)
@@ -254,6 +268,7 @@ class RemoteTransfers(ManagerBase):
             src_layer_range,
             dst_layer_range,
             tensor_num_per_layer,
+            write=True,
         )
         req = SlotReq(wire_key(dst_cache_key), wire, n, exact=size == -1)  # type: ignore[arg-type]
         job = Transfer.of_span(req, tensors, offset, n)
@@ -287,7 +302,7 @@ class RemoteTransfers(ManagerBase):
             param_invalid(op, f"{srcs.size} src_blocks for {dsts.size} dst_blocks")
         check_unique(op, "a destination block", dsts)
         tensors, wire = self._selection(
-            op, src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer
+            op, src_cache, src_layer_range, dst_layer_range, tensor_num_per_layer, write=True
         )
         bb = src_cache.block_bytes
         req = BlocksReq(wire_key(dst_cache_key), wire, pack_blocks(dsts), bb)

@@ -119,7 +119,7 @@ def _devices(op: str, rank_table: Any) -> dict[int, dict[str, Any]]:
     check_instance(op, "rank_table", rank_table, str)
     try:
         table = json.loads(rank_table)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
         param_invalid(op, f"rank_table is not JSON: {exc}")
     servers = table.get("server_list") if isinstance(table, dict) else None
     if not isinstance(servers, list):
