@@ -20,6 +20,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from collections.abc import Awaitable
@@ -464,3 +465,21 @@ def fill_randn(cache: Cache, seed: int = 0) -> None:
 def snapshot(*caches: Cache) -> list[torch.Tensor]:
     """A copy of every tensor of ``caches``, in order."""
     return [t.clone() for c in caches for t in c.tensors]
+
+
+def held_at(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, timeout: float = 30.0
+) -> tuple[threading.Event, threading.Event]:
+    """Replace the function ``owner.name`` with one that, called (on any thread), sets
+    ``entered``, waits for ``go`` (at most ``timeout`` s), then runs the original:
+    ``(entered, go)``, to hold a step of aiokv at a known point."""
+    entered, go = threading.Event(), threading.Event()
+    real = getattr(owner, name)
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        go.wait(timeout)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, held)
+    return entered, go

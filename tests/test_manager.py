@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers import fill_randn
+from _helpers import held_at
 from _helpers import not_listening
 from _helpers import snapshot
 
@@ -128,7 +129,6 @@ async def test_several_instances_in_one_process() -> None:
 
 
 async def test_threads_joined_after_finalize() -> None:
-    import threading
 
     before = set(threading.enumerate())
     async with LLMDataDist(LLMRole.MIX, 9, config()) as d:
@@ -597,15 +597,7 @@ async def test_a_second_unregister_of_memory_in_use_waits_like_the_first(
     """``unregister_cache`` returns once no copy touches the memory: a second call for
     the same cache while the first still waits for a copy waits too (it returned at
     once: its caller could free memory a worker still wrote)."""
-    gate, started = threading.Event(), threading.Event()
-    real = _scheduler.copy_many_job
-
-    def held_copy(pairs: Any) -> None:
-        started.set()
-        gate.wait(10)
-        real(pairs)
-
-    monkeypatch.setattr(_scheduler, "copy_many_job", held_copy)
+    started, gate = held_at(monkeypatch, _scheduler, "copy_many_job", 10)
     desc = CacheDesc(1, [1, 1 << 20], DataType.DT_UINT8, Placement.HOST)
     src = await cm.register_cache(desc, [torch.full((1, 1 << 20), 7, dtype=torch.uint8)])
     dst_memory = torch.zeros(1, 1 << 20, dtype=torch.uint8)

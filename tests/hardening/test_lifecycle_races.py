@@ -10,6 +10,7 @@ import threading
 from typing import Any
 
 import pytest
+from _helpers import held_at
 from _helpers import not_listening
 
 import aiokv._datadist as datadist_mod
@@ -34,16 +35,7 @@ async def _until(cond: Any, seconds: float = 10.0) -> None:
 @pytest.fixture
 def held_reservation(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
     """The pool reservation of ``init`` blocks (on its copy worker) until released."""
-    entered, release = threading.Event(), threading.Event()
-    real = datadist_mod.pre_touch
-
-    def pre_touch(region: Any) -> None:
-        entered.set()
-        release.wait(30)
-        real(region)
-
-    monkeypatch.setattr(datadist_mod, "pre_touch", pre_touch)
-    return entered, release
+    return held_at(monkeypatch, datadist_mod, "pre_touch")
 
 
 async def _finalize_during_init(
