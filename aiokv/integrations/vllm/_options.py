@@ -64,7 +64,7 @@ class ConnectorOptions(BaseModel):
     advertise_host: str | None = Field(default=None, min_length=1)
     port: int | None = Field(default=None, ge=0, le=65535)
     cluster_id: int | None = Field(default=None, ge=0, le=2**64 - 1)
-    lease_timeout_s: float = Field(default=480.0, gt=0, allow_inf_nan=False)
+    lease_timeout_s: float = Field(default=480.0, gt=0, lt=1e9, allow_inf_nan=False)
     transfer_timeout_ms: int = Field(default=30_000, ge=1, le=2**31 - 1)
     link_timeout_ms: int = Field(default=5_000, ge=1, le=2**31 - 1)
     link_secret: str | None = Field(default=None, min_length=1)

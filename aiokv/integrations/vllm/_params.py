@@ -244,7 +244,7 @@ def _covered_error(blocks: list[int], num_tokens: int, block_size: int) -> str |
 
 def _lease_error(lease_s: Any) -> str | None:
     if not isinstance(lease_s, int | float) or isinstance(lease_s, bool) or not 0 < lease_s < 1e9:
-        return "remote_lease_s must be a number of seconds > 0"
+        return "remote_lease_s must be a number of seconds > 0 and < 1e9"
     return None
 
 

@@ -34,6 +34,9 @@ class Load:
     token: str
     ranks: tuple[Endpoint, ...]
     error: str | None = None
+    #: seconds (from when it was planned) within which the pull must end: the
+    #: prefill's lease less a margin; ``None``: unbounded by a lease
+    within_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

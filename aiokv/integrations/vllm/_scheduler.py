@@ -235,7 +235,8 @@ class SchedulerSide:
             return
         remote_blocks = remote.block_ids[first:stop]
         error: str | None = None
-        if arrived is not None and self._clock() > arrived + load_deadline(remote.lease_s):
+        left = None if arrived is None else arrived + load_deadline(remote.lease_s) - self._clock()
+        if left is not None and left < 0:
             # the prefill may have freed (and reused) its blocks: never load them
             error = f"the prefill's lease of {remote.lease_s:g} s ran out before the load began"
             log.error("request %s: %s", request_id, error)
@@ -254,6 +255,7 @@ class SchedulerSide:
                 remote.token,
                 remote.ranks,
                 error,
+                left,
             )
         )
 
@@ -335,6 +337,9 @@ class SchedulerSide:
             self._withdrawals.append(Withdraw(request_id, reserved))
         if not params:
             return False, None
+        transfer = self._push_transfer(params)
+        if transfer is not None:  # before a discovery: its push state must end here
+            return self._finished_push(request_id, transfer, completed)
         if params.get("aiokv_discover"):
             if self._ranks is None:
                 return False, None
@@ -345,9 +350,6 @@ class SchedulerSide:
                 ranks=self._ranks,
                 mode=mode,
             )
-        transfer = self._push_transfer(params)
-        if transfer is not None:
-            return self._finished_push(request_id, transfer, completed)
         if params.get("do_remote_decode") and "transfer_id" in params:
             why = (
                 "push-mode params, but this instance runs mode 'pull'"

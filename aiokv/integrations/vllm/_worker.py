@@ -625,6 +625,8 @@ class WorkerSide:
         ok = False
         try:
             budget = (self.options.link_timeout_ms + self.options.transfer_timeout_ms) / 1000
+            if load.within_s is not None:  # never read the prefill's blocks after its lease
+                budget = min(budget, max(load.within_s, 0.0))
             with anyio.fail_after(budget):
                 await self._linked(source)
                 assert self._dd is not None and self._cache is not None
