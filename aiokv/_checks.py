@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -42,6 +43,7 @@ __all__ = [
     "check_unique",
     "duplicated",
     "param_invalid",
+    "parse_json",
     "renamed",
     "repeated",
     "tensor_range",
@@ -314,3 +316,16 @@ def renamed(**old_to_new: str) -> Callable[[F], F]:
         return cast(F, plain)
 
     return decorate
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads(text)``.
+
+    Raises:
+        ValueError: not JSON (``json.JSONDecodeError``), or nested too deep for the
+            decoder (a ``RecursionError`` from ``json``, as a ``ValueError`` too).
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None

@@ -41,6 +41,7 @@ from pydantic import model_validator
 from pydantic_settings import BaseSettings
 from pydantic_settings import SettingsConfigDict
 
+from ._checks import parse_json
 from ._enums import LLMStatusCode
 from ._errors import LLMException
 from ._errors import NoneArgumentError
@@ -184,8 +185,8 @@ class MemPoolConfig(Model):
             raise NoneArgumentError("MemPoolConfig: value must not be None")
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
+                value = parse_json(value)
+            except ValueError as exc:
                 raise ValueError(f"MemPoolConfig: invalid JSON: {exc}") from None
             if not isinstance(value, dict):
                 raise ValueError("MemPoolConfig: JSON must be an object")
@@ -558,10 +559,7 @@ class LLMConfig(Model):
     @field_validator("cluster_info")
     @classmethod
     def _json(cls, v: str) -> str:
-        try:
-            json.loads(v)  # a ValueError (JSONDecodeError) when not JSON ("" too), as upstream
-        except RecursionError:  # nested too deep for the decoder: not usable JSON either
-            raise ValueError("cluster_info: JSON nested too deep") from None
+        parse_json(v)  # a ValueError when it is not JSON ("" too), as upstream
         return v
 
     @field_validator("mem_utilization")

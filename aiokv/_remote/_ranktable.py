@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ipaddress
 import itertools
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 from .._checks import check_instance
 from .._checks import check_int
 from .._checks import param_invalid
+from .._checks import parse_json
 
 __all__ = ["LinkPlan", "Party", "parse_link"]
 
@@ -118,8 +118,8 @@ def _devices(op: str, rank_table: Any) -> dict[int, dict[str, Any]]:
     """``rank_id`` → device entry of the rank table."""
     check_instance(op, "rank_table", rank_table, str)
     try:
-        table = json.loads(rank_table)
-    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested too deep
+        table = parse_json(rank_table)
+    except ValueError as exc:
         param_invalid(op, f"rank_table is not JSON: {exc}")
     servers = table.get("server_list") if isinstance(table, dict) else None
     if not isinstance(servers, list):
