@@ -10,6 +10,7 @@ llm_datadist source it comes from (hicann/hixl 9ed283b2).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -58,6 +59,15 @@ def pair() -> Iterator[Pair]:
         prompt.finalize()
 
 
+def until_released(owner: llm_datadist.LLMDataDist) -> None:
+    """Wait (at most 5 s) until ``owner`` holds no key: a pull's release happens when
+    the owner's side of it ends, a moment after the pull returned to the puller."""
+    deadline = time.monotonic() + 5
+    while owner.cache_manager.statistics().keys and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert owner.cache_manager.statistics().keys == 0
+
+
 DESC = CacheDesc(4, [1, 64], DataType.DT_UINT8)  # 2 layers of K/V, one slot
 
 
@@ -86,7 +96,9 @@ def test_layerwise_pull_cache_keeps_the_key_until_every_layer_was_pulled(pair: P
         key, dst, src_layer_range=range(1, 2), dst_layer_range=range(1, 2)
     )
     assert [int(t[0, 0]) for t in dst.tensors] == [1, 2, 3, 4]
-    # now every tensor was pulled: the key is released, as on llm_datadist
+    # now every tensor was pulled: the key is released, as on llm_datadist, once the
+    # owner's side of the pull ended (a moment after the pull returned here)
+    until_released(prompt)
     with pytest.raises(LLMException) as e:
         decoder.cache_manager.pull_cache(key, dst)
     assert e.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
@@ -136,5 +148,6 @@ def test_pull_by_id_of_a_keyed_slot_releases_its_key(pair: Pair) -> None:
     dst = decoder.cache_manager.allocate_cache(DESC)
     decoder.cache_manager.pull_cache(CacheKeyByIdAndIndex(1, src.cache_id, 0), dst)
     assert [int(t[0, 0]) for t in dst.tensors] == [1, 2, 3, 4]
+    until_released(prompt)  # once the owner's side of the pull ended, as by the key
     cm.deallocate_cache(src)
     assert cm.get_pool_stats().used == used_before  # the key went with the pull
