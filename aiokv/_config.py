@@ -14,12 +14,10 @@ import contextlib
 import contextvars
 import difflib
 import ipaddress
-import json
 import math
 import os
 import re
 import types
-from collections.abc import Iterable
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from typing import Any
@@ -35,7 +33,6 @@ from pydantic import ConfigDict
 from pydantic import Field
 from pydantic import PrivateAttr
 from pydantic import SecretStr
-from pydantic import ValidationInfo
 from pydantic import field_validator
 from pydantic import model_validator
 from pydantic_settings import BaseSettings
@@ -47,6 +44,8 @@ from ._errors import LLMException
 from ._errors import NoneArgumentError
 from ._errors import warn
 from ._models import Model
+from ._pool_config import MemPoolConfig
+from ._pool_config import unknown_name
 
 __all__ = [
     "ENV_PREFIX",
@@ -102,14 +101,6 @@ class InvalidOptionTypeError(InvalidOptionError, TypeError):
     other bad value, and still the ``TypeError`` SPEC §1.2 names for a wrong type."""
 
 
-def unknown_name(what: str, name: object, valid: Iterable[str]) -> str:
-    """``unknown <what> 'x'; did you mean 'y'? valid: ...`` (the nearest by difflib)."""
-    names = sorted(valid)
-    near = difflib.get_close_matches(str(name), names, n=1)
-    hint = f"; did you mean {near[0]!r}?" if near else "."
-    return f"unknown {what} {name!r}{hint} Valid: {', '.join(names)}"
-
-
 @contextlib.contextmanager
 def _param_invalid(op: str) -> Iterator[None]:
     """Re-raise a plain ``ValueError`` / ``TypeError`` from the block as
@@ -123,85 +114,6 @@ def _param_invalid(op: str) -> Iterator[None]:
         raise InvalidOptionError(str(exc), op) from None
     except TypeError as exc:
         raise InvalidOptionTypeError(str(exc), op) from None
-
-
-#: what each ``MemPoolConfig`` key must be, for errors
-_POOL_KEYS = {
-    "memory_size": "an integer number of bytes (67108864 for 64 MiB)",
-    "page_shift": "an integer, log2 of the page size in bytes (16 for 64 KiB pages)",
-}
-
-
-class MemPoolConfig(Model):
-    """A memory pool: ``memory_size`` bytes served in pages of ``1 << page_shift`` bytes.
-
-    ``MemPoolConfig.parse('{"memory_size": 1073741824, "page_shift": 16}')`` accepts
-    llm_datadist's JSON string form.
-    """
-
-    if TYPE_CHECKING:
-
-        def __init__(self, memory_size: int, page_shift: int = ...) -> None: ...
-
-    _positional = ("memory_size", "page_shift")
-    memory_size: int = Field(gt=0, le=1 << 48)
-    page_shift: int = Field(default=16, ge=10, lt=31)
-
-    @field_validator("memory_size", "page_shift", mode="before")
-    @classmethod
-    def _an_int(cls, value: Any, info: ValidationInfo) -> Any:
-        """A value of the wrong kind (``"64MiB"``, ``1.5``) is a ``TypeError`` that says
-        what the key must be; ``None`` is left to the None check."""
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            key = str(info.field_name)
-            shown = repr(value) if len(repr(value)) <= 40 else f"a {type(value).__name__}"
-            raise TypeError(f"MemPoolConfig: {key} must be {_POOL_KEYS[key]}, got {shown}")
-        return value
-
-    @model_validator(mode="after")
-    def _fits(self) -> MemPoolConfig:
-        if self.memory_size < self.page_size:
-            raise ValueError(
-                f"memory_size {self.memory_size} is smaller than one page ({self.page_size})"
-            )
-        return self
-
-    @property
-    def page_size(self) -> int:
-        """Bytes per page."""
-        return 1 << self.page_shift
-
-    @classmethod
-    def parse(cls, value: Any) -> MemPoolConfig:
-        """Build from a ``MemPoolConfig``, a dict, or llm_datadist's JSON string.
-
-        Raises:
-            TypeError: wrong type (of the value or of a field).
-            ValueError: bad JSON, unknown keys, or values out of range.
-        """
-        if isinstance(value, MemPoolConfig):
-            return value
-        if value is None:
-            raise NoneArgumentError("MemPoolConfig: value must not be None")
-        if isinstance(value, str):
-            try:
-                value = parse_json(value)
-            except ValueError as exc:
-                raise ValueError(f"MemPoolConfig: invalid JSON: {exc}") from None
-            if not isinstance(value, dict):
-                raise ValueError("MemPoolConfig: JSON must be an object")
-        if not isinstance(value, dict):
-            raise TypeError(f"MemPoolConfig: expected str, dict or MemPoolConfig, got {value!r}")
-        for key, v in value.items():
-            if key not in _POOL_KEYS:
-                raise ValueError(f"MemPoolConfig: {unknown_name('key', key, _POOL_KEYS)}")
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"MemPoolConfig: {key} must be {_POOL_KEYS[key]}, got {v!r}")
-        return cls(**value)
-
-    def to_json(self) -> str:
-        """llm_datadist's JSON string form."""
-        return json.dumps({"memory_size": self.memory_size, "page_shift": self.page_shift})
 
 
 def _ip_port(value: str) -> tuple[str, int]:
@@ -588,6 +500,25 @@ class LLMConfig(Model):
             _ip_port(v)
         return v
 
+    @field_validator("ge_options")
+    @classmethod
+    def _ge_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        """What ``init`` would refuse is refused now: a key that is neither ``ge.*``,
+        one of llm_datadist's nor an option's, and a bad value of a key that names an
+        option (checked as that option; a secret's by :meth:`_mask_ge_secrets`)."""
+        op = "ge_options"
+        by_key = {k: f for f, k in _OPTION_KEYS.items()} | _OLD_KEYS
+        for key, raw in v.items():
+            field = by_key.get(key)
+            try:
+                if field is None:
+                    _passed_through(op, key, raw, v)
+                elif field not in _SECRET_FIELDS:
+                    cls._parse_alone(op, field, key, raw)
+            except InvalidOptionError as exc:  # named "LLMConfig: ge_options: ..." there
+                raise ValueError(str(exc).removeprefix(f"{op}: ")) from None
+        return v
+
     @model_validator(mode="after")
     def _mask_ge_secrets(self) -> LLMConfig:
         """A secret option given through ``ge_options`` (``aiokv.linkSecret``) is kept
@@ -716,6 +647,25 @@ class LLMConfig(Model):
             kwargs["ge_options"] = passthrough
         with _param_invalid(op):
             return cls(**kwargs)
+
+    @classmethod
+    def _read_in(cls, op: str, options: LLMConfig | dict[str, str]) -> LLMConfig:
+        """What ``init`` (or ``op``) reads from ``options``: a dict as :meth:`from_options`;
+        an ``LLMConfig`` through its revealed dict form, as llm_datadist (``ge_options``'
+        option keys meet the fields there), keeping the values it set that the dict form
+        leaves out (``""``, ``None``, ``False``): an argument or assignment wins over an
+        ``AIOKV_*`` default at ``init`` too, as it does in the ``LLMConfig`` itself.
+
+        Raises:
+            TypeError / InvalidOptionError: as :meth:`from_options`.
+        """
+        if not isinstance(options, LLMConfig):
+            return cls._from_options_in(op, options)
+        out = cls._from_options_in(op, options.generate_options(reveal_secrets=True))
+        for field in sorted(options.model_fields_set - out.model_fields_set - {"ge_options"}):
+            with _param_invalid(op):
+                setattr(out, field, getattr(options, field))
+        return out
 
     @classmethod
     def _parse_alone(cls, op: str, field: str, key: str, raw: str) -> Any:

@@ -264,12 +264,7 @@ class LLMDataDist:
             raise RuntimeError(f"{op}: an init or finalize of this LLMDataDist is under way")
         check_instance(op, "options", options, (LLMConfig, dict))
         # through the dict form, as llm_datadist: ge_options' keys meet the fields there
-        config = LLMConfig._from_options_in(
-            op,
-            options.generate_options(reveal_secrets=True)
-            if isinstance(options, LLMConfig)
-            else options,
-        )
+        config = LLMConfig._read_in(op, options)
         for key, value in config.ignored_options().items():
             log.debug("%s: option %s=%r accepted, not used by aiokv", op, key, value)
         loop = None
@@ -296,11 +291,7 @@ class LLMDataDist:
         """A second ``init`` is a no-op (as llm_datadist); warn when its options differ
         from the first's, which they do not change."""
         try:
-            again = LLMConfig.from_options(
-                options.generate_options(reveal_secrets=True)
-                if isinstance(options, LLMConfig)
-                else options
-            )
+            again = LLMConfig._read_in("init", options)
         except (LLMException, TypeError, ValueError):
             again = None
         if again is not None and again == self._config:

@@ -492,8 +492,12 @@ class _IpInfoList(list[tuple[int | str, int]]):
         super().append((_ip_int(ip) if isinstance(ip, str) else ip, port))
 
     def extend(self, items: Iterable[tuple[int | str, int]]) -> None:
-        for item in list(items):
-            self.append(item)
+        """Add every address, or (one is bad) none: each is checked before any is added."""
+        pairs = [_ip_pair(item, self._side) for item in list(items)]
+        for ip, port in pairs:
+            LLMClusterInfo._addr(ip, port)  # raises before anything changed
+        for pair in pairs:
+            self.append(pair)
 
     def _refuse(self, *_: Any, **__: Any) -> NoReturn:
         raise TypeError(
