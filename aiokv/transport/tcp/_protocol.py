@@ -187,11 +187,18 @@ class LinkProtocol:
     # ------------------------------------------------------------ frames and replies
 
     def skips_meta(self, h: wire.Header) -> bool:
-        """Whether the frame's meta is skipped unread: a request's over our cap, or any
-        request's while the peer has the most requests it may have (a refusal is O(1))."""
+        """Whether the frame's meta is skipped unread: a request's (or plane frame's)
+        over our cap, or a request's while the peer has the most requests it may have (a
+        refusal is O(1)). The busy rule is for requests only: the answers to our own
+        requests (a ``PLANE_GRANT``) and plane greetings are read however busy the peer
+        keeps us, so that its requests never fail ours."""
         return h.type not in _REASON_TYPES and (
             h.meta_len > self.max_meta_bytes
-            or (len(self.theirs) >= self.max_peer_requests and h.meta_len > 0)
+            or (
+                h.meta_len > 0
+                and h.type in _REQUEST_TYPES
+                and len(self.theirs) >= self.max_peer_requests
+            )
         )
 
     def receive(self, h: wire.Header, meta: bytearray | None) -> None:
@@ -250,6 +257,10 @@ class LinkProtocol:
         elif rid in self.theirs:
             status = _S.LLM_REPEAT_REQUEST
         elif len(self.theirs) >= self.max_peer_requests:
+            status = _S.LLM_LINK_BUSY
+        elif meta is None and h.meta_len <= self.max_meta_bytes:
+            # skipped because the peer was at its cap when the header came (a slot
+            # freed while the meta was skipped): busy, not malformed
             status = _S.LLM_LINK_BUSY
         elif meta is None:  # meta over our cap, already skipped
             status = _S.LLM_PARAM_INVALID
