@@ -129,13 +129,19 @@ class RemoteClient:
         request; after a transfer by request that a lease could have served, one is
         asked for in the background.
 
+        It counts among the link table's requests in flight for all of its run, its
+        parts' staging included, so a graceful unlink waits for it.
+
         Raises:
             LLMException: as :meth:`transfer`; ``LLM_TIMEOUT`` covers the whole transfer.
         """
-        lease_key = self._lease_key(m)
-        if lease_key is not None and await self._leased(m, lease_key, here=False):
-            return
-        await _Requests(self, m).run()
+        # in flight from its start to its end, between its requests too (a part being
+        # staged, a settle): a graceful unlink waits for the whole transfer
+        with self._links.request(m.link.peer.cluster_id):
+            lease_key = self._lease_key(m)
+            if lease_key is not None and await self._leased(m, lease_key, here=False):
+                return
+            await _Requests(self, m).run()
         if lease_key is not None:  # it moved: ask for a lease, so that the next one is quicker
             count = len(m.job.tensors)
             assert self.leases is not None

@@ -65,6 +65,7 @@ __all__ = [
     "decode",
     "encode",
     "pack_blocks",
+    "top_block",
     "wire_key",
 ]
 
@@ -311,6 +312,32 @@ def blocks_of(raw: bytes, most: int = MAX_BLOCKS) -> Blocks:
     out = np.arange(total, dtype=np.int64)
     out += np.repeat(firsts - at, lens)
     return out
+
+
+def top_block(raw: bytes) -> int:
+    """The highest block a block list in its wire form names, found without unfolding it
+    (numpy over the list as sent: work bounded by its bytes, not by what it names), so a
+    request's extent can be checked against registered memory before anything of its
+    size is built.
+
+    Raises:
+        ValueError: empty, or malformed as :func:`blocks_of` says (its count is not
+            checked here).
+    """
+    if len(raw) % 8:
+        raise ValueError("is not a list of int64")
+    arr = np.frombuffer(raw, dtype="<i8").astype(np.int64, copy=False)
+    if not arr.size:
+        raise ValueError("is empty")
+    run = arr < 0
+    if not run.any():
+        return int(arr.max())
+    if run[0] or (run[1:] & run[:-1]).any():
+        raise ValueError("has a run entry (< 0) that does not follow a block")
+    firsts, lengths = arr[:-1][run[1:]], arr[1:][run[1:]]  # each run's block and -k
+    if (firsts > _INT64_MAX + lengths).any():
+        raise ValueError("has a run past the int64 range")
+    return max(int(arr[~run].max()), int((firsts - lengths).max()))
 
 
 def wire_key(key: BlocksCacheKey | CacheKey | CacheKeyByIdAndIndex) -> Key:

@@ -61,6 +61,7 @@ from ._protocol import SlotReq
 from ._protocol import Tensors
 from ._protocol import blocks_of
 from ._protocol import decode
+from ._protocol import top_block
 from ._route import Route
 from ._route import route
 
@@ -130,11 +131,19 @@ class _LayoutMemo:
         )
 
     def get(
-        self, raw: bytes, limit: int, *, unique: bool, block_bytes: int, stride: int | None = None
+        self,
+        raw: bytes,
+        limit: int,
+        *,
+        unique: bool,
+        block_bytes: int,
+        stride: int | None = None,
+        most: int | None = None,
     ) -> ByteLayout:
         """The layout of the blocks ``raw`` names: :func:`_blocks` (entries in
-        ``[0, limit)``, at most ``limit`` or, with a ``stride``, :data:`MAX_BLOCKS` of
-        them), then :meth:`ByteLayout.of_blocks`.
+        ``[0, limit)``, at most ``limit`` or, with a ``stride``, ``most`` (default
+        :data:`MAX_BLOCKS`) of them), then :meth:`ByteLayout.of_blocks`. ``most`` must
+        depend only on ``raw`` and the other arguments (it is not part of the memo's key).
 
         Raises:
             _Refused: as :func:`_blocks`.
@@ -144,7 +153,10 @@ class _LayoutMemo:
         if hit is not None:
             self._kept.move_to_end(key)
             return hit
-        most = None if stride is None else MAX_BLOCKS
+        if stride is None:
+            most = None
+        elif most is None:
+            most = MAX_BLOCKS
         blocks = _blocks(raw, limit, "blocks", unique=unique, most=most)
         layout = ByteLayout.of_blocks(blocks, block_bytes, stride=stride)
         if 8 * blocks.size <= self.MOST_BYTES:  # unfolded: a folded list may be tiny
@@ -637,16 +649,20 @@ class PeerService:
         named twice) — which bounds the views of one request by the registered memory.
 
         Returns the entries, the layout and, per address, ``(entry, tensor, offset)``."""
-        layout = ByteLayout.of_span(0, req.block_bytes)
+        extent = req.block_bytes
+        top = limit = 0
         if req.blocks is not None:
             if req.stride < req.block_bytes:
                 raise _invalid("stride is smaller than the block size")
             # the blocks b whose last byte b * stride + block_bytes - 1 stays in int64
             limit = (2**63 - 1 - req.block_bytes) // req.stride + 1
-            layout = self._layouts.get(
-                req.blocks, limit, unique=True, block_bytes=req.block_bytes, stride=req.stride
-            )
-        extent = layout.extent  # the last block's end: max(blocks) * stride + block_bytes
+            try:  # from the list as sent: nothing of the size it names is built yet
+                top = top_block(req.blocks)
+            except ValueError as exc:
+                raise _invalid(f"blocks {exc}") from None
+            if top >= limit:
+                raise _invalid(f"blocks entry {top} is out of range [0, {limit})")
+            extent = top * req.stride + req.block_bytes  # the last block's end
         bases = sorted(req.bases)
         if any(b - a < extent for a, b in itertools.pairwise(bases)):
             raise _invalid("the regions of two destination addresses overlap")
@@ -663,6 +679,18 @@ class PeerService:
                 raise _invalid("the destination addresses are in host and device memory")
             entries.append(entry)
             places.append((entry, ti, off))
+        # only now, inside registered memory, is the list unfolded: its distinct blocks
+        # are at most top + 1, each stride bytes of a registered tensor
+        layout = ByteLayout.of_span(0, req.block_bytes)
+        if req.blocks is not None:
+            layout = self._layouts.get(
+                req.blocks,
+                limit,
+                unique=True,
+                block_bytes=req.block_bytes,
+                stride=req.stride,
+                most=min(MAX_BLOCKS, top + 1),
+            )
         return entries, layout, places
 
 
