@@ -140,6 +140,12 @@ class OpCounter:
         with self._lock:
             self._in_flight += 1
 
+    def _void(self) -> None:
+        """An operation started and did not happen (it goes on elsewhere): no longer in
+        flight, and counted nowhere else."""
+        with self._lock:
+            self._in_flight -= 1
+
     def _end(self, nbytes: int, seconds: float, failure: str | None) -> None:
         i = bisect.bisect_left(LATENCY_BOUNDS, seconds)
         with self._lock:
@@ -178,18 +184,28 @@ class OpCounter:
 
 
 class _Measure:
-    __slots__ = ("_counter", "_nbytes", "_t0")
+    __slots__ = ("_counter", "_nbytes", "_t0", "_void")
 
     def __init__(self, counter: OpCounter, nbytes: int) -> None:
         self._counter = counter
         self._nbytes = nbytes
         self._t0 = 0.0
+        self._void = False
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _Measure:
         self._counter._start()
         self._t0 = time.perf_counter()
+        return self
+
+    def void(self) -> None:
+        """Inside the block: the operation did not happen here (nothing moved; it is
+        done another way, and counted there). Leaving the block then counts nothing."""
+        self._void = True
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if self._void and exc is None:
+            self._counter._void()
+            return
         failure = None if exc is None else failure_name(exc)
         self._counter._end(self._nbytes, time.perf_counter() - self._t0, failure)
 

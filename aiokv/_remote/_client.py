@@ -77,7 +77,8 @@ class RemoteClient:
         links: the link table (owned by ``LLMDataDist``).
         config: read at each call for ``sync_kv_timeout``.
         stager: host staging of device-resident bytes (shared with the peer service).
-        counters: where each transfer is counted, per peer cluster.
+        counters: where each transfer is counted, per peer cluster: once per
+            :meth:`move` / :meth:`move_here`, however many requests it takes.
         leases: the leases this side holds (and lends); shared with the peer service.
     """
 
@@ -135,10 +136,11 @@ class RemoteClient:
         Raises:
             LLMException: as :meth:`transfer`; ``LLM_TIMEOUT`` covers the whole transfer.
         """
+        lease_key = self._lease_key(m)
         # in flight from its start to its end, between its requests too (a part being
-        # staged, a settle): a graceful unlink waits for the whole transfer
-        with self._links.request(m.link.peer.cluster_id):
-            lease_key = self._lease_key(m)
+        # staged, a settle): a graceful unlink waits for the whole transfer; counted once
+        cid = m.link.peer.cluster_id
+        with self._links.request(cid), self._counters.requests(cid).measure(_payload(m.job)):
             if lease_key is not None and await self._leased(m, lease_key, here=False):
                 return
             await _Requests(self, m).run()
@@ -173,7 +175,11 @@ class RemoteClient:
         # a scheduling and cancellation point (nothing moved yet): a transfer NIXL
         # completes within its post would otherwise never yield to the caller's loop
         await asyncio.sleep(0)
-        return await self._leased(m, key, here=True)
+        with self._counters.requests(m.link.peer.cluster_id).measure(_payload(m.job)) as op:
+            moved = await self._leased(m, key, here=True)
+            if not moved:
+                op.void()  # it goes through the engine (move), counted there
+        return moved
 
     def _lease_key(self, m: Move) -> LeaseKey | None:
         """What a lease for ``m`` would cover, when one could serve it: blocks of a
@@ -289,7 +295,6 @@ class RemoteClient:
         try:
             with (
                 self._links.request(cid) if counted else contextlib.nullcontext(),
-                self._counters.requests(cid).measure(nbytes),
                 map_errors(op),
             ):
                 if at is not None:
@@ -450,6 +455,12 @@ class _Requests:
                 op=self.m.op,
             )
         return left
+
+
+def _payload(job: Transfer) -> int:
+    """Bytes ``job`` moves, without building its layout (a leased move never needs it)."""
+    per_tensor = job.block_bytes if job.local is None else int(job.local.size) * job.block_bytes
+    return len(job.tensors) * per_tensor
 
 
 def _dir(write: bool) -> str:
