@@ -294,7 +294,8 @@ class LLMDataDist:
             again = LLMConfig._read_in("init", options)
         except (LLMException, TypeError, ValueError):
             again = None
-        if again is not None and again == self._config:
+        first = self._config
+        if again is not None and first is not None and _effective(again) == _effective(first):
             log.debug("LLMDataDist %d: already initialized, init ignored", self._cluster_id)
             return
         msg = (
@@ -970,3 +971,9 @@ def _each(*callbacks: LinkCallback) -> LinkCallback:
             callback(link)
 
     return call
+
+
+def _effective(config: LLMConfig) -> dict[str, Any]:
+    """What a config does: its values, ``""`` and ``None`` alike (both mean not set, as
+    in llm_datadist: its dict form and an ``LLMConfig`` may say it either way)."""
+    return {k: None if v == "" else v for k, v in config.model_dump().items()}

@@ -73,3 +73,16 @@ def test_a_ge_options_key_init_refuses_is_refused_when_assigned(ge: dict[str, st
     # what init takes is still taken
     ok = LLMConfig(ge_options={"ge.x": "1", "llm.Role": "Prompt", "llm.SyncKvCacheWaitTime": "7"})
     assert LLMConfig.from_options(ok.generate_options()).sync_kv_timeout == 7
+
+
+def test_a_second_init_with_the_same_options_in_the_other_form_does_not_warn() -> None:
+    """``init(dict)`` then ``init(LLMConfig)`` of the same options: a no-op, without the
+    "different options" warning (``""`` and ``None`` both mean not set)."""
+    cfg = LLMConfig(device_type="cpu", enable_cache_manager=True)
+    cfg.listen_ip_info = None
+    with (
+        llm_datadist.LLMDataDist(LLMRole.PROMPT, 1, cfg.generate_options()) as dd,
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("error", RuntimeWarning)
+        dd.init(cfg)
