@@ -85,21 +85,22 @@ class Lane:
         exactly when no thread has picked the job up yet.
 
         Raises:
-            RuntimeError: the lane is closed.
+            RuntimeError: the lane is closed, or its new thread could not start (the
+                process is out of threads): nothing was queued, ``fn`` never runs.
         """
         job = _Job(fn, label or getattr(fn, "__qualname__", repr(fn)))
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"lane {self.name} is closed")
-            self._queue.put(job)
             if self._idle:
                 self._idle -= 1
             elif len(self._threads) < self.size:
                 t = threading.Thread(
                     target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True
                 )
+                t.start()  # before the job is queued: a thread that fails to start leaves none
                 self._threads.append(t)
-                t.start()
+            self._queue.put(job)
         return job.future
 
     def relabel(self, label: str) -> None:

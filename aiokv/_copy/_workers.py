@@ -192,15 +192,19 @@ class WorkerPool:
             self._queue.put(_Stop())
 
     def _submit(self, job: _Job[Any]) -> None:
-        self._queue.put(job)
-        if self._idle.acquire(blocking=False):
-            return
-        if len(self.threads) < self.size:
+        """Queue ``job``, starting a thread for it when none is idle (up to ``size``).
+
+        Raises:
+            RuntimeError: the thread could not start (the process is out of threads):
+                nothing was queued, the job never runs.
+        """
+        if not self._idle.acquire(blocking=False) and len(self.threads) < self.size:
             t = threading.Thread(
                 target=self._work, name=f"aiokv-{self.name}-{len(self.threads)}", daemon=False
             )
-            t.start()
+            t.start()  # before the job is queued: a thread that fails to start leaves none
             self.threads.append(t)
+        self._queue.put(job)
 
     def _work(self) -> None:
         while True:

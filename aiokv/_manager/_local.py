@@ -3,6 +3,7 @@ and ``swap_blocks``, checked here and run inline or on the copy workers."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -326,24 +327,39 @@ def _check_no_overlap(op: str, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]
             ):
                 continue  # a view onto itself
             a, b = pairs[i][is_dst], pairs[j][other_dst]
-            if max(a.numel(), b.numel()) <= _EXACT_OVERLAP_MAX and not _share_bytes(a, b):
+            if max(_run_count(a), _run_count(b)) <= _EXACT_OVERLAP_MAX and not _share_bytes(a, b):
                 continue  # strided views whose extents interleave but share no byte
             param_invalid(op, "the memory of src and dst overlaps")
         reach.append((end, i, is_dst))
 
 
-#: Views up to this many elements are checked byte-exactly when their extents overlap
-#: (beyond: refused as overlapping; the check's arrays grow with the view).
+#: Views of up to this many contiguous byte runs are checked byte-exactly when their
+#: extents overlap (beyond: refused as overlapping; the check's arrays grow with the
+#: number of runs, not with the bytes: a slot along batch dim 1 of a large cache is a
+#: few thousand long runs).
 _EXACT_OVERLAP_MAX = 1 << 22
+
+
+def _inner(t: torch.Tensor) -> tuple[int, int]:
+    """``(k, inner)``: dims ``k..`` of ``t`` are one contiguous run of ``inner`` elements."""
+    shape, stride = t.shape, t.stride()
+    inner, k = 1, len(shape)
+    while k and (shape[k - 1] == 1 or stride[k - 1] == inner):
+        inner *= shape[k - 1]
+        k -= 1
+    return k, inner
+
+
+def _run_count(t: torch.Tensor) -> int:
+    """How many contiguous byte runs a (strided) view touches (:func:`_byte_runs`)."""
+    k, _ = _inner(t)
+    return math.prod(t.shape[:k])
 
 
 def _byte_runs(t: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Sorted ``(starts, ends)`` of the contiguous byte runs a (strided) view touches."""
     shape, stride, size = list(t.shape), list(t.stride()), t.element_size()
-    inner, k = 1, len(shape)
-    while k and (shape[k - 1] == 1 or stride[k - 1] == inner):
-        inner *= shape[k - 1]
-        k -= 1
+    k, inner = _inner(t)
     offs = np.zeros(1, dtype=np.int64)
     for n, st in zip(shape[:k], stride[:k], strict=True):
         offs = (offs[:, None] + np.arange(n, dtype=np.int64)[None, :] * st).ravel()

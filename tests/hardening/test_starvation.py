@@ -490,3 +490,26 @@ async def test_a_peer_that_never_reads_does_not_starve_staged_pulls(
                 break
             await asyncio.sleep(0.01)
         assert stager.in_use == 0 and not stager.budget.waiting and stager.budget.held == {}
+
+
+def test_a_lane_whose_thread_cannot_start_queues_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Out of threads, ``submit`` raises and the job never runs (it was left queued, for
+    a later thread to run after the caller saw the error); the lane works on after, and
+    closes (a thread that never started was kept, and joining it raised)."""
+    lane = Lane("aiokv-test", 2)
+    ran: list[int] = []
+    start = threading.Thread.start
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with pytest.raises(RuntimeError, match="can't start"):
+        lane.submit(lambda: ran.append(1))
+    monkeypatch.setattr(threading.Thread, "start", start)
+    assert lane.threads == 0
+    lane.submit(lambda: ran.append(2)).result(5)
+    assert ran == [2]
+    assert lane.close(5) == []
