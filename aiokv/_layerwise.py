@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 from collections.abc import AsyncGenerator
 from collections.abc import Awaitable
@@ -186,6 +187,22 @@ def plan(
                 op, f"{len(cfg.dst_addrs)} dst_addrs for {len(layers)} layers (need 2 per layer)"
             )
         addrs = list(cfg.dst_addrs)
+        # what the peer writes from each address: checked here, for the whole transfer
+        # (the peer checks one request, and layers released together are one request)
+        if paged:
+            extent = (
+                int(source.dsts.max()) * source.dst_block_bytes + src.block_bytes
+                if source.dsts.size
+                else 0
+            )
+        else:
+            extent = src.slot_bytes
+        if extent:
+            for a, b in itertools.pairwise(sorted(addrs)):
+                if b - a < extent:
+                    param_invalid(
+                        op, f"the regions of dst_addrs {a} and {b} overlap ({extent} bytes each)"
+                    )
         packed = pack_blocks(source.dsts)
 
         def request(run: range) -> Request:
@@ -220,15 +237,25 @@ def _why(layer: int, got: Any, raised: bool) -> str | None:
 
 
 def _label(sync: LayerSynchronizer, layer: int) -> str:
-    """How a warning names a synchronizer's call (its repr, cut to 200 characters)."""
-    name = repr(sync)
+    """How a warning names a synchronizer's call (its repr, cut to 200 characters; its
+    type's name where its ``__repr__`` raises: a label never fails the transfer)."""
+    try:
+        name = repr(sync)
+    except Exception:
+        name = f"<{type(sync).__qualname__} object>"
     if len(name) > 200:
         name = name[:197] + "..."
     return f"{name}.synchronize_layer({layer})"
 
 
-async def _awaited(aw: Awaitable[Any]) -> Any:
-    return await aw
+async def _awaited(aw: Awaitable[Any]) -> tuple[Any, bool]:
+    """``(what aw returned, False)``, or ``(what it raised, True)``: anything but a
+    cancellation stays here, on the loop that awaits it (a ``SystemExit`` raised out of
+    a task stops its event loop: the caller's, or the engine's)."""
+    try:
+        return await aw, False
+    except (Exception, KeyboardInterrupt, SystemExit) as exc:
+        return exc, True
 
 
 #: (layer, the destinations that wanted it when its synchronizer was called, its code,
@@ -318,7 +345,9 @@ class _Feed:
         for layer, wanting in self._to_ask(start, stop):
             try:
                 got = await self._fn(layer, None)
-            except Exception as exc:  # handed to the engine; a cancellation ends the feed
+            # handed to the engine (SystemExit too: raised out of this task, it would stop
+            # the loop running it); a cancellation ends the feed
+            except (Exception, KeyboardInterrupt, SystemExit) as exc:
                 self.failed.update(wanting)
                 self._post((layer, wanting, exc, True))
                 continue
@@ -390,9 +419,11 @@ class _Feed:
         if not inspect.isawaitable(got):
             return _code_of(got), _why(layer, got, False)
         try:
-            got = await portal.run(_awaited, got)
-        except Exception as exc:
-            code, why = status_of(exc, log, f"synchronize_layer({layer})"), _why(layer, exc, True)
+            got, raised = await portal.run(_awaited, got)
+        except Exception as exc:  # the portal's: e.g. the caller's loop has closed
+            got, raised = exc, True
+        if raised:
+            code, why = status_of(got, log, f"synchronize_layer({layer})"), _why(layer, got, True)
         else:
             code, why = _code_of(got), _why(layer, got, False)
         if code != Code.LLM_SUCCESS:
@@ -509,6 +540,12 @@ async def run_layers(
             results[j] = Code.LLM_SUCCESS
 
 
+#: the longest wait :meth:`CacheTask.synchronize` takes (a uint64 of ms, as
+#: llm_datadist's); one more is a ``ValueError``, not an ``OverflowError`` from the
+#: conversion to seconds
+_MAX_WAIT_MS = 2**64 - 1
+
+
 class CacheTask:
     """A running layer-wise transfer (``transfer_cache_async``'s result).
 
@@ -571,8 +608,8 @@ class CacheTask:
             isinstance(timeout_in_millis, bool) or not isinstance(timeout_in_millis, int)
         ):
             raise TypeError("timeout_in_millis must be int or None")
-        if timeout_in_millis is not None and timeout_in_millis < 0:
-            raise ValueError("timeout_in_millis must be >= 0")
+        if timeout_in_millis is not None and not 0 <= timeout_in_millis <= _MAX_WAIT_MS:
+            raise ValueError(f"timeout_in_millis must be in [0, {_MAX_WAIT_MS}]")
         if self._ended:
             return True
         timeout = None if timeout_in_millis is None else timeout_in_millis / 1000
