@@ -243,8 +243,8 @@ class NixlPlane:
     # ------------------------------------------------------------------ granter side
 
     def answer(self, op: PeerOp, views: Sequence[memoryview], total: int) -> bytes | None:
-        runs = runs_of(views)
-        return self._grant_place(op, ("DRAM", 0, runs)) if self._n.regions.covers(runs) else None
+        runs = self._n.regions.cut(runs_of(views))
+        return None if runs is None else self._grant_place(op, ("DRAM", 0, runs))
 
     def direct(self, op: PeerOp) -> DirectCheck | None:
         n = self._n
@@ -254,9 +254,10 @@ class NixlPlane:
 
     def answer_device(self, op: PeerOp, dev: DeviceRuns) -> bytes | None:
         table = self._n._table(dev.device)
-        if table is None or not table.covers(dev.runs):
+        runs = None if table is None else table.cut(dev.runs)
+        if table is None or runs is None:
             return None
-        return self._grant_place(op, (table.mem, table.dev, dev.runs))
+        return self._grant_place(op, (table.mem, table.dev, runs))
 
     def _grant_place(self, op: PeerOp, place: Place) -> bytes | None:
         """The grant of registered memory ``place`` for ``op``, which this plane serves
@@ -290,14 +291,15 @@ class NixlPlane:
         else None (they move as DATA)."""
         if not total or not self._usable():
             return None
-        runs = runs_of(views)
-        return ("DRAM", 0, runs) if self._n.regions.covers(runs) else None
+        runs = self._n.regions.cut(runs_of(views))
+        return None if runs is None else ("DRAM", 0, runs)
 
     def offer_device(self, dev: DeviceRuns) -> Place | None:
         table = self._n._table(dev.device)
         if table is None or not dev.runs.size or not self._usable():
             return None
-        return (table.mem, table.dev, dev.runs) if table.covers(dev.runs) else None
+        runs = table.cut(dev.runs)
+        return None if runs is None else (table.mem, table.dev, runs)
 
     def publish(self) -> None:
         if self._usable() and self._n.generation() != self._md_gen:

@@ -105,6 +105,39 @@ class Regions:
             return False
         return bool((runs[:, 0] + runs[:, 1] <= ends[i]).all())
 
+    def cut(self, runs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64] | None:
+        """``runs`` as NIXL descriptors of this memory: as they are when every row lies
+        inside one registered range (:meth:`covers`), else cut at the boundaries of the
+        ranges (a row over adjacent ranges, e.g. the tensors of one allocation registered
+        one by one, whose runs :func:`~._descs.runs_of` merged: NIXL takes a descriptor
+        only inside one registration); None when some byte is not registered."""
+        if self.covers(runs):
+            return runs
+        starts, ends = self._bounds
+        if self.failed:
+            return None
+        if not runs.size or not starts.size:
+            return None
+        lo = runs[:, 0]
+        hi = lo + runs[:, 1]
+        bounds = np.union1d(starts, ends)
+        first = np.searchsorted(bounds, lo, side="right")  # bounds strictly inside a row
+        count = np.searchsorted(bounds, hi, side="left") - first
+        if not count.any():
+            return None  # nothing to cut: some row is not registered
+        rows = np.arange(len(runs))
+        cut_row = np.repeat(rows, count)
+        offset = np.arange(cut_row.size) - np.repeat(np.cumsum(count) - count, count)
+        piece_row = np.concatenate((rows, cut_row))
+        piece_lo = np.concatenate((lo, bounds[np.repeat(first, count) + offset]))
+        order = np.lexsort((piece_lo, piece_row))  # row by row, in address order
+        piece_row, piece_lo = piece_row[order], piece_lo[order]
+        piece_hi = hi[piece_row]
+        same = piece_row[1:] == piece_row[:-1]  # the next piece is of the same row
+        piece_hi[:-1][same] = piece_lo[1:][same]
+        pieces = np.stack((piece_lo, piece_hi - piece_lo), axis=1)
+        return pieces if self.covers(pieces) else None
+
     def holds(self, lo: int, hi: int) -> bool:
         """Whether ``[lo, hi)`` lies inside one registered range (not failed)."""
         # the table is replaced, never changed in place: no lock

@@ -32,6 +32,7 @@ with sleeps that last as asked, where a loop's last at least ~1 ms (docs/design.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -40,10 +41,13 @@ import time
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
+from typing import Any
 from typing import Final
 
 import numpy as np
 
+from ..._enums import LLMStatusCode as _S
+from ..._errors import LLMException
 from ..._threads import Lane
 from ..._threads import seen_out
 from .._base import Link
@@ -92,7 +96,12 @@ class NixlTransport(TcpTransport):
         #: this side's agent name; peers check it names the cluster they authenticated
         self.agent_name = f"aiokv-{self.local_cluster_id}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.agent: Agent | None = None
-        self._starting: asyncio.Lock | None = None
+        #: the agent's creation, once started: run to its end whoever awaited it, as it
+        #: publishes the agent itself (see _make_agent)
+        self._agent_job: concurrent.futures.Future[Agent] | None = None
+        #: guards the agent's publication and end against registrations (any thread):
+        #: a region has a handle exactly when it is registered with the published agent
+        self._reg_lock = threading.Lock()
         self._md: tuple[int, bytes] | None = None  # (generation, metadata) cache
         self._remote_refs: dict[str, int] = {}  # peer agent -> links using it
         self._served: set[PeerOp] = set()  # NIXL grants being served
@@ -126,27 +135,29 @@ class NixlTransport(TcpTransport):
         table = self._table(device, create=True)
         if table is None:
             return
-        agent, mem, dev = self.agent, table.mem, table.dev
-        register = None
-        if agent is not None:
+        with self._reg_lock:  # not between the agent's registrations and its publication
+            agent, mem, dev = self.agent, table.mem, table.dev
+            register = None
+            if agent is not None:
 
-            def register(a: int, n: int) -> object:
-                return agent.register(a, n, mem, dev)
+                def register(a: int, n: int) -> object:
+                    return agent.register(a, n, mem, dev)
 
-        try:
-            table.add(addr, nbytes, register)
-        except Exception as exc:  # an overlap, or NIXL refusing: that memory is not used
-            _log.warning("NIXL cannot register %s [%#x, +%d): %s", device, addr, nbytes, exc)
+            try:
+                table.add(addr, nbytes, register)
+            except Exception as exc:  # an overlap, or NIXL refusing: that memory is not used
+                _log.warning("NIXL cannot register %s [%#x, +%d): %s", device, addr, nbytes, exc)
 
     def deregister_memory(self, addr: int, nbytes: int) -> None:
-        agent = self.agent
-        for table in (self.regions, *self.vram.values()):
-            region = table.remove(addr, nbytes)
-            if region is not None and region.handle is not None and agent is not None:
-                try:
-                    agent.deregister(region.handle)
-                except Exception:
-                    _log.exception("NIXL deregistration of [%#x, +%d) failed", addr, nbytes)
+        with self._reg_lock:
+            agent = self.agent
+            for table in (self.regions, *self.vram.values()):
+                region = table.remove(addr, nbytes)
+                if region is not None and region.handle is not None and agent is not None:
+                    try:
+                        agent.deregister(region.handle)
+                    except Exception:
+                        _log.exception("NIXL deregistration of [%#x, +%d) failed", addr, nbytes)
 
     def _table(self, device: str, *, create: bool = False) -> Regions | None:
         """The region table of ``device`` ("cpu", "cuda:N"), or None for memory NIXL is
@@ -197,30 +208,59 @@ class NixlTransport(TcpTransport):
         return link
 
     async def _start_agent(self, op: str) -> None:
+        """Create the agent unless it exists: one creation, on the wait lane, which runs
+        to its end (and publishes the agent) even if every caller awaiting it is
+        cancelled; a creation that failed is tried again by the next caller.
+
+        Raises:
+            LLMException: ``LLM_LINK_FAILED``: the transport closed meanwhile.
+            Exception: the creation's error.
+        """
         self._bind_loop(op)
         if self.agent is not None:
             return
-        if self._starting is None:
-            self._starting = asyncio.Lock()
-        async with self._starting:
-            if self.agent is None:
-                self.agent = await self.wait_lane.run(self._make_agent, "NIXL agent creation")
+        job = self._agent_job
+        if job is None:
+            job = self._agent_job = self.wait_lane.submit(self._make_agent, "NIXL agent creation")
+        # a cancellation here leaves the job alone (asyncio.wait cancels nothing)
+        await asyncio.wait([asyncio.wrap_future(job)])
+        if (job.cancelled() or job.exception() is not None) and self._agent_job is job:
+            self._agent_job = None  # failed: the next caller tries again
+        if job.cancelled():  # the lane closed before a thread took it: so did we
+            raise LLMException(f"{op}: transport is closed", status_code=_S.LLM_LINK_FAILED)
+        job.result()
 
     def _make_agent(self) -> Agent:
+        """(wait-lane thread) A new agent, with every region registered so far; published
+        (:attr:`agent`) here, under the registration lock, unless the transport closed
+        meanwhile: a region registered at any time is registered with it exactly once."""
         agent = Agent(self.agent_name)
-        for region in self.regions.all():  # memory registered before the agent existed
-            if region.handle is None:
-                region.handle = agent.register(region.addr, region.nbytes)
-        for table in list(self.vram.values()):
-            for region in table.all():
-                if region.handle is None:
-                    try:
-                        region.handle = agent.register(
-                            region.addr, region.nbytes, "VRAM", table.dev
-                        )
-                    except Exception as exc:  # e.g. a NIXL/UCX built without CUDA
-                        _log.warning("NIXL cannot register cuda:%d memory: %s", table.dev, exc)
-                        table.failed = True  # staged, as without NIXL
+        with self._reg_lock:
+            if self._closed:
+                return agent  # never published: nothing registered with it
+            done: list[Any] = []
+            try:
+                for region in self.regions.all():  # memory registered before the agent
+                    if region.handle is None:
+                        region.handle = agent.register(region.addr, region.nbytes)
+                        done.append(region)
+            except BaseException:
+                for region in done:  # an agent that failed to start holds nothing
+                    with contextlib.suppress(Exception):
+                        agent.deregister(region.handle)
+                    region.handle = None
+                raise
+            for table in list(self.vram.values()):
+                for region in table.all():
+                    if region.handle is None:
+                        try:
+                            region.handle = agent.register(
+                                region.addr, region.nbytes, "VRAM", table.dev
+                            )
+                        except Exception as exc:  # e.g. a NIXL/UCX built without CUDA
+                            _log.warning("NIXL cannot register cuda:%d memory: %s", table.dev, exc)
+                            table.failed = True  # staged, as without NIXL
+            self.agent = agent
         return agent
 
     def metadata(self) -> tuple[int, bytes]:
@@ -344,7 +384,8 @@ class NixlTransport(TcpTransport):
         while self.xfers and loop.time() < end:  # noqa: ASYNC110
             await asyncio.sleep(0.001)
         self.wait_lane.close(0)  # no transfer is waited for now (or it is leaked below)
-        with self.xfer_lock:  # no transfer starts after this (NixlPlane._begin)
+        # no transfer starts after this (NixlPlane._begin), nor is an agent published
+        with self._reg_lock, self.xfer_lock:
             agent, self.agent = self.agent, None
             left = self.xfers
         if agent is None or left:
