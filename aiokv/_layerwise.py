@@ -536,7 +536,10 @@ async def run_layers(
         finally:
             await released.aclose()
     for j, r in enumerate(results):
-        if r is None:
+        if r is None and left[j]:  # never a success by default: every layer landed, or not
+            results[j] = Code.LLM_FAILED
+            errors[j] = f"{left[j]} layer(s) to destination {j} were never sent"
+        elif r is None:
             results[j] = Code.LLM_SUCCESS
 
 

@@ -193,3 +193,33 @@ async def test_a_timeout_too_large_is_a_value_error() -> None:
             with pytest.raises(ValueError, match="timeout_in_millis"):
                 await call(2**64)
         assert await task.synchronize(2**64 - 1) == CODE.LLM_SUCCESS
+
+
+async def test_a_destination_whose_layers_were_never_sent_is_not_reported_a_success(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A send that ends without landing and without an error (a stray cancellation of
+    its task, which the task group ignores) leaves the destination's layers unsent: its
+    result is a failure naming them, never ``LLM_SUCCESS`` by default."""
+    import dataclasses
+
+    from aiokv._layerwise import LayerPlan
+    from aiokv._manager import _layers
+
+    real = _layers.plan
+
+    def stray(*args: Any) -> LayerPlan:
+        p = real(*args)
+
+        async def send(run: range) -> None:
+            raise asyncio.CancelledError  # not the task's: nobody cancelled it
+
+        return dataclasses.replace(p, send=send)
+
+    monkeypatch.setattr(_layers, "plan", stray)
+    async with linked_pair(config()) as (p, d):
+        await d.cache_manager.allocate_blocks_cache(DESC, KEY)
+        src = await p.cache_manager.allocate_blocks_cache(DESC)
+        task = p.cache_manager.transfer_cache_async(src, Ready(), [TransferWithCacheKeyConfig(KEY)])
+        assert await asyncio.wait_for(task.get_results(), 10) == [CODE.LLM_FAILED]
+        assert "never sent" in str(task.errors()[0])
