@@ -117,9 +117,17 @@ def _param_invalid(op: str) -> Iterator[None]:
 
 
 def _ip_port(value: str) -> tuple[str, int]:
+    """``"ip:port"`` (an IPv6 address in brackets, ``"[::1]:26000"``) as ``(ip, port)``.
+
+    Raises:
+        ValueError: another form: no port, a port that is not ASCII digits, an IPv6
+            address without brackets (``"::1:5"`` reads either way), a bad address.
+    """
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not (port.isascii() and port.isdigit()):
         raise ValueError(f"expected 'ip:port', got {value!r}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"expected '[ipv6]:port' for an IPv6 address, got {value!r}")
     ipaddress.ip_address(host.strip("[]"))
     p = int(port)
     if p > 65535:

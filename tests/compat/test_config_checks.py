@@ -86,3 +86,17 @@ def test_a_second_init_with_the_same_options_in_the_other_form_does_not_warn() -
     ):
         warnings.simplefilter("error", RuntimeWarning)
         dd.init(cfg)
+
+
+@pytest.mark.parametrize("value", ["1.2.3.4:\u0665", "::1:5", "fe80::1:26000", "1.2.3.4:"])
+def test_listen_ip_info_in_an_ambiguous_or_non_ascii_form_is_refused(value: str) -> None:
+    """``"ip:port"`` with ASCII digits; an IPv6 address in brackets: ``"::1:5"`` reads
+    as ``::1`` port 5 or ``::1:5`` with no port, and was taken as the first; an Arabic-
+    Indic digit read as a port number."""
+    cfg = LLMConfig()
+    with pytest.raises(LLMException) as ei:
+        cfg.listen_ip_info = value
+    assert ei.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert cfg.listen_ip_info == ""
+    cfg.listen_ip_info = "[::1]:5"
+    assert cfg.listen_address == ("::1", 5)

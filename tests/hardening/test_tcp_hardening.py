@@ -321,6 +321,11 @@ def test_handshake_timeout_option() -> None:
         TcpTransport(1, Regions(), handshake_timeout=True)
     with pytest.raises(ValueError):
         TcpTransport(1, Regions(), max_handshakes=0)
+    # a float or bool size is refused here, not a link broken by the writer later
+    for name in ("chunk_bytes", "sock_buf_bytes"):
+        for bad_type in (65536.0, True):
+            with pytest.raises(TypeError, match=name):
+                TcpTransport(1, Regions(), **{name: bad_type})
 
 
 async def test_handshake_timeout_reaches_the_listener() -> None:

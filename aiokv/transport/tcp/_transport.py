@@ -110,6 +110,9 @@ class TcpTransport(Transport):
             on_link_lost=on_link_lost,
             handshake_timeout=handshake_timeout,
         )
+        for name, value in (("chunk_bytes", chunk_bytes), ("sock_buf_bytes", sock_buf_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be int, got {value!r}")  # not a broken link later
         if not 1 <= chunk_bytes <= wire.MAX_CHUNK:
             raise ValueError(f"chunk_bytes={chunk_bytes} is out of range [1, {wire.MAX_CHUNK}]")
         for name, cap in (
