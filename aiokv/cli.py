@@ -70,14 +70,17 @@ app.add_typer(bench_app, name="bench")
 
 #: ``aiokv --debug``: let an unexpected error's traceback through (:func:`main`)
 _debug = False
+#: a command said it was interrupted: :func:`main` does not say it again
+_told_interrupted = False
 
 #: what ``--plot`` can write (matplotlib picks the format by the suffix)
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def _fail(command: str, message: str, code: int = 2) -> NoReturn:
-    """Print ``aiokv COMMAND: MESSAGE`` (one line, on stderr) and exit with ``code``."""
-    typer.echo(f"aiokv {command}: {message}", err=True)
+    """Print ``aiokv COMMAND: MESSAGE`` (one line, on stderr: the message's line breaks
+    folded) and exit with ``code``."""
+    typer.echo(f"aiokv {command}: {' '.join(message.split())}", err=True)
     raise typer.Exit(code)
 
 
@@ -215,6 +218,8 @@ def demo(
     except DemoError as exc:
         _fail("demo", str(exc), 1)
     except KeyboardInterrupt:
+        global _told_interrupted
+        _told_interrupted = True
         typer.echo("aiokv demo: interrupted", err=True)
         raise typer.Exit(130) from None
     finally:
@@ -379,7 +384,12 @@ def _transfer_target(
         _fail(command, "--connect runs plain TCP: no --tls, --backend nixl or --peers")
     if peers and (why := missing()) is not None:
         _fail(command, why, 1)
-    return _address("--connect", connect) if connect is not None else None
+    if connect is None:
+        return None
+    host, port = _address("--connect", connect)
+    if not port:
+        _fail(command, f"--connect {connect}: port 0 names no listener: give its port")
+    return host, port
 
 
 @_command(bench_app, "transfer")
@@ -549,7 +559,8 @@ def main() -> None:
     # Interrupted: the command's own cleanup has run and its children are reaped; the
     # interpreter's teardown (torch's included) can take a second on a busy machine
     # and serves nothing now.
-    typer.echo("aiokv: interrupted", err=True)
+    if not _told_interrupted:  # once: a command may have said it (aiokv demo)
+        typer.echo("aiokv: interrupted", err=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(EXIT_INTERRUPTED)

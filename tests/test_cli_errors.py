@@ -119,6 +119,7 @@ def test_a_plot_folder_without_write_access_stops_before_the_benchmark(
         (["--data-port", "5"], "go with --listen only"),
         (["--connect", "127.0.0.1:9", "--tls"], "--connect runs plain TCP"),
         (["--connect", "nohost"], "expected HOST:PORT"),
+        (["--connect", "127.0.0.1:0"], "port 0 names no listener"),
     ],
 )
 def test_option_combinations_are_one_line(argv: list[str], says: str, no_run: list[object]) -> None:

@@ -46,6 +46,7 @@ def test_ctrl_c_ends_the_demo_and_its_processes_within_a_second() -> None:
     text = out.decode()
     assert proc.returncode == 130, text
     assert "aiokv demo: interrupted" in text
+    assert "aiokv: interrupted" not in text  # said once, by the demo
     assert "Traceback" not in text
     assert took < 1.5, took  # ~1 s; the margin is for a loaded machine
     assert _group(proc.pid) == []  # the children and multiprocessing's tracker, reaped
