@@ -242,7 +242,9 @@ class LLMDataDist:
             if self._manager is not None and self._engine is engine:
                 # interrupted as the build completed ("its effects stand"): initialized,
                 # the interrupt raised after, as if it came just after init returned
-                self._started(engine)
+                # (or, a finalize begun meanwhile undoing it, raised as it is)
+                with contextlib.suppress(LLMException):
+                    self._started(engine)
                 raise
             self._drop_engine(engine)
             engine.stop()
@@ -322,14 +324,15 @@ class LLMDataDist:
             LLMException: ``LLM_FAILED``, a ``finalize`` that began while init ran
                 has undone it (the instance is finalized; ``init`` may be called again).
         """
-        if self._engine is not engine:
-            raise LLMException(
-                "init: a finalize of this LLMDataDist, begun while init ran, undid it",
-                status_code=LLMStatusCode.LLM_FAILED,
-            )
-        self._finalized = False
-        _warn_twins(self)
-        _live.add(self)
+        with self._starting:  # one step against _ended (a finalize on another thread)
+            if self._engine is not engine or self._closing:
+                raise LLMException(
+                    "init: a finalize of this LLMDataDist, begun while init ran, undid it",
+                    status_code=LLMStatusCode.LLM_FAILED,
+                )
+            self._finalized = False
+            _warn_twins(self)
+            _live.add(self)
         log.info(
             "LLMDataDist %d (%s) initialized on %s", self._cluster_id, self._role.name, self._device
         )
@@ -476,6 +479,8 @@ class LLMDataDist:
         engine = self._engine
         if engine is None:
             return
+        if engine.on_engine() and not engine.inline:  # refused before anything begins
+            raise RuntimeError("finalize: called on the engine thread")
         self._begin_finalize(engine)
         await engine.wait_ended()
         self._ended(engine)
@@ -506,12 +511,14 @@ class LLMDataDist:
 
     def _ended(self, engine: Engine) -> None:
         """The engine thread has ended: forget it (once, whoever waited)."""
-        if self._engine is engine:
+        with self._starting:  # one step against _started (an init on another thread)
+            if self._engine is not engine:
+                return
             self._engine = None
             self._closing = False
             self._finalized = True
             _live.discard(self)
-            log.info("LLMDataDist %d finalized", self._cluster_id)
+        log.info("LLMDataDist %d finalized", self._cluster_id)
 
     def _reap(self) -> None:
         """Forget an engine whose teardown completed while nobody waited for it."""

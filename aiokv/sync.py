@@ -142,6 +142,13 @@ class CacheManager(_Blocking):
     #: returns at once, as the async one does: the blocking face of the started task
     transfer_cache_async = wrapping(_AsyncCacheManager.transfer_cache_async, CacheTask)
 
+    def _engine_for(self, op: str) -> Engine:
+        # finalized (or being finalized): the async manager's RuntimeError, here, not the
+        # hop's "finalized while this ran" from an engine that ended before the call
+        if self._async._closed:
+            self._async._check_open(op)
+        return self._engine
+
     @property
     def device(self) -> Any:
         """The torch device DEVICE-placed caches live on."""

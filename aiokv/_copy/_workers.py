@@ -121,7 +121,10 @@ class WorkerPool:
     thread is idle, so an unused pool costs no threads. Threads are named
     ``aiokv-<name>-<n>``, are not daemons, and exit after the jobs queued before
     :meth:`aclose` (or :meth:`stop_nowait`); a pool never closed is stopped before the
-    interpreter joins its threads at exit.
+    interpreter joins its threads at exit. Jobs may be submitted from any thread (asyncio
+    loops on several threads): starting a thread, queueing a job and closing are one step
+    each under a lock, so there are never more than ``size`` threads, and a job is
+    either queued before the stop markers (it runs) or refused (``RuntimeError``).
     """
 
     def __init__(self, name: str, size: int) -> None:
@@ -131,6 +134,8 @@ class WorkerPool:
         """The threads started so far (never shrinks)."""
         self._queue: queue.SimpleQueue[_Job[Any] | _Stop] = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)
+        self._lock = threading.Lock()  # submit vs submit, submit vs close: one at a time
+        self._closed = False
         _live_pools.add(self)
 
     @property
@@ -149,7 +154,8 @@ class WorkerPool:
         if ``fn`` raised, the cancellation is raised.
 
         Raises:
-            RuntimeError: ``fn`` raised ``StopIteration`` (chained as the cause).
+            RuntimeError: the pool is closed (``fn`` never runs), or ``fn`` raised
+                ``StopIteration`` (chained as the cause).
             BaseException: whatever ``fn`` raised, unchanged.
         """
         job = _Job(fn, asyncio.get_running_loop())
@@ -170,14 +176,16 @@ class WorkerPool:
         """Let the queued jobs finish, then stop every thread and join it.
 
         The loop is not blocked: each thread reports its exit before it is joined.
-        No job may be submitted once this has been called.
+        Jobs submitted once this has been called are refused (``RuntimeError``).
         """
         loop = asyncio.get_running_loop()
         exits: list[asyncio.Future[None]] = []
-        for _ in self.threads:
-            fut: asyncio.Future[None] = loop.create_future()
-            exits.append(fut)
-            self._queue.put(_Stop(functools.partial(_resolve_threadsafe, loop, fut)))
+        with self._lock:
+            self._closed = True
+            for _ in self.threads:
+                fut: asyncio.Future[None] = loop.create_future()
+                exits.append(fut)
+                self._queue.put(_Stop(functools.partial(_resolve_threadsafe, loop, fut)))
         pending = set(exits)
         while pending:
             _, pending = await asyncio.wait(pending, timeout=0.1)
@@ -187,24 +195,31 @@ class WorkerPool:
             t.join()  # each has already left its loop; this only reaps it
 
     def stop_nowait(self) -> None:
-        """Tell every thread to exit after the queued jobs, without waiting (any thread)."""
-        for _ in self.threads:
-            self._queue.put(_Stop())
+        """Tell every thread to exit after the queued jobs, without waiting (any thread);
+        later jobs are refused."""
+        with self._lock:
+            self._closed = True
+            for _ in self.threads:
+                self._queue.put(_Stop())
 
     def _submit(self, job: _Job[Any]) -> None:
         """Queue ``job``, starting a thread for it when none is idle (up to ``size``).
 
         Raises:
-            RuntimeError: the thread could not start (the process is out of threads):
-                nothing was queued, the job never runs.
+            RuntimeError: the pool is closed (its threads were told to stop), or the
+                thread could not start (the process is out of threads): nothing was
+                queued, the job never runs.
         """
-        if not self._idle.acquire(blocking=False) and len(self.threads) < self.size:
-            t = threading.Thread(
-                target=self._work, name=f"aiokv-{self.name}-{len(self.threads)}", daemon=False
-            )
-            t.start()  # before the job is queued: a thread that fails to start leaves none
-            self.threads.append(t)
-        self._queue.put(job)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the {self.name} copy workers are closed")
+            if not self._idle.acquire(blocking=False) and len(self.threads) < self.size:
+                t = threading.Thread(
+                    target=self._work, name=f"aiokv-{self.name}-{len(self.threads)}", daemon=False
+                )
+                t.start()  # before the job is queued: a thread that fails to start leaves none
+                self.threads.append(t)
+            self._queue.put(job)
 
     def _work(self) -> None:
         while True:

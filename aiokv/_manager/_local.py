@@ -129,19 +129,22 @@ class LocalCopies(ManagerBase):
         if size == 0 or offset >= slot or (size > 0 and offset + size > slot):
             param_invalid(op, f"offset {offset} + size {size} exceeds the {slot}-byte slot")
         n = slot - offset if size == -1 else size
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for ts, td in zip(src.tensors, dst.tensors, strict=True):
-            if bd_s == 0 and bd_d == 0:
-                fs = ts.view(torch.uint8).view(sd.batch_size, slot)[si, offset : offset + n]
-                fd = td.view(torch.uint8).view(dd.batch_size, slot)[di, offset : offset + n]
-                pairs.append((fs, fd))
-            elif offset == 0 and n == slot:
-                pairs.append((ts.select(bd_s, si), td.select(bd_d, di)))
-            else:
-                param_invalid(op, "offset/size need batch_dim_index 0")
-        _check_no_overlap(op, pairs)
-        with self._pinned(de, se), map_errors(op):
-            await self._copy(self._scheduler.copy_many, pairs)
+        # pinned before the tensors are read: a cache freed by another thread after its
+        # look-up has none any more (LLM_KV_CACHE_NOT_EXIST from the pin)
+        with self._pinned(de, se):
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for ts, td in zip(src.tensors, dst.tensors, strict=True):
+                if bd_s == 0 and bd_d == 0:
+                    fs = ts.view(torch.uint8).view(sd.batch_size, slot)[si, offset : offset + n]
+                    fd = td.view(torch.uint8).view(dd.batch_size, slot)[di, offset : offset + n]
+                    pairs.append((fs, fd))
+                elif offset == 0 and n == slot:
+                    pairs.append((ts.select(bd_s, si), td.select(bd_d, di)))
+                else:
+                    param_invalid(op, "offset/size need batch_dim_index 0")
+            _check_no_overlap(op, pairs)
+            with map_errors(op):
+                await self._copy(self._scheduler.copy_many, pairs)
 
     async def copy_blocks(self, cache: Cache, copy_block_info: Mapping[int, BlockList]) -> None:
         """Copy blocks within one blocks cache, one source to many destinations
