@@ -325,10 +325,10 @@ class CacheRegistry:
         return True
 
     @_locked
-    def read_by_key(self, key: CacheKey, entry: Entry, tensors: range | None, last: bool) -> None:
-        """A read of ``entry`` by ``key`` succeeded: as llm_datadist, the key is released
-        once every tensor of the cache was read (``tensors``: those this read covered,
-        ``None`` for all) by a request that asks for it (``last``: the last part)."""
+    def read_by_key(self, key: CacheKey, entry: Entry, tensors: range | None) -> None:
+        """A pull of ``entry`` by ``key`` succeeded (its releasing request): as
+        llm_datadist, the key is released once every tensor of the cache was read
+        (``tensors``: those this pull covered, ``None`` for all)."""
         kid = key_id(key)
         hit = self.keys.get(kid)
         if hit is None or hit[0] != entry.cache.cache_id:
@@ -339,8 +339,7 @@ class CacheRegistry:
             pending.difference_update(tensors)
             if pending:
                 return
-        if last:
-            self.release_key(key, entry)
+        self.release_key(key, entry)
 
     @_locked
     def pin(self, *entries: Entry, lease: bool = False) -> None:

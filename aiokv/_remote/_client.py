@@ -14,8 +14,10 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from dataclasses import field
+from dataclasses import replace
 from typing import Any
 
+import msgspec
 import torch
 
 from .._cache import Cache
@@ -28,6 +30,7 @@ from .._engine import completing
 from .._enums import LLMStatusCode
 from .._errors import LLMException
 from .._errors import map_errors
+from .._layout import ByteLayout
 from .._layout import total_bytes
 from .._stats import PeerCounters
 from ..transport import BY_ADDRESS
@@ -42,9 +45,13 @@ from ._links import LinkTable
 from ._parts import Part
 from ._parts import Transfer
 from ._protocol import BlocksReq
+from ._protocol import ChunksReq
 from ._protocol import KeyByBlocks
+from ._protocol import KeyByReq
 from ._protocol import LeaseReq
-from ._protocol import Request
+from ._protocol import Message
+from ._protocol import SlotReq
+from ._protocol import WhichReq
 from ._protocol import encode
 from ._route import Route
 from ._route import part_route
@@ -259,7 +266,7 @@ class RemoteClient:
         self,
         op: str,
         link: Link,
-        request: Request,
+        request: Message,
         views: Payload,
         *,
         write: bool,
@@ -357,9 +364,42 @@ class _Requests:
         if self.way is Route.BY_ADDRESS:  # NIXL moves the memory as it is: settle first
             with map_errors(self.m.op):
                 await self.client._stager.settle(device)
+        if len(parts) > 1 and not self.m.write:
+            parts = await self._pinned(parts)
+        if releasing and self.way is not Route.HOST_VIEWS and isinstance(job.request, _OF_SLOT):
+            # device memory: a part that landed is still copied here (staging) after the
+            # peer released the key; release with a byte of it once all of it is here
+            last = parts[-1]
+            unreleased = msgspec.structs.replace(last.request, release=False)
+            await self._pipelined([*parts[:-1], replace(last, request=unreleased)])
+            tail = msgspec.structs.replace(job.tail(), key=last.request.key)  # type: ignore[union-attr]
+            one = Part(tail, range(0), ByteLayout.of_span(0, 1), 1)
+            await self._send(one, self._left(), [memoryview(bytearray(1))])
+            return
         await self._pipelined(parts[:-1] if releasing else parts)
         if releasing:
             await self._one(parts[-1])
+
+    async def _pinned(self, parts: list[Part]) -> list[Part]:
+        """``parts`` of a pull by ``CacheKey`` naming the cache the key names now (asked
+        of the peer first): a key bound anew between two parts fails the later one
+        (``LLM_KV_CACHE_NOT_EXIST``) rather than read another cache. Other pulls: as
+        they are."""
+        key = getattr(parts[0].request, "key", None)
+        if not isinstance(key, KeyByReq):
+            return parts
+        buf = bytearray(8)
+        await self.client.transfer(
+            self.m.op,
+            self.m.link,
+            WhichReq(key),
+            [memoryview(buf)],
+            write=False,
+            about=self.m.about,
+            timeout=self._left(),
+        )
+        pinned = msgspec.structs.replace(key, cache_id=int.from_bytes(buf, "little"))
+        return [replace(p, request=msgspec.structs.replace(p.request, key=pinned)) for p in parts]
 
     async def _pipelined(self, parts: list[Part]) -> None:
         """Move ``parts``, :data:`DEPTH` at once. Cancelled once a releasing part
@@ -467,6 +507,8 @@ def _dir(write: bool) -> str:
     return "to" if write else "from"
 
 
+#: Requests into one batch slot: a pull by a key that it may release.
+_OF_SLOT = (SlotReq, ChunksReq)
 #: Parts of one transfer in flight at once.
 DEPTH = 3
 #: A staged transfer is cut into at least this many parts (when they stay >= _MIN_PART).

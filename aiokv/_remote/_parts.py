@@ -6,8 +6,11 @@ too big for one request — over what the peer may stage, or over what this side
 pipelines through host staging — is cut into :class:`Part` s along two axes that both
 sides can name: groups of tensors (whole layers, as a sub-range of the request's layer
 range) and groups of blocks (a sub-list of the block list, on both sides). Each part is
-a complete request of its own; only the last part of a pull by ``CacheKey`` asks the
-peer to release the key.
+a complete request of its own, which also carries what the peer needs to check the
+whole transfer (its tensor selection, the top of its block list), so that a transfer
+the peer would refuse is refused at its first part; only the last part of a pull by
+``CacheKey`` asks the peer to release the key (or, for device memory, a one-byte
+:meth:`Transfer.tail` once every part landed).
 """
 
 from __future__ import annotations
@@ -154,6 +157,30 @@ class Transfer:
         n, per = req.tensors.count, req.tensors.per_layer
         return per if n % per == 0 else n
 
+    def _part_tensors(self, t0: int, t1: int, group: int) -> Tensors:
+        """The selection of tensors ``[t0, t1)`` of the request's (groups of ``group``):
+        it carries what the peer needs to check the whole transfer with every part, as
+        the whole request would be — its tensor count (``whole``: no layer range) or its
+        layer range and tensors per layer (``span``)."""
+        req = self.request
+        assert not isinstance(req, AddrsReq)
+        sel = req.tensors
+        first = 0 if sel.layers is None else sel.layers[0]
+        whole = sel.count if sel.layers is None else None
+        span = None if sel.layers is None else (*sel.layers, sel.per_layer)
+        if group == 1:  # single tensors, named as layers of one tensor
+            first *= sel.per_layer
+        layers = (first + t0 // group, first + t1 // group)
+        return Tensors(t1 - t0, layers, group, sel.dtype, whole, span)
+
+    def tail(self) -> Request:
+        """A request of one byte of the first tensor that asks the peer to release the
+        key as the whole transfer read it (``whole`` / ``span``): sent once every part
+        (none releasing) landed here, staging copies included."""
+        req = self.request
+        assert isinstance(req, SlotReq | ChunksReq) and req.release
+        return SlotReq(req.key, self._part_tensors(0, 1, 1), 1, exact=False, release=True)
+
     def _cut(
         self, t0: int, t1: int, r0: int, r1: int, group: int, *, keep_release: bool
     ) -> Request:
@@ -163,14 +190,8 @@ class Transfer:
             changes["bases"] = req.bases[t0:t1]
         else:
             sel = req.tensors
-            first = 0 if sel.layers is None else sel.layers[0]
-            # a part of every tensor is checked on the peer as the whole transfer
-            whole = sel.count if sel.layers is None else None
             if (t0, t1) != (0, sel.count):  # (a group of every tensor is never cut)
-                if group == 1:  # single tensors, named as layers of one tensor
-                    first *= sel.per_layer
-                layers = (first + t0 // group, first + t1 // group)
-                changes["tensors"] = Tensors(t1 - t0, layers, group, sel.dtype, whole)
+                changes["tensors"] = self._part_tensors(t0, t1, group)
             if not keep_release and getattr(req, "release", False):
                 changes["release"] = False
         if self.remote is not None and (r0, r1) != (0, int(self.remote.size)):
@@ -179,5 +200,7 @@ class Transfer:
                 changes["blocks"] = packed
             elif isinstance(req, ChunksReq):
                 changes["chunks"] = packed
+            if isinstance(req, BlocksReq | ChunksReq):  # the peer checks the whole list's
+                changes["top"] = int(self.remote.max())  # range with every part
         assert not isinstance(req, SlotReq) or "blocks" not in changes
         return msgspec.structs.replace(req, **changes)

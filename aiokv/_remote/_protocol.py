@@ -24,6 +24,8 @@ Requests:
       ``TransferConfig``).
     * :class:`LeaseReq` / :class:`RevokeReq`: lend a blocks cache's memory by address to
       a one-sided link, and end that loan (:mod:`._leases`).
+    * :class:`WhichReq`: which cache a ``CacheKey`` names (the parts of a pull by it
+      then name that cache too).
     * :class:`NotifyReq`: a notification, a small message for the application
       (:mod:`._inbox`).
 """
@@ -61,6 +63,7 @@ __all__ = [
     "RevokeReq",
     "SlotReq",
     "Tensors",
+    "WhichReq",
     "blocks_of",
     "decode",
     "encode",
@@ -94,12 +97,14 @@ class KeyByBlocks(msgspec.Struct, frozen=True, tag="blocks"):
 
 
 class KeyByReq(msgspec.Struct, frozen=True, tag="req"):
-    """A ``CacheKey``."""
+    """A ``CacheKey``; ``cache_id``: the cache it must name (None: any), so that the
+    parts of one pull read one cache (a key rebound meanwhile is refused)."""
 
     cluster_id: U64
     req_id: U64
     model_id: U64
     prefix_id: U64
+    cache_id: U64 | None = None
 
 
 class KeyById(msgspec.Struct, frozen=True, tag="id"):
@@ -126,6 +131,10 @@ class Tensors(msgspec.Struct, frozen=True):
             cut by layers, or inside them (``layers`` then names single tensors,
             ``per_layer`` 1): how many tensors the whole transfer moves; the served cache
             must have as many, as the whole request would be checked (None: not a part).
+        span: set on a part of a transfer of a layer range: that range and its
+            tensors per layer, ``(start, stop, per_layer)``; the served cache must hold
+            it, as the whole request would be checked, and the part must lie inside it
+            (None: not a part).
     """
 
     count: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSORS)]
@@ -133,16 +142,19 @@ class Tensors(msgspec.Struct, frozen=True):
     per_layer: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSORS)] = 2
     dtype: Annotated[int, msgspec.Meta(ge=0, le=255)] | None = None
     whole: Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSORS)] | None = None
+    span: tuple[U64, U64, Annotated[int, msgspec.Meta(ge=1, le=MAX_TENSORS)]] | None = None
 
 
 class BlocksReq(msgspec.Struct, frozen=True, tag="blocks"):
-    """Blocks ``blocks`` (int64 LE) of a blocks cache, ``block_bytes`` each."""
+    """Blocks ``blocks`` (int64 LE) of a blocks cache, ``block_bytes`` each; ``top``: on
+    a part, the highest block of the whole transfer (the served cache must hold it)."""
 
     key: Key
     tensors: Tensors
     blocks: BlockBytes
     block_bytes: Count
     release: bool = False
+    top: U64 | None = None
 
 
 class _OfSlot(msgspec.Struct, frozen=True):
@@ -153,11 +165,13 @@ class _OfSlot(msgspec.Struct, frozen=True):
 
 
 class ChunksReq(_OfSlot, frozen=True, tag="chunks"):
-    """Chunks ``chunks`` (int64 LE) of ``chunk_bytes`` each of one batch slot."""
+    """Chunks ``chunks`` (int64 LE) of ``chunk_bytes`` each of one batch slot; ``top``:
+    on a part, the highest chunk of the whole transfer (the slot must hold it)."""
 
     chunks: BlockBytes
     chunk_bytes: Count
     release: bool = False
+    top: U64 | None = None
 
 
 class SlotReq(_OfSlot, frozen=True, tag="slot"):
@@ -198,6 +212,13 @@ class RevokeReq(msgspec.Struct, frozen=True, tag="revoke"):
     lease: U64
 
 
+class WhichReq(msgspec.Struct, frozen=True, tag="which"):
+    """Which cache ``key`` names now: a read of its cache id (8 bytes, uint64 LE), that
+    the parts of a pull by ``key`` then pin (:attr:`KeyByReq.cache_id`)."""
+
+    key: KeyByReq
+
+
 class NotifyReq(msgspec.Struct, frozen=True, tag="notify"):
     """A notification for the peer's application (a write of 0 bytes, answered once
     the peer filed it, or refused when its queue is full)."""
@@ -208,7 +229,7 @@ class NotifyReq(msgspec.Struct, frozen=True, tag="notify"):
 #: A transfer's request.
 Request = BlocksReq | ChunksReq | SlotReq | AddrsReq
 #: Anything a peer may send: a transfer's request, a lease's, or a notification.
-Message = Request | LeaseReq | RevokeReq | NotifyReq
+Message = Request | LeaseReq | RevokeReq | NotifyReq | WhichReq
 
 
 class _Envelope(msgspec.Struct, frozen=True, array_like=True):

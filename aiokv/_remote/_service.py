@@ -59,6 +59,7 @@ from ._protocol import NotifyReq
 from ._protocol import RevokeReq
 from ._protocol import SlotReq
 from ._protocol import Tensors
+from ._protocol import WhichReq
 from ._protocol import blocks_of
 from ._protocol import decode
 from ._protocol import top_block
@@ -267,6 +268,8 @@ class PeerService:
                 return self._lease_req(peer, req, write=write)
             if isinstance(req, NotifyReq):
                 return self._notify(peer, req, write=write)
+            if isinstance(req, WhichReq):
+                return self._which(peer, req, write=write)
             if isinstance(req, AddrsReq):
                 if not write:
                     raise _invalid("address reads are not served")
@@ -278,9 +281,10 @@ class PeerService:
                 layout, places = self._layout(req, entry.cache, slot, write=write)
                 entries = [entry]
                 release = None
-                if not write and key is not None:
-                    last = bool(getattr(req, "release", False))
-                    release = _Release(key, _read_tensors(req.tensors), last)
+                # only the releasing request of a pull counts as read (its other parts
+                # do not: a pull that fails after some of them marks nothing read)
+                if not write and key is not None and getattr(req, "release", False):
+                    release = _Release(key, _read_tensors(req.tensors))
             device = views = None
             if is_staged(entries[0].cache.tensors[0].device):  # not HOST_VIEWS: see there
                 device = self._device_plan(entries, layout, places, release, direct)
@@ -328,6 +332,17 @@ class PeerService:
                 leases.cancel(lid)
 
         grant = Grant(Code.LLM_SUCCESS, [memoryview(bytearray(reply))], done=done)
+        return self._counted(peer, False, grant, len(reply))
+
+    def _which(self, peer: PeerInfo, req: WhichReq, *, write: bool) -> Grant:
+        """Which cache a ``CacheKey`` names now (a read of its id: 8 bytes, uint64 LE),
+        for the parts of a pull by it to name (:attr:`KeyByReq.cache_id`)."""
+        if write:
+            raise _invalid("a cache key is looked up with a read")
+        entry, _, _ = self._lookup(req.key)
+        self._check_access(entry, write=False, key=req.key)
+        reply = int(entry.cache.cache_id).to_bytes(8, "little")
+        grant = Grant(Code.LLM_SUCCESS, [memoryview(bytearray(reply))], done=_ignore)
         return self._counted(peer, False, grant, len(reply))
 
     def _notify(self, peer: PeerInfo, req: NotifyReq, *, write: bool) -> Grant:
@@ -507,7 +522,7 @@ class PeerService:
             expiry.cancel()
             self._registry.let_go(token, *entries)
             if ok and release is not None:
-                self._registry.read_by_key(release.key, entries[0], release.tensors, release.last)
+                self._registry.read_by_key(release.key, entries[0], release.tensors)
 
         if pinned:  # pinned with the plan (one pin, as a grant has), then awaited
             self._registry.attach(token, revoke, *entries)  # refuses memory unregistered since
@@ -531,6 +546,12 @@ class PeerService:
             hit = self._registry.by_key(ck)
             if hit is None:
                 raise _missing(key)
+            if key.cache_id is not None and hit[0].cache.cache_id != key.cache_id:
+                raise _Refused(
+                    Code.LLM_KV_CACHE_NOT_EXIST,
+                    f"{ck} names cache {hit[0].cache.cache_id} now, not cache {key.cache_id} "
+                    "that the earlier parts of this pull read (the key was bound anew)",
+                )
             # as llm_datadist: a pull never releases a prefix key (a shared prefix) nor a
             # key of registered memory (send_state.cc: !is_prefix && cache_entry.is_owned)
             shared = key.prefix_id != _NO_ID or not hit[0].owned
@@ -587,6 +608,12 @@ class PeerService:
     @staticmethod
     def _tensors(sel: Tensors, cache: Cache) -> range:
         ntensors = cache.cache_desc.num_tensors
+        if sel.span is not None:  # a part of a layer range: checked as the whole range
+            start, stop, per = sel.span
+            try:
+                around = tensor_range("remote", ntensors, range(start, stop), per)
+            except LLMException as exc:
+                raise _invalid(str(exc)) from None
         if sel.layers is None:
             tensors = range(ntensors)
         else:
@@ -598,6 +625,8 @@ class PeerService:
         mine = f"cache {cache.cache_id} here (the owner's)"
         # a part cut inside layers is checked as its whole transfer (every tensor)
         theirs, ours = (sel.count, len(tensors)) if sel.whole is None else (sel.whole, ntensors)
+        if sel.span is not None and not around.start <= tensors.start < tensors.stop <= around.stop:
+            raise _invalid(f"a part's tensors {tensors} are outside its transfer's {around}")
         if theirs != ours or sel.count != len(tensors):
             raise _invalid(
                 f"tensor counts differ: the requester's cache moves {theirs} tensors, "
@@ -619,6 +648,7 @@ class PeerService:
         tensors = self._tensors(req.tensors, cache)
         if isinstance(req, BlocksReq):
             _check_blocks_cache(cache, req.block_bytes)
+            _check_top(req.top, cache.num_blocks, "blocks")
             layout = self._layouts.get(
                 req.blocks, cache.num_blocks, unique=write, block_bytes=req.block_bytes
             )
@@ -630,6 +660,7 @@ class PeerService:
                 if req.chunk_bytes > per_slot or per_slot % req.chunk_bytes:
                     raise _invalid("the slot is not a whole number of chunks")
                 per = per_slot // req.chunk_bytes
+                _check_top(req.top, per, "chunks")
                 chunks = _blocks(req.chunks, per, "chunks", unique=write)
                 layout = ByteLayout.of_blocks(slot * per + chunks, req.chunk_bytes)
             else:
@@ -699,19 +730,21 @@ _NO_ID = 2**64 - 1
 
 @dataclass(frozen=True, slots=True)
 class _Release:
-    """What a successful read by ``key`` does to it: ``tensors`` read (``None``: all),
-    ``last``: the requester asked for the release (the last part of its pull)."""
+    """What a successful read by ``key`` that asks for the release (a pull's last
+    request) does to it: ``tensors`` of its transfer read (``None``: all)."""
 
     key: CacheKey
     tensors: range | None
-    last: bool
 
 
 def _read_tensors(sel: Tensors) -> range | None:
-    """The served cache's tensors a request reads; ``None`` for all of them (no layer
-    range, or a part of a transfer of every tensor)."""
+    """The served cache's tensors a request's transfer reads (all its parts); ``None``
+    for all of them (no layer range, or a part of a transfer of every tensor)."""
     if sel.layers is None or sel.whole is not None:
         return None
+    if sel.span is not None:
+        start, stop, per = sel.span
+        return range(start * per, stop * per)
     return range(sel.layers[0] * sel.per_layer, sel.layers[1] * sel.per_layer)
 
 
@@ -725,6 +758,13 @@ class _Device:
     layout: ByteLayout
     release: _Release | None
     runs: DeviceRuns | None = None
+
+
+def _check_top(top: int | None, limit: int, what: str) -> None:
+    """A part's ``top`` (its whole transfer's highest entry) is in ``[0, limit)``: a
+    transfer the served memory cannot hold is refused at its first part."""
+    if top is not None and top >= limit:
+        raise _invalid(f"{what} entry {top} is out of range [0, {limit})")
 
 
 def _check_blocks_cache(cache: Cache, block_bytes: int) -> None:

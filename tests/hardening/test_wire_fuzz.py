@@ -862,8 +862,8 @@ async def one(
 def _read_by_key(srv: Server, p: Parsed) -> bool:
     """A read succeeded: as llm_datadist, it releases the request key it went through
     (by that key, or by id of the slot it is bound to; never a prefix key, nor one of
-    registered memory) once every tensor was read, by a read asking for it. True if
-    it released one."""
+    registered memory) once every tensor was read by reads asking for it (only they
+    count). True if it released one."""
     if p.key is None or p.tensors is None or p.key[0] == "blocks":
         return False
     ktag, k = p.key
@@ -878,13 +878,13 @@ def _read_by_key(srv: Server, p: Parsed) -> bool:
         kid = next((key for key in bound if key[1] == U64), None)
     if kid is None or kid[1] != U64 or not m.spec.pool:
         return False
+    if not p.d.get("release", False):  # (a part of a pull, not its last: nothing read)
+        return False
     if p.tensors.get("layers") is not None:
         pending = srv.unread.setdefault(kid, set(range(m.spec.num_tensors)))
         pending.difference_update(_select(p.tensors, m))
         if pending:
             return False
-    if not p.d.get("release", False):
-        return False
     del srv.keys[kid]
     srv.unread.pop(kid, None)
     return True
