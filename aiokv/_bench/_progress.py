@@ -68,14 +68,21 @@ def steps(description: str, total: int) -> Iterator[Steps]:
 
 @contextlib.contextmanager
 def shown(console: Console | None = None) -> Iterator[None]:
-    """Show the :func:`steps` of the block as progress bars on ``console`` (stderr)."""
+    """Show the :func:`steps` of the block as progress bars on ``console`` (default:
+    stderr, and then nothing at all, not even the blank line rich's live display leaves
+    behind, when stderr is not a terminal: it keeps only the command's own lines)."""
+    if console is None:
+        console = Console(stderr=True)
+        if not console.is_terminal:
+            yield
+            return
     bar = Progress(
         SpinnerColumn(),
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=console or Console(stderr=True),
+        console=console,
         transient=True,
     )
     with bar:
