@@ -85,6 +85,8 @@ __all__ = [
     "Xfer",
 ]
 
+#: how NIXL's agent metadata opens, before the agent's name (:meth:`Agent.named`)
+_MD_HEAD: Final = b"nixlSerDes|Agent"
 #: an opaque NIXL transfer handle
 Xfer = Any
 #: NIXL descriptor rows ``(address, length, device)``: an ``(n, 3)`` uint64 array, or a
@@ -123,6 +125,23 @@ class Agent:
     def metadata(self) -> bytes:
         """This agent's metadata: its connection info and registered regions."""
         return bytes(self._a.get_agent_metadata())
+
+    @staticmethod
+    def named(metadata: bytes) -> str | None:
+        """The agent name ``metadata`` (a peer's, untrusted) carries, read without loading
+        it: NIXL's serialisation opens with ``nixlSerDes|Agent``, the name's length (8
+        bytes, little-endian), the name and ``|``. None if it does not open so."""
+        head = _MD_HEAD
+        if not metadata.startswith(head) or len(metadata) < len(head) + 8:
+            return None
+        n = int.from_bytes(metadata[len(head) : len(head) + 8], "little")
+        start = len(head) + 8
+        if n > len(metadata) - start - 1 or metadata[start + n : start + n + 1] != b"|":
+            return None
+        try:
+            return metadata[start : start + n].decode()
+        except UnicodeDecodeError:
+            return None
 
     def add_remote(self, metadata: bytes) -> str:
         """Load (or refresh) a peer agent's metadata; returns its name."""

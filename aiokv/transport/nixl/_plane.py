@@ -200,7 +200,9 @@ class NixlPlane:
         self._md_gen = gen
 
     def hello(self, payload: bytes, cap: int) -> None:
-        """The peer's agent metadata: loaded if it names the authenticated cluster's agent."""
+        """The peer's agent metadata: loaded if it names the authenticated cluster's agent
+        (checked before anything is loaded: metadata naming any other agent would take,
+        or try to replace, that agent's entry in ours)."""
         agent, meta = self._n.agent, payload
         if len(meta) < 2 or agent is None or self.link.broken:
             return
@@ -214,12 +216,19 @@ class NixlPlane:
         if self.peer_agent not in (None, name):
             self.link._break("peer changed its NIXL agent")
             return
+        md = bytes(meta[2 + n :])
+        named = Agent.named(md)
+        if named is None:  # a serialisation this aiokv cannot read: checked after loading
+            _log.warning("%r: cannot read the agent name of the peer's NIXL metadata", self)
+        elif named != name:
+            self.link._break("peer's NIXL metadata names another agent")
+            return
         try:
-            loaded = agent.add_remote(bytes(meta[2 + n :]))
+            loaded = agent.add_remote(md)
         except Exception as exc:
             _log.warning("%r: peer's NIXL metadata refused: %s", self, exc)
             return
-        if loaded != name:
+        if loaded != name:  # NIXL read another name than we did: never use it
             self.link._break("peer's NIXL metadata names another agent")
             return
         if self.peer_agent is None:
@@ -430,7 +439,9 @@ class NixlPlane:
         except Exception as exc:  # e.g. a grant outside the peer's registered memory
             self._end(None)
             _log.warning("%r: NIXL refused a %s of request %d: %s", self.link, kind, op.rid, exc)
-            op.finish(_S.LLM_FAILED)
+            peer = self.link.peer.cluster_id
+            why = f"this side's NIXL refused the {kind} of cluster {peer}'s grant: {exc}"
+            op.finish(_S.LLM_FAILED, why, ours=True)
             return
         state = "PROC"
         try:

@@ -264,12 +264,16 @@ class NixlTransport(TcpTransport):
         return agent
 
     def metadata(self) -> tuple[int, bytes]:
-        """``(generation, metadata)``: this agent's metadata as of the regions' generation."""
-        gen = self.generation()
-        if self._md is None or self._md[0] != gen:
-            assert self.agent is not None
-            self._md = (gen, self.agent.metadata())
-        return self._md
+        """``(generation, metadata)``: this agent's metadata as of the regions' generation
+        (made under the registration lock: a region leaves its table, a new generation,
+        before NIXL deregisters it, and metadata made in between would still list it)."""
+        md = self._md
+        if md is None or md[0] != self.generation():
+            with self._reg_lock:
+                gen = self.generation()
+                assert self.agent is not None
+                md = self._md = (gen, self.agent.metadata())
+        return md
 
     def ref_remote(self, name: str) -> None:
         self._remote_refs[name] = self._remote_refs.get(name, 0) + 1

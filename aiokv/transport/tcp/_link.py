@@ -361,6 +361,8 @@ class TcpLink(Link):
             return LLMException(
                 f"{name}: link to cluster {self.peer.cluster_id} broke", status_code=status
             )
+        if op.ours:  # this side failed (e.g. its data plane), not the peer
+            return LLMException(f"{name}: {op.reason}", status_code=status)
         return refusal(name, self.peer.cluster_id, status, op.reason)
 
     def _end(self, op: MyOp, *, cancel: bool) -> None:

@@ -184,6 +184,7 @@ class MyOp:
         "device",
         "granted",
         "is_read",
+        "ours",
         "peer_over",
         "plan",
         "reason",
@@ -209,6 +210,7 @@ class MyOp:
         self.peer_over = False  # a write's WRITE_DONE came: the peer writes no more of it
         self.result: LLMStatusCode | None = None  # final outcome
         self.reason = ""  # the peer's reason for a refusal (sanitized), with the outcome
+        self.ours = False  # the failure is this side's (``reason`` says what), not the peer's
         self.plan: Any | None = None  # the data plane's plan: sent as a plane request
         self.remote: Any | None = None  # the plane's grant (DataPlane.accept) of it
 
@@ -217,13 +219,14 @@ class MyOp:
         self.state = State.SENDING
         self._notify()
 
-    def finish(self, status: LLMStatusCode, reason: str = "") -> None:
-        """Record the outcome (the first one wins; ``reason``: the peer's, sanitized) and
-        stop all I/O on our buffers."""
+    def finish(self, status: LLMStatusCode, reason: str = "", *, ours: bool = False) -> None:
+        """Record the outcome (the first one wins; ``reason``: the peer's, sanitized, or
+        with ``ours`` what failed on this side) and stop all I/O on our buffers."""
         self.state = State.OVER
         if self.result is None:
             self.result = status
             self.reason = reason
+            self.ours = ours
         self._notify()
 
     def outcome(self) -> LLMStatusCode:
