@@ -225,9 +225,10 @@ def wrap_memory(
     """Validate user memory against ``desc`` and return tensors viewing it (no copy).
 
     Integer addresses are host addresses (wrapped with ctypes), or on a CUDA device
-    device addresses, each checked with the driver (:func:`.cuda_memory`); a bad one
-    raises before anything is kept. Tensors must be contiguous,
-    on ``device``'s type (or CPU for HOST placement), of ``desc``'s shape and dtype.
+    device addresses, each checked with the driver (:func:`.cuda_memory`); each must be
+    a multiple of the dtype's element size. A bad one raises before anything is kept.
+    Tensors must be contiguous, on ``device``'s type (or CPU for HOST placement), of
+    ``desc``'s shape and dtype.
     """
     if tensors_or_addrs is None:
         check_instance(op, "tensors_or_addrs", tensors_or_addrs, (list, tuple))
@@ -268,9 +269,16 @@ def _wrap_addresses(
             op, f"integer addresses name host or CUDA memory; on {device.type}, pass tensors"
         )
     out = []
+    align = desc.torch_dtype.itemsize
     for a in addrs:
         if not 0 < a <= UINT64_MAX:
             raise ValueError(f"{op}: address {a} out of range")
+        if a % align:
+            param_invalid(
+                op,
+                f"address {a:#x} is not aligned to the {align}-byte elements of "
+                f"{desc.data_type.name}",
+            )
         if on_device:
             t = cuda_memory(op, a, desc.size, device)
         else:

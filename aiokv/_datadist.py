@@ -533,6 +533,8 @@ class LLMDataDist:
         ``initialized`` turns False at the end."""
 
         def forget() -> None:  # drops the last references to the pools too
+            if self._manager is not None:  # and those of caches the user still holds
+                self._manager._registry.close()
             self._manager = self._linker = self._transport = self._scheduler = None
             self._listen = None
 

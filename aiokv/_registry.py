@@ -457,6 +457,21 @@ class CacheRegistry:
         del self.entries[e.cache.cache_id]
 
     @_locked
+    def close(self) -> None:
+        """``finalize``: forget every cache, once nothing serves or copies any more. The
+        pools go with the instance, so the ``Cache`` objects of pool memory lose their
+        tensors (as at their release): one kept past ``finalize`` holds no pool memory
+        alive. Registered memory is the user's and keeps its tensors."""
+        for e in self.entries.values():
+            e.freed = True
+            if e.spans:
+                e.cache._memory_freed()
+        self.entries.clear()
+        self.keys.clear()
+        self.blocks_keys.clear()
+        self._regions.clear()
+
+    @_locked
     def statistics(self) -> RegistryStats:
         """A consistent snapshot of the bookkeeping (see :class:`RegistryStats`)."""
         live = list(self.entries.values())

@@ -134,6 +134,7 @@ class Bookkeeping(ManagerBase):
         spans: list[tuple[MemPool, Span]] = []
         if memory is not None:
             tensors = wrap_memory(op, desc, memory, self._device)
+            self._check_not_pooled(op, tensors, desc.size)
         leases = self._client.leases
         with self._registry.lock:  # pools are freed under it, from any thread
             if memory is None:
@@ -149,6 +150,30 @@ class Bookkeeping(ManagerBase):
                 blocks_key=None if moving else blocks_key,
             )
         return cache, entry, moving
+
+    def _check_not_pooled(self, op: str, tensors: list[torch.Tensor], nbytes: int) -> None:
+        """Refuse user memory that overlaps a pool: pool memory is served by
+        ``allocate_*`` and goes back to the pool at their release, so registered as well
+        it would reach, after that, the bytes of the next cache allocated there.
+
+        Raises:
+            LLMException: ``LLM_PARAM_INVALID``.
+        """
+        for pool in self._pools.values():
+            if pool is None:
+                continue
+            region = pool.region
+            lo = region.data_ptr()
+            hi = lo + region.numel()
+            for i, t in enumerate(tensors):
+                addr = t.data_ptr()
+                if t.device == region.device and addr < hi and lo < addr + nbytes:
+                    param_invalid(
+                        op,
+                        f"tensor {i} ({nbytes} bytes at {addr:#x}) lies in the {pool.name} "
+                        f"({region.numel()} bytes at {lo:#x}); its memory belongs to "
+                        "allocate_cache / allocate_blocks_cache caches, register your own",
+                    )
 
     async def allocate_cache(
         self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()
@@ -207,8 +232,9 @@ class Bookkeeping(ManagerBase):
 
         Raises:
             TypeError / NoneArgumentError: wrong argument types.
-            LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``, more
-                keys than batch slots).
+            LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``, an
+                address not aligned to its elements, memory of a pool, more keys than
+                batch slots).
         """
         return await self._add(
             "register_cache",
@@ -235,7 +261,8 @@ class Bookkeeping(ManagerBase):
 
         Raises:
             TypeError / NoneArgumentError: wrong argument types.
-            LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``).
+            LLMException: ``LLM_PARAM_INVALID`` (memory not matching ``cache_desc``, an
+                address not aligned to its elements, memory of a pool).
         """
         return await self._add(
             "register_blocks_cache",
