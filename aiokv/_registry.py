@@ -153,7 +153,7 @@ class CacheRegistry:
         #: told of registered user memory as it comes and goes (the transport's
         #: ``register_memory`` / ``deregister_memory``); called under :attr:`lock`
         self.on_register: Callable[[int, int, str], None] | None = None
-        self.on_deregister: Callable[[int, int], None] | None = None
+        self.on_deregister: Callable[[int, int, str], None] | None = None
 
     # ---- adding -------------------------------------------------------------------------
     @_locked
@@ -449,7 +449,7 @@ class CacheRegistry:
                 if not regions:
                     del self._regions[t.data_ptr()]
             if not e.spans and self.on_deregister is not None:
-                self.on_deregister(t.data_ptr(), e.cache.cache_desc.size)
+                self.on_deregister(t.data_ptr(), e.cache.cache_desc.size, str(t.device))
         for pool, span in e.spans:
             pool.free(span)
         if e.spans:

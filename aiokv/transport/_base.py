@@ -581,9 +581,11 @@ class Transport(abc.ABC):
         Buffers outside registered memory still move, by the transport's plain path.
         """
 
-    def deregister_memory(self, addr: int, nbytes: int) -> None:  # noqa: B027
-        """Undo one :meth:`register_memory` of the same range; the owner calls it only
-        once no grant or request uses the range any more. The default does nothing."""
+    def deregister_memory(self, addr: int, nbytes: int, *, device: str = "cpu") -> None:  # noqa: B027
+        """Undo one :meth:`register_memory` of the same range and device (one the
+        transport could not use included: each call undoes exactly one); the owner calls
+        it only once no grant or request uses the range any more. The default does
+        nothing."""
 
     async def __aenter__(self) -> Self:
         return self

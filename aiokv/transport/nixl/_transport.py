@@ -39,6 +39,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Any
@@ -102,6 +103,9 @@ class NixlTransport(TcpTransport):
         #: guards the agent's publication and end against registrations (any thread):
         #: a region has a handle exactly when it is registered with the published agent
         self._reg_lock = threading.Lock()
+        #: registrations NIXL could not use (an overlap, a refusal), by (mem, dev, addr,
+        #: nbytes): their deregistrations undo these, not a range registered since
+        self._refused: Counter[tuple[str, int, int, int]] = Counter()
         self._md: tuple[int, bytes] | None = None  # (generation, metadata) cache
         self._remote_refs: dict[str, int] = {}  # peer agent -> links using it
         self._served: set[PeerOp] = set()  # NIXL grants being served
@@ -147,17 +151,29 @@ class NixlTransport(TcpTransport):
                 table.add(addr, nbytes, register)
             except Exception as exc:  # an overlap, or NIXL refusing: that memory is not used
                 _log.warning("NIXL cannot register %s [%#x, +%d): %s", device, addr, nbytes, exc)
+                self._refused[(table.mem, table.dev, addr, nbytes)] += 1
 
-    def deregister_memory(self, addr: int, nbytes: int) -> None:
+    def deregister_memory(self, addr: int, nbytes: int, *, device: str = "cpu") -> None:
+        """Undo one :meth:`register_memory` of the range on ``device``: a refused one
+        first (it counted nothing), so it never takes away another registration of the
+        same range made since (e.g. once the range it overlapped was gone)."""
+        table = self._table(device)
+        if table is None or nbytes <= 0:
+            return
         with self._reg_lock:
+            refused = (table.mem, table.dev, addr, nbytes)
+            if self._refused[refused]:
+                self._refused[refused] -= 1
+                if not self._refused[refused]:
+                    del self._refused[refused]
+                return
             agent = self.agent
-            for table in (self.regions, *self.vram.values()):
-                region = table.remove(addr, nbytes)
-                if region is not None and region.handle is not None and agent is not None:
-                    try:
-                        agent.deregister(region.handle)
-                    except Exception:
-                        _log.exception("NIXL deregistration of [%#x, +%d) failed", addr, nbytes)
+            region = table.remove(addr, nbytes)
+            if region is not None and region.handle is not None and agent is not None:
+                try:
+                    agent.deregister(region.handle)
+                except Exception:
+                    _log.exception("NIXL deregistration of [%#x, +%d) failed", addr, nbytes)
 
     def _table(self, device: str, *, create: bool = False) -> Regions | None:
         """The region table of ``device`` ("cpu", "cuda:N"), or None for memory NIXL is

@@ -1,5 +1,6 @@
 """NIXL: the agent holds every registered range after a cancelled first link; a run over
-adjacent registrations moves over NIXL."""
+adjacent registrations moves over NIXL; a registration NIXL refused never takes away
+another one of the same range when it is released."""
 
 from __future__ import annotations
 
@@ -149,3 +150,30 @@ async def test_a_registered_cache_whose_tensors_adjoin_moves_over_nixl(side: str
         await d.cache_manager.pull_blocks(key, dst, blocks, blocks)
         assert all(torch.equal(s, t) for s, t in zip(src.tensors, dst.tensors, strict=True))
         assert transport.moved == before + 1  # over NIXL
+
+
+@needs_nixl
+async def test_a_refused_registration_does_not_take_away_a_later_one() -> None:
+    """Register R1, then R2 overlapping it (NIXL cannot register R2: it counts nothing),
+    release R1, register R3 with exactly R2's range (NIXL registers it), then release
+    R2: R3 is still registered with aiokv, so its bytes must still be NIXL-addressable.
+    Before the fix releasing R2 deregistered R3's NIXL region (the transport matched
+    deregistrations by range only), so R3 lost the direct path while registered."""
+    n = 64 << 10
+    buf = torch.zeros(4 * n, dtype=torch.uint8)
+    desc = CacheDesc(1, [n], DataType.DT_UINT8)
+    async with LLMDataDist(LLMRole.PROMPT, 1, _config()) as p:
+        transport: Any = p._transport
+        cm = p.cache_manager
+        base = buf.data_ptr()
+        r1 = await cm.register_blocks_cache(desc, [base])
+        r2 = await cm.register_blocks_cache(desc, [base + n // 2])  # overlaps R1
+        assert transport.addressable("cpu", base, n)
+        assert not transport.addressable("cpu", base + n // 2, n)
+        await cm.unregister_cache(r1.cache_id)
+        r3 = await cm.register_blocks_cache(desc, [base + n // 2])  # R2's range, now free
+        assert transport.addressable("cpu", base + n // 2, n)
+        await cm.unregister_cache(r2.cache_id)
+        assert transport.addressable("cpu", base + n // 2, n)  # R3 still registered
+        await cm.unregister_cache(r3.cache_id)
+        assert not transport.addressable("cpu", base + n // 2, n)
