@@ -155,13 +155,18 @@ class LinkTable:
         self._file(cid, link)
 
     def _file(self, cid: int, link: Link) -> None:
-        new = self._links.get(cid) is not link
+        old = self._links.get(cid)
+        new = old is not link
         # before the link is filed: read from other threads, a cluster listed as linked
         # has no failure to report (see failure())
         self._failures.pop(cid, None)
         self._lost.pop(cid, None)
         self._links[cid] = link
         self._wake(cid)
+        if new and old is not None:  # replaced (e.g. the peer's link, by the one we
+            # opened while it opened its own): that one is no longer filed, so its end
+            # will not be counted (lost() ignores links not filed)
+            self._counters.down(cid)
         if new:  # the transport reports a link this side opened, then the linker files it
             self._counters.up(cid)
             log.info("link to cluster %d up (%s:%d)", cid, *link.peer.address)
