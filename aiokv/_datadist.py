@@ -912,9 +912,11 @@ class LLMDataDist:
 
         async def switch() -> None:
             assert self._transport is not None and self._manager is not None
-            if self._links.clusters() or linker.linking():
+            linking = self._links.attempting()
+            if self._links.clusters() or linker.linking() or linking:
                 raise LLMException(
-                    f"{op}: unlink every cluster first ({self._links.clusters()} linked)",
+                    f"{op}: unlink every cluster first ({self._links.clusters()} linked, "
+                    f"{linking} being linked)",
                     status_code=LLMStatusCode.LLM_EXIST_LINK,
                 )
             old = self._listen

@@ -284,6 +284,10 @@ class LinkTable:
         """The link attempt for ``cluster_id`` is over."""
         self._linking.discard(cluster_id)
 
+    def attempting(self) -> list[int]:
+        """Cluster ids a link attempt is running for (``link_clusters``, ``link``), sorted."""
+        return sorted(self._linking)
+
     def hold(self, cluster_ids: Iterable[int]) -> None:
         """Hand out no link to ``cluster_ids`` until :meth:`release`."""
         self._held.update(cluster_ids)

@@ -281,3 +281,30 @@ async def test_switch_role_legacy_rules() -> None:
             "enable_cache_manager=True",
         )
         await d.kv_cache_manager.deallocate_blocks_cache(dst)
+
+
+async def test_switch_role_refuses_while_link_clusters_is_connecting() -> None:
+    """``switch_role`` raises ``LLM_EXIST_LINK`` "while any link is up or being made":
+    a ``link_clusters`` call still waiting for its peer's handshake counts. Before the
+    fix the role switched (and the listener moved) under it, and the link came up after
+    the switch, as if made by the new role."""
+    import socket
+
+    silent = socket.socket()  # accepts connections (backlog), never answers a handshake
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    try:
+        async with pair("tcp") as (p, _):
+            old = p.listen_address
+            linking = asyncio.ensure_future(
+                p.link_clusters([info(3, silent.getsockname())], timeout=3000)
+            )
+            await until(lambda: p._links.attempting() == [3])
+            await raises(CODE.LLM_EXIST_LINK, p.switch_role(LLMRole.DECODER))
+            assert p.role == LLMRole.PROMPT and p.listen_address == old  # nothing changed
+            code, _ = await linking
+            assert code == CODE.LLM_LINK_FAILED
+            await p.switch_role(LLMRole.DECODER)  # the attempt is over: allowed
+            assert p.role == LLMRole.DECODER
+    finally:
+        silent.close()
