@@ -170,13 +170,17 @@ async def test_a_flood_of_idle_connections_cannot_lock_out_a_peer() -> None:
             for i in range(80):
                 flood.append(await _connect_raw(port, source=f"127.0.0.{2 + i % 4}"))
             # the listener accepts them all, closing the oldest beyond the caps
-            for _ in range(1000):  # 10 s at most
+            for _ in range(3000):  # 30 s at most (a loaded machine)
                 if len(server._unauthenticated) == 16 and server._handshaking == set(
                     server._unauthenticated
                 ):
                     break
                 await asyncio.sleep(0.01)
-            closed = await asyncio.gather(*(_closed_by_peer(s, 0.5) for s in flood))
+            else:
+                raise AssertionError("the listener did not settle at its caps within 30 s")
+            # generous: under load the closes reach these sockets late (the kept ones
+            # wait the whole time, concurrently)
+            closed = await asyncio.gather(*(_closed_by_peer(s, 3.0) for s in flood))
             assert closed.count(False) == 16  # 4 hosts x 6 > 16: the global cap holds
             assert all(closed[:60])  # the oldest went first
             await _links_at_once_and_reads(client, port, handler)
@@ -186,7 +190,7 @@ async def test_a_flood_of_idle_connections_cannot_lock_out_a_peer() -> None:
             flood.clear()
             for _ in range(20):
                 flood.append(await _connect_raw(port, source="127.0.0.9"))
-            closed = await asyncio.gather(*(_closed_by_peer(s, 0.5) for s in flood))
+            closed = await asyncio.gather(*(_closed_by_peer(s, 3.0) for s in flood))
             assert closed.count(False) == 6 and all(closed[:14])
         finally:
             for s in flood:

@@ -126,9 +126,12 @@ def test_nixl_keeps_one_region_table_per_memory_kind() -> None:
     assert len(t.vram[1].all()) == 1 and not t.regions.all()
     assert not t.addressable("cuda:1", 1 << 40, 4096)  # no agent yet
     gen = t.generation()
-    t.deregister_memory(1 << 40, 4096)
+    t.deregister_memory(1 << 40, 4096)  # the same numbers on the host: not this range
+    t.deregister_memory(1 << 40, 4096, device="cuda:0")  # nor on another device
     assert len(t.vram[1].all()) == 1 and t.generation() == gen
-    t.deregister_memory(1 << 40, 4096)
+    t.deregister_memory(1 << 40, 4096, device="cuda:1")
+    assert len(t.vram[1].all()) == 1 and t.generation() == gen
+    t.deregister_memory(1 << 40, 4096, device="cuda:1")
     assert not t.vram[1].all() and t.generation() > gen
 
 
