@@ -223,6 +223,17 @@ def _translated(exc: Exception, op: str, default: LLMStatusCode) -> LLMException
     return LLMException(f"{op}: {type(exc).__name__}: {exc}", status_code=default, op=op)
 
 
+def code_of_failure(exc: BaseException) -> LLMStatusCode:
+    """The code a caller sees for ``exc`` raised by an operation: an ``LLMException``'s
+    own, else what :func:`map_errors` translates it to (``LLM_FAILED`` by default, and
+    for what it passes through untranslated: ``TypeError``, ``ValueError``)."""
+    if isinstance(exc, LLMException):
+        return exc.status_code
+    if not isinstance(exc, Exception) or isinstance(exc, TypeError | ValueError):
+        return LLMStatusCode.LLM_FAILED
+    return _translated(exc, "", LLMStatusCode.LLM_FAILED).status_code
+
+
 def status_of(exc: BaseException, log: logging.Logger, what: str) -> LLMStatusCode:
     """The status code that reports ``exc``, after logging it with its traceback.
 

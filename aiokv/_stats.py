@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from typing import Final
 
 from ._enums import LLMStatusCode
+from ._errors import code_of_failure
 
 if TYPE_CHECKING:
     from ._pool import PoolStats
@@ -72,8 +73,7 @@ def failure_name(exc: BaseException) -> str:
     """The key an exception is counted under in ``failures``."""
     if isinstance(exc, asyncio.CancelledError):
         return "CANCELLED"
-    code = getattr(exc, "status_code", None)
-    return code.name if isinstance(code, LLMStatusCode) else LLMStatusCode.LLM_FAILED.name
+    return code_of_failure(exc).name  # the code its caller sees (map_errors' translation)
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,6 +118,46 @@ def test_copy_scheduler_statistics() -> None:
     asyncio.run(run())
 
 
+def test_copy_job_failures_are_counted_under_the_code_the_caller_sees() -> None:
+    """A copy job failing with a foreign error (torch's out-of-memory, ``MemoryError``,
+    an ``OSError``) reaches the caller through ``map_errors`` with its own code
+    (``LLM_DEVICE_OUT_OF_MEMORY``, ``LLM_OUT_OF_MEMORY``, ...); ``statistics()`` must
+    count it under that code. Before the fix every foreign error was counted as
+    ``LLM_FAILED`` (found in review)."""
+    from aiokv._errors import map_errors
+
+    failures: list[BaseException] = [
+        torch.OutOfMemoryError("CUDA out of memory"),
+        MemoryError(),
+        ConnectionResetError(),
+        RuntimeError("something else"),
+    ]
+
+    async def run() -> None:
+        sched = CopyScheduler(torch.device("cpu"))
+        seen: list[str] = []
+        for exc in failures:
+
+            def fail(exc: BaseException = exc) -> None:
+                raise exc
+
+            # as CacheManager awaits its jobs: through map_errors
+            with pytest.raises(LLMException) as ei, map_errors("copy_blocks"):
+                await sched.call(fail)
+            seen.append(ei.value.status_code.name)
+        s = sched.statistics()
+        await sched.aclose()
+        assert seen == [
+            "LLM_DEVICE_OUT_OF_MEMORY",
+            "LLM_OUT_OF_MEMORY",
+            "LLM_LINK_FAILED",
+            "LLM_FAILED",
+        ]
+        assert dict(s.jobs.failures) == {name: seen.count(name) for name in seen}
+
+    asyncio.run(run())
+
+
 def test_pool_statistics_is_stats() -> None:
     d = aiokv.sync.LLMDataDist(LLMRole.DECODER, 3)
     d.init(
