@@ -358,8 +358,13 @@ class TcpLink(Link):
                 context=DIRECT_REFUSED,
             )
         if status is _S.LLM_LINK_FAILED:
+            why = self._why_broken or "broken"
+            if why == "closed locally":
+                why = "closed on this side: unlink_clusters, unlink or finalize"
             return LLMException(
-                f"{name}: link to cluster {self.peer.cluster_id} broke", status_code=status
+                f"{name}: link to cluster {self.peer.cluster_id} broke ({why}); link it "
+                "again with link_clusters",
+                status_code=status,
             )
         if op.ours:  # this side failed (e.g. its data plane), not the peer
             return LLMException(f"{name}: {op.reason}", status_code=status)
