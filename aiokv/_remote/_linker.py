@@ -202,7 +202,7 @@ class Linker:
 
     async def _unlink_cluster(self, cid: int) -> None:
         """Close every connection to ``cid``, whoever opened it."""
-        filed = self._links.pop(cid)
+        filed = self._links.unlinked(cid)
         links = [x for x in self._transport.links() if x.peer.cluster_id == cid]
         if filed is not None and filed not in links:
             links.append(filed)

@@ -182,7 +182,9 @@ class LinkTable:
             return
         task = loop.create_task(self._contest(cid, filed, claimant), name=f"aiokv-claim-{cid}")
         self._contests[cid] = task
-        task.add_done_callback(lambda _: self._contests.pop(cid, None))
+        task.add_done_callback(
+            lambda t: self._contests.pop(cid, None) if self.contest(cid) is t else None
+        )
 
     async def _contest(self, cid: int, filed: Link, claimant: Link) -> None:
         alive = await filed.probe(PROBE_TIMEOUT_S)
@@ -244,6 +246,21 @@ class LinkTable:
             self._dialed.discard(cid)
             self._counters.down(cid)
             log.info("link to cluster %d down (%s)", cid, why or "closed locally")
+
+    def contest(self, cluster_id: int) -> asyncio.Task[None] | None:
+        """The claim for ``cluster_id`` being decided, if any."""
+        return self._contests.get(cluster_id)
+
+    def unlinked(self, cluster_id: int) -> Link | None:
+        """An unlink: stop a claim for ``cluster_id`` being decided (its claimant is one
+        of the cluster's connections the unlink closes), so that no link is filed for it
+        after the unlink, then :meth:`pop` the filed link."""
+        task = self._contests.pop(cluster_id, None)
+        if task is not None:
+            task.cancel()
+            self._closing.add(task)  # finalize waits for it (aclose)
+            task.add_done_callback(self._closing.discard)
+        return self.pop(cluster_id)
 
     def pop(self, cluster_id: int) -> Link | None:
         """Remove and return the link filed for ``cluster_id`` (live or not), if any."""
