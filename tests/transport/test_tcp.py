@@ -719,7 +719,10 @@ async def test_version_mismatch_is_refused() -> None:
         hdr = bytearray(wire.encode_frame(FrameType.HELLO))
         hdr[4] = wire.VERSION + 1
         writer.write(bytes(hdr))
-        assert await asyncio.wait_for(reader.read(), 5) == b""
+        # one ERROR frame of this side's version (its reason as meta), then the close
+        answer = await asyncio.wait_for(reader.read(), 5)
+        h = wire.decode_header(answer[: wire.HEADER_SIZE])
+        assert h.type is FrameType.ERROR and len(answer) == wire.HEADER_SIZE + h.meta_len
         writer.close()
         await writer.wait_closed()
         assert server.links() == []
@@ -768,7 +771,7 @@ def _frame_header(kind: FrameType, meta_len: int) -> bytes:
 
 @pytest.mark.parametrize("secret", [None, b"s3cret"])
 async def test_a_huge_first_frame_is_refused_before_any_allocation(secret: bytes | None) -> None:
-    """A 32-byte header announcing a 512 MiB request meta as the first frame: the
+    """A 30-byte header announcing a 512 MiB request meta as the first frame: the
     listener closes the connection without allocating it (issue #9, item 2)."""
     import tracemalloc
 

@@ -33,6 +33,8 @@ __all__ = [
 _S = LLMStatusCode
 _F = wire.FrameType
 _NONCE_BYTES: Final = 32
+# The first bytes of a TLS handshake record (a ClientHello): a peer that speaks TLS.
+_TLS_RECORD: Final = b"\x16\x03"
 
 
 def mac(secret: bytes, role: bytes, nonce_c: bytes, nonce_s: bytes, cid_c: int, cid_s: int) -> str:
@@ -93,12 +95,26 @@ def _mac_ok(expected: str, got: str | None) -> bool:
 
 
 async def _recv_frame(
-    io: SockIO, expect: wire.FrameType, secret: bytes | None
+    io: SockIO, expect: wire.FrameType, secret: bytes | None, *, first: bool = False
 ) -> tuple[wire.Header, dict[str, Any]]:
     """One handshake frame of type ``expect``; an ``ERROR`` frame raises its reason
-    (:class:`AuthError` when it reports a failed authentication)."""
+    (:class:`AuthError` when it reports a failed authentication).
+
+    ``first``: the connection's first frame, on the accepting side: a peer of another
+    wire version is answered with an ``ERROR`` frame of this side's version, which
+    that peer's header check reports as the version it met (it would only read the
+    connection closing)."""
     hbuf = bytearray(wire.HEADER_SIZE)
     await io.recv_exact(memoryview(hbuf))
+    if hbuf.startswith(_TLS_RECORD):  # never an aiokv header: those start b"AIKV"
+        raise HandshakeError(
+            "the peer speaks TLS and this side does not: set the tls_* options on every "
+            "participant, or on none"
+        )
+    if first and hbuf.startswith(wire.MAGIC) and hbuf[len(wire.MAGIC)] != wire.VERSION:
+        why = f"this listener speaks aiokv wire version {wire.VERSION}"
+        with contextlib.suppress(OSError):
+            io.sock.send(_hs_frame(_F.ERROR, {"reason": why}, _S.LLM_LINK_FAILED))
     h = wire.decode_header(hbuf)
     # Checked before a byte of meta is read or allocated: before authentication only
     # handshake frames, whose metas the header decoder caps at HANDSHAKE_META_CAP.
@@ -168,7 +184,7 @@ async def server_handshake(
     ``admit``, called with the peer's cluster id once it authenticated, may refuse the
     link: its reason goes to the peer in an ``ERROR`` frame (the connecting side's
     ``connect`` fails with it) and :class:`HandshakeError` is raised here."""
-    _, hello = await _recv_frame(io, _F.HELLO, secret)
+    _, hello = await _recv_frame(io, _F.HELLO, secret, first=True)
     peer_id, nonce_c = _hs_int(hello, "cluster_id"), _hs_nonce(hello)
     nonce_s = secrets.token_bytes(_NONCE_BYTES)
     mac_s = None if secret is None else mac(secret, b"server", nonce_c, nonce_s, peer_id, me)

@@ -249,11 +249,15 @@ class Reader:
             lo = self._lo
             self._lo = lo + n
             return bytearray(self._ahead[lo : lo + n])
-        meta = bytearray(n)
-        have = self._hi - self._lo
-        meta[:have] = self._ahead[self._lo : self._hi]
+        # Memory grows with the bytes that came, never with the length the header
+        # announced: a peer that announces a big meta and stalls holds about what it
+        # sent (each piece is at most what arrived before it), not the cap.
+        meta = bytearray(self._ahead[self._lo : self._hi])  # fewer than n: n > READ_AHEAD
         self._lo = self._hi
-        await self._io.recv_exact(memoryview(meta)[have:])
+        while len(meta) < n:
+            part = bytearray(min(n - len(meta), max(len(meta), READ_AHEAD)))
+            await self._io.recv_exact(memoryview(part))
+            meta += part
         return meta
 
     def _copy_ahead(self, iov: list[memoryview]) -> None:

@@ -72,7 +72,10 @@ class TlsSock:
 
     def __init__(self, tls: ssl.SSLSocket) -> None:
         self._ssl = tls
-        self._buf = bytearray(_GATHER)
+        # made at the first gathering send, never before the link is up: an incoming
+        # connection wraps its socket before it authenticated (docs/security.md: it
+        # cannot make this side allocate more than a capped handshake)
+        self._buf: bytearray | None = None
 
     def fileno(self) -> int:
         return self._ssl.fileno()
@@ -116,6 +119,8 @@ class TlsSock:
         if first.nbytes >= _DIRECT:
             return self.send(first[:_GATHER])
         buf, pos = self._buf, 0
+        if buf is None:
+            buf = self._buf = bytearray(_GATHER)
         for b in itertools.chain((first,), it):
             v = memoryview(b)
             take = min(v.nbytes, _GATHER - pos)
