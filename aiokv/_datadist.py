@@ -584,13 +584,14 @@ class LLMDataDist:
 
         Returns ``(overall, per_cluster)``: ``LLM_SUCCESS`` per linked cluster (also when
         the peer had already linked to us), ``LLM_ALREADY_LINK`` if this side already
-        linked it, ``LLM_PROCESSING_LINK`` while another call links it,
-        ``LLM_LINK_FAILED`` when the peer is unreachable, refuses, fails authentication
-        or is not the cluster named. ``overall`` is ``LLM_SUCCESS`` or the code of the
-        first cluster that failed; ``[]`` gives ``(LLM_PARAM_INVALID, [])``; more than 16
-        clusters give ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for all. ``link_retry_count``
-        attempts are spread over the call's time: ``timeout``, or ``link_total_time``
-        when set and shorter. A failed peer never raises.
+        linked it (or an earlier entry of this call names it), ``LLM_PROCESSING_LINK``
+        while another call links it, ``LLM_LINK_FAILED`` when the peer is unreachable,
+        refuses, fails authentication or is not the cluster named. ``overall`` is
+        ``LLM_SUCCESS`` or the code of the first cluster that failed; ``[]`` gives
+        ``(LLM_PARAM_INVALID, [])``; more than 16 clusters give
+        ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for all. ``link_retry_count`` attempts are
+        spread over the call's time: ``timeout``, or ``link_total_time`` when set and
+        shorter. A failed peer never raises.
 
         Raises:
             TypeError / ValueError: bad arguments (``timeout`` not an int32).

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._config import LLMConfig
+from .._engine import completing
 from .._enums import LLMStatusCode
 from .._enums import RegisterMemStatus
 from .._errors import LLMException
@@ -100,15 +101,55 @@ class Linker:
     async def link_all(
         self, infos: list[LLMClusterInfo], timeout_ms: int
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Link each cluster concurrently within the budget: ``(overall, per_cluster)``."""
+        """Link each cluster concurrently within the budget: ``(overall, per_cluster)``.
+
+        A cluster named more than once is linked once: its later entries get
+        ``LLM_ALREADY_LINK`` when the first linked it, else the first one's code.
+        Cancelled, it did not happen (docs/cancellation.md): the links it opened are
+        closed and its claims of the peers' links taken back before the cancellation
+        is raised, also those of clusters whose linking had completed."""
         deadline = time.monotonic() + self.budget(timeout_ms)
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self._link_one(c, deadline)) for c in infos]
-        codes = [t.result() for t in tasks]
+        made: list[tuple[int, Link | None]] = []
+        cids = [c.remote_cluster_id for c in infos]
+        first = {cid: i for i, cid in reversed(list(enumerate(cids)))}  # cluster -> entry
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = {
+                    cid: group.create_task(self._link_one(infos[i], deadline, made))
+                    for cid, i in first.items()
+                }
+        except asyncio.CancelledError:
+            await completing(self._undo(made))
+            raise
+        codes = []
+        for i, cid in enumerate(cids):
+            code = tasks[cid].result()
+            if i != first[cid] and code == Code.LLM_SUCCESS:
+                code = Code.LLM_ALREADY_LINK
+            codes.append(code)
         return _overall(codes), codes
 
-    async def _link_one(self, info: LLMClusterInfo, deadline: float) -> LLMStatusCode:
-        """Link one cluster; every failure becomes its code (logged), never an exception."""
+    async def _undo(self, made: list[tuple[int, Link | None]]) -> None:
+        """Take back what a cancelled :meth:`link_all` did: ``(cluster, link it opened)``
+        closed, ``(cluster, None)`` (it claimed the peer's link) no longer this side's."""
+        for cid, link in made:
+            self._links.undo(cid, link)
+            if link is None:
+                continue
+            await self._close([link])
+            # a link the peer opened (left unfiled while ours held the id) holds it again
+            theirs = next(
+                (x for x in self._transport.links() if x.peer.cluster_id == cid and not x.broken),
+                None,
+            )
+            if theirs is not None and self._links.live(cid) is None:
+                self._links.add(theirs)
+
+    async def _link_one(
+        self, info: LLMClusterInfo, deadline: float, made: list[tuple[int, Link | None]]
+    ) -> LLMStatusCode:
+        """Link one cluster; every failure becomes its code (logged), never an exception.
+        What it filed or claimed is added to ``made``."""
         cid = info.remote_cluster_id
         assert cid is not None  # LLMDataDist checked it
         if self._links.ours(cid):
@@ -118,6 +159,7 @@ class Linker:
         try:
             if self._links.get(cid) is not None:  # the peer linked to us first: that is it
                 self._links.claim([cid])
+                made.append((cid, None))
                 return Code.LLM_SUCCESS
             if not info.remote_ip_info:
                 self._failed(cid, "no remote_ip_info: call append_remote_ip_info(ip, port)")
@@ -128,6 +170,7 @@ class Linker:
                 self._failed(cid, link)
                 return Code.LLM_LINK_FAILED
             self._links.add(link, ours=True)
+            made.append((cid, link))
             return Code.LLM_SUCCESS
         finally:
             self._links.end(cid)
@@ -201,12 +244,14 @@ class Linker:
         return _overall(codes), codes
 
     async def _unlink_cluster(self, cid: int) -> None:
-        """Close every connection to ``cid``, whoever opened it."""
+        """Close every connection to ``cid``, whoever opened it. Not cancellable once
+        begun (the link is unfiled at once): a cancellation is delivered after the last
+        connection closed, never leaving one open and the cluster listed as unlinked."""
         filed = self._links.unlinked(cid)
         links = [x for x in self._transport.links() if x.peer.cluster_id == cid]
         if filed is not None and filed not in links:
             links.append(filed)
-        await self._close(links)
+        await completing(self._close(links))
 
     async def _close(self, links: list[Link]) -> None:
         for link in links:
@@ -314,7 +359,9 @@ class Linker:
         comm = self._comm("unlink", comm_id)
         if comm.task is not None and not comm.task.done():
             comm.task.cancel()
-            await asyncio.wait([comm.task])
+            # not cancellable from here on: a communicator stopped is forgotten, never
+            # left listed as linking (PREPARING) with nothing linking it any more
+            await completing(asyncio.wait([comm.task]))
         del self._comms[comm_id]
         for party in comm.parties:
             await self._unlink_cluster(party.cluster_id)

@@ -290,6 +290,19 @@ class LinkTable:
         """Count the live links to ``cluster_ids`` as linked by this side."""
         self._ours.update(c for c in cluster_ids if self.live(c) is not None)
 
+    def undo(self, cluster_id: int, link: Link | None) -> bool:
+        """Take back what a cancelled ``link_clusters`` did for ``cluster_id``: its
+        :meth:`claim` of the peer's link (``link`` None: that link stays filed, as the
+        peer's), or ``link``, the link it opened, unfiled if still filed. True when
+        ``link`` was unfiled (the caller closes it)."""
+        if link is None:
+            self._ours.discard(cluster_id)
+            return False
+        if self._links.get(cluster_id) is not link:
+            return False
+        self.pop(cluster_id)
+        return True
+
     def begin(self, cluster_id: int) -> bool:
         """Mark ``cluster_id`` as being linked; False if a link attempt is already running."""
         if cluster_id in self._linking:

@@ -488,7 +488,10 @@ class LocalTransport(Transport):
 
             def adopt() -> None:
                 server._adopt(theirs)
-                adopted.set_result(None)
+                # the connect may have given up (timed out, cancelled): then the future
+                # is cancelled, and ``mine`` broke (``theirs`` is lost right after this)
+                with contextlib.suppress(concurrent.futures.InvalidStateError):
+                    adopted.set_result(None)
 
             _soon(server_loop, adopt)
             try:
@@ -499,6 +502,9 @@ class LocalTransport(Transport):
                 raise LLMException(
                     f"{where}: timed out after {timeout:.3g} s", status_code=_S.LLM_TIMEOUT
                 ) from None
+            except asyncio.CancelledError:  # no half link: the listener's end ends too
+                mine._break("closed locally")
+                raise
         self._adopt(mine)
         return mine
 
