@@ -68,7 +68,7 @@ def test_each_layer_is_pushed_into_the_reserved_blocks(pair: Pair) -> None:
     # the push job ends on aiokv's loop, maybe just after the decode heard of it: the
     # release is reported at that step or a later one (vLLM polls every step)
     assert wait_for(p, lambda a: "p1" in a.finished_sending).finished_sending == {"p1"}
-    assert p._push_ended == {} and p._push_holds == set() and p._reservations == {}
+    assert p._push_ended == {} and p._push_holds == {} and p._reservations == {}
 
 
 def test_the_hold_waits_for_the_push_to_end(pair: Pair) -> None:

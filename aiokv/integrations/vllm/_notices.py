@@ -8,6 +8,8 @@ Pull mode: the decode side's :class:`DoneNotice`. Push mode (tagged ``"push"``):
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 __all__ = [
@@ -33,12 +35,15 @@ class DoneNotice(msgspec.Struct, frozen=True):
 class ReserveNotice(msgspec.Struct, frozen=True, tag_field="push", tag="reserve"):
     """Push mode, decode → prefill: push the blocks of the prompt from the prefill's
     block ``first`` on into this side's ``blocks`` (``num_tokens``: the prompt's tokens
-    this side expects), under ``transfer``."""
+    this side expects), under ``transfer``. ``lease_s``: the decode side's
+    ``lease_timeout_s`` (it gives the blocks up that long after it sent this; absent
+    from older senders), which bounds the push as the prefill's own does."""
 
     transfer: str
     blocks: list[int]
     first: int
     num_tokens: int
+    lease_s: Annotated[float, msgspec.Meta(gt=0, lt=1e9)] | None = None
 
 
 class PushedNotice(msgspec.Struct, frozen=True, tag_field="push", tag="pushed"):

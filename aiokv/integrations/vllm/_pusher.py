@@ -34,14 +34,16 @@ log = logging.getLogger("aiokv.vllm")
 @dataclass(slots=True)
 class Reservation:
     """Where a decode side wants a prompt's KV pushed; ``deadline``: by when a push
-    must have claimed it and ended its writes (:func:`~._options.load_deadline` after
-    it arrived: the decode side gives the blocks up ``lease_timeout_s`` after it sent it)."""
+    must have claimed it and ended its writes (:func:`~._options.load_deadline` of
+    ``lease_s`` after it arrived: the decode side gives the blocks up its
+    ``lease_timeout_s`` after it sent it; ``lease_s`` is the shorter of the two sides')."""
 
     cluster_id: int
     blocks: list[int]
     first: int
     num_tokens: int
     deadline: float
+    lease_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -58,6 +60,7 @@ class PushJob:
     error: str | None = None
     started: set[int] = field(default_factory=set)
     deadline: float = float("inf")  # its writes end by then (its reservation's)
+    lease_s: float = 0.0  # the lease that deadline comes from
 
 
 class Worker(Protocol):
@@ -134,7 +137,7 @@ class Pusher:
         if reservation is None:
             error = "its reservation was withdrawn or expired"
         elif time.monotonic() >= reservation.deadline:
-            error = _too_late(self._worker.options.lease_timeout_s)
+            error = _too_late(reservation.lease_s)
         elif (
             reservation.num_tokens != push.num_tokens
             or reservation.first + len(reservation.blocks) != len(push.blocks)
@@ -155,6 +158,7 @@ class Pusher:
             remaining=len(self.layers),
             error=error,
             deadline=reservation.deadline if reservation is not None else float("inf"),
+            lease_s=reservation.lease_s if reservation is not None else 0.0,
         )
         self.jobs[push.request_id] = job
         if error is not None:
@@ -192,17 +196,13 @@ class Pusher:
         assert job.cluster_id is not None
         bound = self._worker.options.transfer_timeout_ms / 1000
         if left <= 0:
-            raise TimeoutError(_too_late(self._worker.options.lease_timeout_s))
+            raise TimeoutError(_too_late(job.lease_s))
         try:
             with anyio.fail_after(min(bound, left)):
                 await self._worker.push_layer(job.cluster_id, job.src, job.dst, layer)
         except TimeoutError:
             lease = left <= bound
-            why = (
-                _too_late(self._worker.options.lease_timeout_s)
-                if lease
-                else f"not done in {bound:g} s"
-            )
+            why = _too_late(job.lease_s) if lease else f"not done in {bound:g} s"
             raise TimeoutError(why) from None
 
     async def _push_ended_now(self, job: PushJob) -> None:

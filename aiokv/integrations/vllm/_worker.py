@@ -44,6 +44,7 @@ turning.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import logging
@@ -122,6 +123,17 @@ _DEVICES: Final[dict[str, Literal["cpu", "cuda", "npu"]]] = {
 
 _Item = TypeVar("_Item", Load, Release, Reserve, Cancel)
 
+#: ``send_notification`` errors after which the peer surely did not file the notice.
+_NOT_SENT: Final = frozenset(
+    {LLMStatusCode.LLM_NOT_YET_LINK, LLMStatusCode.LLM_LINK_BUSY, LLMStatusCode.LLM_PARAM_INVALID}
+)
+
+
+def _may_have_arrived(exc: Exception) -> bool:
+    """Whether a notice whose ``send_notification`` raised ``exc`` may still have been
+    filed by the peer (a timeout, a link that broke while it was sent)."""
+    return isinstance(exc, LLMException) and exc.status_code not in _NOT_SENT
+
 
 @dataclass(slots=True)
 class _Awaiting:
@@ -175,7 +187,8 @@ class WorkerSide:
         self._reservations: dict[str, Reservation] = {}  # prefill: transfer -> where to
         self._new_reserved: dict[str, int] = {}  # prefill: reported to the scheduler next
         self._push_ended: dict[str, float] = {}  # prefill: request -> forget after
-        self._push_holds: set[str] = set()  # prefill: held until their push ends
+        # prefill: held until their push ends, or a lease at most (request -> deadline)
+        self._push_holds: dict[str, float] = {}
         self._pusher = Pusher(self)
 
     # ---- life -----------------------------------------------------------------------------
@@ -215,6 +228,9 @@ class WorkerSide:
         )
         self._portal_cm = start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
+        # closed at the interpreter's exit at the latest: left to the collector, the
+        # portal's cleanup then waits for ever on its loop thread (the process hangs)
+        atexit.register(self.close)
         try:
             self._portal.call(self._start, config, desc, tensors)
         except BaseException:
@@ -256,6 +272,7 @@ class WorkerSide:
         portal, self._portal = self._portal, None
         if portal is None:
             return
+        atexit.unregister(self.close)
         if self._pump is not None:
             self._pump.close()
         self._loop = None
@@ -278,8 +295,8 @@ class WorkerSide:
                 if hold.pushed:
                     if self._push_ended.pop(hold.request_id, None) is not None:
                         self._done.finished_sending.add(hold.request_id)
-                    else:
-                        self._push_holds.add(hold.request_id)
+                    else:  # its push ends by its reservation's deadline, before this
+                        self._push_holds[hold.request_id] = now + hold.lease_s
                 elif self._early.pop((hold.request_id, hold.token), None) is not None:
                     self._done.finished_sending.add(hold.request_id)  # its notice came first
                 else:
@@ -332,7 +349,9 @@ class WorkerSide:
         self._wake.clear()  # a load ending from here on is in this call's results or wakes the next
         notices = self._dd.get_notifications() if self._dd is not None else []
         now = time.monotonic()
-        linked = self._linked_clusters() if self._awaiting else set()
+        with self._lock:  # waits registered (each after its link came up) before ...
+            known = dict(self._awaiting)
+        linked = self._linked_clusters() if known else set()  # ... the links are read
         expired: list[tuple[int, PushedNotice | CancelNotice]] = []  # notices to send
         with self._lock:
             for cluster_id, payload in notices:
@@ -340,7 +359,7 @@ class WorkerSide:
                     self._push_noticed(cluster_id, payload, now, expired)
                 else:
                     self._noticed(cluster_id, payload, now)
-            self._expire_pushes(now, linked, expired)
+            self._expire_pushes(now, linked, known, expired)
             self._expire_holds(now)
             done, self._done = self._done, TransferResults()
         for cluster_id, message in expired:
@@ -348,17 +367,26 @@ class WorkerSide:
         return done
 
     def _expire_pushes(
-        self, now: float, linked: set[int], expired: list[tuple[int, PushedNotice | CancelNotice]]
+        self,
+        now: float,
+        linked: set[int],
+        known: dict[str, _Awaiting],
+        expired: list[tuple[int, PushedNotice | CancelNotice]],
     ) -> None:
         """Push mode, under the lock: fail the decode waits whose push did not come in
         time or whose prefill's link broke, drop the reservations no prefill claimed in
-        time (the notices to send go to ``expired``), forget old ended pushes."""
+        time (the notices to send go to ``expired``), forget old ended pushes.
+
+        ``linked``: the clusters linked, read after ``known`` (the waits registered
+        then): only those waits are judged by it. A wait registered since (on the
+        engine loop, once its link came up) is not in ``linked`` although its link is
+        live: failing it would free blocks its prefill may still push into."""
         for transfer, waiting in list(self._awaiting.items()):
             why = None
             if now >= waiting.deadline:
                 why = f"no push came within {self.options.lease_timeout_s:g} s"
                 expired.append((waiting.cluster_id, CancelNotice(transfer)))
-            elif waiting.cluster_id not in linked:
+            elif known.get(transfer) is waiting and waiting.cluster_id not in linked:
                 why = "the link to the prefill broke"
             if why is not None:
                 log.error("request %s: push under %s failed: %s", waiting.request_id, transfer, why)
@@ -385,6 +413,16 @@ class WorkerSide:
                     self.options.lease_timeout_s,
                 )
                 del self._holds[request_id]
+                self._done.finished_sending.add(request_id)
+        for request_id, deadline in list(self._push_holds.items()):
+            if now >= deadline:  # its push ended unseen (forgotten: it ended a lease
+                # before its hold came) or never started; any push wrote by then
+                log.warning(
+                    "request %s: its push did not report its end within %.0f s; freed",
+                    request_id,
+                    self.options.lease_timeout_s,
+                )
+                del self._push_holds[request_id]
                 self._done.finished_sending.add(request_id)
         while self._early and next(iter(self._early.values())) < now:
             self._early.popitem(last=False)
@@ -436,9 +474,14 @@ class WorkerSide:
                     "ignored a reservation %r from cluster %d", message.transfer, cluster_id
                 )
                 return
-            deadline = now + load_deadline(self.options.lease_timeout_s)
+            # the decode side gives its blocks up after its own lease: the shorter one
+            # bounds the push
+            lease = self.options.lease_timeout_s
+            if message.lease_s is not None:
+                lease = min(lease, message.lease_s)
+            deadline = now + load_deadline(lease)
             self._reservations[message.transfer] = Reservation(
-                cluster_id, message.blocks, message.first, message.num_tokens, deadline
+                cluster_id, message.blocks, message.first, message.num_tokens, deadline, lease
             )
             self._new_reserved[message.transfer] = 1
         else:  # withdrawn: unless a push already took it, tell the decode side it is over
@@ -505,8 +548,7 @@ class WorkerSide:
         """The push of ``request_id`` ended (its decode side told): release its blocks
         once held (now, if they are)."""
         with self._lock:
-            if request_id in self._push_holds:
-                self._push_holds.discard(request_id)
+            if self._push_holds.pop(request_id, None) is not None:
                 self._done.finished_sending.add(request_id)
             else:
                 self._push_ended[request_id] = time.monotonic() + self.options.lease_timeout_s
@@ -539,7 +581,11 @@ class WorkerSide:
         then waits for its PushedNotice (see :meth:`results`)."""
         source = reserve.ranks[self._rank]
         notice = ReserveNotice(
-            reserve.transfer_id, list(reserve.local_blocks), reserve.first_block, reserve.num_tokens
+            reserve.transfer_id,
+            list(reserve.local_blocks),
+            reserve.first_block,
+            reserve.num_tokens,
+            self.options.lease_timeout_s,
         )
         registered = False
         try:
@@ -558,6 +604,22 @@ class WorkerSide:
             assert self._dd is not None
             await self._dd.send_notification(source.cluster_id, notice_encoder.encode(notice))
         except Exception as exc:
+            if registered and _may_have_arrived(exc):
+                # the prefill may have filed it (aiokv: a send that raised may still be
+                # delivered) and push into the blocks: withdraw it and keep the wait,
+                # which ends with the prefill's answer, the link's end or the lease,
+                # never while the prefill may still push into the blocks
+                with self._lock:
+                    if self._awaiting.get(reserve.transfer_id) is not mine:
+                        return  # its answer came anyway (and ended the load)
+                log.warning(
+                    "request %s: sending its reservation to cluster %d failed (%s); withdrawing it",
+                    reserve.request_id,
+                    source.cluster_id,
+                    exc,
+                )
+                await self.send(source.cluster_id, CancelNotice(reserve.transfer_id))
+                return
             if registered:
                 with self._lock:
                     if self._awaiting.get(reserve.transfer_id) is not mine:
