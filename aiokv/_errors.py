@@ -173,12 +173,22 @@ def _is_device_oom(exc: BaseException) -> bool:
     return type(exc) is RuntimeError and "NPU out of memory" in str(exc)
 
 
+#: what torch's host (CPU) allocator says when an allocation fails: a plain
+#: ``RuntimeError`` (``c10::Error``), no class of its own (torch 2.x, POSIX and Windows)
+_HOST_OOM = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
+
+def _is_host_oom(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's host allocator failing to allocate (out of memory)."""
+    return type(exc) is RuntimeError and any(m in str(exc) for m in _HOST_OOM)
+
+
 def map_errors(op: str, default: LLMStatusCode = LLMStatusCode.LLM_FAILED) -> _MapErrors:
     """Translate foreign exceptions raised inside the ``with`` block into ``LLMException``.
 
     Our own errors (``LLMException``, ``TypeError``, ``ValueError``) and cancellation pass
-    through untouched. ``TimeoutError`` → ``LLM_TIMEOUT``; ``MemoryError`` →
-    ``LLM_OUT_OF_MEMORY``; a device allocator's out-of-memory error →
+    through untouched. ``TimeoutError`` → ``LLM_TIMEOUT``; ``MemoryError`` and torch's
+    host allocator failing → ``LLM_OUT_OF_MEMORY``; a device allocator's out-of-memory error →
     ``LLM_DEVICE_OUT_OF_MEMORY``; connection errors → ``LLM_LINK_FAILED``; anything
     else → ``default``. (A class, not a generator: it is on every request's path.)
     """
@@ -208,6 +218,10 @@ def _translated(exc: Exception, op: str, default: LLMStatusCode) -> LLMException
     if isinstance(exc, MemoryError):
         return LLMException(
             f"{op}: out of memory", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY, op=op
+        )
+    if _is_host_oom(exc):  # the message says how much was asked for
+        return LLMException(
+            f"{op}: host out of memory: {exc}", status_code=LLMStatusCode.LLM_OUT_OF_MEMORY, op=op
         )
     if isinstance(exc, OSError):
         code = _OS_CODES.get(exc.errno or 0, default)

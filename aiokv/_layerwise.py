@@ -50,6 +50,7 @@ from ._models import TransferWithCacheKeyConfig
 from ._remote import Move
 from ._remote import RemoteClient
 from ._remote import Transfer
+from ._remote._client import payload
 from ._remote._protocol import AddrsReq
 from ._remote._protocol import BlocksReq
 from ._remote._protocol import KeyByBlocks
@@ -59,6 +60,9 @@ from ._remote._protocol import SlotReq
 from ._remote._protocol import Tensors
 from ._remote._protocol import pack_blocks
 from ._remote._protocol import wire_key
+from ._stats import OpCounter
+from ._stats import code_name
+from ._stats import failure_name
 from ._threads import Lane
 
 __all__ = ["CacheTask", "LayerPlan", "LayerSynchronizer", "plan", "run_layers"]
@@ -99,10 +103,19 @@ class LayerSynchronizer(Protocol):
 @dataclass(slots=True)
 class LayerPlan:
     """One destination: which source layers it needs, and how to send a run of
-    consecutive ones of them in one request."""
+    consecutive ones of them in one request.
+
+    Attributes (after those two):
+        counter: looks up (on the engine) the peer's ``requests`` counter, where the
+            destination is counted as ONE operation of ``nbytes`` (its sends are not
+            counted one by one); ``None``: not counted.
+        nbytes: the payload of all its layers.
+    """
 
     layers: range
     send: Callable[[range], Coroutine[Any, Any, None]]
+    counter: Callable[[], OpCounter] | None = None
+    nbytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,9 +228,11 @@ def plan(
 
     async def send(run: range) -> None:
         job = transfer(request(run), range(2 * run.start, 2 * run.stop))
-        await client.move(Move(op, link, src, job, write=True, about=about))
+        await client.move(Move(op, link, src, job, write=True, about=about, counted=False))
 
-    return LayerPlan(layers, send)
+    whole = transfer(request(layers), range(2 * layers.start, 2 * layers.stop))
+    counter = functools.partial(client.requests, link.peer.cluster_id)
+    return LayerPlan(layers, send, counter, payload(whole))
 
 
 def _code_of(got: Any) -> LLMStatusCode:
@@ -495,6 +510,39 @@ async def run_layers(
     """
     left = [len(p.layers) for p in plans]  # layers of each plan not landed yet
     runs: dict[int, range] = {}  # destination -> layers released together, not sent yet
+    # each destination: ONE operation in its peer's statistics, in flight from now until
+    # its result is known (counted under that code), however many requests it takes
+    ops = [None if p.counter is None else p.counter().start(p.nbytes) for p in plans]
+
+    def decided(j: int) -> None:
+        """``results[j]`` is known: end destination ``j``'s operation (once)."""
+        m, code = ops[j], results[j]
+        if m is not None and code is not None:
+            m.end(None if code == Code.LLM_SUCCESS else code_name(code))
+
+    try:
+        await _run_layers(sync, portal, plans, results, errors, left, runs, decided)
+    except BaseException as exc:
+        for m in ops:  # the destinations not decided: ended by what ended the transfer
+            if m is not None:
+                m.end(failure_name(exc))
+        raise
+    for j in range(len(plans)):
+        decided(j)
+
+
+async def _run_layers(
+    sync: LayerSynchronizer,
+    portal: Portal,
+    plans: list[LayerPlan],
+    results: list[Code | None],
+    errors: list[str | None],
+    left: list[int],
+    runs: dict[int, range],
+    decided: Callable[[int], None],
+) -> None:
+    """The body of :func:`run_layers`; ``decided(j)`` is called once ``results[j]`` is
+    set (maybe more than once)."""
 
     async def send(j: int, run: range) -> None:
         try:
@@ -504,10 +552,12 @@ async def run_layers(
                 what = f"layers {run.start}-{run.stop - 1} to destination {j}"
                 results[j] = status_of(exc, log, what)
                 errors[j] = f"{what}: {type(exc).__name__}: {exc}"
+                decided(j)
             return
         left[j] -= len(run)
         if not left[j] and results[j] is None:
             results[j] = Code.LLM_SUCCESS
+            decided(j)
 
     async with asyncio.TaskGroup() as group:
 
@@ -524,6 +574,7 @@ async def run_layers(
                     if code != Code.LLM_SUCCESS:
                         if results[j] is None:  # the first failure stays
                             results[j], errors[j] = code, why
+                            decided(j)
                     elif run is not None and run.stop == layer:
                         runs[j] = range(run.start, layer + 1)
                     else:

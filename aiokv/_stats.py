@@ -44,6 +44,7 @@ __all__ = [
     "PeerCounters",
     "ServedCounter",
     "ServedStats",
+    "code_name",
     "failure_name",
 ]
 
@@ -73,7 +74,14 @@ def failure_name(exc: BaseException) -> str:
     """The key an exception is counted under in ``failures``."""
     if isinstance(exc, asyncio.CancelledError):
         return "CANCELLED"
-    return code_of_failure(exc).name  # the code its caller sees (map_errors' translation)
+    return code_name(code_of_failure(exc))  # the code its caller sees (map_errors')
+
+
+def code_name(code: LLMStatusCode | int) -> str:
+    """The key a failure with ``code`` is counted under: its name; a code llm_datadist
+    does not name (an ``LLMException`` made with a bare int keeps it) as
+    ``LLM_FAILED``, so that the keys (and metric labels) stay the enum's names."""
+    return code.name if isinstance(code, LLMStatusCode) else LLMStatusCode.LLM_FAILED.name
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +144,13 @@ class OpCounter:
         flight while inside, then finished (failed if it raises, by its error)."""
         return _Measure(self, nbytes)
 
+    def start(self, nbytes: int) -> _Measure:
+        """An operation of ``nbytes`` payload bytes started now, in flight until its
+        :meth:`_Measure.end` (one that does not end in the block it starts in)."""
+        m = _Measure(self, nbytes)
+        m.__enter__()
+        return m
+
     def _start(self) -> None:
         with self._lock:
             self._in_flight += 1
@@ -184,13 +199,14 @@ class OpCounter:
 
 
 class _Measure:
-    __slots__ = ("_counter", "_nbytes", "_t0", "_void")
+    __slots__ = ("_counter", "_ended", "_nbytes", "_t0", "_void")
 
     def __init__(self, counter: OpCounter, nbytes: int) -> None:
         self._counter = counter
         self._nbytes = nbytes
         self._t0 = 0.0
         self._void = False
+        self._ended = False
 
     def __enter__(self) -> _Measure:
         self._counter._start()
@@ -206,7 +222,15 @@ class _Measure:
         if self._void and exc is None:
             self._counter._void()
             return
-        failure = None if exc is None else failure_name(exc)
+        self.end(None if exc is None else failure_name(exc))
+
+    def end(self, failure: str | None) -> None:
+        """End the operation (entered, not left as a ``with`` block: one that ends
+        elsewhere): succeeded (``None``) or failed, counted under ``failure``. Only the
+        first call counts."""
+        if self._ended:
+            return
+        self._ended = True
         self._counter._end(self._nbytes, time.perf_counter() - self._t0, failure)
 
 
@@ -244,8 +268,9 @@ class ServedCounter:
 
     def refused(self, code: LLMStatusCode) -> None:
         """One request refused with ``code``."""
+        name = code_name(code)
         with self._lock:
-            self._refused[code.name] = self._refused.get(code.name, 0) + 1
+            self._refused[name] = self._refused.get(name, 0) + 1
 
     def granted(self) -> None:
         """One request granted; :meth:`over` follows when its transfer ends."""

@@ -30,6 +30,7 @@ series                                 type       labels
 ``aiokv_copy_latency_seconds``         histogram  cluster
 ``aiokv_copy_inline_total``            counter    cluster
 ``aiokv_copy_inline_bytes_total``      counter    cluster
+``aiokv_copy_inline_failures_total``   counter    cluster, code
 ``aiokv_pool_bytes``                   gauge      cluster, pool, state
 ``aiokv_pool_allocations``             gauge      cluster, pool
 ``aiokv_pool_failed_allocations_total`` counter   cluster, pool
@@ -92,6 +93,7 @@ SERIES: tuple[tuple[str, str], ...] = (
     ("histogram", "aiokv_copy_latency_seconds"),
     ("counter", "aiokv_copy_inline_total"),
     ("counter", "aiokv_copy_inline_bytes_total"),
+    ("counter", "aiokv_copy_inline_failures_total"),
     ("gauge", "aiokv_pool_bytes"),
     ("gauge", "aiokv_pool_allocations"),
     ("counter", "aiokv_pool_failed_allocations_total"),
@@ -278,6 +280,13 @@ class _Families:
             inline = s.copies.inline
             self.counter("aiokv_copy_inline_total", "inline host copies", c, inline.ops)
             self.counter("aiokv_copy_inline_bytes_total", "inline bytes copied", c, inline.bytes)
+            for code, n in sorted(inline.failures.items()):
+                self.counter(
+                    "aiokv_copy_inline_failures_total",
+                    "inline host copies failed",
+                    {**c, "code": code},
+                    n,
+                )
             self.pool(c, "device", s.device_pool)
             self.pool(c, "host", s.host_pool)
             if s.caches is not None:

@@ -42,12 +42,24 @@ class _Job(Generic[T]):
     exactly one of them wins.
     """
 
-    __slots__ = ("_fn", "_lock", "_state", "_waiter", "finished", "future", "loop", "outcome")
+    __slots__ = (
+        "_fn",
+        "_lock",
+        "_state",
+        "_waiter",
+        "finished",
+        "future",
+        "left_queue",
+        "loop",
+        "outcome",
+    )
 
     def __init__(self, fn: Callable[[], T], loop: asyncio.AbstractEventLoop) -> None:
         self._fn = fn
         self._lock = threading.Lock()
         self._state = _JobState.PENDING
+        #: called once as it stops waiting: it starts, or is cancelled before it started
+        self.left_queue: Callable[[], None] = _nothing
         self._waiter: asyncio.Future[None] | None = None
         self.finished = False
         # kept here too: a cancelled awaiter's future is done before the outcome arrives
@@ -61,6 +73,7 @@ class _Job(Generic[T]):
             if self._state is _JobState.CANCELLED:
                 return None
             self._state = _JobState.RUNNING
+            self.left_queue()
         try:
             return (self._fn(),)
         except StopIteration as exc:
@@ -92,6 +105,7 @@ class _Job(Generic[T]):
         with self._lock:
             if self._state is _JobState.PENDING:
                 self._state = _JobState.CANCELLED
+                self.left_queue()
                 return True
             return False
 
@@ -135,13 +149,20 @@ class WorkerPool:
         self._queue: queue.SimpleQueue[_Job[Any] | _Stop] = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)
         self._lock = threading.Lock()  # submit vs submit, submit vs close: one at a time
+        self._waiting = 0  # jobs queued, neither started nor cancelled
+        self._waiting_lock = threading.Lock()
         self._closed = False
         _live_pools.add(self)
 
     @property
     def queue_depth(self) -> int:
-        """Jobs waiting for a thread now (approximate: read without a lock)."""
-        return self._queue.qsize()
+        """Jobs waiting for a thread now: queued, not started, not cancelled (a job
+        cancelled while queued stays in the queue until a thread skips it)."""
+        return self._waiting
+
+    def _left_queue(self) -> None:
+        with self._waiting_lock:
+            self._waiting -= 1
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on a worker thread and return its result.
@@ -219,6 +240,9 @@ class WorkerPool:
                 )
                 t.start()  # before the job is queued: a thread that fails to start leaves none
                 self.threads.append(t)
+            with self._waiting_lock:
+                self._waiting += 1
+            job.left_queue = self._left_queue
             self._queue.put(job)
 
     def _work(self) -> None:
@@ -237,6 +261,10 @@ class WorkerPool:
 
 
 _live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def _nothing() -> None:
+    return None
 
 
 def _stop_live_pools() -> None:

@@ -32,6 +32,7 @@ from .._errors import LLMException
 from .._errors import map_errors
 from .._layout import ByteLayout
 from .._layout import total_bytes
+from .._stats import OpCounter
 from .._stats import PeerCounters
 from ..transport import BY_ADDRESS
 from ..transport import ONE_SIDED
@@ -57,7 +58,7 @@ from ._route import Route
 from ._route import part_route
 from ._route import route
 
-__all__ = ["Move", "RemoteClient"]
+__all__ = ["Move", "RemoteClient", "payload"]
 
 log = logging.getLogger("aiokv.remote")
 
@@ -67,7 +68,9 @@ class Move:
     """One transfer for :meth:`RemoteClient.move` / :meth:`RemoteClient.move_here`: push
     (``write``) or pull the bytes ``job`` names of the local ``cache`` over ``link``, for
     the public operation ``op``; ``about`` is the context a failure's ``LLMException``
-    carries (the key, the cluster)."""
+    carries (the key, the cluster). ``counted``: counted as an operation of its own in
+    the peer's ``requests`` statistics; ``False`` for one send of a layer-wise transfer,
+    which is counted whole (:func:`~aiokv._layerwise.run_layers`)."""
 
     op: str
     link: Link
@@ -75,6 +78,7 @@ class Move:
     job: Transfer
     write: bool
     about: dict[str, Any]
+    counted: bool = True
 
 
 class RemoteClient:
@@ -107,6 +111,11 @@ class RemoteClient:
     def timeout(self) -> float:
         """``sync_kv_timeout`` in seconds, as configured now."""
         return self._config.sync_kv_timeout / 1000
+
+    def requests(self, cluster_id: int) -> OpCounter:
+        """The counter of this side's transfers to ``cluster_id`` (its ``requests``
+        statistics); look it up on the engine thread, right before counting on it."""
+        return self._counters.requests(cluster_id)
 
     def link(self, op: str, cluster_id: int) -> Link:
         """The live link to ``cluster_id`` (``LLM_NOT_YET_LINK`` when there is none)."""
@@ -147,7 +156,12 @@ class RemoteClient:
         # in flight from its start to its end, between its requests too (a part being
         # staged, a settle): a graceful unlink waits for the whole transfer; counted once
         cid = m.link.peer.cluster_id
-        with self._links.request(cid), self._counters.requests(cid).measure(_payload(m.job)):
+        counted: contextlib.AbstractContextManager[object, None] = (
+            self._counters.requests(cid).measure(payload(m.job))
+            if m.counted
+            else contextlib.nullcontext()
+        )
+        with self._links.request(cid), counted:
             if lease_key is not None and await self._leased(m, lease_key, here=False):
                 return
             await _Requests(self, m).run()
@@ -182,7 +196,7 @@ class RemoteClient:
         # a scheduling and cancellation point (nothing moved yet): a transfer NIXL
         # completes within its post would otherwise never yield to the caller's loop
         await asyncio.sleep(0)
-        with self._counters.requests(m.link.peer.cluster_id).measure(_payload(m.job)) as op:
+        with self._counters.requests(m.link.peer.cluster_id).measure(payload(m.job)) as op:
             moved = await self._leased(m, key, here=True)
             if not moved:
                 op.void()  # it goes through the engine (move), counted there
@@ -497,7 +511,7 @@ class _Requests:
         return left
 
 
-def _payload(job: Transfer) -> int:
+def payload(job: Transfer) -> int:
     """Bytes ``job`` moves, without building its layout (a leased move never needs it)."""
     per_tensor = job.block_bytes if job.local is None else int(job.local.size) * job.block_bytes
     return len(job.tensors) * per_tensor
