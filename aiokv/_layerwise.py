@@ -508,41 +508,51 @@ async def run_layers(
     ``def`` synchronizer is called by one job on the synchronizer lane for consecutive
     layers (:class:`_Feed`).
     """
-    left = [len(p.layers) for p in plans]  # layers of each plan not landed yet
-    runs: dict[int, range] = {}  # destination -> layers released together, not sent yet
-    # each destination: ONE operation in its peer's statistics, in flight from now until
-    # its result is known (counted under that code), however many requests it takes
-    ops = [None if p.counter is None else p.counter().start(p.nbytes) for p in plans]
+    counted = _Counted(plans, results, errors)
+    try:
+        await _run_layers(sync, portal, plans, counted)
+    except BaseException as exc:
+        counted.ended(exc)
+        raise
+    counted.ended(None)
 
-    def decided(j: int) -> None:
+
+class _Counted:
+    """The outcome of each destination of :func:`run_layers` (``results``, ``errors``),
+    and each destination as ONE operation in its peer's statistics, in flight from its
+    start until its result is known (counted under that code), however many requests
+    it takes."""
+
+    def __init__(
+        self, plans: list[LayerPlan], results: list[Code | None], errors: list[str | None]
+    ) -> None:
+        self.results, self.errors = results, errors
+        self._ops = [None if p.counter is None else p.counter().start(p.nbytes) for p in plans]
+
+    def decided(self, j: int) -> None:
         """``results[j]`` is known: end destination ``j``'s operation (once)."""
-        m, code = ops[j], results[j]
+        m, code = self._ops[j], self.results[j]
         if m is not None and code is not None:
             m.end(None if code == Code.LLM_SUCCESS else code_name(code))
 
-    try:
-        await _run_layers(sync, portal, plans, results, errors, left, runs, decided)
-    except BaseException as exc:
-        for m in ops:  # the destinations not decided: ended by what ended the transfer
-            if m is not None:
+    def ended(self, exc: BaseException | None) -> None:
+        """The transfer is over; the destinations not decided by then were ended by
+        ``exc`` (when it raised)."""
+        for j, m in enumerate(self._ops):
+            if exc is None:
+                self.decided(j)
+            elif m is not None:
                 m.end(failure_name(exc))
-        raise
-    for j in range(len(plans)):
-        decided(j)
 
 
 async def _run_layers(
-    sync: LayerSynchronizer,
-    portal: Portal,
-    plans: list[LayerPlan],
-    results: list[Code | None],
-    errors: list[str | None],
-    left: list[int],
-    runs: dict[int, range],
-    decided: Callable[[int], None],
+    sync: LayerSynchronizer, portal: Portal, plans: list[LayerPlan], counted: _Counted
 ) -> None:
-    """The body of :func:`run_layers`; ``decided(j)`` is called once ``results[j]`` is
-    set (maybe more than once)."""
+    """The body of :func:`run_layers`; ``counted.decided(j)`` is called once
+    ``results[j]`` is set (maybe more than once)."""
+    results, errors, decided = counted.results, counted.errors, counted.decided
+    left = [len(p.layers) for p in plans]  # layers of each plan not landed yet
+    runs: dict[int, range] = {}  # destination -> layers released together, not sent yet
 
     async def send(j: int, run: range) -> None:
         try:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 from typing import Any
 from typing import Protocol
@@ -199,6 +200,13 @@ class _Families:
     def gauge(self, name: str, doc: str, labels: dict[str, str], value: float) -> None:
         self._fam("gauge", name, doc, list(labels)).add_metric(list(labels.values()), value)
 
+    def by_code(
+        self, name: str, doc: str, labels: dict[str, str], counts: Mapping[str, int]
+    ) -> None:
+        """One counter series per status code in ``counts`` (label ``code``)."""
+        for code, n in sorted(counts.items()):
+            self.counter(name, doc, {**labels, "code": code}, n)
+
     def histogram(self, name: str, doc: str, labels: dict[str, str], h: Histogram) -> None:
         buckets, running = [], 0
         for bound, n in zip(h.bounds, h.counts, strict=False):
@@ -211,10 +219,7 @@ class _Families:
     def ops(self, prefix: str, what: str, labels: dict[str, str], s: OpStats) -> None:
         self.counter(f"{prefix}_ops_total", f"{what}: finished", labels, s.ops)
         self.counter(f"{prefix}_bytes_total", f"{what}: payload bytes moved", labels, s.bytes)
-        for code, n in sorted(s.failures.items()):
-            self.counter(
-                f"{prefix}_failures_total", f"{what}: failed, by code", {**labels, "code": code}, n
-            )
+        self.by_code(f"{prefix}_failures_total", f"{what}: failed, by code", labels, s.failures)
         self.gauge(f"{prefix}_in_flight", f"{what}: running now", labels, s.in_flight)
         self.histogram(f"{prefix}_latency_seconds", f"{what}: duration", labels, s.latency)
 
@@ -259,34 +264,23 @@ class _Families:
                 sv = link.served
                 self.counter("aiokv_served_grants_total", "peer requests granted", p, sv.granted)
                 self.counter("aiokv_served_bytes_total", "bytes served to the peer", p, sv.bytes)
-                for code, n in sorted(sv.refused.items()):
-                    self.counter(
-                        "aiokv_served_refusals_total",
-                        "peer requests refused, by code",
-                        {**p, "code": code},
-                        n,
-                    )
+                self.by_code(
+                    "aiokv_served_refusals_total", "peer requests refused, by code", p, sv.refused
+                )
                 self.gauge("aiokv_served_in_flight", "grants not over", p, sv.in_flight)
             jobs = s.copies.jobs
             self.counter("aiokv_copy_jobs_total", "copy jobs finished", c, jobs.ops)
             self.counter("aiokv_copy_bytes_total", "bytes copied by jobs", c, jobs.bytes)
-            for code, n in sorted(jobs.failures.items()):
-                self.counter(
-                    "aiokv_copy_failures_total", "copy jobs failed", {**c, "code": code}, n
-                )
+            self.by_code("aiokv_copy_failures_total", "copy jobs failed", c, jobs.failures)
             self.gauge("aiokv_copy_in_flight", "copy jobs running or queued", c, jobs.in_flight)
             self.gauge("aiokv_copy_queue_depth", "copy jobs waiting", c, s.copies.queue_depth)
             self.histogram("aiokv_copy_latency_seconds", "copy job duration", c, jobs.latency)
             inline = s.copies.inline
             self.counter("aiokv_copy_inline_total", "inline host copies", c, inline.ops)
             self.counter("aiokv_copy_inline_bytes_total", "inline bytes copied", c, inline.bytes)
-            for code, n in sorted(inline.failures.items()):
-                self.counter(
-                    "aiokv_copy_inline_failures_total",
-                    "inline host copies failed",
-                    {**c, "code": code},
-                    n,
-                )
+            self.by_code(
+                "aiokv_copy_inline_failures_total", "inline host copies failed", c, inline.failures
+            )
             self.pool(c, "device", s.device_pool)
             self.pool(c, "host", s.host_pool)
             if s.caches is not None:

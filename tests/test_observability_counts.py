@@ -4,15 +4,20 @@ allocation failure is ``LLM_OUT_OF_MEMORY``."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from aiokv import BlocksCacheKey
+from aiokv import Cache
 from aiokv import CacheDesc
 from aiokv import DataType
+from aiokv import LLMDataDist
 from aiokv import LLMException
+from aiokv import LLMRole
 from aiokv import LLMStatusCode
 from aiokv import Placement
 from aiokv import TransferWithCacheKeyConfig
@@ -22,6 +27,19 @@ from aiokv.testing import make_config
 
 CODE = LLMStatusCode
 pytestmark = pytest.mark.timeout(60)
+
+
+@contextlib.asynccontextmanager
+async def host_cache(host_pool: int, desc: CacheDesc) -> AsyncIterator[tuple[LLMDataDist, Cache]]:
+    """A decoder with a host pool of ``host_pool`` bytes (no listener) and a blocks cache
+    of ``desc`` in it; finalized on exit."""
+    d = LLMDataDist(LLMRole.DECODER, 2)
+    await d.init(make_config(pool=None, host_pool=host_pool, listen_ip_info=None))
+    try:
+        yield d, await d.cache_manager.allocate_blocks_cache(desc)
+    finally:
+        await d.finalize()
+
 
 # 2 layers (4 tensors) of 8 blocks of 256 bytes, host memory
 LAYERED = CacheDesc(4, [8, 256], DataType.DT_UINT8, Placement.HOST)
@@ -109,19 +127,15 @@ async def test_a_failed_inline_copy_is_exported_to_prometheus(
     from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
     import aiokv._manager._local as local
-    from aiokv import LLMDataDist
-    from aiokv import LLMRole
     from aiokv.metrics import Collector
 
     def fail(*_: object) -> None:
         raise MemoryError
 
-    d = LLMDataDist(LLMRole.DECODER, 2)
-    await d.init(make_config(pool=None, host_pool=1 << 20, listen_ip_info=None))
-    try:
-        cache = await d.cache_manager.allocate_blocks_cache(
-            CacheDesc(1, [8, 256], DataType.DT_UINT8, Placement.HOST)
-        )
+    async with host_cache(1 << 20, CacheDesc(1, [8, 256], DataType.DT_UINT8, Placement.HOST)) as (
+        d,
+        cache,
+    ):
         monkeypatch.setattr(local, "copy_rows", fail)
         with pytest.raises(LLMException) as ei:
             await d.cache_manager.copy_blocks(cache, {0: [1]})
@@ -131,8 +145,6 @@ async def test_a_failed_inline_copy_is_exported_to_prometheus(
         registry = CollectorRegistry(auto_describe=False)
         registry.register(Collector(d))
         text = generate_latest(registry).decode()
-    finally:
-        await d.finalize()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for f in text_string_to_metric_families(text)
@@ -195,23 +207,15 @@ async def test_torch_host_allocation_failure_in_a_copy_is_llm_out_of_memory(
     import torch
 
     import aiokv._copy._scheduler as scheduler
-    from aiokv import LLMDataDist
-    from aiokv import LLMRole
 
     def allocating(*_: object) -> None:  # what a copy job does when memory is short
         torch.empty(1 << 62, dtype=torch.uint8)  # the real torch error: more than exists
 
-    d = LLMDataDist(LLMRole.DECODER, 2)
-    await d.init(make_config(pool=None, host_pool=4 << 20, listen_ip_info=None))
-    try:
-        cache = await d.cache_manager.allocate_blocks_cache(
-            CacheDesc(2, [64, 4096], DataType.DT_UINT8, Placement.HOST)
-        )
+    desc = CacheDesc(2, [64, 4096], DataType.DT_UINT8, Placement.HOST)
+    async with host_cache(4 << 20, desc) as (d, cache):
         monkeypatch.setattr(scheduler, "copy_blocks_job", allocating)
         with pytest.raises(LLMException) as ei:  # 32 x 2 blocks of 4 KiB: a worker job
             await d.cache_manager.copy_blocks(cache, {0: list(range(1, 33))})
         assert ei.value.status_code == CODE.LLM_OUT_OF_MEMORY
         assert "you tried to allocate" in str(ei.value)  # how much, for a person
         assert dict(d.statistics().copies.jobs.failures) == {"LLM_OUT_OF_MEMORY": 1}
-    finally:
-        await d.finalize()

@@ -4,6 +4,7 @@ layout, a linked prefill/decode pair of real ``WorkerSide`` instances, and a pol
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
@@ -137,3 +138,20 @@ def reserve(p: WorkerSide, rid: str, transfer: str, local: list[int], **kw: Any)
     first = kw.get("first", 0)
     tokens = kw.get("tokens", (first + len(local)) * BS)
     return Reserve(rid, transfer, tuple(local), first, tokens, (p.endpoint,))
+
+
+def stuck_pushes(monkeypatch: pytest.MonkeyPatch, p: WorkerSide) -> list[float]:
+    """Make every layer push of ``p`` a link that moves nothing (for 30 s); returns
+    the start times of the pushes in flight (empty once every one has ended)."""
+    writing: list[float] = []
+
+    async def stuck(*args: Any, **kwargs: Any) -> None:
+        writing.append(time.monotonic())
+        try:
+            await asyncio.sleep(30)
+        finally:
+            writing.pop()
+
+    assert p._dd is not None
+    monkeypatch.setattr(p._dd.cache_manager, "push_blocks", stuck)
+    return writing

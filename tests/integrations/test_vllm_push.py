@@ -5,10 +5,8 @@ releases the prefill's blocks."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from _vllm_sides import kv
 from _vllm_sides import options
 from _vllm_sides import reserve
 from _vllm_sides import reserved
+from _vllm_sides import stuck_pushes
 from _vllm_sides import wait_for
 from _vllm_sides import worker_pair
 
@@ -252,17 +251,7 @@ def test_the_decode_fails_a_load_only_once_the_prefills_writes_ended(
     assert load_deadline(lease) == pytest.approx(1.7)
     with worker_pair(options(lease_timeout_s=lease, transfer_timeout_ms=20_000)) as pair:
         p, _, d, dkv = pair
-        writing: list[float] = []  # pushes in flight (a link that moves nothing)
-
-        async def stuck(*args: Any, **kwargs: Any) -> None:
-            writing.append(time.monotonic())
-            try:
-                await asyncio.sleep(30)
-            finally:
-                writing.pop()
-
-        assert p._dd is not None
-        monkeypatch.setattr(p._dd.cache_manager, "push_blocks", stuck)
+        writing = stuck_pushes(monkeypatch, p)  # pushes in flight
         untouched = {n: t.clone() for n, t in dkv.items()}
         d.step(StepPlan(reserves=(reserve(p, "d13", "T13", [1]),)))
         reserved(p, "T13")

@@ -5,7 +5,6 @@ its worker still exits.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from _vllm_sides import BS
 from _vllm_sides import kv
 from _vllm_sides import options
 from _vllm_sides import reserve
+from _vllm_sides import stuck_pushes
 from _vllm_sides import wait_for
 from _vllm_sides import worker_pair
 
@@ -150,17 +150,7 @@ def test_a_push_ends_its_writes_within_the_decode_sides_lease_not_the_prefills(
     try:
         d.start(kv(2), BLOCKS)
         try:
-            writing: list[float] = []  # pushes in flight (a link that moves nothing)
-
-            async def stuck(*args: Any, **kwargs: Any) -> None:
-                writing.append(time.monotonic())
-                try:
-                    await asyncio.sleep(30)
-                finally:
-                    writing.pop()
-
-            assert p._dd is not None
-            monkeypatch.setattr(p._dd.cache_manager, "push_blocks", stuck)
+            writing = stuck_pushes(monkeypatch, p)  # pushes in flight
             d.step(StepPlan(reserves=(reserve(p, "d3", "T3", [1], tokens=BS),)))
             end = time.monotonic() + 20
             while "T3" not in p.take_reserved():

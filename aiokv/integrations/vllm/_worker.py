@@ -405,27 +405,25 @@ class WorkerSide:
     def _expire_holds(self, now: float) -> None:
         """Under the lock: free the held blocks whose lease ran out, forget old early
         done notices."""
-        for request_id, (_, deadline) in list(self._holds.items()):
-            if now >= deadline:
-                log.warning(
-                    "request %s: no decode side took its blocks within %.0f s; freed",
-                    request_id,
-                    self.options.lease_timeout_s,
-                )
-                del self._holds[request_id]
-                self._done.finished_sending.add(request_id)
-        for request_id, deadline in list(self._push_holds.items()):
-            if now >= deadline:  # its push ended unseen (forgotten: it ended a lease
-                # before its hold came) or never started; any push wrote by then
-                log.warning(
-                    "request %s: its push did not report its end within %.0f s; freed",
-                    request_id,
-                    self.options.lease_timeout_s,
-                )
-                del self._push_holds[request_id]
-                self._done.finished_sending.add(request_id)
+        late = [r for r, (_, deadline) in self._holds.items() if now >= deadline]
+        for request_id in late:
+            del self._holds[request_id]
+            self._freed(request_id, "no decode side took its blocks")
+        # a push's writes ended by its reservation's deadline, before a hold's: one that
+        # ended unseen (forgotten: it ended a lease before its hold came) or never started
+        late = [r for r, deadline in self._push_holds.items() if now >= deadline]
+        for request_id in late:
+            del self._push_holds[request_id]
+            self._freed(request_id, "its push did not report its end")
         while self._early and next(iter(self._early.values())) < now:
             self._early.popitem(last=False)
+
+    def _freed(self, request_id: str, why: str) -> None:
+        """Under the lock: release the held blocks of ``request_id`` whose lease ran out."""
+        log.warning(
+            "request %s: %s within %.0f s; freed", request_id, why, self.options.lease_timeout_s
+        )
+        self._done.finished_sending.add(request_id)
 
     def _busy(self) -> bool:
         """Loads in flight, or pushes awaited, or blocks held for a decode side."""
