@@ -136,14 +136,7 @@ class Linker:
             self._links.undo(cid, link)
             if link is None:
                 continue
-            await self._close([link])
-            # a link the peer opened (left unfiled while ours held the id) holds it again
-            theirs = next(
-                (x for x in self._transport.links() if x.peer.cluster_id == cid and not x.broken),
-                None,
-            )
-            if theirs is not None and self._links.live(cid) is None:
-                self._links.add(theirs)
+            await self._close([link])  # a link of the peer's it replaced is filed again
 
     async def _link_one(
         self, info: LLMClusterInfo, deadline: float, made: list[tuple[int, Link | None]]

@@ -19,7 +19,10 @@ without it, the id is only what the peer says. Who holds a cluster id:
   impostor or not, keeps it while it answers; only ``link_secret`` prevents that). One
   contest per id at a time; a claim made meanwhile is refused;
 * an incoming link claiming an id whose filed link this side opened is left open,
-  unfiled (the peer may send its own requests on it; ours go on the link we opened).
+  unfiled (the peer may send its own requests on it; ours go on the link we opened),
+  as is a live link replaced by one this side opened. Such a *spare* is filed when the
+  filed link ends (or a cancelled ``link_clusters`` takes its link back): the peer still
+  links this side, so the cluster stays linked, as if only the peer had linked it.
 
 Besides the links it knows, per cluster: whether this side linked it (``link_clusters``
 or ``link``) or only the peer did; whether a link attempt is running; whether its link
@@ -68,6 +71,7 @@ class LinkTable:
         self._dialed: set[int] = set()  # clusters whose filed link this side connected
         self._contests: dict[int, asyncio.Task[None]] = {}  # cluster -> claim being decided
         self._closing: set[asyncio.Task[None]] = set()  # refused links being closed
+        self._spares: dict[int, list[Link]] = {}  # cluster -> live links left unfiled
         self._linking: set[int] = set()
         self._held: set[int] = set()
         self._busy: dict[int, int] = {}  # cluster -> requests of ours in flight
@@ -167,6 +171,8 @@ class LinkTable:
             # opened while it opened its own): that one is no longer filed, so its end
             # will not be counted (lost() ignores links not filed)
             self._counters.down(cid)
+            if not old.broken:
+                self._spare(cid, old)
         if new:  # the transport reports a link this side opened, then the linker files it
             self._counters.up(cid)
             log.info("link to cluster %d up (%s:%d)", cid, *link.peer.address)
@@ -174,7 +180,7 @@ class LinkTable:
     def _claim(self, cid: int, filed: Link, claimant: Link) -> None:
         """An incoming ``claimant`` for ``cid`` while ``filed`` is live."""
         if cid in self._dialed:
-            _unfiled(cid, claimant)
+            self._spare(cid, claimant)
             return
         loop = asyncio.get_running_loop()
         if cid in self._contests:
@@ -207,9 +213,28 @@ class LinkTable:
             if current is filed:
                 await filed.aclose()  # its pending operations fail now, not at their timeout
         elif cid in self._dialed:
-            _unfiled(cid, claimant)
+            self._spare(cid, claimant)
         else:
             self._refuse(cid, claimant, f"the link from {current.peer.address} answers")
+
+    def _spare(self, cid: int, link: Link) -> None:
+        """Keep ``link``, a live link to ``cid`` left unfiled, to file if the filed one
+        ends (the most recent first; broken ones are dropped as it goes)."""
+        log.debug("cluster %d: link from %s:%d left unfiled", cid, *link.peer.address)
+        spares = [x for x in self._spares.get(cid, ()) if not x.broken and x is not link]
+        self._spares[cid] = [*spares, link]
+
+    def _file_spare(self, cid: int) -> None:
+        """File the most recent live spare of ``cid``, if any (its filed link is gone)."""
+        for link in reversed(self._spares.pop(cid, [])):
+            if not link.broken:
+                log.info(
+                    "cluster %d: the link from %s:%d, open beside the one that ended, links it now",
+                    cid,
+                    *link.peer.address,
+                )
+                self._file(cid, link)
+                return
 
     def _refuse(self, cid: int, claimant: Link, why: str) -> None:
         log.warning(
@@ -246,6 +271,9 @@ class LinkTable:
             self._dialed.discard(cid)
             self._counters.down(cid)
             log.info("link to cluster %d down (%s)", cid, why or "closed locally")
+            self._file_spare(cid)
+        elif link in self._spares.get(cid, ()):
+            self._spares[cid].remove(link)
 
     def contest(self, cluster_id: int) -> asyncio.Task[None] | None:
         """The claim for ``cluster_id`` being decided, if any."""
@@ -260,6 +288,7 @@ class LinkTable:
             task.cancel()
             self._closing.add(task)  # finalize waits for it (aclose)
             task.add_done_callback(self._closing.discard)
+        self._spares.pop(cluster_id, None)  # the unlink closes them too
         return self.pop(cluster_id)
 
     def pop(self, cluster_id: int) -> Link | None:
@@ -293,14 +322,16 @@ class LinkTable:
     def undo(self, cluster_id: int, link: Link | None) -> bool:
         """Take back what a cancelled ``link_clusters`` did for ``cluster_id``: its
         :meth:`claim` of the peer's link (``link`` None: that link stays filed, as the
-        peer's), or ``link``, the link it opened, unfiled if still filed. True when
-        ``link`` was unfiled (the caller closes it)."""
+        peer's), or ``link``, the link it opened, unfiled if still filed (a live link of
+        the peer's it had replaced is filed again). True when ``link`` was unfiled (the
+        caller closes it)."""
         if link is None:
             self._ours.discard(cluster_id)
             return False
         if self._links.get(cluster_id) is not link:
             return False
         self.pop(cluster_id)
+        self._file_spare(cluster_id)
         return True
 
     def begin(self, cluster_id: int) -> bool:
@@ -377,10 +408,6 @@ class _InFlight:
 
     def __exit__(self, *exc_info: object) -> None:
         self.table._leave(self.cluster_id)
-
-
-def _unfiled(cid: int, claimant: Link) -> None:
-    log.debug("cluster %d: incoming link from %s:%d left unfiled", cid, *claimant.peer.address)
 
 
 def _ended(link: Link) -> str | None:

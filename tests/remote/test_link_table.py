@@ -1,12 +1,14 @@
 """The link table: a link replaced in the table is counted down; an unlink ends a claim
-for the cluster being decided (found in review; each test fails on the code before its
-fix)."""
+for the cluster being decided; the peer's open link holds the cluster when the one this
+side opened ends (found in review; each test fails on the code before its fix)."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
 from dataclasses import field
+
+import pytest
 
 from aiokv._remote import LinkTable
 from aiokv._stats import PeerCounters
@@ -76,3 +78,55 @@ async def test_an_unlink_ends_a_claim_being_decided() -> None:
     assert contest.done()
     assert table.get(2) is None and table.clusters() == []
     await table.aclose()
+
+
+def _broke(link: _Link, why: str = "connection reset by peer") -> None:
+    link.broken, link.why_broken = True, why
+
+
+@pytest.mark.parametrize("order", ["ours first", "theirs first"])
+async def test_the_peers_link_holds_the_cluster_when_ours_ends(order: str) -> None:
+    """Two engines linked each other: two connections, the one this side opened filed,
+    the peer's left open, unfiled (it arrived second, or ours replaced it). When only
+    ours ends (the peer closed that socket, or it broke), the peer still links this
+    side, on a live connection: the cluster must stay linked on it, as if only the peer
+    had linked it. It was listed as unlinked, and every transfer to it failed with
+    ``LLM_NOT_YET_LINK``, while the peer listed this side as linked."""
+    counters = PeerCounters()
+    table = LinkTable(counters)
+    ours = _Link(PeerInfo(2, ("127.0.0.1", 40000)))
+    theirs = _Link(PeerInfo(2, ("127.0.0.1", 50001)))
+    if order == "ours first":
+        table.add(ours, ours=True)  # type: ignore[arg-type]
+        table.add(theirs)  # type: ignore[arg-type]
+    else:
+        table.add(theirs)  # type: ignore[arg-type]
+        table.add(ours, ours=True)  # type: ignore[arg-type]
+    assert table.get(2) is ours and table.ours(2)
+    _broke(ours)
+    table.lost(ours)  # type: ignore[arg-type]
+    assert table.get(2) is theirs and table.clusters() == [2]
+    assert not table.ours(2)  # the peer's link now: this side's own link ended
+    assert counters.links_up - counters.links_down == 1
+    _broke(theirs)
+    table.lost(theirs)  # type: ignore[arg-type]
+    assert table.get(2) is None and table.clusters() == []
+    assert counters.links_up == counters.links_down
+
+
+async def test_an_unlinked_cluster_stays_unlinked_when_its_connections_close() -> None:
+    """An unlink closes every connection of the cluster, the peer's spare one too: as
+    they end, none is filed again (the cluster is not linked after
+    ``unlink_clusters``)."""
+    counters = PeerCounters()
+    table = LinkTable(counters)
+    ours = _Link(PeerInfo(2, ("127.0.0.1", 40000)))
+    theirs = _Link(PeerInfo(2, ("127.0.0.1", 50001)))
+    table.add(ours, ours=True)  # type: ignore[arg-type]
+    table.add(theirs)  # type: ignore[arg-type]
+    assert table.unlinked(2) is ours
+    for link in (ours, theirs):
+        _broke(link, "closed locally")
+        table.lost(link)  # type: ignore[arg-type]
+    assert table.get(2) is None and table.clusters() == []
+    assert counters.links_up == counters.links_down == 1
