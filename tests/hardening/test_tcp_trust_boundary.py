@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from _helpers import raises
 from _helpers import raw_link
+from _helpers import recv_frame
 from _helpers import until
 
 from aiokv import LLMStatusCode
@@ -29,6 +30,7 @@ from aiokv.transport import TlsContexts
 from aiokv.transport import _wire as wire
 from aiokv.transport import load_tls
 from aiokv.transport.tcp import TcpTransport
+from aiokv.transport.tcp._protocol import DECIDING_META_CAPS
 from aiokv.transport.tcp._tls_io import TlsSockIO
 
 if shutil.which("openssl") is None:  # pragma: no cover - present wherever aiokv is tested
@@ -222,3 +224,61 @@ def test_the_docs_give_the_header_its_size() -> None:
     for page in ("security.md", "design.md"):
         text = " ".join((root / page).read_text().split())
         assert f"one {wire.HEADER_SIZE}-byte header cannot" in text, page
+
+
+class Stalling:
+    """Decides every request only once ``go`` is set (a grant waiting for staging room,
+    say), then refuses it; counts the requests it was asked."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.go = asyncio.Event()
+
+    async def grant_read(self, peer: PeerInfo, meta: bytes) -> Grant:
+        self.asked += 1
+        await self.go.wait()
+        return Grant(LLMStatusCode.LLM_NOT_YET_LINK)
+
+    async def grant_write(self, peer: PeerInfo, meta: bytes, nbytes: int) -> Grant:
+        return await self.grant_read(peer, meta)
+
+
+async def test_the_metas_held_for_requests_being_decided_are_capped() -> None:
+    """docs/security.md: a linked peer "can load this side within per-link bounds". A
+    request's meta (up to ``max_meta_bytes``, 1 MiB) is held while its handler decides,
+    and a link took up to 4,096 such requests: 4 GiB held per link for requests the
+    handler had not answered yet. Past ``DECIDING_META_CAPS`` metas' worth (16 MiB)
+    the requests are answered ``LLM_LINK_BUSY`` with their meta skipped unread; the room
+    comes back as the handler decides."""
+    handler = Stalling()
+    server = TcpTransport(2, handler)
+    loop = asyncio.get_running_loop()
+    n, cap = DECIDING_META_CAPS + 8, DECIDING_META_CAPS
+    meta = bytes(1 << 20)  # the most a request may carry by default
+    try:
+        port = (await server.listen(HOST, 0))[1]
+        s = await loop.run_in_executor(None, raw_link, port)
+        await until(lambda: len(server.links()) == 1, 10)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+
+        def send(first: int, count: int) -> None:
+            for rid in range(first, first + 2 * count, 2):
+                s.sendall(wire.encode_frame(_F.READ_REQ, rid, meta=meta, size=1))
+
+        await loop.run_in_executor(None, send, 0, n)
+        busy = [await loop.run_in_executor(None, recv_frame, s) for _ in range(n - cap)]
+        assert [h.status for h in busy] == [LLMStatusCode.LLM_LINK_BUSY] * (n - cap)
+        assert handler.asked == cap
+        held = tracemalloc.get_traced_memory()[0] - before
+        assert held < (cap + 4) << 20, f"{held >> 20} MiB held"
+        handler.go.set()  # decided: refused, and their room given back
+        answers = [await loop.run_in_executor(None, recv_frame, s) for _ in range(cap)]
+        assert {h.status for h in answers} == {LLMStatusCode.LLM_NOT_YET_LINK}
+        await loop.run_in_executor(None, send, 2 * n, 1)
+        assert (await loop.run_in_executor(None, recv_frame, s)).req_id == 2 * n
+        assert handler.asked == cap + 1
+        s.close()
+    finally:
+        tracemalloc.stop()
+        await server.aclose()

@@ -450,6 +450,9 @@ class TcpLink(Link):
             self._granted(op, size, direct, grant)
         else:
             op.task = self._spawn(self._serve(op, meta, size, direct), f"serve-{op.rid}")
+            # its meta is held until the task ends (even one cancelled before it ran)
+            self._p.deciding_meta += len(meta)
+            op.task.add_done_callback(partial(self._decided, len(meta)))
 
     def _start_commit(self, op: PeerOp, commit: Callable[[], Awaitable[LLMStatusCode]]) -> None:
         self._spawn(self._committed(op, commit), f"commit-{op.rid}")
@@ -457,6 +460,9 @@ class TcpLink(Link):
     async def _serve(self, op: PeerOp, meta: bytes, size: int, direct: DirectCheck | None) -> None:
         """Await the handler's answer, then answer the peer and start the transfer."""
         self._granted(op, size, direct, await self._ask(op, meta, size, direct))
+
+    def _decided(self, meta_len: int, _: object) -> None:
+        self._p.deciding_meta -= meta_len
 
     def _granted(self, op: PeerOp, size: int, direct: DirectCheck | None, grant: Any) -> None:
         """Answer the peer's request ``op`` with the handler's ``grant`` (checked here)

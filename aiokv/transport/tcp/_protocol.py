@@ -101,6 +101,13 @@ def _wake(waiter: Waiter) -> None:
         waiter.set_result(None)
 
 
+#: The metas of a peer's requests that its link holds while their handler decides (a
+#: grant waiting for staging room, say) stay below this many ``max_meta_bytes`` (16 MiB
+#: by default); requests beyond are answered ``LLM_LINK_BUSY`` with their meta skipped
+#: unread. aiokv's own requests carry a few KiB of meta (256 KiB for 16,384 blocks).
+DECIDING_META_CAPS: Final = 16
+
+
 class LinkProtocol:
     """The request state of one link and one small handler per control frame type."""
 
@@ -117,6 +124,10 @@ class LinkProtocol:
         self.max_meta_bytes = max_meta_bytes
         # requests a peer may have outstanding; more are answered LLM_LINK_BUSY
         self.max_peer_requests = max_peer_requests
+        # the metas of the peer's requests whose handler is still deciding (held in
+        # memory meanwhile; the driver counts them): past the cap, LLM_LINK_BUSY too
+        self.deciding_meta = 0
+        self.max_deciding_meta = DECIDING_META_CAPS * max_meta_bytes
         # past `high` queued reply bytes the reader pauses until they are down to `low`
         self.backlog_high, self.backlog_low = reply_backlog
         # The connecting side numbers its requests 0, 2, 4, ...; the accepting side 1, 3, 5.
@@ -194,11 +205,17 @@ class LinkProtocol:
         keeps us, so that its requests never fail ours."""
         return h.type not in _REASON_TYPES and (
             h.meta_len > self.max_meta_bytes
-            or (
-                h.meta_len > 0
-                and h.type in _REQUEST_TYPES
-                and len(self.theirs) >= self.max_peer_requests
-            )
+            or (h.meta_len > 0 and h.type in _REQUEST_TYPES and self._busy(h.meta_len))
+        )
+
+    def _busy(self, meta_len: int) -> bool:
+        """Whether a request with ``meta_len`` bytes of meta is answered ``LLM_LINK_BUSY``:
+        the peer has the most requests it may have, or the metas held for its requests
+        being decided would pass :attr:`max_deciding_meta` (a meta over the cap is
+        refused as such, not as busy)."""
+        return len(self.theirs) >= self.max_peer_requests or (
+            meta_len <= self.max_meta_bytes
+            and self.deciding_meta + meta_len > self.max_deciding_meta
         )
 
     def receive(self, h: wire.Header, meta: bytearray | None) -> None:
@@ -256,7 +273,7 @@ class LinkProtocol:
             status = _S.LLM_PARAM_INVALID
         elif rid in self.theirs:
             status = _S.LLM_REPEAT_REQUEST
-        elif len(self.theirs) >= self.max_peer_requests:
+        elif self._busy(h.meta_len):
             status = _S.LLM_LINK_BUSY
         elif meta is None and h.meta_len <= self.max_meta_bytes:
             # skipped because the peer was at its cap when the header came (a slot
