@@ -33,6 +33,7 @@ from .._copy import is_staged
 from .._enums import DataType
 from .._enums import LLMStatusCode
 from .._errors import LLMException
+from .._errors import code_of_failure
 from .._layout import ByteLayout
 from .._layout import LayoutViews
 from .._layout import total_bytes
@@ -443,9 +444,10 @@ class PeerService:
             self._registry.unpin(*plan.entries)
             if isinstance(exc, LLMException):
                 return self._refuse(peer, write, exc.status_code, f"staging: {exc}")
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception):  # the code a caller here would see
                 log.exception("staging a %s failed", _kind(write))
-                return self._refuse(peer, write, Code.LLM_FAILED, "staging failed")
+                why = f"staging failed: {type(exc).__name__}"
+                return self._refuse(peer, write, code_of_failure(exc), why)
             raise
         try:  # unregister_cache may have begun while this awaited
             if plan.runs is not None:

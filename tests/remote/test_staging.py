@@ -345,3 +345,25 @@ async def test_stager_bounds_what_it_lends() -> None:
         assert st.in_use == 0
     finally:
         await sched.aclose()
+
+
+async def test_a_staging_failure_reaches_the_requester_under_its_code(
+    route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The serving side's staging failing with host memory short (a ``MemoryError``, or
+    torch's allocator's ``RuntimeError``) is refused to the requester as
+    ``LLM_OUT_OF_MEMORY``, the code a local caller would see for it (SPEC §1.2), not
+    ``LLM_FAILED``; nothing stays lent or pinned."""
+    async with linked(route, "tcp") as (p, d):
+        await p.cache_manager.allocate_blocks_cache(paged(), BlocksCacheKey(1, 0))
+        dst = await d.cache_manager.allocate_blocks_cache(paged())
+
+        async def short(*args: Any, **kwargs: Any) -> Any:
+            raise MemoryError
+
+        monkeypatch.setattr(stager(p), "gather", short)
+        exc = await raises(
+            CODE.LLM_OUT_OF_MEMORY,
+            d.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0, 1], [0, 1]),
+        )
+        assert "MemoryError" in str(exc)
