@@ -4,6 +4,7 @@ vLLM needed): token counting, block mapping, holds, releases, bad params."""
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import pytest
@@ -37,9 +38,15 @@ class Clock:
 
 
 def side(
-    tp: int = 1, lease: float = 480.0, clock: Clock | None = None, *, push: bool = False
+    tp: int = 1,
+    lease: float = 480.0,
+    clock: Clock | None = None,
+    *,
+    push: bool = False,
+    wall: Clock | None = None,
 ) -> SchedulerSide:
-    """The scheduler side of engine "engine-p" with ``tp`` ranks (``RANKS``) set."""
+    """The scheduler side of engine "engine-p" with ``tp`` ranks (``RANKS``) set
+    (``wall``: its wall clock, else the real one)."""
     s = SchedulerSide(
         engine_id="engine-p",
         block_size=BS,
@@ -47,6 +54,7 @@ def side(
         lease_s=lease,
         push=push,
         clock=clock or Clock(),
+        wall=wall or time.time,
     )
     s.set_ranks({r: RANKS[r] for r in range(tp)})
     return s
@@ -160,6 +168,28 @@ def test_a_load_that_begins_after_the_prefills_lease_fails() -> None:
     assert d._arrivals == {}  # nothing kept
 
 
+def test_the_lease_counts_from_when_the_prefill_made_the_params() -> None:
+    """A proxy that holds a prefill's output a while before it sends the decode
+    request: the prefill's lease began when it finished, so the decode side has that
+    much less time to begin its load (the params say when they were made, by the
+    prefill's wall clock). Counted from the decode request's arrival, a load began after
+    the prefill had freed its blocks and vLLM had reused them: another prompt's KV,
+    loaded without an error."""
+    wall_p, wall_d, clock = Clock(), Clock(), Clock()
+    p, d = side(lease=100, wall=wall_p), side(clock=clock, wall=wall_d)
+    params = prefill(p, [7, 3], tokens=64)
+    wall_d.now += 60  # the proxy held them a minute
+    skewed = {**copy.deepcopy(params), "remote_issued_at": wall_d.now + 5}  # a clock ahead
+    d.arrived("held", params)
+    d.arrived("skewed", skewed)  # counts from now
+    clock.now += 30  # 90 s after the prefill finished: past load_deadline(100) = 89
+    for rid, given in (("held", params), ("skewed", skewed)):
+        d.after_alloc(rid, given, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=64)
+    late, soon = d.take_plan().loads
+    assert late.error is not None and "lease" in late.error
+    assert soon.error is None and soon.within_s == pytest.approx(89 - 30)
+
+
 def test_decode_with_a_local_prefix_hit_loads_the_rest() -> None:
     p, d = side(), side()
     params = prefill(p, [7, 3, 9, 4], tokens=100)
@@ -233,6 +263,8 @@ def test_too_few_allocated_blocks_is_a_failed_load() -> None:
         ({"remote_engine_id": "x" * 5000}, "remote_engine_id"),
         ({"remote_lease_s": 0}, "remote_lease_s"),
         ({"remote_lease_s": "480"}, "remote_lease_s"),
+        ({"remote_issued_at": "now"}, "remote_issued_at"),
+        ({"remote_issued_at": -1}, "remote_issued_at"),
     ],
 )
 def test_bad_params_fail_that_request_only(change: dict[str, Any], why: str) -> None:

@@ -20,6 +20,7 @@ Fields (all present in what the prefill returns):
 ``remote_ranks``            per tensor-parallel rank ``[host, port, cluster_id]``
 ``remote_token``            a random token the done notice must repeat
 ``remote_lease_s``          how long the prefill holds the blocks for a decode side
+``remote_issued_at``        when the prefill made these params (its wall clock, s)
 ``aiokv``                   the params' schema version (1)
 ==========================  =====================================================
 
@@ -50,6 +51,7 @@ __all__ = [
     "RemotePrefill",
     "check_transfer_id",
     "endpoint_params",
+    "issued_at",
     "parse_push_prefill",
     "parse_remote_prefill",
     "producer_params",
@@ -149,8 +151,10 @@ def producer_params(
     ranks: list[Endpoint],
     token: str,
     lease_s: float,
+    issued_at: float,
 ) -> dict[str, Any]:
-    """The params a finished prefill returns (plain JSON values)."""
+    """The params a finished prefill returns (plain JSON values); ``issued_at``: now,
+    by the wall clock (``time.time()``)."""
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -162,6 +166,7 @@ def producer_params(
         "remote_ranks": [[r.host, r.port, r.cluster_id] for r in ranks],
         "remote_token": token,
         "remote_lease_s": lease_s,
+        "remote_issued_at": issued_at,
         "aiokv": PARAMS_VERSION,
     }
 
@@ -191,6 +196,7 @@ def parse_remote_prefill(
         or _block_size_error(params, block_size)
         or _covered_error(blocks, num_tokens, block_size)
         or _lease_error(lease_s)
+        or _issued_error(params.get("remote_issued_at"))
     )
     if why is not None:
         return why
@@ -245,6 +251,22 @@ def _covered_error(blocks: list[int], num_tokens: int, block_size: int) -> str |
 def _lease_error(lease_s: Any) -> str | None:
     if not isinstance(lease_s, int | float) or isinstance(lease_s, bool) or not 0 < lease_s < 1e9:
         return "remote_lease_s must be a number of seconds > 0 and < 1e9"
+    return None
+
+
+def issued_at(params: dict[str, Any]) -> float | None:
+    """The wall-clock time the prefill made ``params`` (``remote_issued_at``); None when
+    absent (params of an earlier aiokv) or not a finite number."""
+    value = params.get("remote_issued_at")
+    return None if _issued_error(value) is not None or value is None else float(value)
+
+
+def _issued_error(value: Any) -> str | None:
+    """Why ``value`` is not a ``remote_issued_at`` (absent is fine), or ``None``."""
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < 1e11:
+        return "remote_issued_at must be a wall-clock time in seconds (>= 0)"
     return None
 
 

@@ -4,7 +4,8 @@ The vLLM facade (:mod:`._connector`) reads what it needs from vLLM's ``Request``
 ``KVCacheBlocks`` and calls these methods in vLLM's order:
 
 0. :meth:`~SchedulerSide.arrived` (``on_new_request``): when a decode request came in
-   (its prefill's lease counts from about then).
+   (its prefill's lease counts from then, less the age of its params by the wall
+   clocks: how long the proxy held them).
 1. :meth:`~SchedulerSide.matched_tokens` (``get_num_new_matched_tokens``, maybe
    several times, no side effect): a decode request whose params name a prefill loads
    its prompt's KV asynchronously.
@@ -40,6 +41,7 @@ from ._params import PushPrefill
 from ._params import RemotePrefill
 from ._params import check_transfer_id
 from ._params import endpoint_params
+from ._params import issued_at
 from ._params import parse_push_prefill
 from ._params import parse_remote_prefill
 from ._params import producer_params
@@ -68,6 +70,8 @@ class SchedulerSide:
             (push mode: also how long a prefill request waits for its reservation).
         push: push mode on (``mode="push"``): requests may use the push flow.
         clock: seconds, monotonic (tests pass a fake one).
+        wall: seconds, the wall clock (tests pass a fake one): the params a prefill
+            returns say when they were made, by it.
     """
 
     def __init__(
@@ -79,12 +83,14 @@ class SchedulerSide:
         lease_s: float,
         push: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._engine_id = engine_id
         self._block_size = block_size
         self._tp_size = tp_size
         self._lease_s = lease_s
         self._clock = clock
+        self._wall = wall
         self._arrivals: dict[str, float] = {}  # decode request -> when it came in
         self._ranks: list[Endpoint] | None = None
         self._loads: list[Load] = []
@@ -137,11 +143,14 @@ class SchedulerSide:
         return transfer
 
     def arrived(self, request_id: str, params: dict[str, Any] | None) -> None:
-        """``on_new_request``: note when a decode request came in (the proxy sends it
-        right after its prefill finished, so the prefill's lease ends no sooner than
-        about :func:`load_deadline` after this)."""
+        """``on_new_request``: note when a decode request came in, less the age of its
+        params (``remote_issued_at`` by this side's wall clock: a proxy may hold them a
+        while): the prefill's lease ends no sooner than about :func:`load_deadline`
+        after that. Params without the field count from now (an earlier aiokv)."""
         if params and params.get("do_remote_prefill"):
-            self._arrivals[request_id] = self._clock()
+            issued = issued_at(params)
+            age = 0.0 if issued is None else max(0.0, self._wall() - issued)
+            self._arrivals[request_id] = self._clock() - age
         transfer = self._push_transfer(params)
         if transfer is not None:
             self._push_since.setdefault(transfer, self._clock())
@@ -386,6 +395,7 @@ class SchedulerSide:
             ranks=self._ranks,
             token=token,
             lease_s=self._lease_s,
+            issued_at=self._wall(),
         )
 
     def take_plan(self) -> StepPlan:
