@@ -190,6 +190,28 @@ def test_the_lease_counts_from_when_the_prefill_made_the_params() -> None:
     assert soon.error is None and soon.within_s == pytest.approx(89 - 30)
 
 
+def test_params_used_twice_load_once() -> None:
+    """A proxy that sends one prefill's params with two decode requests (a retry, a
+    fan-out): both would pull the same prefill blocks, and the first to end tells the
+    prefill, which frees them — the second load could read them reused by then, another
+    prompt's KV with no error. The second request's load fails at once, naming the
+    first (its ``kv_load_failure_policy`` applies); a full local prefix hit that comes
+    second does not release the prefill's blocks the first still loads."""
+    p, d = side(), side()
+    params = prefill(p, [7, 3], tokens=64)
+    for rid in ("d1", "d2"):
+        given = copy.deepcopy(params)
+        d.arrived(rid, given)
+        d.after_alloc(rid, given, cached_blocks=0, new_blocks=[1, 2], num_external_tokens=64)
+    first, second = d.take_plan().loads
+    assert first.error is None and first.remote_blocks == (7, 3)
+    assert second.error is not None and "already used by request d1" in second.error
+    d.after_alloc(
+        "d3", copy.deepcopy(params), cached_blocks=2, new_blocks=[], num_external_tokens=0
+    )
+    assert d.take_plan().releases == ()
+
+
 def test_decode_with_a_local_prefix_hit_loads_the_rest() -> None:
     p, d = side(), side()
     params = prefill(p, [7, 3, 9, 4], tokens=100)

@@ -92,6 +92,8 @@ class SchedulerSide:
         self._clock = clock
         self._wall = wall
         self._arrivals: dict[str, float] = {}  # decode request -> when it came in
+        # decode: params' token -> (the request that took them, forget after)
+        self._claimed: dict[str, tuple[str, float]] = {}
         self._ranks: list[Endpoint] | None = None
         self._loads: list[Load] = []
         self._releases: list[Release] = []
@@ -217,7 +219,7 @@ class SchedulerSide:
                 self._loads.append(Load(request_id, (), (), "", "", (), error=remote))
             return
         if num_external_tokens <= 0:  # e.g. a full local prefix-cache hit
-            if isinstance(remote, RemotePrefill):
+            if isinstance(remote, RemotePrefill) and self._claim(request_id, remote) is None:
                 self._releases.append(Release(remote.request_id, remote.token, remote.ranks))
             # push mode: no reservation made, the prefill computes without pushing
             return
@@ -242,31 +244,57 @@ class SchedulerSide:
                 )
             )
             return
+        self._loads.append(self._load(request_id, remote, arrived, local, first, stop))
+
+    def _load(
+        self,
+        request_id: str,
+        remote: RemotePrefill,
+        arrived: float | None,
+        local: list[int],
+        first: int,
+        stop: int,
+    ) -> Load:
+        """The load of ``remote``'s blocks ``first:stop`` into ``local`` (``arrived``:
+        when its lease began here, see :meth:`arrived`), or a failed one saying why."""
         remote_blocks = remote.block_ids[first:stop]
         error: str | None = None
         left = None if arrived is None else arrived + load_deadline(remote.lease_s) - self._clock()
         if left is not None and left < 0:
             # the prefill may have freed (and reused) its blocks: never load them
             error = f"the prefill's lease of {remote.lease_s:g} s ran out before the load began"
-            log.error("request %s: %s", request_id, error)
         elif len(local) != stop - first or len(remote_blocks) != len(local):
             error = (
                 f"{stop - first} blocks to load, {len(local)} allocated here and "
                 f"{len(remote_blocks)} named by the prefill"
             )
+        else:
+            error = self._claim(request_id, remote)
+        if error is not None:
             log.error("request %s: %s", request_id, error)
-        self._loads.append(
-            Load(
-                request_id,
-                tuple(local),
-                tuple(remote_blocks),
-                remote.request_id,
-                remote.token,
-                remote.ranks,
-                error,
-                left,
-            )
+        return Load(
+            request_id,
+            tuple(local),
+            tuple(remote_blocks),
+            remote.request_id,
+            remote.token,
+            remote.ranks,
+            error,
+            left,
         )
+
+    def _claim(self, request_id: str, remote: RemotePrefill) -> str | None:
+        """Take ``remote``'s params for ``request_id``, or say why not: they were taken
+        by another request (a proxy that sent one prefill's params twice). The first one
+        to end tells the prefill, which frees the blocks: a second load could read them
+        reused by then (another prompt's KV, no error)."""
+        taken = self._claimed.get(remote.token)
+        if taken is not None:
+            why = f"its kv_transfer_params were already used by request {taken[0]}"
+            log.error("request %s: %s", request_id, why)
+            return why
+        self._claimed[remote.token] = (request_id, self._clock() + remote.lease_s)
+        return None
 
     # ---- prefill side ---------------------------------------------------------------------
     def reserved(self, transfers: dict[str, int]) -> None:
@@ -421,7 +449,10 @@ class SchedulerSide:
             items.clear()
         # reservations no prefill request claimed within a lease: forget them (the
         # workers told their decode sides when they dropped them)
-        old = self._clock() - self._lease_s
+        now = self._clock()
+        old = now - self._lease_s
         for transfer in [t for t, (_, first) in self._reported.items() if first < old]:
             del self._reported[transfer]
+        for token in [t for t, (_, until) in self._claimed.items() if until < now]:
+            del self._claimed[token]  # the prefill's lease ended: no load may begin now
         return plan
