@@ -422,6 +422,7 @@ class LLMDataDist:
             registry.on_deregister = lambda addr, n, dev: transport.deregister_memory(
                 addr, n, device=dev
             )
+            registry.outlived = lambda addr, n, dev: transport.outlived(addr, n, device=dev)
             if config.listen_address is not None:
                 with map_errors(f"{op} (listen on {config.listen_ip_info})"):
                     self._listen = await transport.listen(*config.listen_address)

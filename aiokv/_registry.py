@@ -29,6 +29,7 @@ from typing import Concatenate
 from typing import ParamSpec
 from typing import TypeVar
 
+import torch
 from sortedcontainers import SortedDict
 
 from ._cache import Cache
@@ -88,6 +89,9 @@ class RegistryStats:
         pins: operations (local copies, remote grants, layer-wise tasks) holding a cache.
         leases: caches lent to peers by address (leases, over NIXL), each holding its
             cache until it is taken back (``deallocate_blocks_cache`` does that).
+        quarantined_bytes: pool memory of released caches kept out of the pool for
+            good, because a NIXL transfer on it could not be stopped (it may still write
+            there; docs/design.md, "Ending an operation").
     """
 
     caches: int
@@ -98,6 +102,7 @@ class RegistryStats:
     blocks_keys: int
     pins: int
     leases: int = 0
+    quarantined_bytes: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -154,6 +159,10 @@ class CacheRegistry:
         #: ``register_memory`` / ``deregister_memory``); called under :attr:`lock`
         self.on_register: Callable[[int, int, str], None] | None = None
         self.on_deregister: Callable[[int, int, str], None] | None = None
+        #: whether a transfer that could not be stopped may still touch ``(addr, nbytes,
+        #: device)`` (the transport's ``outlived``): such pool memory is never freed
+        self.outlived: Callable[[int, int, str], bool] | None = None
+        self._quarantined = 0  # bytes of pool memory kept so
 
     # ---- adding -------------------------------------------------------------------------
     @_locked
@@ -449,12 +458,43 @@ class CacheRegistry:
                 if not regions:
                     del self._regions[t.data_ptr()]
             if not e.spans and self.on_deregister is not None:
+                self._warn_outlived(e.cache.cache_id, t)
                 self.on_deregister(t.data_ptr(), e.cache.cache_desc.size, str(t.device))
         for pool, span in e.spans:
-            pool.free(span)
+            if not self._quarantine(pool, span, e.cache.cache_id):
+                pool.free(span)
         if e.spans:
             e.cache._memory_freed()
         del self.entries[e.cache.cache_id]
+
+    def _quarantine(self, pool: MemPool, span: Span, cache_id: int) -> bool:
+        """Whether ``span`` of ``pool`` stays allocated for good: a transfer that could
+        not be stopped may still write into it (docs/design.md, "Ending an operation")."""
+        if self.outlived is None:
+            return False
+        addr = pool.region.data_ptr() + span.start * pool.page_size
+        nbytes = span.npages * pool.page_size
+        if not self.outlived(addr, nbytes, str(pool.region.device)):
+            return False
+        self._quarantined += nbytes
+        log.error(
+            "cache %d: %d bytes of %s memory are kept out of the pool for good: a NIXL "
+            "transfer on them could not be stopped and may still write into them",
+            cache_id,
+            nbytes,
+            pool.name,
+        )
+        return True
+
+    def _warn_outlived(self, cache_id: int, t: torch.Tensor) -> None:
+        """Registered user memory is the user's to free: say so loudly when a transfer
+        that could not be stopped may still write into it."""
+        if self.outlived is not None and self.outlived(t.data_ptr(), t.nbytes, str(t.device)):
+            log.error(
+                "cache %d: a NIXL transfer that could not be stopped may still write into "
+                "its registered memory: keep that tensor alive, do not reuse it",
+                cache_id,
+            )
 
     @_locked
     def close(self) -> None:
@@ -485,6 +525,7 @@ class CacheRegistry:
             blocks_keys=len(self.blocks_keys),
             pins=sum(e.pins - e.leases for e in live),
             leases=sum(e.leases for e in live),
+            quarantined_bytes=self._quarantined,
         )
 
 

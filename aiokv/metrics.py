@@ -38,6 +38,7 @@ series                                 type       labels
 ``aiokv_cache_keys``                   gauge      cluster
 ``aiokv_cache_pins``                   gauge      cluster
 ``aiokv_cache_leases``                 gauge      cluster
+``aiokv_cache_quarantined_bytes``      gauge      cluster
 =====================================  =========  ======================================
 
 ``peer`` is a cluster id, or ``other`` for the peers folded together (the per-peer
@@ -102,6 +103,7 @@ SERIES: tuple[tuple[str, str], ...] = (
     ("gauge", "aiokv_cache_keys"),
     ("gauge", "aiokv_cache_pins"),
     ("gauge", "aiokv_cache_leases"),
+    ("gauge", "aiokv_cache_quarantined_bytes"),
 )
 
 
@@ -288,6 +290,12 @@ class _Families:
                 self.gauge("aiokv_cache_keys", "bound cache keys", c, s.caches.keys)
                 self.gauge("aiokv_cache_pins", "operations pinning caches", c, s.caches.pins)
                 self.gauge("aiokv_cache_leases", "caches lent to peers", c, s.caches.leases)
+                self.gauge(
+                    "aiokv_cache_quarantined_bytes",
+                    "pool memory kept from reuse: a transfer on it could not be stopped",
+                    c,
+                    s.caches.quarantined_bytes,
+                )
         return list(self.fams.values())
 
 

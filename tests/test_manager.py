@@ -33,6 +33,7 @@ from aiokv import LLMStatusCode
 from aiokv import NoneArgumentError
 from aiokv import Placement
 from aiokv._copy import _scheduler
+from aiokv._registry import RegistryStats
 
 POOL = 64 << 20
 CODE = LLMStatusCode
@@ -75,9 +76,7 @@ def stats(cm: CacheManager) -> dict[str, int]:
     return dataclasses.asdict(cm.statistics())
 
 
-NOTHING = dict.fromkeys(
-    ("caches", "allocated", "registered", "released", "keys", "blocks_keys", "pins", "leases"), 0
-)
+NOTHING = dict.fromkeys((f.name for f in dataclasses.fields(RegistryStats)), 0)
 
 
 # ---- lifecycle -----------------------------------------------------------------------------

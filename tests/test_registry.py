@@ -24,6 +24,7 @@ from aiokv._pool import MemPool
 from aiokv._pool import Span
 from aiokv._registry import CacheRegistry
 from aiokv._registry import Entry
+from aiokv._registry import RegistryStats
 from aiokv._registry import key_id
 
 PAGE_SHIFT = 10
@@ -74,9 +75,7 @@ def stats(reg: CacheRegistry) -> dict[str, int]:
     return dataclasses.asdict(reg.statistics())
 
 
-NOTHING = dict.fromkeys(
-    ("caches", "allocated", "registered", "released", "keys", "blocks_keys", "pins", "leases"), 0
-)
+NOTHING = dict.fromkeys((f.name for f in dataclasses.fields(RegistryStats)), 0)
 
 
 # ---- keys ------------------------------------------------------------------------------------

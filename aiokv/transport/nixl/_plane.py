@@ -31,6 +31,8 @@ from typing import Protocol
 from typing import TypeVar
 from typing import cast
 
+import numpy as np
+
 from ..._enums import LLMStatusCode
 from ..._errors import LLMException
 from ..._layout import LayoutViews
@@ -107,6 +109,8 @@ class NixlOwner(Protocol):
     def _table(self, device: str, *, create: bool = False) -> Regions | None: ...
 
     def addressable(self, device: str, addr: int, nbytes: int) -> bool: ...
+
+    def quarantine(self, device: str, runs: np.ndarray) -> None: ...
 
     def generation(self) -> int: ...
 
@@ -351,7 +355,9 @@ class NixlPlane:
                 status_code=_S.LLM_TIMEOUT,
             ) from None
         finally:
-            await self._settle(agent, xfer, total if state == "DONE" else None)
+            await self._settle(
+                agent, xfer, total if state == "DONE" else None, lambda: _local_runs(local)
+            )
         if state == "DONE":
             return
         if state == "ERR":
@@ -455,7 +461,12 @@ class NixlPlane:
                 op.stream = Stream(op.rid, [], 0)
                 op.stream.sent = True
         finally:
-            await self._settle(agent, xfer, op.total if state == "DONE" else None)
+            await self._settle(
+                agent,
+                xfer,
+                op.total if state == "DONE" else None,
+                lambda: ("cpu" if mem == "DRAM" else f"cuda:{dev}", runs),
+            )
 
     async def _run(
         self,
@@ -508,13 +519,20 @@ class NixlPlane:
             self._n.wait_lane.submit(work, f"NIXL wait of {self.link!r}"), stopped.set
         )
 
-    async def _settle(self, agent: Agent, xfer: object, moved: int | None) -> None:
+    async def _settle(
+        self,
+        agent: Agent,
+        xfer: object,
+        moved: int | None,
+        where: Callable[[], tuple[str, np.ndarray]],
+    ) -> None:
         """Release ``xfer`` once it is no longer in flight, then :meth:`_end` it
         (``moved``: its bytes if it completed). NIXL frees a transfer in flight without
         stopping its bytes (UCX over TCP moves them on), so one not known to be over
         (cancelled, timed out, stopped) is waited for, shielded and bounded
-        (:data:`SETTLE_S`); one that still does not end breaks the link. A
-        cancellation meanwhile is re-raised afterwards."""
+        (:data:`SETTLE_S`); one that still does not end breaks the link, and its local
+        memory ``where()`` (device, ``(addr, nbytes)`` rows) is quarantined: its bytes
+        may still land there. A cancellation meanwhile is re-raised afterwards."""
         cancelled = False
         try:
             if moved is None:
@@ -523,7 +541,12 @@ class NixlPlane:
                 delay = POLL_MIN_S
                 while agent.in_flight(xfer):
                     if loop.time() >= end:
-                        _log.error("%r: a NIXL transfer does not end; dropping the link", self.link)
+                        _log.error(
+                            "%r: a NIXL transfer does not end; dropping the link; its local "
+                            "memory is kept from reuse",
+                            self.link,
+                        )
+                        self._n.quarantine(*where())
                         on_loop(self._loop, self.link._break, "NIXL transfer could not be stopped")
                         break
                     try:
@@ -537,6 +560,14 @@ class NixlPlane:
             self._end(moved)
         if cancelled:
             raise asyncio.CancelledError
+
+
+def _local_runs(local: Payload) -> tuple[str, np.ndarray]:
+    """The device and ``(addr, nbytes)`` rows of a one-sided transfer's ``local``."""
+    if isinstance(local, DeviceRuns):
+        return local.device, local.runs
+    views = local if isinstance(local, list | LayoutViews) else list(local)
+    return "cpu", runs_of(views)
 
 
 def _far_place(remote: DeviceRuns) -> Place | None:

@@ -127,6 +127,10 @@ class NixlTransport(TcpTransport):
         #: threads that post and wait for big transfers (and create the agent): this
         #: transport's own, so nothing blocked elsewhere can delay a transfer
         self.wait_lane = Lane("aiokv-nixl-wait", WAIT_THREADS)
+        #: local memory of transfers that could not be stopped, by device: (addr, nbytes)
+        #: rows (under xfer_lock); never handed out again (:meth:`outlived`)
+        self._outlived: list[tuple[str, np.ndarray]] = []
+        self.outlived_bytes = 0
 
     # ------------------------------------------------------------------ memory hooks
 
@@ -174,6 +178,25 @@ class NixlTransport(TcpTransport):
                     agent.deregister(region.handle)
                 except Exception:
                     _log.exception("NIXL deregistration of [%#x, +%d) failed", addr, nbytes)
+
+    def quarantine(self, device: str, runs: np.ndarray) -> None:
+        """Keep ``runs`` (``(addr, nbytes)`` rows) of ``device`` from reuse: a transfer
+        on them could not be stopped, so its bytes may still land there (any thread)."""
+        rows = np.array(runs, dtype=np.uint64).reshape(-1, 2)
+        with self.xfer_lock:
+            self._outlived.append((device, rows))
+            self.outlived_bytes += int(rows[:, 1].sum())
+
+    def outlived(self, addr: int, nbytes: int, *, device: str = "cpu") -> bool:
+        """Whether ``[addr, addr + nbytes)`` of ``device`` overlaps memory of a transfer
+        that could not be stopped (:meth:`quarantine`)."""
+        with self.xfer_lock:
+            kept = list(self._outlived)
+        lo, hi = np.uint64(addr), np.uint64(addr + nbytes)
+        return any(
+            dev == device and bool(np.any((rows[:, 0] < hi) & (rows[:, 0] + rows[:, 1] > lo)))
+            for dev, rows in kept
+        )
 
     def _table(self, device: str, *, create: bool = False) -> Regions | None:
         """The region table of ``device`` ("cpu", "cuda:N"), or None for memory NIXL is

@@ -159,3 +159,55 @@ def test_a_new_cache_is_never_written_by_a_revoked_leases_push() -> None:
     assert fields["same_memory"] == "True"
     # the new cache's blocks 0..62 were zeroed after the revocation and never written since
     assert fields["later"] == "0", line
+
+
+_UNSTOPPED_PROGRAM = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    from aiokv import BlocksCacheKey, CacheDesc, DataType, LLMException
+    from aiokv.testing import linked_pair, make_config
+    import aiokv.transport.nixl._plane as plane
+
+    plane.SETTLE_S = 0.01  # a transfer still moving 10 ms after it was cut short: unstopped
+    DESC = CacheDesc(2, [128, 1024, 512], DataType.DT_FLOAT16)  # 1 MiB blocks, 256 MiB
+
+    async def main():
+        pc = make_config("nixl", pool=300 << 20, page_shift=16, sync_kv_timeout=10000)
+        dc = make_config("nixl", pool=600 << 20, page_shift=16, sync_kv_timeout=100)
+        async with linked_pair(pc, dc) as (p, d):
+            key = BlocksCacheKey(1, 0)
+            await p.cache_manager.allocate_blocks_cache(DESC, key)
+            dst = await d.cache_manager.allocate_blocks_cache(DESC)
+            lo = dst.tensors[0].data_ptr()
+            code = None
+            try:  # cut short by its 100 ms timeout while it moves (over TCP)
+                await d.cache_manager.pull_blocks(key, dst, list(range(128)), list(range(128)))
+            except LLMException as exc:
+                code = exc.status_code.name
+            await d.cache_manager.deallocate_blocks_cache(dst)
+            again = await d.cache_manager.allocate_blocks_cache(DESC)
+            at = again.tensors[0].data_ptr()
+            overlap = at < lo + DESC.size and lo < at + DESC.size
+            kept = getattr(d.statistics().caches, "quarantined_bytes", None)
+            print(f"RESULT code={code} overlap={overlap} kept={kept}", flush=True)
+        sys.stdout.flush(); os._exit(0)
+
+    asyncio.run(main())
+    """
+)
+
+
+@needs_nixl
+def test_memory_of_a_transfer_that_could_not_be_stopped_is_never_handed_out_again() -> None:
+    """A NIXL transfer cut short (its timeout) that still does not end when released:
+    NIXL cannot stop its bytes, so they may land in the destination after the pull
+    raised. That destination's pool memory must never go to another cache: before, a
+    ``deallocate_blocks_cache`` then an allocation of the same size got the same memory,
+    for bytes of the old pull to land in later (docs/design.md, "Ending an operation").
+    It stays allocated for good and is counted in ``statistics().caches``."""
+    line = _run(_UNSTOPPED_PROGRAM)
+    print(line)
+    fields = dict(kv.split("=") for kv in line.split()[1:])
+    assert fields["code"] != "None", "the pull was not cut short: make it bigger"
+    assert fields["overlap"] == "False", line
+    assert int(fields["kept"]) >= 256 << 20, line
