@@ -92,8 +92,9 @@ class SchedulerSide:
         self._clock = clock
         self._wall = wall
         self._arrivals: dict[str, float] = {}  # decode request -> when it came in
-        # decode: params' token -> (the request that took them, forget after)
-        self._claimed: dict[str, tuple[str, float]] = {}
+        # decode: params' (token, prefill ranks) -> (the request that took them, forget
+        # after)
+        self._claimed: dict[tuple[str, tuple[Endpoint, ...]], tuple[str, float]] = {}
         self._ranks: list[Endpoint] | None = None
         self._loads: list[Load] = []
         self._releases: list[Release] = []
@@ -286,14 +287,15 @@ class SchedulerSide:
     def _claim(self, request_id: str, remote: RemotePrefill) -> str | None:
         """Take ``remote``'s params for ``request_id``, or say why not: they were taken
         by another request (a proxy that sent one prefill's params twice). The first one
-        to end tells the prefill, which frees the blocks: a second load could read them
-        reused by then (another prompt's KV, no error)."""
-        taken = self._claimed.get(remote.token)
+        to end tells the prefill (its ``ranks``), which frees the blocks: a second load
+        from there could read them reused by then (another prompt's KV, no error)."""
+        claim = (remote.token, remote.ranks)
+        taken = self._claimed.get(claim)
         if taken is not None:
             why = f"its kv_transfer_params were already used by request {taken[0]}"
             log.error("request %s: %s", request_id, why)
             return why
-        self._claimed[remote.token] = (request_id, self._clock() + remote.lease_s)
+        self._claimed[claim] = (request_id, self._clock() + remote.lease_s)
         return None
 
     # ---- prefill side ---------------------------------------------------------------------
@@ -453,6 +455,6 @@ class SchedulerSide:
         old = now - self._lease_s
         for transfer in [t for t, (_, first) in self._reported.items() if first < old]:
             del self._reported[transfer]
-        for token in [t for t, (_, until) in self._claimed.items() if until < now]:
-            del self._claimed[token]  # the prefill's lease ended: no load may begin now
+        for claim in [c for c, (_, until) in self._claimed.items() if until < now]:
+            del self._claimed[claim]  # the prefill's lease ended: no load may begin now
         return plan
