@@ -227,8 +227,8 @@ def wrap_memory(
     Integer addresses are host addresses (wrapped with ctypes), or on a CUDA device
     device addresses, each checked with the driver (:func:`.cuda_memory`); each must be
     a multiple of the dtype's element size. A bad one raises before anything is kept.
-    Tensors must be contiguous, on ``device``'s type (or CPU for HOST placement), of
-    ``desc``'s shape and dtype.
+    Tensors must be contiguous, on ``device`` (its index too, where it has one; CPU for
+    HOST placement), of ``desc``'s shape and dtype.
     """
     if tensors_or_addrs is None:
         check_instance(op, "tensors_or_addrs", tensors_or_addrs, (list, tuple))
@@ -241,7 +241,9 @@ def wrap_memory(
         param_invalid(op, f"got {len(items)} tensors/addresses, cache_desc has {desc.num_tensors}")
     if all(isinstance(a, int) and not isinstance(a, bool) for a in items):
         return _wrap_addresses(op, desc, items, device)
-    want_type = "cpu" if desc.placement == Placement.HOST else device.type
+    # DEVICE placement: this instance's device, index included (cuda:1 memory is not
+    # cuda:0's: a kernel there would fault, a copy would cross devices)
+    want = torch.device("cpu") if desc.placement == Placement.HOST else device
     for i, t in enumerate(items):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: tensors_or_addrs[{i}] must be a torch.Tensor or an int")
@@ -253,8 +255,8 @@ def wrap_memory(
             )
         if not t.is_contiguous():
             param_invalid(op, f"tensor {i} is not contiguous")
-        if t.device.type != want_type:
-            param_invalid(op, f"tensor {i} is on {t.device}, expected {want_type}")
+        if t.device.type != want.type or want.index not in (None, t.device.index):
+            param_invalid(op, f"tensor {i} is on {t.device}, expected {want}")
     return [t.detach() for t in items]
 
 

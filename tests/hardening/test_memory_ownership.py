@@ -119,3 +119,24 @@ async def test_register_refuses_unaligned_addresses() -> None:
         ok2 = await cm.register_cache(one, [buf.data_ptr() + 3001])
         await cm.unregister_cache(ok.cache_id)
         await cm.unregister_cache(ok2.cache_id)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+async def test_register_refuses_a_tensor_on_another_device_index() -> None:
+    """An instance of ``cuda:0`` given ``cuda:1`` tensors: the type matched, so they
+    were accepted, and every copy or transfer on that cache then crossed devices (or a
+    kernel faulted). ``register_*`` refuses them, naming the device it expects."""
+    cfg = not_listening(pool=POOL, host_pool=POOL, device_type="cuda", device_id=0)
+    async with LLMDataDist(LLMRole.MIX, 1, cfg) as dd:
+        cm = dd.cache_manager
+        desc = CacheDesc(1, [4, 4], DataType.DT_FLOAT, Placement.DEVICE)
+        other = torch.zeros(4, 4, device="cuda:1")
+        before = state(cm)
+        for register in (cm.register_cache, cm.register_blocks_cache):
+            with pytest.raises(LLMException) as ei:
+                await register(desc, [other])
+            assert ei.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+            assert "cuda:0" in str(ei.value)
+            assert state(cm) == before
+        ok = await cm.register_cache(desc, [torch.zeros(4, 4, device="cuda:0")])
+        await cm.unregister_cache(ok.cache_id)
