@@ -590,8 +590,8 @@ class Transport(abc.ABC):
     def outlived(self, addr: int, nbytes: int, *, device: str = "cpu") -> bool:
         """Whether a transfer this transport could not stop may still write into (or
         read) ``[addr, addr + nbytes)`` of ``device``: its owner must never hand that
-        memory out again. False unless a transport says so (``nixl``: docs/design.md,
-        "Ending an operation"); any thread."""
+        memory out again. False unless a transport whose transfers may outlive their
+        operation says so (docs/design.md, "Ending an operation"); any thread."""
         return False
 
     async def __aenter__(self) -> Self:
