@@ -40,7 +40,9 @@ class PoolStats:
 
     ``peak_used``: the most bytes ever in use at once; ``failed_allocations``: requests
     refused for lack of a large enough free span (``LLM_OUT_OF_MEMORY``). These two
-    are history, not state: ``==`` compares the pool's state only.
+    are history, not state: ``==`` compares the pool's state only. ``quarantined``:
+    bytes of ``used`` kept out of the pool for good (:meth:`MemPool.keep`): a NIXL
+    transfer that could not be stopped may still touch them.
     """
 
     total: int
@@ -51,6 +53,7 @@ class PoolStats:
     page_size: int
     peak_used: int = field(default=0, compare=False)
     failed_allocations: int = field(default=0, compare=False)
+    quarantined: int = 0
 
 
 class MemPool:
@@ -76,6 +79,7 @@ class MemPool:
         self._by_start: SortedDict[int, int] = SortedDict()  # start -> npages
         self._live: dict[int, Span] = {}
         self._used_pages = 0
+        self._kept_pages = 0  # of live spans never freed (keep)
         self._peak_pages = 0
         self._failed = 0
         self._insert_free(0, self._pages)
@@ -161,6 +165,18 @@ class MemPool:
             npages += nn
         self._insert_free(start, npages)
 
+    def keep(self, span: Span) -> None:
+        """Never return ``span`` to the pool (in place of :meth:`free`): memory a transfer
+        that could not be stopped may still touch stays used, counted as
+        ``quarantined``.
+
+        Raises:
+            ValueError: ``span`` is not a live allocation of this pool.
+        """
+        if self._live.get(span.start) is not span:
+            raise ValueError(f"{self.name}: {span} is not a live allocation")
+        self._kept_pages += span.npages
+
     def view(self, span: Span) -> torch.Tensor:
         """The ``span.nbytes`` bytes of ``span`` as a 1-D uint8 view of the region."""
         off = span.start * self.page_size
@@ -184,6 +200,7 @@ class MemPool:
             page_size=self.page_size,
             peak_used=self._peak_pages * self.page_size,
             failed_allocations=self._failed,
+            quarantined=self._kept_pages * self.page_size,
         )
 
     def check(self) -> None:

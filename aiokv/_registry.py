@@ -90,8 +90,9 @@ class RegistryStats:
         leases: caches lent to peers by address (leases, over NIXL), each holding its
             cache until it is taken back (``deallocate_blocks_cache`` does that).
         quarantined_bytes: pool memory of released caches kept out of the pool for
-            good, because a NIXL transfer on it could not be stopped (it may still write
-            there; docs/design.md, "Ending an operation").
+            good, because a NIXL transfer on it could not be stopped, or its link ended
+            while it was granted to a peer's (it may still write there; docs/design.md,
+            "Ending an operation").
     """
 
     caches: int
@@ -468,14 +469,16 @@ class CacheRegistry:
         del self.entries[e.cache.cache_id]
 
     def _quarantine(self, pool: MemPool, span: Span, cache_id: int) -> bool:
-        """Whether ``span`` of ``pool`` stays allocated for good: a transfer that could
-        not be stopped may still write into it (docs/design.md, "Ending an operation")."""
+        """Whether ``span`` of ``pool`` stays allocated for good (:meth:`MemPool.keep`): a
+        transfer that could not be stopped may still write into (or read) it
+        (docs/design.md, "Ending an operation")."""
         if self.outlived is None:
             return False
         addr = pool.region.data_ptr() + span.start * pool.page_size
         nbytes = span.npages * pool.page_size
         if not self.outlived(addr, nbytes, str(pool.region.device)):
             return False
+        pool.keep(span)
         self._quarantined += nbytes
         log.error(
             "cache %d: %d bytes of %s memory are kept out of the pool for good: a NIXL "

@@ -14,7 +14,9 @@ instead of DATA frames. The plane greets the peer with this side's agent metadat
 Buffers are off limits once an operation returns: a transfer still in flight is waited
 for (shielded, at most :data:`SETTLE_S`) before it is released — NIXL frees a transfer
 in flight without stopping its bytes (UCX over TCP moves them on) — and one that still
-does not end breaks the link.
+does not end breaks the link and has its local memory quarantined. A granter whose link
+ends while it serves a NIXL WRITE grant never hears whether the peer's WRITE on it
+ended: the grant's memory is quarantined too.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from .._base import DirectCheck
 from .._base import Payload
 from ..tcp._ops import MyOp
 from ..tcp._ops import PeerOp
+from ..tcp._ops import State
 from ..tcp._ops import Stream
 from ..tcp._plane import PlaneHost
 from ._agent import Agent
@@ -146,6 +149,9 @@ class NixlPlane:
         self._xfers = 0
         self._retired = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the link's (the engine's)
+        # NIXL grants served, with their memory (the link's loop): those not over when
+        # the link ends are quarantined (closed)
+        self._grants: dict[PeerOp, Place] = {}
 
     def __repr__(self) -> str:
         return f"<NixlPlane of {self._link!r}>"
@@ -241,6 +247,23 @@ class NixlPlane:
         self._peer_cap = cap
 
     def closed(self) -> None:
+        """The link ended (before its operations are ended): the memory of every NIXL
+        WRITE grant still served is quarantined — the peer's WRITE on it may not have
+        ended (it breaks the link when it cannot stop one: :meth:`_settle`), and no
+        word of its end can come now. A peer's READ only reads this side's memory:
+        its grant's memory is released as before."""
+        for op, (mem, dev, runs) in self._grants.items():
+            if op.state is State.OVER or op.is_read:
+                continue
+            _log.error(
+                "%r: the link ended while the peer's NIXL WRITE of request %d may still "
+                "move; the granted memory (%d bytes) is kept from reuse",
+                self.link,
+                op.rid,
+                int(runs[:, 1].sum()) if len(runs) else 0,
+            )
+            self._n.quarantine(_device(mem, dev), runs)
+        self._grants.clear()
         self._retire()
 
     def _retire(self) -> None:
@@ -286,6 +309,11 @@ class NixlPlane:
         # held until the link ends it: the reader's READ_DONE, the writer's
         # PLANE_WRITE_CHECK (after its WRITE completed), a CANCEL or a revocation
         n.serve(op)
+        if not op.is_read:  # a peer's WRITE: its memory is quarantined if the link ends
+            grants = self._grants
+            for over in [g for g in grants if g.state is State.OVER]:
+                del grants[over]
+            grants[op] = place
         return meta
 
     # ------------------------------------------------------------------ requester side
@@ -465,7 +493,7 @@ class NixlPlane:
                 agent,
                 xfer,
                 op.total if state == "DONE" else None,
-                lambda: ("cpu" if mem == "DRAM" else f"cuda:{dev}", runs),
+                lambda: (_device(mem, dev), runs),
             )
 
     async def _run(
@@ -560,6 +588,11 @@ class NixlPlane:
             self._end(moved)
         if cancelled:
             raise asyncio.CancelledError
+
+
+def _device(mem: str, dev: int) -> str:
+    """The device of NIXL memory ``mem`` (``DRAM`` / ``VRAM``) of device ``dev``."""
+    return "cpu" if mem == "DRAM" else f"cuda:{dev}"
 
 
 def _local_runs(local: Payload) -> tuple[str, np.ndarray]:

@@ -587,12 +587,13 @@ class TcpLink(Link):
         _log.debug("%r: %s", self, reason)
         self._io.close()
         self._w.clear()
+        # first: the plane sees which of the grants it serves ended unheard (with the link)
+        self._plane.closed()
         self._p.close()
         current = asyncio.current_task()
         for task in (self._reader, self._writer):
             if task is not current:
                 task.cancel()
-        self._plane.closed()
         self._t._link_lost(self)
 
     async def _join(self) -> None:

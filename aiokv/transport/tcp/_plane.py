@@ -72,7 +72,9 @@ class DataPlane(Protocol):
         largest meta the peer accepts."""
 
     def closed(self) -> None:
-        """The link broke: release what the plane holds for it once unused."""
+        """The link broke: release what the plane holds for it once unused. Called
+        before the link ends its operations: a grant served that is not over yet ends
+        unheard (the peer's transfer on it may not have ended)."""
 
     # ---- requester side
 

@@ -211,3 +211,62 @@ def test_memory_of_a_transfer_that_could_not_be_stopped_is_never_handed_out_agai
     assert fields["code"] != "None", "the pull was not cut short: make it bigger"
     assert fields["overlap"] == "False", line
     assert int(fields["kept"]) >= 256 << 20, line
+
+
+_UNHEARD_GRANT_PROGRAM = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    from aiokv import BlocksCacheKey, CacheDesc, DataType, LLMException
+    from aiokv.testing import linked_pair, make_config
+    import aiokv.transport.nixl._plane as plane
+
+    plane.SETTLE_S = 0.01  # a transfer still moving 10 ms after it was cut short: unstopped
+    DESC = CacheDesc(2, [128, 1024, 512], DataType.DT_FLOAT16)  # 1 MiB blocks, 256 MiB
+
+    async def main():
+        pc = make_config("nixl", pool=600 << 20, page_shift=16, sync_kv_timeout=10000)
+        dc = make_config("nixl", pool=300 << 20, page_shift=16, sync_kv_timeout=100)
+        async with linked_pair(pc, dc) as (p, d):
+            key = BlocksCacheKey(1, 0)
+            dst = await p.cache_manager.allocate_blocks_cache(DESC, key)
+            src = await d.cache_manager.allocate_blocks_cache(DESC)
+            lo = dst.tensors[0].data_ptr()
+            code = None
+            try:  # a NIXL WRITE into p's cache, cut short by d's 100 ms timeout
+                await d.cache_manager.push_blocks(key, src, list(range(128)), list(range(128)))
+            except LLMException as exc:
+                code = exc.status_code.name
+            for _ in range(1000):  # p notices the link's end: the grant is released
+                if p.statistics().caches.pins == 0:
+                    break
+                await asyncio.sleep(0.01)
+            await p.cache_manager.deallocate_blocks_cache(dst)
+            again = await p.cache_manager.allocate_blocks_cache(DESC)
+            at = again.tensors[0].data_ptr()
+            overlap = at < lo + DESC.size and lo < at + DESC.size
+            kept = p.statistics().caches.quarantined_bytes
+            pool = p.statistics().host_pool or p.statistics().device_pool
+            pool_kept = getattr(pool, "quarantined", None)
+            print(f"RESULT code={code} overlap={overlap} kept={kept} pool_kept={pool_kept}",
+                  flush=True)
+        sys.stdout.flush(); os._exit(0)
+
+    asyncio.run(main())
+    """
+)
+
+
+@needs_nixl
+def test_granted_memory_of_a_write_that_could_not_be_stopped_is_never_handed_out_again() -> None:
+    """A granter relies on a cache it deallocates never taking bytes of an old transfer
+    into the next cache. A peer's NIXL WRITE into its cache that the peer could not stop
+    (the peer broke the link; its bytes may still land) ended the grant unheard: the
+    granter's memory must stay out of the pool, counted in ``statistics().caches`` and
+    the pool's stats. Before, the next allocation got the same memory."""
+    line = _run(_UNHEARD_GRANT_PROGRAM)
+    print(line)
+    fields = dict(kv.split("=") for kv in line.split()[1:])
+    assert fields["code"] != "None", "the push was not cut short: make it bigger"
+    assert fields["overlap"] == "False", line
+    assert int(fields["kept"]) >= 256 << 20, line
+    assert fields["pool_kept"] not in ("None", "0"), line
