@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from .._enums import LLMStatusCode
 from .._errors import LLMException
+from .._errors import code_of_failure
 from .._layout import LayoutViews
 
 __all__ = [
@@ -339,7 +340,8 @@ class Link(abc.ABC):
     @property
     def why_broken(self) -> str:
         """Why the link broke, for a person (e.g. ``"connection lost: EOF"``,
-        ``"closed by peer"``); ``""`` while it is up, or where the link does not say."""
+        ``"closed by peer"``, ``"closed by peer with an error: <its reason>"``); ``""``
+        while it is up, or where the link does not say."""
         return self._why_broken
 
     def extra(self, capability: Capability[T]) -> T | None:
@@ -817,6 +819,22 @@ def decode_reason(raw: bytes | bytearray | memoryview | str) -> str:
         raw = encode_reason(raw)
     text = bytes(raw[:REASON_CAP]).decode("utf-8", "replace")
     return "".join(c if c.isprintable() else "?" for c in text).strip()
+
+
+def failure_code(exc: Exception) -> LLMStatusCode:
+    """The code that answers a peer's request that this side failed to serve with
+    ``exc`` (not an ``LLMException``): what a caller of aiokv sees for it
+    (:func:`~aiokv._errors.code_of_failure`: out of memory stays ``LLM_OUT_OF_MEMORY``,
+    a timeout ``LLM_TIMEOUT``), but never ``LLM_LINK_FAILED``, which would tell the
+    peer that its link broke; anything else ``LLM_FAILED``."""
+    code = code_of_failure(exc)
+    return LLMStatusCode.LLM_FAILED if code is LLMStatusCode.LLM_LINK_FAILED else code
+
+
+def handler_failed(exc: Exception) -> Grant:
+    """The refusal of a peer's request whose handler raised ``exc`` (not an
+    ``LLMException``): its :func:`failure_code`, and no local exception text."""
+    return Grant(failure_code(exc), reason="the peer's handler failed")
 
 
 def refusal(op: str, cluster_id: int, status: LLMStatusCode, reason: str) -> LLMException:

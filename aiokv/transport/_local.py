@@ -56,6 +56,7 @@ from ._base import check_request
 from ._base import decode_reason
 from ._base import flatten_views
 from ._base import grant_reason
+from ._base import handler_failed
 from ._base import refusal
 
 __all__ = ["LocalTransport"]
@@ -392,9 +393,9 @@ class _LocalLink(Link):
                 grant = await handler.grant_write(self.peer, meta, size)
         except LLMException as exc:
             grant = Grant(exc.status_code, reason=str(exc))
-        except Exception:
+        except Exception as exc:
             _log.exception("%r: handler %s failed", self, name)
-            grant = Grant(_S.LLM_FAILED, reason="the peer's handler failed")
+            grant = handler_failed(exc)
         op.answer(grant, name, writable=not is_read)
 
     def _revoked(self, name: str, status: LLMStatusCode) -> LLMException:

@@ -636,11 +636,21 @@ def test_ping_is_answered_and_pong_wakes_its_probe() -> None:
     assert waiter.woken == 1
 
 
-@pytest.mark.parametrize("kind", [F.CLOSE, F.ERROR])
-def test_close_and_error_break_the_link(kind: F) -> None:
+@pytest.mark.parametrize(
+    ("kind", "meta", "why"),
+    [
+        (F.CLOSE, b"", "closed by peer"),
+        (F.ERROR, b"", "closed by peer with an error: no reason"),
+        (F.ERROR, b"not json", "closed by peer with an error: no reason"),
+        (F.ERROR, b'{"reason": 5}', "closed by peer with an error: no reason"),
+        (F.ERROR, b'{"reason": "going\\naway"}', "closed by peer with an error: going?away"),
+    ],
+)
+def test_close_and_error_break_the_link(kind: F, meta: bytes, why: str) -> None:
+    """An ERROR frame's reason (sanitized) says why the link broke."""
     proto, driver = make()
-    feed(proto, kind)
-    assert driver.broken == ["closed by peer"]
+    feed(proto, kind, meta=meta)
+    assert driver.broken == [why]
 
 
 def test_handshake_frames_after_the_handshake_are_violations() -> None:

@@ -35,8 +35,10 @@ from .._base import check_grant
 from .._base import check_probe_timeout
 from .._base import check_request
 from .._base import decode_reason
+from .._base import failure_code
 from .._base import flatten_views
 from .._base import grant_reason
+from .._base import handler_failed
 from .._base import refusal
 from ._io import SockIO
 from ._ops import MyOp
@@ -499,9 +501,9 @@ class TcpLink(Link):
             grant: Grant | None = now(self.peer, meta, size, write=not op.is_read, direct=direct)
         except LLMException as exc:
             return Grant(exc.status_code, reason=str(exc))
-        except Exception:
+        except Exception as exc:
             _log.exception("%r: handler grant_now failed", self)
-            return Grant(_S.LLM_FAILED, reason="the peer's handler failed")
+            return handler_failed(exc)
         return grant
 
     async def _ask(self, op: PeerOp, meta: bytes, size: int, direct: DirectCheck | None) -> Any:
@@ -517,9 +519,9 @@ class TcpLink(Link):
             return await handler.grant_write(self.peer, meta, size)
         except LLMException as exc:
             return Grant(exc.status_code, reason=str(exc))
-        except Exception:
+        except Exception as exc:
             _log.exception("%r: handler %s failed", self, _grant_name(op))
-            return Grant(_S.LLM_FAILED, reason="the peer's handler failed")
+            return handler_failed(exc)
 
     def _answer(self, op: PeerOp, grant: Grant, views: Sequence[memoryview], total: int) -> None:
         """Answer the peer's request ``op`` that the handler granted, and start the
@@ -565,8 +567,9 @@ class TcpLink(Link):
             status = LLMStatusCode(await commit())
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as exc:
             _log.exception("%r: the commit of request %d failed", self, op.rid)
+            status = failure_code(exc)  # e.g. out of (device) memory
         finally:
             self._p.committed(op, status)
 

@@ -149,7 +149,7 @@ class LinkProtocol:
             _F.PLANE_WRITE_CHECK: self._on_write_check,
             _F.CANCEL: self._on_cancel,
             _F.CANCEL_ACK: self._on_cancel_ack,
-            _F.ERROR: self._on_close,
+            _F.ERROR: self._on_error,
             _F.CLOSE: self._on_close,
             _F.PING: self._on_ping,
             _F.PONG: self._on_pong,
@@ -466,6 +466,11 @@ class LinkProtocol:
     def _on_close(self, h: wire.Header, meta: bytearray | None) -> None:
         self._out._break("closed by peer")
 
+    def _on_error(self, h: wire.Header, meta: bytearray | None) -> None:
+        """The peer closes the link with an error: its reason (``{"reason": str}``,
+        untrusted text, sanitized) names why the link broke."""
+        self._out._break(f"closed by peer with an error: {_error_reason(meta) or 'no reason'}")
+
     def _on_ping(self, h: wire.Header, meta: bytearray | None) -> None:
         self._out._post(wire.encode_frame(_F.PONG, h.req_id))
 
@@ -518,6 +523,15 @@ def _confirm_read(op: MyOp) -> None:
         op.finish(_S.LLM_SUCCESS)
     else:  # a broken peer: never trust it
         op.finish(_S.LLM_FAILED, "it confirmed a read not yet done")
+
+
+def _error_reason(meta: bytearray | None) -> str:
+    """The reason an ``ERROR`` frame's meta gives (sanitized), ``""`` if none."""
+    try:
+        reason = wire.decode_meta(meta).get("reason") if meta else None
+    except wire.MetaError:
+        return ""
+    return decode_reason(reason) if isinstance(reason, str) else ""
 
 
 def _unexpected(h: wire.Header, meta: bytearray | None) -> None:

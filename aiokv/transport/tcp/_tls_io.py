@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from _typeshed import ReadableBuffer
     from _typeshed import WriteableBuffer
 
-__all__ = ["TlsError", "TlsSock", "TlsSockIO"]
+__all__ = ["TlsError", "TlsRefused", "TlsSock", "TlsSockIO"]
 
 # Most bytes one sendmsg encrypts and hands to the kernel (16 TLS records).
 _GATHER: Final = 256 << 10
@@ -59,6 +59,11 @@ _PLAIN_REFUSAL: Final = wire.encode_frame(
 
 class TlsError(ConnectionError):
     """TLS failed: the handshake, a certificate, or a record; the connection is unusable."""
+
+
+class TlsRefused(TlsError):
+    """The TLS handshake refused: a certificate one side did not accept, or no protocol
+    both speak (the peer got as far as speaking TLS: a misconfiguration, not a scan)."""
 
 
 def _failed(exc: BaseException, hint: str = "") -> TlsError:
@@ -233,7 +238,7 @@ class TlsSockIO(SockIO):
                     "it use TLS, with a certificate from the same CA?)",
                 ) from None
             except OSError as exc:  # ssl.SSLError: a certificate refused, a bad record
-                raise _failed(exc) from None
+                raise TlsRefused(f"TLS failed: {exc}") from None
 
     async def _refuse_plain(self) -> None:
         while True:

@@ -33,6 +33,7 @@ from ._io import SockIO
 from ._link import TcpLink
 from ._plane import STREAM
 from ._plane import DataPlane
+from ._tls_io import TlsRefused
 from ._tls_io import TlsSockIO
 
 __all__ = ["TcpTransport"]
@@ -426,7 +427,7 @@ class TcpTransport(Transport):
                     peer_id = await server_handshake(
                         io, self.local_cluster_id, self.secret, lambda _: self._admit(io, host)
                     )
-        except AuthError as exc:
+        except (AuthError, TlsRefused) as exc:  # authentication failed: the peer's, or ours
             _log.warning("refused a link from %s: %s", addr, exc)
             self._incoming.pop(io, None)
             return
