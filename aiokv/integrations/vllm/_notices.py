@@ -24,12 +24,18 @@ __all__ = [
 ]
 
 
+#: A request id or token a done notice may carry: what params may (``_params``: at most
+#: 1024 characters). A prefill keeps notices that came before their hold (untrusted,
+#: up to 65536 of them): bounded so, they cannot hold much memory.
+_Text = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+
+
 class DoneNotice(msgspec.Struct, frozen=True):
     """The decode side's notification: it has the blocks of ``request``, the prefill may
     free them (``token``: the one in the params, so that no other peer can)."""
 
-    request: str
-    token: str
+    request: _Text
+    token: _Text
 
 
 class ReserveNotice(msgspec.Struct, frozen=True, tag_field="push", tag="reserve"):

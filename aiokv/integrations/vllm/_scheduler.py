@@ -398,10 +398,12 @@ class SchedulerSide:
             return False, {"aiokv": PARAMS_VERSION, "pushed": False, "error": why}
         if params.get("do_remote_prefill"):
             # a decode request that finished before it was scheduled (aborted): let the
-            # prefill free its blocks now rather than at the end of its lease
+            # prefill free its blocks now rather than at the end of its lease — unless
+            # another request took these params (it may be pulling the blocks); taken
+            # here, a retry with them fails its load rather than read freed blocks
             remote = self._remote(params)
             params["do_remote_prefill"] = False
-            if isinstance(remote, RemotePrefill):
+            if isinstance(remote, RemotePrefill) and self._claim(request_id, remote) is None:
                 self._releases.append(Release(remote.request_id, remote.token, remote.ranks))
             return False, None
         if not params.get("do_remote_decode") or not completed:
