@@ -45,6 +45,7 @@ from ..transport import DeviceRuns
 from ..transport import DirectCheck
 from ..transport import Grant
 from ..transport import PeerInfo
+from ..transport._base import decode_reason
 from ._inbox import Inbox
 from ._leases import Leases
 from ._protocol import MAX_BLOCKS
@@ -209,7 +210,7 @@ class PeerService:
     ) -> Grant:
         """A peer pulls from us: the buffers to send, or a refusal. Device memory that
         ``direct`` accepts is granted by address (:attr:`Grant.device`), else staged."""
-        return await self._grant(peer, meta, write=False, direct=direct)
+        return await self._grant(peer, meta, None, write=False, direct=direct)
 
     async def grant_write(
         self, peer: PeerInfo, meta: bytes, nbytes: int, *, direct: DirectCheck | None = None
@@ -219,7 +220,7 @@ class PeerService:
 
         The transport refuses a grant whose buffers do not total ``nbytes``.
         """
-        return await self._grant(peer, meta, write=True, direct=direct)
+        return await self._grant(peer, meta, nbytes, write=True, direct=direct)
 
     def grant_now(
         self, peer: PeerInfo, meta: bytes, nbytes: int, *, write: bool, direct: DirectCheck | None
@@ -231,15 +232,23 @@ class PeerService:
         lease's users): checked, but nothing pinned, counted or logged; the transport
         then awaits the method, which checks the request again."""
         with self._registry.lock:  # look up and pin as one step (callers free concurrently)
-            answer = self._grant_locked(peer, meta, write=write, direct=direct, pin_device=False)
+            answer = self._grant_locked(
+                peer, meta, nbytes, write=write, direct=direct, pin_device=False
+            )
         return answer if isinstance(answer, Grant) else None
 
     # ---- requests -----------------------------------------------------------------------
     async def _grant(
-        self, peer: PeerInfo, meta: bytes, *, write: bool, direct: DirectCheck | None
+        self,
+        peer: PeerInfo,
+        meta: bytes,
+        nbytes: int | None,
+        *,
+        write: bool,
+        direct: DirectCheck | None,
     ) -> Grant:
         with self._registry.lock:  # look up and pin as one step (callers free concurrently)
-            answer = self._grant_locked(peer, meta, write=write, direct=direct)
+            answer = self._grant_locked(peer, meta, nbytes, write=write, direct=direct)
         if isinstance(answer, Grant):
             return answer
         if isinstance(answer, RevokeReq):
@@ -252,19 +261,28 @@ class PeerService:
         self,
         peer: PeerInfo,
         meta: bytes,
+        nbytes: int | None,
         *,
         write: bool,
         direct: DirectCheck | None,
         pin_device: bool = True,
     ) -> Grant | _Device | RevokeReq:
-        """The answer to a request: a grant (or refusal), a device plan (pinned unless
-        not ``pin_device``) or a lease's revocation, both still to serve."""
+        """The answer to a request whose frame names ``nbytes`` of payload (None: not
+        known here; the transport checks the grant's size): a grant (or refusal), a
+        device plan (pinned unless not ``pin_device``) or a lease's revocation, both
+        still to serve. A transfer of another size than ``nbytes`` is refused before
+        anything is staged or pinned for it."""
         try:
             try:
                 req = decode(meta)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                raise _invalid(f"malformed request: {exc}") from None
+                # msgspec quotes what it refused (a tag: the peer's text, up to the meta
+                # cap): made safe and bounded before it is logged or sent back
+                raise _invalid(f"malformed request: {decode_reason(str(exc))}") from None
             places: _Places
+            if write and nbytes and isinstance(req, RevokeReq | NotifyReq):
+                # checked before it acts: the transport would refuse it only afterwards
+                raise _invalid(f"a {_what(req)} is a write of 0 bytes, not of {nbytes}")
             if isinstance(req, LeaseReq | RevokeReq):
                 return self._lease_req(peer, req, write=write)
             if isinstance(req, NotifyReq):
@@ -286,6 +304,8 @@ class PeerService:
                 # do not: a pull that fails after some of them marks nothing read)
                 if not write and key is not None and getattr(req, "release", False):
                     release = _Release(key, _read_tensors(req.tensors))
+            if nbytes is not None and (total := layout.total(len(places))) != nbytes:
+                raise _invalid(f"the request is {nbytes} bytes, not {total}")
             device = views = None
             if is_staged(entries[0].cache.tensors[0].device):  # not HOST_VIEWS: see there
                 device = self._device_plan(entries, layout, places, release, direct)
@@ -825,6 +845,11 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 def _expire(grant: Grant) -> None:
     log.warning("a grant outlived sync_kv_timeout; revoked")
     grant.abort(Code.LLM_TIMEOUT)
+
+
+def _what(req: RevokeReq | NotifyReq) -> str:
+    """What ``req`` is, for a refusal's reason."""
+    return "revocation" if isinstance(req, RevokeReq) else "notification"
 
 
 def _kind(write: bool) -> str:

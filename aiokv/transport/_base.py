@@ -300,10 +300,11 @@ class ImmediateHandler(RequestHandler, Protocol):
     def grant_now(
         self, peer: PeerInfo, meta: bytes, nbytes: int, *, write: bool, direct: DirectCheck | None
     ) -> Grant | None:
-        """The answer ``grant_write`` (``write``; ``nbytes`` to push) or ``grant_read``
-        would give, when it needs no waiting; else None, having done nothing (no pin, no
-        count, no side effect), and the link awaits that method instead. Raises as they
-        do."""
+        """The answer ``grant_write`` (``write``) or ``grant_read`` would give, when it
+        needs no waiting; else None, having done nothing (no pin, no count, no side
+        effect), and the link awaits that method instead. ``nbytes``: the payload the
+        request names (to push, or to read), so that a request of another size than
+        its grant is refused before anything is done for it. Raises as they do."""
         ...
 
 
