@@ -33,6 +33,8 @@ from typing import Any
 from typing import Protocol
 from typing import runtime_checkable
 
+import numpy as np
+
 from ._cache import Cache
 from ._checks import Blocks
 from ._checks import check_index
@@ -79,9 +81,11 @@ class LayerSynchronizer(Protocol):
     Implement ``async def synchronize_layer(self, layer_index, timeout_in_millis) -> bool``
     or a plain blocking ``def`` returning ``bool``. Return ``True`` once the layer's KV is
     complete; ``False`` fails the destinations that need that layer with
-    ``LLM_PARAM_INVALID``. ``timeout_in_millis`` is ``None`` (as llm_datadist passes it):
-    the transfer waits for as long as the synchronizer takes; ``CacheTask.cancel()``
-    stops a wait that never ends.
+    ``LLM_PARAM_INVALID``. numpy's ``bool_`` counts as a ``bool`` (``return
+    np.all(flags)``); any other value (``1``, ``None``, an event object) is no ``True``
+    and fails the layer as ``False`` does. ``timeout_in_millis`` is ``None`` (as
+    llm_datadist passes it): the transfer waits for as long as the synchronizer takes;
+    ``CacheTask.cancel()`` stops a wait that never ends.
 
     Where it runs: an ``async def`` on the loop that called ``transfer_cache_async`` (so
     it may wait on that loop's events; from ``aiokv.sync``, on the engine loop); a
@@ -263,12 +267,19 @@ def _label(sync: LayerSynchronizer, layer: int) -> str:
     return f"{name}.synchronize_layer({layer})"
 
 
+def _answer(got: Any) -> Any:
+    """A synchronizer's answer with numpy's ``bool_`` read as the ``bool`` it is
+    (``np.all(flags)``: ``np.True_`` is not ``True``, and failed its layer); any other
+    value as it is."""
+    return bool(got) if isinstance(got, np.bool_) else got
+
+
 async def _awaited(aw: Awaitable[Any]) -> tuple[Any, bool]:
-    """``(what aw returned, False)``, or ``(what it raised, True)``: anything but a
-    cancellation stays here, on the loop that awaits it (a ``SystemExit`` raised out of
-    a task stops its event loop: the caller's, or the engine's)."""
+    """``(what aw returned, False)`` (:func:`_answer`), or ``(what it raised, True)``:
+    anything but a cancellation stays here, on the loop that awaits it (a ``SystemExit``
+    raised out of a task stops its event loop: the caller's, or the engine's)."""
     try:
-        return await aw, False
+        return _answer(await aw), False
     except (Exception, KeyboardInterrupt, SystemExit) as exc:
         return exc, True
 
@@ -339,7 +350,7 @@ class _Feed:
             self._lane.relabel(_label(self._sync, layer))
             raised = False
             try:
-                got = self._fn(layer, None)
+                got = _answer(self._fn(layer, None))
             except BaseException as exc:  # a failure of its layer, whatever it is
                 got, raised = exc, True
             waits = not raised and inspect.isawaitable(got)
@@ -359,7 +370,7 @@ class _Feed:
         posts the end (:meth:`start_async`)."""
         for layer, wanting in self._to_ask(start, stop):
             try:
-                got = await self._fn(layer, None)
+                got = _answer(await self._fn(layer, None))
             # handed to the engine (SystemExit too: raised out of this task, it would stop
             # the loop running it); a cancellation ends the feed
             except (Exception, KeyboardInterrupt, SystemExit) as exc:
