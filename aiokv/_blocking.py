@@ -26,6 +26,8 @@ from typing import ParamSpec
 from typing import TypeVar
 from typing import overload
 
+from ._engine import blocking_caller
+
 __all__ = ["FaceMethod", "blocking", "wrapping"]
 
 P = ParamSpec("P")
@@ -111,11 +113,16 @@ def wrapping(
 ) -> FaceMethod[P, R]:
     """The face of the plain (not async) ``method``: the face's method of the same name
     calls ``self._async.<name>(*args, **kwargs)`` in the calling thread and returns
-    ``face(engine, result)`` (e.g. the blocking face of the object it returned)."""
+    ``face(engine, result)`` (e.g. the blocking face of the object it returned). It runs
+    as a blocking caller's (:func:`~aiokv._engine.blocking_caller`): what it starts never
+    waits on a loop the calling thread may run, which a blocking wait would stall."""
 
     def make(name: str) -> Callable[..., Any]:
         def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-            return face(self._engine_for(name), getattr(self._async, name)(*args, **kwargs))
+            engine = self._engine_for(name)
+            with blocking_caller():
+                result = getattr(self._async, name)(*args, **kwargs)
+            return face(engine, result)
 
         return call
 

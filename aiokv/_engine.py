@@ -41,6 +41,8 @@ import threading
 from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Coroutine
+from collections.abc import Iterator
+from contextvars import ContextVar
 from functools import partial
 from typing import Any
 from typing import Final
@@ -62,6 +64,7 @@ __all__ = [
     "SYNC_THREADS",
     "Engine",
     "Portal",
+    "blocking_caller",
     "checkpoint",
     "completing",
     "on_asyncio",
@@ -82,6 +85,28 @@ _SIGNAL_POLL_S: Final = 0.1
 
 T = TypeVar("T")
 P = ParamSpec("P")
+
+#: ``engine`` is set on an engine thread (to its :class:`Engine`), for its whole life
+_ENGINE_THREAD = threading.local()
+
+#: True while an ``aiokv.sync`` face runs a plain method in its caller's thread
+#: (:func:`blocking_caller`): a :class:`Portal` made then has no caller loop.
+_BLOCKING_CALLER: ContextVar[bool] = ContextVar("aiokv_blocking_caller", default=False)
+
+
+@contextlib.contextmanager
+def blocking_caller() -> Iterator[None]:
+    """Within it, the caller is a blocking ``aiokv.sync`` caller, whatever loop its
+    thread may run (a Jupyter kernel's, a coroutine that calls a blocking helper): a
+    :class:`Portal` made there runs coroutines on the engine loop, as for a thread with
+    no loop. The caller's loop is no use to the engine: the blocking caller waits (e.g.
+    in ``CacheTask.synchronize``) on that very thread, and the loop would never run
+    them."""
+    token = _BLOCKING_CALLER.set(True)
+    try:
+        yield
+    finally:
+        _BLOCKING_CALLER.reset(token)
 
 
 def on_asyncio() -> bool:
@@ -340,6 +365,7 @@ class Engine:
         self._thread.start()
 
     def _serve(self) -> None:
+        _ENGINE_THREAD.engine = self
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_forever()
@@ -520,13 +546,23 @@ class Engine:
         on the exception says so.
 
         Raises:
-            RuntimeError: called on the engine thread (it would wait for itself).
+            RuntimeError: called on the engine thread (it would wait for itself), or on
+                another engine's (it would stall that engine's loop, and every peer it
+                serves, until the call ended: maybe the very peer the call waits for).
         """
         if self.on_engine() or (self.inline and threading.get_ident() == self._thread.ident):
             raise RuntimeError(
                 "a blocking aiokv.sync call on the engine thread (e.g. from an async "
                 "synchronizer) would deadlock; there, use the async aiokv method (a "
                 "coroutine) instead"
+            )
+        other: Engine | None = getattr(_ENGINE_THREAD, "engine", None)
+        if other is not None:
+            raise RuntimeError(
+                f"a blocking aiokv.sync call on the engine thread of {other.name} (e.g. from "
+                "an async synchronizer) would block its loop, and every peer it serves, "
+                f"while {self.name} works; there, use the async aiokv method (a coroutine) "
+                "instead"
             )
         ended = threading.Event()
         fn = _with_kwargs(fn, kwargs) if kwargs else fn
@@ -536,10 +572,17 @@ class Engine:
             while not ended.wait(_SIGNAL_POLL_S):
                 pass
         except BaseException as exc:
-            call.cancel()
-            while not ended.is_set() and not self._loop.is_closed():  # its real end,
-                with contextlib.suppress(BaseException):  # however often interrupted
+            sent = False
+            while True:  # its real end, however often interrupted (the cancel's sending too)
+                try:
+                    if not sent:
+                        call.cancel()  # sent twice if interrupted in it: harmless
+                        sent = True
+                    if ended.is_set() or self._loop.is_closed():
+                        break
                     ended.wait(_SIGNAL_POLL_S)
+                except BaseException:  # an interrupt: wait on
+                    continue
             if call.completed:
                 exc.add_note(f"aiokv: {_name(fn)} had completed; its effects stand")
             raise
@@ -763,8 +806,9 @@ class Portal:
     """Runs the caller's code from the engine: coroutine functions on the loop that
     created this portal, blocking functions on ``lane``.
 
-    Created on the caller's side (an asyncio loop or trio); without a running loop (a
-    blocking ``aiokv.sync`` caller) coroutines run on the engine loop itself.
+    Created on the caller's side (an asyncio loop or trio); without a running loop, or
+    for a blocking ``aiokv.sync`` caller (:func:`blocking_caller`, whether or not its
+    thread runs a loop), coroutines run on the engine loop itself.
 
     Args:
         lane: where blocking functions run (the engine's :attr:`Engine.sync_lane`).
@@ -774,6 +818,8 @@ class Portal:
         self._lane = lane
         self._loop: asyncio.AbstractEventLoop | None = None
         self._trio: Any = None
+        if _BLOCKING_CALLER.get():
+            return
         try:
             lib = sniffio.current_async_library()
         except sniffio.AsyncLibraryNotFoundError:

@@ -134,11 +134,12 @@ class WorkerPool:
     :meth:`run` awaits one job. A new thread starts only when a job arrives and no
     thread is idle, so an unused pool costs no threads. Threads are named
     ``aiokv-<name>-<n>``, are not daemons, and exit after the jobs queued before
-    :meth:`aclose` (or :meth:`stop_nowait`); a pool never closed is stopped before the
-    interpreter joins its threads at exit. Jobs may be submitted from any thread (asyncio
-    loops on several threads): starting a thread, queueing a job and closing are one step
-    each under a lock, so there are never more than ``size`` threads, and a job is
-    either queued before the stop markers (it runs) or refused (``RuntimeError``).
+    :meth:`aclose` (or :meth:`stop_nowait`); a pool never closed is stopped at exit,
+    once the application's other non-daemon threads have ended (:func:`_stop_live_pools`).
+    Jobs may be submitted from any thread (asyncio loops on several threads): starting a
+    thread, queueing a job and closing are one step each under a lock, so there are never
+    more than ``size`` threads, and a job is either queued before the stop markers (it
+    runs) or refused (``RuntimeError``).
     """
 
     def __init__(self, name: str, size: int) -> None:
@@ -268,6 +269,35 @@ def _nothing() -> None:
 
 
 def _stop_live_pools() -> None:
+    """At interpreter exit, before threading joins the non-daemon threads: stop every
+    live pool, once no other non-daemon thread (one the application started, which
+    Python waits for and which may still copy: an ``aiokv.sync`` worker that outlives
+    the main thread) can submit to it. With such threads alive, a non-daemon thread of
+    aiokv's waits for them, then stops the pools (the interpreter then joins it too)."""
+    if _users():
+        try:
+            threading.Thread(target=_stop_after_users, name="aiokv-exit", daemon=False).start()
+            return
+        except RuntimeError:  # no new thread this late (some Python versions): stop now
+            pass
+    _stop_pools()
+
+
+def _users() -> list[threading.Thread]:
+    """The non-daemon threads, other than the main thread, the caller and the pools'."""
+    ours = {t for pool in list(_live_pools) for t in pool.threads}
+    ours |= {threading.main_thread(), threading.current_thread()}
+    return [t for t in threading.enumerate() if not t.daemon and t not in ours]
+
+
+def _stop_after_users() -> None:
+    while users := _users():  # those they start meanwhile too
+        for t in users:
+            t.join()
+    _stop_pools()
+
+
+def _stop_pools() -> None:
     for pool in list(_live_pools):
         pool.stop_nowait()
 
