@@ -199,6 +199,11 @@ class Linker:
                     why = str(exc) if f"{host}:{port}" in str(exc) else f"{host}:{port}: {exc}"
                     log.debug("link to cluster %d, try %d: %s", cid, attempt + 1, why)
                     continue
+                if link.broken:  # ended before connect returned (the peer closed it):
+                    # its end is reported already; filed, it would never be unfiled
+                    why = f"{host}:{port}: the link ended as it was made ({link.why_broken})"
+                    log.debug("link to cluster %d, try %d: %s", cid, attempt + 1, why)
+                    continue
                 if link.peer.cluster_id == cid:
                     return link
                 await self._close([link])

@@ -9,7 +9,10 @@ in the handshake: with ``link_secret`` set only authenticated peers get that far
 without it, the id is only what the peer says. Who holds a cluster id:
 
 * a link this side opened (``ours=True``: ``link_clusters`` / ``link`` connected to the
-  address given for that cluster) is filed, replacing what was filed;
+  address given for that cluster) is filed, replacing what was filed — by the linker,
+  once it checked the peer's id: the transport's report of it (``on_link``, ``ours``
+  False, :attr:`Link.initiator` set) files nothing, so a link to the wrong cluster is
+  never filed, nor taken for a claim on a cluster's id;
 * an incoming link is filed when no live link is filed for its id;
 * an incoming link claiming an id whose filed link is also incoming starts a *contest*:
   the filed link gets a liveness probe (:meth:`Link.probe`, :data:`PROBE_TIMEOUT_S`).
@@ -143,7 +146,12 @@ class LinkTable:
         One this side opened (``ours=True``) replaces what was filed and marks the
         cluster as linked by this side. An incoming one is filed if no live link is;
         else it may start a contest (a task on the running loop) that files or closes it.
+        The transport's report of a link this side opened (``ours`` False, the link's
+        :attr:`~Link.initiator` set) is ignored: the linker files it once it checked
+        the peer's cluster id.
         """
+        if not ours and link.initiator:
+            return
         cid = link.peer.cluster_id
         filed = self.live(cid)
         if ours:
@@ -219,22 +227,29 @@ class LinkTable:
 
     def _spare(self, cid: int, link: Link) -> None:
         """Keep ``link``, a live link to ``cid`` left unfiled, to file if the filed one
-        ends (the most recent first; broken ones are dropped as it goes)."""
+        ends (the most recent first; broken ones are dropped as it goes). The filed
+        link itself is never a spare."""
+        if self._links.get(cid) is link:
+            return
         log.debug("cluster %d: link from %s:%d left unfiled", cid, *link.peer.address)
         spares = [x for x in self._spares.get(cid, ()) if not x.broken and x is not link]
         self._spares[cid] = [*spares, link]
 
     def _file_spare(self, cid: int) -> None:
-        """File the most recent live spare of ``cid``, if any (its filed link is gone)."""
-        for link in reversed(self._spares.pop(cid, [])):
-            if not link.broken:
-                log.info(
-                    "cluster %d: the link from %s:%d, open beside the one that ended, links it now",
-                    cid,
-                    *link.peer.address,
-                )
-                self._file(cid, link)
-                return
+        """File the most recent live spare of ``cid``, if any (its filed link is gone);
+        the other live spares stay spares."""
+        spares = [x for x in self._spares.pop(cid, []) if not x.broken]
+        if not spares:
+            return
+        link = spares.pop()
+        if spares:
+            self._spares[cid] = spares
+        log.info(
+            "cluster %d: the link from %s:%d, open beside the one that ended, links it now",
+            cid,
+            *link.peer.address,
+        )
+        self._file(cid, link)
 
     def _refuse(self, cid: int, claimant: Link, why: str) -> None:
         log.warning(

@@ -329,6 +329,10 @@ class Link(abc.ABC):
 
     local_cluster_id: int
     peer: PeerInfo
+    #: True on the end :meth:`Transport.connect` returned (this side opened the link),
+    #: False on the accepting end. ``on_link`` reports both; the opener checks the
+    #: peer's cluster id before it uses the link.
+    initiator: bool = False
 
     @property
     @abc.abstractmethod

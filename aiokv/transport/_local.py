@@ -479,6 +479,7 @@ class LocalTransport(Transport):
                 context=AUTH_FAILED,
             )
         mine = _LocalLink(self, PeerInfo(server.local_cluster_id, (host, port)))
+        mine.initiator = True
         theirs = _LocalLink(server, PeerInfo(self.local_cluster_id, (host, _free_port(host))))
         mine._other, theirs._other = theirs, mine
         server_loop = server._loop_or_raise()

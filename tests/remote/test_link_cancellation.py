@@ -33,6 +33,7 @@ class _Link:
     """What the link table and the linker read of a link; ``aclose`` may be held."""
 
     peer: PeerInfo
+    initiator: bool = False  # True: this side opened it (the fake transport's connect)
     broken: bool = False
     why_broken: str | None = None
     gate: asyncio.Event | None = None  # aclose breaks it, then waits for this
@@ -56,7 +57,7 @@ class _Transport:
     made: list[_Link] = field(default_factory=list)
 
     async def connect(self, host: str, port: int, *, timeout: float) -> _Link:
-        link = _Link(PeerInfo(2, (host, port)))
+        link = _Link(PeerInfo(2, (host, port)), initiator=True)
         self.made.append(link)
         self.on_link(link)
         self.after_connect()

@@ -20,6 +20,7 @@ class _Link:
     """What the table reads of a link: its peer and whether it broke."""
 
     peer: PeerInfo
+    initiator: bool = False
     broken: bool = False
     why_broken: str | None = None
     closed: list[bool] = field(default_factory=list)

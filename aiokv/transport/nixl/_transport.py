@@ -241,9 +241,15 @@ class NixlTransport(TcpTransport):
         # The accepting side sent its metadata as the link came up, before it reads our
         # frames: once it answers a probe, its metadata (if it speaks NIXL) is loaded
         # here, and the link's first request can already use NIXL.
+        # Reported to on_link already, but not returned if this is cancelled: then no
+        # one else could close it (the caller never holds it), so it is closed here.
         left = end - loop.time()
         if left > 0:
-            await link.probe(left)
+            try:
+                await link.probe(left)
+            except BaseException:
+                await link.aclose()
+                raise
         return link
 
     async def _start_agent(self, op: str) -> None:

@@ -114,6 +114,7 @@ class TcpLink(Link):
     ) -> None:
         self.local_cluster_id = transport.local_cluster_id
         self.peer = peer
+        self.initiator = initiator
         self._t = transport
         self._loop = transport._loop_or_raise()
         self._io = io
