@@ -57,6 +57,7 @@ from ._protocol import KeyByBlocks
 from ._protocol import KeyById
 from ._protocol import KeyByReq
 from ._protocol import LeaseReq
+from ._protocol import Message
 from ._protocol import NotifyReq
 from ._protocol import RevokeReq
 from ._protocol import SlotReq
@@ -273,16 +274,8 @@ class PeerService:
         still to serve. A transfer of another size than ``nbytes`` is refused before
         anything is staged or pinned for it."""
         try:
-            try:
-                req = decode(meta)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                # msgspec quotes what it refused (a tag: the peer's text, up to the meta
-                # cap): made safe and bounded before it is logged or sent back
-                raise _invalid(f"malformed request: {decode_reason(str(exc))}") from None
+            req = _decoded(meta, nbytes, write=write)
             places: _Places
-            if write and nbytes and isinstance(req, RevokeReq | NotifyReq):
-                # checked before it acts: the transport would refuse it only afterwards
-                raise _invalid(f"a {_what(req)} is a write of 0 bytes, not of {nbytes}")
             if isinstance(req, LeaseReq | RevokeReq):
                 return self._lease_req(peer, req, write=write)
             if isinstance(req, NotifyReq):
@@ -845,6 +838,24 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 def _expire(grant: Grant) -> None:
     log.warning("a grant outlived sync_kv_timeout; revoked")
     grant.abort(Code.LLM_TIMEOUT)
+
+
+def _decoded(meta: bytes, nbytes: int | None, *, write: bool) -> Message:
+    """The request ``meta`` holds, checked before anything acts on it.
+
+    Raises:
+        _Refused: a malformed request (its reason made safe and bounded: msgspec quotes
+            what it refused, the peer's text up to the meta cap, and the reason is logged
+            and sent back); a notification or revocation that is not a write of 0 bytes
+            (the transport would refuse it only after it acted).
+    """
+    try:
+        req = decode(meta)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _invalid(f"malformed request: {decode_reason(str(exc))}") from None
+    if write and nbytes and isinstance(req, RevokeReq | NotifyReq):
+        raise _invalid(f"a {_what(req)} is a write of 0 bytes, not of {nbytes}")
+    return req
 
 
 def _what(req: RevokeReq | NotifyReq) -> str:
