@@ -483,3 +483,18 @@ def held_at(
 
     monkeypatch.setattr(owner, name, held)
     return entered, go
+
+
+async def slow_to_cancel(ran: list[str], started: threading.Event | None = None) -> None:
+    """An operation that runs 30 s and takes 0.2 s to unwind once cancelled: ``ran``
+    gets ``"started"``, then ``"ended"`` once it unwound; ``started`` is set as it
+    starts (for a thread to wait on)."""
+    ran.append("started")
+    if started is not None:
+        started.set()
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        await asyncio.sleep(0.2)  # unwinding takes a while
+        ran.append("ended")
+        raise

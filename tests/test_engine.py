@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from _helpers import slow_to_cancel
 
 from aiokv import BlocksCacheKey
 from aiokv import Cache
@@ -618,13 +619,7 @@ def test_a_blocking_call_interrupted_as_it_submits_returns_only_once_the_operati
     ran: list[str] = []
 
     async def op() -> None:
-        ran.append("started")
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            await asyncio.sleep(0.2)  # unwinding takes a while
-            ran.append("ended")
-            raise
+        await slow_to_cancel(ran)
 
     real = engine.submit
 

@@ -5,13 +5,16 @@ engine's; and an interrupt during a cancellation still waits for the operation's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import textwrap
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from _helpers import run_code
+from _helpers import slow_to_cancel
 
 import aiokv.sync
 from aiokv import BlocksCacheKey
@@ -35,6 +38,20 @@ def _config(**kw: Any) -> Any:
     return make_config(pool=None, host_pool=4 << 20, **({"sync_kv_timeout": 3000} | kw))
 
 
+@contextlib.contextmanager
+def _linked() -> Iterator[tuple[aiokv.sync.LLMDataDist, aiokv.sync.LLMDataDist]]:
+    """A blocking prompt (cluster 1) and decoder (cluster 2) linked, the decoder holding
+    a blocks cache of ``DESC`` under ``KEY``; both finalized on exit."""
+    with (
+        aiokv.sync.LLMDataDist(LLMRole.PROMPT, 1, _config()) as p,
+        aiokv.sync.LLMDataDist(LLMRole.DECODER, 2, _config()) as d,
+    ):
+        code, _ = d.link_clusters([cluster_info(1, p.listen_address)])
+        assert code == CODE.LLM_SUCCESS
+        d.cache_manager.allocate_blocks_cache(DESC, KEY)
+        yield p, d
+
+
 def test_blocking_async_synchronizer_from_a_thread_running_a_loop_does_not_deadlock() -> None:
     """``aiokv.sync``'s contract: an ``async def`` layer synchronizer runs on the engine
     loop (there is no caller loop). A blocking caller whose thread also runs an asyncio
@@ -50,13 +67,7 @@ def test_blocking_async_synchronizer_from_a_thread_running_a_loop_does_not_deadl
             return True
 
     async def main() -> tuple[Any, Any]:
-        with (
-            aiokv.sync.LLMDataDist(LLMRole.PROMPT, 1, _config()) as p,
-            aiokv.sync.LLMDataDist(LLMRole.DECODER, 2, _config()) as d,
-        ):
-            code, _ = d.link_clusters([cluster_info(1, p.listen_address)])
-            assert code == CODE.LLM_SUCCESS
-            d.cache_manager.allocate_blocks_cache(DESC, KEY)
+        with _linked() as (p, _):
             src = p.cache_manager.allocate_blocks_cache(DESC)
             for t in src.tensors:
                 t.copy_(torch.full_like(t, 7))
@@ -116,13 +127,7 @@ def test_a_blocking_call_from_any_engine_thread_is_refused_at_once() -> None:
     then fails only after ``sync_kv_timeout``)."""
     seen: list[BaseException | None] = []
 
-    with (
-        aiokv.sync.LLMDataDist(LLMRole.PROMPT, 1, _config()) as p,
-        aiokv.sync.LLMDataDist(LLMRole.DECODER, 2, _config()) as d,
-    ):
-        code, _ = d.link_clusters([cluster_info(1, p.listen_address)])
-        assert code == CODE.LLM_SUCCESS
-        d.cache_manager.allocate_blocks_cache(DESC, KEY)
+    with _linked() as (p, d):
         held = p.cache_manager.allocate_blocks_cache(DESC, BlocksCacheKey(1, 0))
         assert held.num_blocks == 8
         into = d.cache_manager.allocate_blocks_cache(DESC)
@@ -161,13 +166,7 @@ def test_a_second_interrupt_inside_the_cancel_still_waits_for_the_operations_end
     ran: list[str] = []
 
     async def op() -> None:
-        started.set()
-        try:
-            await asyncio.sleep(30)
-        except asyncio.CancelledError:
-            await asyncio.sleep(0.2)  # unwinding takes a while
-            ran.append("ended")
-            raise
+        await slow_to_cancel(ran, started)
 
     real_cancel = _Call.cancel
 
@@ -193,4 +192,4 @@ def test_a_second_interrupt_inside_the_cancel_still_waits_for_the_operations_end
     finally:
         monkeypatch.undo()
         engine.stop()
-    assert returned_with == ["ended"], "the call returned while the operation ran"
+    assert returned_with == ["started", "ended"], "the call returned while the operation ran"

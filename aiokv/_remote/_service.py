@@ -240,13 +240,7 @@ class PeerService:
 
     # ---- requests -----------------------------------------------------------------------
     async def _grant(
-        self,
-        peer: PeerInfo,
-        meta: bytes,
-        nbytes: int | None,
-        *,
-        write: bool,
-        direct: DirectCheck | None,
+        self, peer: PeerInfo, meta: bytes, nbytes: int | None, *, write: bool, direct: _Direct
     ) -> Grant:
         with self._registry.lock:  # look up and pin as one step (callers free concurrently)
             answer = self._grant_locked(peer, meta, nbytes, write=write, direct=direct)
@@ -838,6 +832,10 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 def _expire(grant: Grant) -> None:
     log.warning("a grant outlived sync_kv_timeout; revoked")
     grant.abort(Code.LLM_TIMEOUT)
+
+
+#: a transport's check of device memory it can move by address (None: it moves none)
+_Direct = DirectCheck | None
 
 
 def _decoded(meta: bytes, nbytes: int | None, *, write: bool) -> Message:

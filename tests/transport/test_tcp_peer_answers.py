@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from _helpers import raises
 from _helpers import raw_link
+from _helpers import recv_frame
 from _helpers import until
 
 from aiokv import LLMStatusCode
@@ -55,15 +56,7 @@ class OutOfMemory:
 def _next_of(s: socket.socket, kinds: set[wire.FrameType]) -> wire.Header:
     """The next frame of one of ``kinds`` from the blocking socket ``s`` (others dropped)."""
     for _ in range(16):
-        raw = b""
-        while len(raw) < wire.HEADER_SIZE:
-            got = s.recv(wire.HEADER_SIZE - len(raw))
-            assert got, "the connection ended"
-            raw += got
-        h = wire.decode_header(raw)
-        left = h.meta_len
-        while left:
-            left -= len(s.recv(left))
+        h = recv_frame(s)
         if h.type in kinds:
             return h
     raise AssertionError(f"no frame of {kinds}")
